@@ -1,0 +1,31 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build .venv through `make setup`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.exactrl-setup
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# Pinned CPU torch first: a bare `torch` requirement with nothing installed would pull the CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/exactrl train configs/quickstart.toml
+
+test: setup
+	$(VPY) -m pytest -q -n 2 tests
+
+lint: setup
+	$(VENV)/bin/ruff check exactrl tests benchmarks
+	$(VENV)/bin/ruff format --check exactrl tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

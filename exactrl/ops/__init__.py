@@ -1,0 +1,39 @@
+"""Ops backends: `exact` CPU (torch, batch-invariant), `exact` CUDA (Triton), and `fast` (PyTorch defaults)."""
+
+from __future__ import annotations
+
+import torch
+
+from exactrl.ops.base import Ops
+from exactrl.ops.batch import BLOCK_N, AttentionBatch
+
+__all__ = ["BLOCK_N", "AttentionBatch", "Ops", "get_ops", "set_exact_environment"]
+
+
+def get_ops(device: torch.device | str, exact: bool = True) -> Ops:
+    """The backend for a device: exact mode uses batch-invariant kernels, fast mode PyTorch's defaults."""
+    device = torch.device(device)
+    if not exact:
+        from exactrl.ops.torch_ops import FastOps
+
+        return FastOps()
+    if device.type == "cpu":
+        from exactrl.ops.torch_ops import ExactTorchOps
+
+        return ExactTorchOps()
+    if device.type == "cuda":
+        try:
+            from exactrl.ops.triton_ops import TritonOps
+        except ImportError as e:  # pragma: no cover - depends on the machine
+            raise RuntimeError(f"exact mode on CUDA needs Triton ({e}); install triton or set exact = false") from e
+        return TritonOps()
+    raise ValueError(f"no exact backend for device type {device.type!r}; use cpu or cuda, or set exact = false")
+
+
+def set_exact_environment(exact: bool) -> None:
+    """Process-wide numerics switches that exact mode depends on (TF32 and reduced-precision reductions off)."""
+    if exact:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False

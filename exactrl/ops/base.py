@@ -1,0 +1,72 @@
+"""The op interface every backend implements. The model calls only these, so the rollout engine and the trainer
+run the same arithmetic by construction; a backend is chosen once per model (`get_ops`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from exactrl.ops.batch import AttentionBatch
+
+
+class Ops(Protocol):
+    """Batch-invariant (or, for the fast backend, default) implementations of the model's ops.
+
+    `exact` backends promise: a row's result does not depend on how many other rows are in the call, where the row
+    sits in it, how a sequence was chunked, or whether its keys came from the KV cache.
+    """
+
+    name: str
+    exact: bool
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, K], weight: [N, K], bias: [N] -> [T, N] in x.dtype (fp32 accumulation)."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., D] -> [..., D]; normalise in fp32, cast to x.dtype, multiply by weight (HF order)."""
+        ...
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, Dh], positions: [T] int64, cos_sin: [P, Dh] fp32 (cos in the first half, sin in the second)."""
+        ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up: [T, I] -> silu(gate) * up, [T, I]."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Causal attention. q: [T, Hq, Dh], k/v: [T, Hkv, Dh] -> [T, Hq, Dh].
+
+        kv_cache: None for packed whole sequences (training), or this layer's (k_cache, v_cache), each
+        [num_blocks, block_size, Hkv, Dh]; the new rows are written at batch.slot_mapping before attending.
+        """
+        ...
+
+    def logprobs(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [T, D], weight: [V, D], targets: [T] int64 -> (logprobs [T] fp32, entropy [T] fp32 or None).
+
+        log_softmax(linear(hidden, weight).float() / temperature)[targets], chunked over rows so [T, V] fp32
+        logits never exist whole; differentiable with respect to hidden and weight.
+        """
+        ...
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """hidden: [T, D] -> [T, V] fp32 `linear(hidden, weight).float() / temperature`: the sampler's view of
+        exactly the numbers `logprobs` normalises."""
+        ...

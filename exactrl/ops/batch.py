@@ -1,0 +1,133 @@
+"""The attention description shared by the training path (packed sequences) and the rollout path (paged KV cache).
+
+The model never sees padding: queries are a flat stream of `T` rows, grouped by sequence. For every query row we
+know its sequence and its absolute position; for every sequence we know where key position `n` lives (its
+*slot*). In training the slots index the packed `k`/`v` of the same call; in rollout they index the flattened
+paged cache `[num_blocks * block_size, Hkv, Dh]`. Attention iterates keys from position 0 in fixed tiles, so the
+same query gives the same bits whichever way its keys are stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Keys are processed in tiles of this many positions. Every backend uses the same tile, and the KV page size
+# must be a multiple of it, so that a tile never straddles two pages.
+BLOCK_N = 16
+
+
+@dataclass
+class AttentionBatch:
+    """Where each query row sits and where each sequence's keys live.
+
+    q_seq: [T] int64, sequence index of each query row (rows of one sequence are contiguous).
+    q_pos: [T] int64, absolute position of each query row inside its sequence.
+    cu_seqlens_q: [B+1] int64, query row offsets of each sequence.
+    key_lens: [B] int64, number of keys each sequence can see after this call (last query position + 1).
+    key_slots: [B, L] int64, slot of key position n of sequence b, L a multiple of BLOCK_N; entries past
+        key_lens point at slot 0 (always valid memory, always masked).
+    slot_mapping: [T] int64 or None, cache slot where each row's new k/v is written (rollout only).
+    block_tables: [B, max_blocks] int32 or None, paged-cache block ids (rollout only; GPU kernels read these).
+    block_size: int, tokens per KV page (rollout only).
+    max_seqlen_q: int, most query rows of one sequence.
+    max_key_len: int, largest entry of key_lens.
+    """
+
+    q_seq: torch.Tensor
+    q_pos: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    key_lens: torch.Tensor
+    key_slots: torch.Tensor
+    max_seqlen_q: int
+    max_key_len: int
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    block_size: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.key_lens.numel())
+
+    @property
+    def is_paged(self) -> bool:
+        return self.slot_mapping is not None
+
+    @staticmethod
+    def packed(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionBatch:
+        """Whole sequences packed back to back (training): sequence b occupies rows offset_b .. offset_b+len_b."""
+        if not seq_lens or min(seq_lens) <= 0:
+            raise ValueError(f"packed attention needs at least one sequence and positive lengths, got {seq_lens}")
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0)
+        q_seq = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
+        q_pos = torch.arange(int(cu[-1])) - cu[:-1][q_seq]
+        max_len = int(lens.max())
+        width = _round_up(max_len, BLOCK_N)
+        n = torch.arange(width)
+        key_slots = torch.where(n[None, :] < lens[:, None], cu[:-1, None] + n[None, :], torch.zeros(()).long())
+        return AttentionBatch(
+            q_seq=q_seq.to(device),
+            q_pos=q_pos.to(device),
+            cu_seqlens_q=cu.to(device),
+            key_lens=lens.to(device),
+            key_slots=key_slots.to(device),
+            max_seqlen_q=max_len,
+            max_key_len=max_len,
+        )
+
+    @staticmethod
+    def paged(
+        num_cached: list[int],
+        num_new: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionBatch:
+        """A step against the paged cache: sequence b already has num_cached[b] tokens in the cache and brings
+        num_new[b] new rows (a prefill chunk, or 1 for decode). Its keys after the step are 0 .. cached+new-1."""
+        if block_size % BLOCK_N:
+            raise ValueError(f"KV block_size {block_size} must be a multiple of the attention tile {BLOCK_N}")
+        if not (len(num_cached) == len(num_new) == len(block_tables)) or not num_new:
+            raise ValueError("paged attention needs one (num_cached, num_new, block_table) per sequence")
+        cached = torch.tensor(num_cached, dtype=torch.int64)
+        new = torch.tensor(num_new, dtype=torch.int64)
+        if int(new.min()) <= 0:
+            raise ValueError(f"every sequence in a step needs at least one new token, got {num_new}")
+        key_lens = cached + new
+        cu = torch.zeros(len(num_new) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(new, 0)
+        q_seq = torch.repeat_interleave(torch.arange(len(num_new)), new)
+        q_pos = cached[q_seq] + torch.arange(int(cu[-1])) - cu[:-1][q_seq]
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
+        for b, t in enumerate(block_tables):
+            need = -(-int(key_lens[b]) // block_size)
+            if len(t) < need:
+                raise ValueError(f"sequence {b} needs {need} KV blocks for {int(key_lens[b])} tokens, has {len(t)}")
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        max_key = int(key_lens.max())
+        width = _round_up(max_key, BLOCK_N)
+        n = torch.arange(width)
+        blk = torch.gather(tables, 1, (n // block_size).clamp(max=max_blocks - 1)[None, :].expand(len(num_new), -1))
+        slots = blk * block_size + n % block_size
+        key_slots = torch.where(n[None, :] < key_lens[:, None], slots, torch.zeros(()).long())
+        slot_mapping = torch.gather(tables[q_seq], 1, (q_pos // block_size)[:, None])[:, 0] * block_size + q_pos % block_size
+        return AttentionBatch(
+            q_seq=q_seq.to(device),
+            q_pos=q_pos.to(device),
+            cu_seqlens_q=cu.to(device),
+            key_lens=key_lens.to(device),
+            key_slots=key_slots.to(device),
+            max_seqlen_q=int(new.max()),
+            max_key_len=max_key,
+            slot_mapping=slot_mapping.to(device),
+            block_tables=tables.to(torch.int32).to(device),
+            block_size=block_size,
+        )
+
+
+def _round_up(x: int, m: int) -> int:
+    return max(m, -(-x // m) * m)
