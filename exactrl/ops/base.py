@@ -70,3 +70,9 @@ class Ops(Protocol):
         """hidden: [T, D] -> [T, V] fp32 `linear(hidden, weight).float() / temperature`: the sampler's view of
         exactly the numbers `logprobs` normalises."""
         ...
+
+    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """logits: [R, V] fp32 from `logits()`, targets: [R] -> [R] fp32. The second half of `logprobs`, so that
+        `logprobs(h, w, t, T)` equals `logprobs_from_logits(logits(h, w, T), t)` bitwise: the sampler records
+        its logprobs without a second LM-head matmul."""
+        ...

@@ -271,6 +271,9 @@ class ExactTorchOps:
         _check_temperature(temperature)
         return self.linear(hidden, weight).float() / float(temperature)
 
+    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+
 
 class FastOps(ExactTorchOps):
     """PyTorch's default kernels: no row padding, batched-matmul attention. Rows may change bits with the batch."""

@@ -1,0 +1,169 @@
+"""HF-format checkpoints: config.json + *.safetensors (sharded with an index) + tokenizer files.
+
+Loading validates everything before touching the model: an unsupported architecture, a missing tensor or a
+tensor of the wrong shape is refused with an error naming it, and nothing is partially loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from exactrl.model.config import ModelConfig
+from exactrl.model.qwen import CausalLM
+from exactrl.model.tokenizer import Tokenizer
+from exactrl.ops import get_ops
+
+# Tensors some exporters write that carry no information for us.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF checkpoint directory)")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    return ModelConfig.from_hf(d, where=str(path))
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file, from the index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (pickle checkpoints are not loaded)")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                out[name] = f
+    return out
+
+
+def load_model(
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    exact: bool = True,
+    fp32_lm_head: bool = False,
+) -> CausalLM:
+    """Load an HF Qwen2/Qwen3 checkpoint directory into a `CausalLM` on `device` (dtype: the checkpoint's
+    own when None)."""
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    files = _tensor_files(model_dir)
+    if cfg.tie_word_embeddings:
+        files.pop("lm_head.weight", None)  # some exporters write the tied head too
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(n for n in set(files) - set(expected) if not n.endswith(_IGNORED_SUFFIXES))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+        if unexpected:
+            parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        raise ValueError(f"{model_dir}: checkpoint does not match the {cfg.architecture} config: " + "; ".join(parts))
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as sf:
+            for name in names:
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}")
+                state[name] = t
+    target_dtype = dtype or state["model.embed_tokens.weight"].dtype
+    state = {k: v.to(device=device, dtype=target_dtype) for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    return model
+
+
+def save_model(
+    model: CausalLM,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Write `model` (and the tokenizer) as an HF checkpoint that transformers can load."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    cfg = model.config
+    eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
+    hf = cfg.to_hf(dtype_name(model.dtype))
+    hf["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    gen = {"eos_token_id": tokenizer.stop_token_ids if tokenizer is not None else eos, "do_sample": True}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        index = out / "model.safetensors.index.json"
+        if index.exists():
+            index.unlink()
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
+    if tokenizer is not None:
+        tokenizer.save(out)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync every file under path, then the directory itself (for atomic checkpoints)."""
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

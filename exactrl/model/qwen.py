@@ -1,0 +1,216 @@
+"""The Qwen2/Qwen3 dense decoder, written once for both paths.
+
+Single-device code over flat token streams (`[T, ...]`, packed sequences, no padding inside the model). The
+forward takes token ids, absolute positions and an `AttentionBatch` that says either "these are whole packed
+sequences" (training) or "this is a step against the paged KV cache" (rollout). Every numeric op goes through
+`self.ops`, so the engine and the trainer run the same arithmetic on the same module. Parameter names follow HF
+(`model.layers.3.self_attn.q_proj.weight`), so checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exactrl.model.config import ModelConfig
+from exactrl.ops import AttentionBatch, Ops, get_ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+class Linear(nn.Module):
+    """Holds a weight (and bias); the arithmetic is the ops backend's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, q, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, ops: Ops, x, positions, cos_sin, batch: AttentionBatch, kv_cache=None):
+        T = x.shape[0]
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias).view(T, self.num_heads, self.head_dim)
+        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias).view(T, self.num_kv_heads, self.head_dim)
+        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q = ops.rope(q, positions, cos_sin)
+        k = ops.rope(k, positions, cos_sin)
+        o = ops.attention(q, k, v, batch, kv_cache)
+        return ops.linear(o.reshape(T, -1), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, ops: Ops, x):
+        h = ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight))
+        return ops.linear(h, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, ops: Ops, h, positions, cos_sin, batch, kv_cache=None):
+        n = self.input_layernorm
+        h = h + self.self_attn(ops, ops.rms_norm(h, n.weight, n.eps), positions, cos_sin, batch, kv_cache)
+        n = self.post_attention_layernorm
+        return h + self.mlp(ops, ops.rms_norm(h, n.weight, n.eps))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Qwen2/Qwen3 causal LM. `forward` returns final hidden states; `logprobs`/`logits` apply the LM head
+    through the ops backend (fp32 log-softmax, temperature inside the op)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None, fp32_lm_head: bool = False):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.ops: Ops = ops if ops is not None else get_ops("cpu", exact=True)
+        self.fp32_lm_head = fp32_lm_head
+        self._cos_sin: torch.Tensor | None = None
+
+    # -- construction ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> CausalLM:
+        """Random init as HF does for Qwen (normal(0, 0.02) for matrices, ones for norms, zeros for biases)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        """fp32 [max_pos, head_dim] table: cos of each frequency in the first half, sin in the second.
+
+        Built once per device in float64 then rounded, and indexed by absolute position on both paths."""
+        if self._cos_sin is None or self._cos_sin.device != device:
+            cfg = self.config
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+            freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+        return self._cos_sin
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, D] in the model dtype.
+
+        kv_caches: None for packed whole sequences (training), else one (k_cache, v_cache) per layer, each
+        [num_blocks, block_size, Hkv, Dh], written at batch.slot_mapping."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must be flat [T] tensors, got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings {self.config.max_position_embeddings}")
+        ops = self.ops
+        cos_sin = self.rope_table(input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(ops, h, positions, cos_sin, batch, None if kv_caches is None else kv_caches[i])
+        n = self.model.norm
+        return ops.rms_norm(h, n.weight, n.eps)
+
+    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.lm_head_weight()
+        if self.fp32_lm_head:  # LM head and softmax in fp32 from bf16 hidden states, on both paths
+            return hidden.float(), w.float()
+        return hidden, w
+
+    def logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [T, D], targets: [T] -> (logprobs [T] fp32, entropy [T] fp32 or None) at `temperature`."""
+        h, w = self._head(hidden)
+        return self.ops.logprobs(h, w, targets, temperature, with_entropy)
+
+    def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """hidden: [T, D] -> [T, V] fp32 logits / temperature, the numbers `logprobs` normalises."""
+        h, w = self._head(hidden)
+        return self.ops.logits(h, w, temperature)
+
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = ops
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward matmul FLOPs per token (2 * params in matmuls + attention at the given context length)."""
+        cfg = self.config
+        # The embedding lookup does no matmul; a tied LM head is counted once in num_params and does one.
+        n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+        return 2.0 * n + attn
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, exact: bool = True, seed: int = 0, fp32_lm_head: bool = False) -> CausalLM:
+    """A randomly initialised model on `device` with the ops backend for (device, exact)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)
+    model = model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["CausalLM", "ModelConfig", "build_model", "count_params"]
