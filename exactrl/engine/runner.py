@@ -46,7 +46,9 @@ def auto_num_blocks(model: CausalLM, block_size: int, memory_fraction: float, ma
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
         if block_size % BLOCK_N:
-            raise ValueError(f"engine.block_size {block_size} must be a multiple of the attention tile {BLOCK_N}")
+            raise ValueError(
+                f"engine.block_size {block_size} must be a multiple of the attention tile {BLOCK_N}"
+            )
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -54,8 +56,10 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zero-filled: masked keys are multiplied by exactly 0, which needs finite values behind them.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=model.device),
-             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
             for _ in range(cfg.num_layers)
         ]
 
@@ -64,8 +68,10 @@ class ModelRunner:
         dt, dev = self.model.dtype, self.model.device
         if self.kv_caches and (self.kv_caches[0][0].dtype != dt or self.kv_caches[0][0].device != dev):
             shape = self.kv_caches[0][0].shape
-            self.kv_caches = [(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-                              for _ in self.kv_caches]
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
+                for _ in self.kv_caches
+            ]
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -85,8 +91,11 @@ class ModelRunner:
         dev = self.model.device
         ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.int64, device=dev)
         batch = AttentionBatch.paged(
-            [e.num_cached for e in entries], [len(e.token_ids) for e in entries], [e.block_table for e in entries],
-            self.block_size, device=dev,
+            [e.num_cached for e in entries],
+            [len(e.token_ids) for e in entries],
+            [e.block_table for e in entries],
+            self.block_size,
+            device=dev,
         )
         hidden = self.model(ids, batch.q_pos, batch, self.kv_caches)
         return hidden[batch.cu_seqlens_q[1:] - 1]

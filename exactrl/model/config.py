@@ -39,7 +39,9 @@ class ModelConfig:
         if self.architecture not in ("qwen2", "qwen3"):
             raise ValueError(f"model architecture {self.architecture!r} is not supported (qwen2, qwen3)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -49,7 +51,13 @@ class ModelConfig:
     def num_params(self) -> int:
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        attn = (
+            d * q
+            + 2 * d * kv
+            + q * d
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
         layer = attn + 3 * d * i + 2 * d
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
@@ -104,7 +112,17 @@ class ModelConfig:
         if rope_type not in (None, "default"):
             raise ValueError(f"{where}: RoPE scaling {rope_type!r} is not supported (only default RoPE)")
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in d]
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in d
+        ]
         if missing:
             raise ValueError(f"{where}: missing required fields {missing}")
         heads = d["num_attention_heads"]
@@ -138,15 +156,77 @@ _Q2 = dict(architecture="qwen2", vocab_size=151936, rope_theta=1_000_000.0, max_
 PRESETS: dict[str, ModelConfig] = {
     # Small enough to train on 2 CPU cores in minutes; the vocabulary is set from the tokenizer at init time.
     "tiny": ModelConfig(
-        architecture="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-        num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=2048,
+        architecture="qwen3",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
     ),
-    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True, **_Q),
-    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True, **_Q),
-    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=True, **_Q),
-    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False, **_Q),
-    "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True, **_Q2),
-    "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True, **_Q2),
+    "qwen3-0.6b": ModelConfig(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        **_Q,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        **_Q,
+    ),
+    "qwen3-4b": ModelConfig(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        **_Q,
+    ),
+    "qwen3-8b": ModelConfig(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        **_Q,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        **_Q2,
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        tie_word_embeddings=True,
+        **_Q2,
+    ),
 }
 
 

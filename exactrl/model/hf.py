@@ -85,10 +85,14 @@ def load_model(
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+            parts.append(
+                f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)"
+            )
         if unexpected:
             parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        raise ValueError(f"{model_dir}: checkpoint does not match the {cfg.architecture} config: " + "; ".join(parts))
+        raise ValueError(
+            f"{model_dir}: checkpoint does not match the {cfg.architecture} config: " + "; ".join(parts)
+        )
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -98,7 +102,9 @@ def load_model(
             for name in names:
                 t = sf.get_tensor(name)
                 if tuple(t.shape) != expected[name]:
-                    raise ValueError(f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}")
+                    raise ValueError(
+                        f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}"
+                    )
                 state[name] = t
     target_dtype = dtype or state["model.embed_tokens.weight"].dtype
     state = {k: v.to(device=device, dtype=target_dtype) for k, v in state.items()}

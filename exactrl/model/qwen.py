@@ -141,8 +141,12 @@ class CausalLM(nn.Module):
         Built once per device in float64 then rounded, and indexed by absolute position on both paths."""
         if self._cos_sin is None or self._cos_sin.device != device:
             cfg = self.config
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-            freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            inv_freq = 1.0 / (
+                cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+            )
+            freqs = (
+                torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            )
             self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
         return self._cos_sin
 
@@ -159,9 +163,13 @@ class CausalLM(nn.Module):
         kv_caches: None for packed whole sequences (training), else one (k_cache, v_cache) per layer, each
         [num_blocks, block_size, Hkv, Dh], written at batch.slot_mapping."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids and positions must be flat [T] tensors, got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+            raise ValueError(
+                f"input_ids and positions must be flat [T] tensors, got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
         if int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings {self.config.max_position_embeddings}")
+            raise ValueError(
+                f"position {int(positions.max())} is past max_position_embeddings {self.config.max_position_embeddings}"
+            )
         ops = self.ops
         cos_sin = self.rope_table(input_ids.device)
         h = self.model.embed_tokens(input_ids)
@@ -177,7 +185,11 @@ class CausalLM(nn.Module):
         return hidden, w
 
     def logprobs(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden: [T, D], targets: [T] -> (logprobs [T] fp32, entropy [T] fp32 or None) at `temperature`."""
         h, w = self._head(hidden)
@@ -200,7 +212,14 @@ class CausalLM(nn.Module):
         return 2.0 * n + attn
 
 
-def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, exact: bool = True, seed: int = 0, fp32_lm_head: bool = False) -> CausalLM:
+def build_model(
+    cfg: ModelConfig,
+    device="cpu",
+    dtype=torch.float32,
+    exact: bool = True,
+    seed: int = 0,
+    fp32_lm_head: bool = False,
+) -> CausalLM:
     """A randomly initialised model on `device` with the ops backend for (device, exact)."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)

@@ -18,8 +18,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 class Tokenizer:
     """A thin wrapper: encode/decode, the end-of-sequence ids, the chat template, save/load."""
 
-    def __init__(self, tok: HFTokenizer, eos_token: str | None = None, chat_template: str | None = None,
-                 extra_config: dict | None = None):
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        extra_config: dict | None = None,
+    ):
         self.tok = tok
         self.chat_template = chat_template
         self.extra_config = dict(extra_config or {})
@@ -27,7 +32,11 @@ class Tokenizer:
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         # Generation stops on any of these (Qwen chat models end a turn with <|im_end|>).
         self.stop_token_ids = sorted(
-            {i for i in (self.eos_token_id, tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")) if i is not None}
+            {
+                i
+                for i in (self.eos_token_id, tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+                if i is not None
+            }
         )
 
     @property
@@ -68,7 +77,9 @@ class Tokenizer:
             eos = eos.get("content")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            template = next(
+                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+            )
         jinja = tok_file.parent / "chat_template.jinja"
         if template is None and jinja.is_file():
             template = jinja.read_text()
@@ -91,7 +102,11 @@ def byte_tokenizer(eos_token: str = "<|endoftext|>") -> Tokenizer:
 
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's bytes_to_unicode, so id i is byte i."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -25,9 +25,13 @@ def get_ops(device: torch.device | str, exact: bool = True) -> Ops:
         try:
             from exactrl.ops.triton_ops import TritonOps
         except ImportError as e:  # pragma: no cover - depends on the machine
-            raise RuntimeError(f"exact mode on CUDA needs Triton ({e}); install triton or set exact = false") from e
+            raise RuntimeError(
+                f"exact mode on CUDA needs Triton ({e}); install triton or set exact = false"
+            ) from e
         return TritonOps()
-    raise ValueError(f"no exact backend for device type {device.type!r}; use cpu or cuda, or set exact = false")
+    raise ValueError(
+        f"no exact backend for device type {device.type!r}; use cpu or cuda, or set exact = false"
+    )
 
 
 def set_exact_environment(exact: bool) -> None:

@@ -58,7 +58,9 @@ class AttentionBatch:
     def packed(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionBatch:
         """Whole sequences packed back to back (training): sequence b occupies rows offset_b .. offset_b+len_b."""
         if not seq_lens or min(seq_lens) <= 0:
-            raise ValueError(f"packed attention needs at least one sequence and positive lengths, got {seq_lens}")
+            raise ValueError(
+                f"packed attention needs at least one sequence and positive lengths, got {seq_lens}"
+            )
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(lens, 0)
@@ -67,7 +69,9 @@ class AttentionBatch:
         max_len = int(lens.max())
         width = _round_up(max_len, BLOCK_N)
         n = torch.arange(width)
-        key_slots = torch.where(n[None, :] < lens[:, None], cu[:-1, None] + n[None, :], torch.zeros(()).long())
+        key_slots = torch.where(
+            n[None, :] < lens[:, None], cu[:-1, None] + n[None, :], torch.zeros(()).long()
+        )
         return AttentionBatch(
             q_seq=q_seq.to(device),
             q_pos=q_pos.to(device),
@@ -106,15 +110,22 @@ class AttentionBatch:
         for b, t in enumerate(block_tables):
             need = -(-int(key_lens[b]) // block_size)
             if len(t) < need:
-                raise ValueError(f"sequence {b} needs {need} KV blocks for {int(key_lens[b])} tokens, has {len(t)}")
+                raise ValueError(
+                    f"sequence {b} needs {need} KV blocks for {int(key_lens[b])} tokens, has {len(t)}"
+                )
             tables[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
         max_key = int(key_lens.max())
         width = _round_up(max_key, BLOCK_N)
         n = torch.arange(width)
-        blk = torch.gather(tables, 1, (n // block_size).clamp(max=max_blocks - 1)[None, :].expand(len(num_new), -1))
+        blk = torch.gather(
+            tables, 1, (n // block_size).clamp(max=max_blocks - 1)[None, :].expand(len(num_new), -1)
+        )
         slots = blk * block_size + n % block_size
         key_slots = torch.where(n[None, :] < key_lens[:, None], slots, torch.zeros(()).long())
-        slot_mapping = torch.gather(tables[q_seq], 1, (q_pos // block_size)[:, None])[:, 0] * block_size + q_pos % block_size
+        slot_mapping = (
+            torch.gather(tables[q_seq], 1, (q_pos // block_size)[:, None])[:, 0] * block_size
+            + q_pos % block_size
+        )
         return AttentionBatch(
             q_seq=q_seq.to(device),
             q_pos=q_pos.to(device),

@@ -177,7 +177,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lp[s : s + chunk] = logp.gather(1, targets[s : s + chunk, None])[:, 0]
             if ent is not None:
                 ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
-        ctx.temperature, ctx.with_entropy, ctx.linear_fn, ctx.chunk = temperature, with_entropy, linear_fn, chunk
+        ctx.temperature, ctx.with_entropy, ctx.linear_fn, ctx.chunk = (
+            temperature,
+            with_entropy,
+            linear_fn,
+            chunk,
+        )
         if ent is not None:
             ctx.save_for_backward(hidden, weight, targets, ent)
         else:
@@ -223,7 +228,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
-        raise ValueError(f"logprobs need a temperature > 0 (greedy decoding records logprobs at 1.0), got {temperature}")
+        raise ValueError(
+            f"logprobs need a temperature > 0 (greedy decoding records logprobs at 1.0), got {temperature}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------

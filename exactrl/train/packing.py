@@ -45,11 +45,15 @@ class PackedBatch:
     seq_lens: list[int]
 
     @staticmethod
-    def build(seqs: list[list[int]], prompt_lens: list[int], device: torch.device | str = "cpu") -> PackedBatch:
+    def build(
+        seqs: list[list[int]], prompt_lens: list[int], device: torch.device | str = "cpu"
+    ) -> PackedBatch:
         ids, tgt, mask, sidx, lens = [], [], [], [], []
         for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
             if len(s) < 2 or not 1 <= p < len(s) + 1:
-                raise ValueError(f"sequence {i}: needs >= 2 tokens and 1 <= prompt_len <= len, got len {len(s)}, prompt {p}")
+                raise ValueError(
+                    f"sequence {i}: needs >= 2 tokens and 1 <= prompt_len <= len, got len {len(s)}, prompt {p}"
+                )
             n = len(s) - 1
             ids += s[:-1]
             tgt += s[1:]

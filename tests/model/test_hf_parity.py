@@ -15,8 +15,15 @@ from exactrl.ops import AttentionBatch  # noqa: E402
 
 def _hf_model(arch: str, tied: bool):
     common = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied, rope_theta=10000.0,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        rope_theta=10000.0,
     )
     torch.manual_seed(0)
     if arch == "qwen3":
@@ -71,7 +78,9 @@ def test_what_we_save_transformers_loads(tmp_path):
     hf = _hf_model("qwen3", tied=True)
     hf.save_pretrained(tmp_path / "a")
     ours = load_model(tmp_path / "a", dtype=torch.float32)
-    save_model(ours, tmp_path / "b", tokenizer=byte_tokenizer(), max_shard_bytes=40_000)  # forces several shards
+    save_model(
+        ours, tmp_path / "b", tokenizer=byte_tokenizer(), max_shard_bytes=40_000
+    )  # forces several shards
     assert (tmp_path / "b" / "model.safetensors.index.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32)
     for (n1, p1), (n2, p2) in zip(hf.state_dict().items(), back.state_dict().items()):

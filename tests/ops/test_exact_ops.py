@@ -83,8 +83,11 @@ def test_logprobs_rows_invariant(dtype):
 
 def _seqs(lens, hq=4, hkv=2, dh=32, dtype=torch.float32, seed=0):
     T = sum(lens)
-    return (_rand(T, hq, dh, dtype=dtype, seed=seed), _rand(T, hkv, dh, dtype=dtype, seed=seed + 1),
-            _rand(T, hkv, dh, dtype=dtype, seed=seed + 2))
+    return (
+        _rand(T, hq, dh, dtype=dtype, seed=seed),
+        _rand(T, hkv, dh, dtype=dtype, seed=seed + 1),
+        _rand(T, hkv, dh, dtype=dtype, seed=seed + 2),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,8 +101,12 @@ def test_attention_packed_rows_invariant(dtype):
     for m in MS:  # a sequence of m tokens alone vs packed with a 300-token one
         qm, km, vm = _seqs([m], dtype=dtype, seed=9)
         one = ops.attention(qm, km, vm, AttentionBatch.packed([m]))
-        both = ops.attention(torch.cat((q[:FULL], qm)), torch.cat((k[:FULL], km)), torch.cat((v[:FULL], vm)),
-                             AttentionBatch.packed([FULL, m]))
+        both = ops.attention(
+            torch.cat((q[:FULL], qm)),
+            torch.cat((k[:FULL], km)),
+            torch.cat((v[:FULL], vm)),
+            AttentionBatch.packed([FULL, m]),
+        )
         assert torch.equal(one, both[FULL:]), m
 
 
@@ -108,7 +115,9 @@ def _paged_run(q, k, v, length, chunks, block_size=32, num_blocks=64, perm_seed=
     dh, hkv = k.shape[-1], k.shape[1]
     kc = torch.zeros(num_blocks, block_size, hkv, dh, dtype=k.dtype)
     vc = torch.zeros_like(kc)
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(perm_seed))[: -(-length // block_size)].tolist()
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(perm_seed))[
+        : -(-length // block_size)
+    ].tolist()
     outs, done = [], 0
     for c in chunks:
         b = AttentionBatch.paged([done], [c], [table], block_size)
@@ -141,11 +150,21 @@ def test_attention_paged_batch_composition():
         nxt += need
     # prefill all but the last token of each, together
     pre = AttentionBatch.paged([0] * 4, [n - 1 for n in lens], tables, bs)
-    ops.attention(torch.cat([s[0][:-1] for s in seqs]), torch.cat([s[1][:-1] for s in seqs]),
-                  torch.cat([s[2][:-1] for s in seqs]), pre, (kc, vc))
+    ops.attention(
+        torch.cat([s[0][:-1] for s in seqs]),
+        torch.cat([s[1][:-1] for s in seqs]),
+        torch.cat([s[2][:-1] for s in seqs]),
+        pre,
+        (kc, vc),
+    )
     dec = AttentionBatch.paged([n - 1 for n in lens], [1] * 4, tables, bs)
-    out = ops.attention(torch.cat([s[0][-1:] for s in seqs]), torch.cat([s[1][-1:] for s in seqs]),
-                        torch.cat([s[2][-1:] for s in seqs]), dec, (kc, vc))
+    out = ops.attention(
+        torch.cat([s[0][-1:] for s in seqs]),
+        torch.cat([s[1][-1:] for s in seqs]),
+        torch.cat([s[2][-1:] for s in seqs]),
+        dec,
+        (kc, vc),
+    )
     for i in range(4):
         assert torch.equal(out[i], alone[i][-1])
 
@@ -159,8 +178,12 @@ def test_attention_negative_control():
     kc = torch.zeros(8, 32, 2, 32)
     vc = torch.zeros_like(kc)
     fast.attention(q[:-1], k[:-1], v[:-1], AttentionBatch.paged([0], [L - 1], [[0, 1, 2, 3]], 32), (kc, vc))
-    step = fast.attention(q[-1:], k[-1:], v[-1:], AttentionBatch.paged([L - 1], [1], [[0, 1, 2, 3]], 32), (kc, vc))
-    full = fast.attention(torch.cat([q] * 5), torch.cat([k] * 5), torch.cat([v] * 5), AttentionBatch.packed([L] * 5))
+    step = fast.attention(
+        q[-1:], k[-1:], v[-1:], AttentionBatch.paged([L - 1], [1], [[0, 1, 2, 3]], 32), (kc, vc)
+    )
+    full = fast.attention(
+        torch.cat([q] * 5), torch.cat([k] * 5), torch.cat([v] * 5), AttentionBatch.packed([L] * 5)
+    )
     assert not (torch.equal(step[0], packed[-1]) and torch.equal(full[:L], packed))
 
 
@@ -169,8 +192,12 @@ def test_fully_masked_tile_is_a_no_op():
     q, k, v = _seqs([BLOCK_N + 1])
     alone = ops.attention(q, k, v, AttentionBatch.packed([BLOCK_N + 1]))
     q2, k2, v2 = _seqs([20 * BLOCK_N], seed=7)
-    both = ops.attention(torch.cat((q, q2)), torch.cat((k, k2)), torch.cat((v, v2)),
-                         AttentionBatch.packed([BLOCK_N + 1, 20 * BLOCK_N]))
+    both = ops.attention(
+        torch.cat((q, q2)),
+        torch.cat((k, k2)),
+        torch.cat((v, v2)),
+        AttentionBatch.packed([BLOCK_N + 1, 20 * BLOCK_N]),
+    )
     assert torch.equal(both[: BLOCK_N + 1], alone)
 
 
@@ -178,7 +205,9 @@ def test_attention_matches_reference_values():
     lens = [33, 7, 64]
     q, k, v = _seqs(lens)
     b = AttentionBatch.packed(lens)
-    torch.testing.assert_close(ops.attention(q, k, v, b), attention_reference(q, k, v, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ops.attention(q, k, v, b), attention_reference(q, k, v, b), rtol=1e-5, atol=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,278 @@
+"""`exactrl bench rollout|train`: throughput benchmarks that print a table and one JSON line.
+
+rollout: output tokens/s of `RolloutEngine.generate` (random-init preset, random prompts, no early stop), and on
+CUDA the achieved memory bandwidth of decode (weights + KV read per step) next to a copy bandwidth measured in
+the same run. `--vs hf` runs transformers `generate` on the same weights and prompts in the same process.
+
+train: forward + backward + AdamW tokens/s and MFU against a bf16 matmul rate measured in the same run;
+`--vs hf` trains the transformers model on the same weights and data.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from exactrl.model.loading import load_policy, resolve_device
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(device) -> float | None:
+    """Bytes read + written per second by a large device-to-device copy."""
+    if torch.device(device).type != "cuda":
+        return None
+    n = 1 << 28  # 256M bf16 = 512 MiB
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        b.copy_(a)
+    _sync(device)
+    return 2 * a.numel() * 2 * reps / (time.perf_counter() - t)
+
+
+def measure_matmul_rate(device, dtype=torch.bfloat16) -> float:
+    n = 8192 if torch.device(device).type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    reps = 10
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def _result_path(out_dir: str, bench: str, preset: str, mode: str, device: str) -> Path:
+    dev = torch.cuda.get_device_name().replace(" ", "-") if device.startswith("cuda") else "cpu"
+    return Path(out_dir) / f"{bench}-{preset}-{mode}-{dev}.json"
+
+
+def _emit(args, record: dict) -> None:
+    path = _result_path(
+        args.out_dir,
+        args.what,
+        args.preset if not args.model else Path(args.model).name,
+        args.mode,
+        record["device"],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record) + "\n")
+    print(json.dumps(record))
+
+
+def bench_rollout(args) -> dict:
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.runner import kv_bytes_per_token
+    from exactrl.engine.sampler import SamplingParams
+    from exactrl.ops import set_exact_environment
+
+    device = resolve_device(args.device)
+    set_exact_environment(args.mode == "exact")
+    model, tok = load_policy(
+        preset_name=None if args.model else args.preset,
+        path=args.model,
+        device=device,
+        dtype=args.dtype,
+        exact=args.mode == "exact",
+        seed=0,
+    )
+    g = torch.Generator().manual_seed(0)
+    C, P, N = args.concurrency, args.prompt_len, args.max_tokens
+    prompts = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (C, P), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
+    engine = RolloutEngine(
+        model,
+        EngineConfig(
+            block_size=16,
+            max_num_seqs=max(C, 1),
+            max_num_batched_tokens=max(8192, P),
+            prefill_chunk_size=max(8192, P),
+            max_model_len=P + N + 16,
+            cuda_graphs=True,
+        ),
+    )
+    engine.generate(
+        prompts[: min(C, 8)], SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
+    )
+    _sync(device)
+    engine.reset_stats()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(device)
+    wall = time.perf_counter() - t
+    n_out = sum(len(s.token_ids) for o in outs for s in o.samples)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kvpt = kv_bytes_per_token(model)
+    # Decode step k (k = 1..N-1) reads all weights and the KV of every running sequence: C * (P + k) tokens.
+    decode_bytes = sum(weight_bytes + C * (P + k) * kvpt for k in range(1, N))
+    decode_s = engine.stats.get("decode_s", 0.0)
+    rec = {
+        "bench": "rollout",
+        "preset": args.preset,
+        "mode": args.mode,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "concurrency": C,
+        "prompt_len": P,
+        "max_tokens": N,
+        "output_tokens": n_out,
+        "seconds": wall,
+        "tokens_per_s": n_out / wall,
+        "decode_s": decode_s,
+        "prefill_s": engine.stats.get("prefill_s", 0.0),
+        "cuda_graphs": bool(engine.stats.get("cuda_graph_steps", 0)),
+    }
+    if decode_s > 0:
+        rec["decode_bandwidth_GBps"] = decode_bytes / decode_s / 1e9
+    copy_bw = measure_copy_bandwidth(device)
+    if copy_bw:
+        rec["copy_bandwidth_GBps"] = copy_bw / 1e9
+        if decode_s > 0:
+            rec["decode_roofline_fraction"] = rec["decode_bandwidth_GBps"] / rec["copy_bandwidth_GBps"]
+    if args.vs == "hf":
+        rec.update(_hf_generate(model, tok, prompts, N, device))
+        rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
+    return rec
+
+
+def _to_hf(model, tok):
+    import transformers
+
+    from exactrl.model.hf import save_model
+
+    tmp = tempfile.mkdtemp(prefix="exactrl-bench-")
+    save_model(model, tmp, tokenizer=tok)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).to(model.device)
+    return hf
+
+
+def _hf_generate(model, tok, prompts, max_tokens, device) -> dict:
+    hf = _to_hf(model, tok).eval()
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        hf.generate(ids[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        _sync(device)
+        t = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        _sync(device)
+    wall = time.perf_counter() - t
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del hf
+    return {"hf_tokens_per_s": n / wall, "hf_seconds": wall}
+
+
+def bench_train(args) -> dict:
+    from exactrl.ops import set_exact_environment
+    from exactrl.train.optim import MasterAdamW
+    from exactrl.train.packing import PackedBatch
+
+    device = resolve_device(args.device)
+    set_exact_environment(args.mode == "exact")
+    model, tok = load_policy(
+        preset_name=None if args.model else args.preset,
+        path=args.model,
+        device=device,
+        dtype=args.dtype,
+        exact=args.mode == "exact",
+        seed=0,
+    )
+    T = args.tokens_per_microbatch
+    seq_len = min(1024, T)
+    n_seq = max(1, T // seq_len)
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(
+        0, min(tok.vocab_size, model.config.vocab_size), (n_seq, seq_len + 1), generator=g
+    ).tolist()
+    pb = PackedBatch.build(seqs, [1] * n_seq, device)
+    opt = MasterAdamW(model, lr=1e-5)
+
+    def step():
+        h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
+        lp, _ = model.logprobs(h, pb.targets)
+        (-lp.mean()).backward()
+        opt.clip_and_step(1.0)
+
+    step()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    _sync(device)
+    wall = (time.perf_counter() - t) / args.steps
+    tokens = n_seq * seq_len
+    flops = 3 * model.flops_per_token(context=seq_len // 2) * tokens
+    peak = measure_matmul_rate(device)
+    rec = {
+        "bench": "train",
+        "preset": args.preset,
+        "mode": args.mode,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "tokens_per_step": tokens,
+        "seq_len": seq_len,
+        "step_s": wall,
+        "tokens_per_s": tokens / wall,
+        "achieved_TFLOPs": flops / wall / 1e12,
+        "matmul_peak_TFLOPs": peak / 1e12,
+        "mfu": flops / wall / peak,
+    }
+    if args.vs == "hf":
+        hf = _to_hf(model, tok).train()
+        hopt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+        ids = torch.tensor(seqs, device=device)
+
+        def hstep():
+            out = hf(ids[:, :-1], labels=ids[:, 1:].contiguous())
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+            hopt.step()
+            hopt.zero_grad(set_to_none=True)
+
+        hstep()
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            hstep()
+        _sync(device)
+        hwall = (time.perf_counter() - t) / args.steps
+        rec["hf_tokens_per_s"] = tokens / hwall
+        rec["hf_mfu"] = flops / hwall / peak
+        rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
+    return rec
+
+
+def main(args) -> int:
+    rec = bench_rollout(args) if args.what == "rollout" else bench_train(args)
+    keys = [k for k in rec if isinstance(rec[k], float)]
+    print(f"{'metric':28} value")
+    for k in keys:
+        print(f"{k:28} {rec[k]:.4g}")
+    _emit(args, rec)
+    return 0

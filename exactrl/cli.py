@@ -1,0 +1,184 @@
+"""The `exactrl` command line: train | sft | generate | eval | parity | bench | report | init-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _model_args(p: argparse.ArgumentParser, dtype_default: str = "float32") -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", help="random-init model of a named shape (tiny, qwen3-0.6b, ...)")
+    g.add_argument("--model", help="local HF checkpoint directory")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--mode",
+        default="exact",
+        choices=["exact", "fast"],
+        help="exact: batch-invariant kernels; fast: PyTorch defaults",
+    )
+    p.add_argument("--fp32-lm-head", action="store_true", help="LM head and softmax in fp32")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _load(args):
+    from exactrl.model.loading import load_policy
+
+    preset = args.preset if (args.preset or args.model) else "tiny"
+    return load_policy(
+        preset_name=preset if not args.model else None,
+        path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        exact=args.mode == "exact",
+        fp32_lm_head=args.fp32_lm_head,
+        seed=args.seed,
+    )
+
+
+def cmd_init_model(args) -> int:
+    from exactrl.model.hf import save_model
+    from exactrl.model.loading import load_policy
+
+    model, tok = load_policy(preset_name=args.preset, device="cpu", dtype=args.dtype, seed=args.seed)
+    save_model(model, args.out, tokenizer=tok)
+    print(
+        f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype}) to {args.out}"
+    )
+    return 0
+
+
+def cmd_parity(args) -> int:
+    from exactrl.ops import set_exact_environment
+    from exactrl.parity import run_parity
+
+    set_exact_environment(args.mode == "exact")
+    model, tok = _load(args)
+    temps = args.temperature or [1.0]
+    results = []
+    for t in temps:
+        r = run_parity(
+            model,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            temperature=t,
+            seed=args.seed,
+            samples_per_prompt=args.samples_per_prompt,
+            kv_blocks=args.kv_blocks,
+            prefill_chunk=args.prefill_chunk,
+            prompt_vocab=tok.vocab_size,
+        )
+        results.append(r)
+    if args.json:
+        for r in results:
+            print(json.dumps(r.to_dict()))
+    else:
+        print(
+            f"{'mode':6} {'device':6} {'dtype':9} {'temp':>5} {'tokens':>8} {'mismatched':>10} {'max|diff|':>10} "
+            f"{'same tokens':>11} {'preempt':>7} {'sec':>6}"
+        )
+        for r in results:
+            print(
+                f"{r.mode:6} {r.device:6} {r.dtype:9} {r.temperature:5.2f} {r.num_tokens:8d} {r.num_mismatched:10d} "
+                f"{r.max_abs_diff:10.3g} {str(r.tokens_identical_across_compositions):>11} {r.preemptions:7d} {r.seconds:6.1f}"
+            )
+    if args.mode == "exact" and any(r.num_mismatched for r in results):
+        print("exact mode: rollout and trainer logprobs differ", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.sampler import SamplingParams
+
+    model, tok = _load(args)
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        n=args.n,
+        stop=args.stop or [],
+        stop_token_ids=tok.stop_token_ids,
+    )
+    engine = RolloutEngine(
+        model, EngineConfig(block_size=args.block_size, num_kv_blocks=args.kv_blocks), tokenizer=tok
+    )
+    outs = engine.generate([tok.encode(p) for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        for s in out.samples:
+            rec = {
+                "prompt": prompt,
+                "completion": tok.decode(s.token_ids),
+                "token_ids": s.token_ids,
+                "rollout_logprobs": [float(x) for x in s.rollout_logprobs],
+                "finish_reason": s.finish_reason,
+            }
+            if args.json:
+                print(json.dumps(rec))
+            else:
+                print(f"[{s.finish_reason}] {prompt!r} -> {rec['completion']!r}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="exactrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-model", help="write a random-init HF checkpoint plus tokenizer")
+    p.add_argument("--preset", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("parity", help="engine logprobs vs trainer logprobs, token by token")
+    _model_args(p)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, action="append", help="repeat for several temperatures")
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument(
+        "--kv-blocks", type=int, default=None, help="KV blocks in the cache (small forces preemption)"
+    )
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="longest prefill chunk in tokens")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_parity)
+
+    p = sub.add_parser("generate", help="sample completions with the rollout engine")
+    _model_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="one prompt per line")
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-blocks", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    from exactrl import commands
+
+    commands.register(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"exactrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

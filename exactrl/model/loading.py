@@ -1,0 +1,59 @@
+"""One way to get a policy: a named preset (random init + byte tokenizer) or a local HF checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from exactrl.model.config import preset
+from exactrl.model.hf import dtype_from_name, load_model
+from exactrl.model.qwen import CausalLM, build_model
+from exactrl.model.tokenizer import Tokenizer, byte_tokenizer
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available")
+    return device
+
+
+def load_policy(
+    *,
+    preset_name: str | None = None,
+    path: str | Path | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    exact: bool = True,
+    fp32_lm_head: bool = False,
+    seed: int = 0,
+    tokenizer_path: str | Path | None = None,
+) -> tuple[CausalLM, Tokenizer]:
+    """Build or load the policy and its tokenizer on `device` in `dtype`."""
+    if (preset_name is None) == (path is None):
+        raise ValueError(
+            "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
+        )
+    device = resolve_device(device)
+    torch_dtype = dtype_from_name(dtype)
+    if path is not None:
+        model = load_model(path, device=device, dtype=torch_dtype, exact=exact, fp32_lm_head=fp32_lm_head)
+        tok = Tokenizer.load(tokenizer_path or path)
+    else:
+        tok = Tokenizer.load(tokenizer_path) if tokenizer_path else byte_tokenizer()
+        cfg = preset(preset_name)
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tok.vocab_size} tokens, more than preset {preset_name}'s vocab {cfg.vocab_size}"
+            )
+        cfg = preset(preset_name, eos_token_id=tok.eos_token_id)
+        model = build_model(
+            cfg, device=device, dtype=torch_dtype, exact=exact, seed=seed, fp32_lm_head=fp32_lm_head
+        )
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}"
+        )
+    return model, tok

@@ -1,0 +1,142 @@
+"""Atomic checkpoints: write to a temporary directory, fsync, rename, then update `latest` last.
+
+Layout of `checkpoints/step-000010/`:
+  policy/              HF checkpoint (config.json, *.safetensors, tokenizer) that transformers can load
+  critic.safetensors   the PPO critic's weights (when there is one)
+  optimizer.pt         optimizer state(s), loaded with torch.load(weights_only=True): tensors and numbers only
+  state.json           step, task/data position, RNG states, anything else the loop needs to resume bitwise
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from exactrl.model.hf import fsync_dir, load_model, save_model
+from exactrl.model.qwen import CausalLM
+from exactrl.model.tokenizer import Tokenizer
+
+
+def rng_state() -> dict[str, Any]:
+    st = {
+        "python": _jsonable(random.getstate()),
+        "numpy": _jsonable(np.random.get_state()),
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(_tupled(st["python"]))
+    np_state = st["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in st["cuda"]])
+
+
+def _jsonable(x):
+    if isinstance(x, tuple | list):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+def save_checkpoint(
+    ckpt_root: str | Path,
+    step: int,
+    *,
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    optimizers: dict[str, Any],
+    state: dict[str, Any],
+    critic: torch.nn.Module | None = None,
+    keep: int = 2,
+) -> Path:
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, tmp / "policy", tokenizer=tokenizer)
+    if critic is not None:
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()},
+            str(tmp / "critic.safetensors"),
+        )
+    torch.save({k: v.state_dict() for k, v in optimizers.items()}, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_state()}) + "\n")
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    # `latest` is written last and atomically: a crash before this line leaves the previous checkpoint current.
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(name + "\n")
+    with open(latest_tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, root / "latest")
+    _prune(root, keep, name)
+    return final
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    if keep <= 0:
+        return
+    ckpts = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for p in ckpts[:-keep]:
+        if p.name != current:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    f = Path(ckpt_root) / "latest"
+    if not f.is_file():
+        return None
+    p = Path(ckpt_root) / f.read_text().strip()
+    return p if p.is_dir() else None
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: CausalLM,
+    optimizers: dict[str, Any],
+    critic: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Load weights into `model` (and critic) in place, restore optimizer and RNG states; return state.json."""
+    path = Path(path)
+    loaded = load_model(path / "policy", device=model.device, dtype=model.dtype, exact=model.ops.exact)
+    with torch.no_grad():
+        for (n, p), (n2, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert n == n2, (n, n2)
+            p.copy_(q)
+    if critic is not None:
+        sd = load_file(str(path / "critic.safetensors"), device=str(model.device))
+        critic.load_state_dict(sd)
+    opt_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    for k, opt in optimizers.items():
+        opt.load_state_dict(opt_state[k])
+    state = json.loads((path / "state.json").read_text())
+    set_rng_state(state["rng"])
+    return state

@@ -1,0 +1,105 @@
+"""AdamW with fp32 master weights when the model is bf16, and learning-rate schedules.
+
+The model the engine samples from *is* the bf16 shadow: after each step the fp32 masters are copied into it in
+place, so the engine sees new weights with no file round trip and no extra copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class MasterAdamW:
+    """AdamW over fp32 master copies of `model`'s parameters (the parameters themselves when already fp32)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+    ):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.has_master = any(p.dtype != torch.float32 for p in self.params)
+        if self.has_master:
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        else:
+            self.master = self.params
+        # foreach=False, fused=False: the plain per-parameter loop is deterministic and identical on resume.
+        self.opt = torch.optim.AdamW(
+            self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
+        )
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.has_master:
+            for m in self.master:
+                m.grad = None
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """Clip the global grad norm to max_norm (0 = no clip), step, copy masters back. Returns the norm, or
+        NaN without stepping when any gradient is not finite."""
+        if self.has_master:
+            for p, m in zip(self.params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+        grads = [m.grad for m in self.master if m.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+        norm_f = float(norm)
+        if not math.isfinite(norm_f):
+            self.zero_grad()
+            return float("nan")
+        if max_norm > 0 and norm_f > max_norm:
+            scale = max_norm / (norm_f + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        self.opt.step()
+        if self.has_master:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        self.zero_grad()
+        return norm_f
+
+    def state_dict(self) -> dict:
+        return {
+            "opt": self.opt.state_dict(),
+            "master": [m.detach().cpu() for m in self.master] if self.has_master else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        if self.has_master and state.get("master") is not None:
+            with torch.no_grad():
+                for m, saved, p in zip(self.master, state["master"], self.params):
+                    m.copy_(saved)
+                    p.copy_(m)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    frac = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    if schedule == "linear":
+        return 1.0 - frac
+    raise ValueError(f"unknown lr_schedule {schedule!r}; use constant, cosine or linear")
+
+
+def set_lr(opt: MasterAdamW, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr

@@ -1,0 +1,348 @@
+"""One RL optimizer step: packed microbatches through the shared model, the policy (and value) loss, AdamW.
+
+In exact mode the engine's rollout logprobs *are* the old logprobs (bitwise equal to what this forward computes
+before the update), so there is no recompute pass; the first minibatch of every step checks that for free and
+logs the `mismatch/*` metrics. In fast mode the old logprobs are recomputed here, and rollout correction
+(TIS / MIS) can weigh the difference to the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.algorithms import (
+    aggregate,
+    gae,
+    kl_estimate,
+    mismatch_metrics,
+    policy_loss,
+    rollout_correction,
+    value_loss,
+)
+from exactrl.model.qwen import CausalLM
+from exactrl.train.critic import ValueModel
+from exactrl.train.optim import MasterAdamW
+from exactrl.train.packing import PackedBatch, pack_by_tokens
+
+POLICY_KIND = {"grpo": "ppo", "dr_grpo": "ppo", "rloo": "ppo", "ppo": "ppo", "gspo": "gspo", "cispo": "cispo"}
+
+
+@dataclass
+class Rollout:
+    """One sampled sequence. rollout_logprobs: [len(completion_ids)] fp32, recorded by the engine."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    rollout_logprobs: torch.Tensor
+    reward: float = 0.0
+    truncated: bool = False
+    advantage: float = 0.0  # sequence-level advantage (GRPO, RLOO, GSPO); PPO computes token-level ones
+
+
+@dataclass
+class TrainerSettings:
+    """What the trainer needs from the algorithm and train config sections."""
+
+    algorithm: str = "grpo"
+    temperature: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: str = "token-mean"
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    rollout_correction: str | None = None
+    rollout_correction_threshold: float = 2.0
+    max_tokens_per_microbatch: int = 8192
+    grad_clip: float = 1.0
+    exact: bool = True
+    norm_constant: float | None = None  # Dr.GRPO's constant (defaults to the longest completion)
+    seed: int = 0
+
+
+def _pad(flat: torch.Tensor, seq_idx: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Completion rows (in order within each sequence) -> [B, max_len] padded with zeros."""
+    B, L = len(lengths), max(lengths)
+    out = flat.new_zeros(B, L)
+    starts = torch.zeros(B, dtype=torch.long, device=flat.device)
+    counts = torch.tensor(lengths, device=flat.device)
+    starts[1:] = torch.cumsum(counts, 0)[:-1]
+    pos = torch.arange(flat.shape[0], device=flat.device) - starts[seq_idx]
+    return out.index_put((seq_idx, pos), flat)
+
+
+def _mask(lengths: list[int], device) -> torch.Tensor:
+    L = max(lengths)
+    return torch.arange(L, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+
+def _padded_list(vals: list[torch.Tensor], L: int, device) -> torch.Tensor:
+    out = torch.zeros(len(vals), L, dtype=torch.float32, device=device)
+    for i, v in enumerate(vals):
+        out[i, : v.numel()] = v.to(device)
+    return out
+
+
+@dataclass
+class _Acc:
+    """Folds per-microbatch metrics into step metrics: sums add, fractions weigh by tokens, extrema fold."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weighted: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+    maxs: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for k, v in metrics.items():
+            if k.endswith("/min"):
+                self.mins[k] = min(self.mins.get(k, math.inf), v)
+            elif k.endswith("/max"):
+                self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
+            elif k.endswith(("/sum", "/sum_sq")) or k in ("num_tokens", "num_seqs"):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            else:
+                self.weighted[k] = self.weighted.get(k, 0.0) + v * weight
+                self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        out = dict(self.sums)
+        out.update(self.mins)
+        out.update(self.maxs)
+        out.update({k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.weighted.items()})
+        return out
+
+
+class PolicyTrainer:
+    """Owns the optimizer(s); `step(rollouts)` does one RL update of the shared model in place."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        settings: TrainerSettings,
+        optimizer: MasterAdamW,
+        ref_model: CausalLM | None = None,
+        critic: ValueModel | None = None,
+        critic_optimizer: MasterAdamW | None = None,
+    ):
+        if settings.algorithm not in POLICY_KIND:
+            raise ValueError(f"unknown algorithm {settings.algorithm!r}; use one of {sorted(POLICY_KIND)}")
+        if settings.algorithm == "ppo" and critic is None:
+            raise ValueError("algorithm 'ppo' needs a critic (ValueModel)")
+        if settings.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.model, self.s, self.opt = model, settings, optimizer
+        self.ref_model, self.critic, self.critic_opt = ref_model, critic, critic_optimizer
+        self.steps_done = 0
+
+    # -- forward pieces ----------------------------------------------------------------------------------
+    def _completion_logprobs(self, model: CausalLM, pb: PackedBatch, with_entropy: bool):
+        h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
+        rows = pb.response_mask.nonzero()[:, 0]
+        # Only completion rows go through the LM head: rows are independent, so the values are the same bits.
+        lp, ent = model.logprobs(h[rows], pb.targets[rows], self.s.temperature, with_entropy)
+        return lp, ent, pb.seq_index[rows]
+
+    @torch.no_grad()
+    def _score(self, model: CausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        """Per-sequence completion logprobs without grad (old or reference policy)."""
+        out: list[torch.Tensor] = []
+        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+        for mb in pack_by_tokens([len(s) - 1 for s in seqs], self.s.max_tokens_per_microbatch):
+            pb = PackedBatch.build(
+                [seqs[i] for i in mb], [len(rollouts[i].prompt_ids) for i in mb], model.device
+            )
+            lp, _, sidx = self._completion_logprobs(model, pb, False)
+            out += [lp[sidx == j].float().cpu() for j in range(len(mb))]
+        return out
+
+    @torch.no_grad()
+    def _values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+        for mb in pack_by_tokens([len(s) - 1 for s in seqs], self.s.max_tokens_per_microbatch):
+            pb = PackedBatch.build(
+                [seqs[i] for i in mb], [len(rollouts[i].prompt_ids) for i in mb], self.model.device
+            )
+            v = self.critic(pb)
+            out += [v[(pb.seq_index == j) & pb.response_mask].cpu() for j in range(len(mb))]
+        return out
+
+    # -- the step ----------------------------------------------------------------------------------------
+    def step(self, rollouts: list[Rollout]) -> dict[str, float]:
+        s = self.s
+        dev = self.model.device
+        if not rollouts:
+            raise ValueError("a training step needs at least one rollout")
+        lengths = [len(r.completion_ids) for r in rollouts]
+        if min(lengths) < 1:
+            raise ValueError("every rollout needs at least one completion token")
+        L = max(lengths)
+        full_mask = _mask(lengths, "cpu")
+        rollout_lp = _padded_list([r.rollout_logprobs for r in rollouts], L, "cpu")
+        metrics: dict[str, float] = {}
+
+        ref_lp = None
+        if self.ref_model is not None and s.kl_coef > 0:
+            ref_lp = _padded_list(self._score(self.ref_model, rollouts), L, "cpu")
+
+        # Old logprobs: in exact mode they are the rollout's, bit for bit (checked below on the first minibatch).
+        weights = None
+        if s.exact:
+            old_lp = rollout_lp
+        else:
+            old_lp = _padded_list(self._score(self.model, rollouts), L, "cpu")
+            metrics.update(mismatch_metrics(rollout_lp, old_lp, full_mask))
+            if s.rollout_correction:
+                weights, full_mask, corr = rollout_correction(
+                    old_lp,
+                    rollout_lp,
+                    full_mask,
+                    mode=s.rollout_correction,
+                    threshold=s.rollout_correction_threshold,
+                )
+                metrics.update(corr)
+
+        # Advantages: sequence-level from the caller, or GAE over token rewards with the critic.
+        if s.algorithm == "ppo":
+            old_values = _padded_list(self._values(rollouts), L, "cpu")
+            token_rewards = torch.zeros(len(rollouts), L)
+            for i, r in enumerate(rollouts):
+                token_rewards[i, lengths[i] - 1] = r.reward
+            if ref_lp is not None and s.kl_in_reward:
+                token_rewards = token_rewards - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind) * full_mask
+            advantages, returns = gae(token_rewards, old_values, full_mask, s.gamma, s.lam)
+        else:
+            advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(
+                -1, L
+            )
+            if ref_lp is not None and s.kl_in_reward:
+                advantages = advantages - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind)
+            old_values = returns = None
+
+        kind = POLICY_KIND[s.algorithm]
+        norm_constant = s.norm_constant or float(L)
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
+        acc = _Acc()
+        grad_norms, nan_skips, num_updates = [], 0, 0
+        use_loss_kl = ref_lp is not None and not s.kl_in_reward
+        for epoch in range(s.ppo_epochs):
+            order = torch.arange(len(rollouts)) if epoch == 0 else torch.randperm(len(rollouts), generator=g)
+            for mb_i, mb_idx in enumerate(torch.tensor_split(order, min(s.minibatches, len(rollouts)))):
+                mb_idx = mb_idx.tolist()
+                if not mb_idx:
+                    continue
+                check_mismatch = epoch == 0 and mb_i == 0 and s.exact
+                n_tok = int(full_mask[mb_idx].sum())
+                divisor = n_tok if s.aggregation == "token-mean" else len(mb_idx)
+                if divisor == 0:
+                    continue
+                finite = True
+                mm_parts = []
+                seqs = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in mb_idx]
+                for micro in pack_by_tokens([len(x) - 1 for x in seqs], s.max_tokens_per_microbatch):
+                    ids = [mb_idx[j] for j in micro]
+                    pb = PackedBatch.build(
+                        [seqs[j] for j in micro], [len(rollouts[i].prompt_ids) for i in ids], dev
+                    )
+                    lp_flat, ent_flat, sidx = self._completion_logprobs(self.model, pb, True)
+                    lens = [lengths[i] for i in ids]
+                    lp = _pad(lp_flat, sidx, lens)
+                    ent = _pad(ent_flat, sidx, lens)
+                    Lm = max(lens)
+                    m = full_mask[ids, :Lm].to(dev)
+                    if check_mismatch:
+                        mm_parts.append((rollout_lp[ids, :Lm], lp.detach().cpu(), _mask(lens, "cpu")))
+                    loss, pm = policy_loss(
+                        lp,
+                        old_lp[ids, :Lm].to(dev),
+                        advantages[ids, :Lm].to(dev),
+                        m,
+                        kind=kind,
+                        eps_low=s.eps_low,
+                        eps_high=s.eps_high,
+                        dual_clip=s.dual_clip,
+                        aggregation=s.aggregation,
+                        loss_divisor=divisor,
+                        norm_constant=norm_constant,
+                        is_weights=None if weights is None else weights[ids, :Lm].to(dev),
+                    )
+                    ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
+                    total = loss - s.entropy_coef * ent_term
+                    pm["entropy"] = float(ent_term.detach()) * divisor / max(1, int(m.sum()))
+                    if use_loss_kl:
+                        kl = kl_estimate(lp, ref_lp[ids, :Lm].to(dev), s.kl_kind)
+                        kl_term = aggregate(
+                            kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
+                        )
+                        total = total + s.kl_coef * kl_term
+                        pm["kl_ref"] = float(kl_term.detach()) * divisor / max(1, int(m.sum()))
+                    if not torch.isfinite(total):
+                        finite = False
+                        break
+                    total.backward()
+                    w = float(m.sum())
+                    pm["loss"] = float(total.detach()) * divisor / max(w, 1.0)
+                    acc.add(pm, w)
+                    if self.critic is not None:
+                        v_flat = self.critic(pb)
+                        v = _pad(v_flat[pb.response_mask], pb.seq_index[pb.response_mask], lens)
+                        vl, vm = value_loss(
+                            v,
+                            old_values[ids, :Lm].to(dev),
+                            returns[ids, :Lm].to(dev),
+                            m,
+                            clip=s.value_clip,
+                            aggregation=s.aggregation,
+                            loss_divisor=divisor,
+                            norm_constant=norm_constant,
+                        )
+                        (s.vf_coef * vl).backward()
+                        acc.add(vm, w)
+                if check_mismatch and mm_parts:
+                    r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])
+                    t_all = torch.cat([_pad_to(p[1], L) for p in mm_parts])
+                    k_all = torch.cat([_pad_to(p[2], L) for p in mm_parts])
+                    metrics.update(mismatch_metrics(r_all, t_all, k_all))
+                if not finite:
+                    nan_skips += 1
+                    self.opt.zero_grad()
+                    if self.critic_opt is not None:
+                        self.critic_opt.zero_grad()
+                    continue
+                norm = self.opt.clip_and_step(s.grad_clip)
+                if self.critic_opt is not None:
+                    metrics["critic/grad_norm"] = self.critic_opt.clip_and_step(s.grad_clip)
+                if math.isnan(norm):
+                    nan_skips += 1
+                else:
+                    grad_norms.append(norm)
+                    num_updates += 1
+        self.steps_done += 1
+        out = acc.result()
+        n = out.get("num_tokens", 0.0)
+        if n and "ratio/sum" in out:
+            out["ratio/mean"] = out["ratio/sum"] / n
+        out.update(metrics)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out["nan_skipped"] = float(nan_skips)
+        out["optimizer_steps"] = float(num_updates)
+        out["lr"] = float(self.opt.param_groups[0]["lr"])
+        return out
+
+
+def _pad_to(x: torch.Tensor, L: int) -> torch.Tensor:
+    if x.shape[1] == L:
+        return x
+    return torch.nn.functional.pad(x, (0, L - x.shape[1]))
