@@ -1,0 +1,1095 @@
+"""Typed run configuration: dataclasses, TOML in and out, ``--set`` overrides, validation.
+
+A run is described by one TOML file with one table per section (``[run]``, ``[model]``, ``[engine]``,
+``[sampling]``, ``[task]``, ``[reward]``, ``[algorithm]``, ``[train]``, ``[sft]``). Every key is optional; a
+missing key keeps the default written below. Command-line overrides use ``section.key=value`` where the
+value is a TOML literal (``1e-5``, ``true``, ``[1, 2]``, ``"x"``); a bare word that is not valid TOML is taken
+as a string. TOML has no null: on a field that may be None, the strings ``none`` / ``null`` mean None.
+
+The machinery (:func:`config_from_dict`, :func:`dump_toml`, :func:`apply_overrides`, :func:`field_docs`, ...)
+is generic over any tree of dataclasses; the schema is :class:`RunConfig`. Every field carries a docstring
+(a string literal right after it), which :func:`config_reference_markdown` renders into the reference.
+
+``python -m exactrl.config`` prints the Markdown reference; ``python -m exactrl.config --toml`` prints the
+defaults as TOML.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+import re
+import sys
+import textwrap
+import types
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 needs the tomli backport
+    import tomli as tomllib
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RunConfig",
+    "RunSection",
+    "SFTConfig",
+    "SamplingConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_reference_markdown",
+    "config_to_dict",
+    "dump_toml",
+    "field_docs",
+    "load_config",
+    "parse_override",
+    "resolve_device",
+    "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration is malformed: unknown key, wrong type, or a failed validation check.
+
+    ``key`` is the dotted name of the offending field (``"train.lr"``) when there is one.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------------------------------
+
+Dtype = Literal["float32", "bfloat16"]
+TaskName = Literal["arithmetic", "jsonl"]
+AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "gspo", "ppo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AdvScale = Literal["group", "batch", "none"]
+KLKind = Literal["k1", "k2", "k3"]
+RolloutCorrection = Literal["token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"]
+LRSchedule = Literal["constant", "cosine", "linear"]
+
+ARITHMETIC_OPS = ("+", "-", "*")
+_DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _fail(key: str, message: str) -> None:
+    raise ConfigError(f"{key} {message}", key=key)
+
+
+def _check_positive(value: float, key: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        _fail(key, f"must be > 0, got {value!r}")
+
+
+def _check_nonneg(value: float, key: str) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        _fail(key, f"must be >= 0, got {value!r}")
+
+
+def _check_at_least(value: int, minimum: int, key: str) -> None:
+    if value < minimum:
+        _fail(key, f"must be >= {minimum}, got {value!r}")
+
+
+@dataclass
+class RunSection:
+    """Run identity, output location, seeding and logging."""
+
+    name: str = "run"
+    """Human-readable run name, used in logs and the TensorBoard run label."""
+    output_dir: str = "runs/run"
+    """Directory for checkpoints, metrics, the saved config and TensorBoard events."""
+    seed: int = 0
+    """Seed for all random number generators (data order, sampling, model init)."""
+    device: str = "auto"
+    """Torch device: "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
+    exact: bool = True
+    """Use batch-invariant kernels so rollout logprobs are bitwise equal to the trainer's; false = fast kernels."""
+    log_every: int = 1
+    """Log metrics every this many optimizer steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to output_dir."""
+    progress: bool = True
+    """Show a progress bar on the terminal."""
+
+    def validate(self) -> None:
+        if not self.name.strip():
+            _fail("run.name", "must not be empty")
+        if not self.output_dir.strip():
+            _fail("run.output_dir", "must not be empty")
+        _check_at_least(self.seed, 0, "run.seed")
+        if not _DEVICE_RE.fullmatch(self.device):
+            _fail("run.device", f"must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
+        _check_at_least(self.log_every, 1, "run.log_every")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train: a random-init preset shape or a local Hugging Face checkpoint."""
+
+    preset: str | None = None
+    """Name of a built-in model shape to initialise randomly (set exactly one of preset and path)."""
+    path: str | None = None
+    """Local Hugging Face checkpoint directory (config.json + safetensors) to load (exactly one of preset/path)."""
+    dtype: Dtype = "float32"
+    """Parameter and activation dtype: "float32" or "bfloat16"."""
+    fp32_lm_head: bool = False
+    """Keep the LM head (final projection to vocabulary logits) in float32 even when dtype is bfloat16."""
+    tokenizer: str | None = None
+    """Path to a tokenizer.json; defaults to the one inside path."""
+
+    def validate(self) -> None:
+        if (self.preset is None) == (self.path is None):
+            _fail("model.preset", "or model.path: set exactly one of them")
+        if self.preset is not None and not self.preset.strip():
+            _fail("model.preset", "must not be empty")
+        if self.path is not None and not self.path.strip():
+            _fail("model.path", "must not be empty")
+
+
+@dataclass
+class EngineConfig:
+    """Rollout engine: paged KV cache, scheduler limits and CUDA graphs."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block; must be a multiple of 16."""
+    num_kv_blocks: int | None = None
+    """Number of KV-cache blocks; unset = sized from kv_memory_fraction of free device memory."""
+    kv_memory_fraction: float = 0.3
+    """Fraction of free device memory given to the KV cache when num_kv_blocks is unset, in (0, 1]."""
+    max_num_seqs: int = 256
+    """Maximum number of sequences the scheduler runs concurrently."""
+    max_num_batched_tokens: int = 4096
+    """Maximum number of tokens (prefill + decode) in one engine forward pass."""
+    prefill_chunk_size: int = 2048
+    """Long prompts are prefilled in chunks of at most this many tokens."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs (ignored on CPU)."""
+    max_model_len: int = 2048
+    """Maximum total sequence length (prompt + completion) the engine accepts."""
+
+    def validate(self) -> None:
+        _check_at_least(self.block_size, 16, "engine.block_size")
+        if self.block_size % 16:
+            _fail("engine.block_size", f"must be a multiple of 16, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _check_at_least(self.num_kv_blocks, 1, "engine.num_kv_blocks")
+        if not (0 < self.kv_memory_fraction <= 1):
+            _fail("engine.kv_memory_fraction", f"must be in (0, 1], got {self.kv_memory_fraction!r}")
+        _check_at_least(self.max_num_seqs, 1, "engine.max_num_seqs")
+        _check_at_least(self.max_num_batched_tokens, 1, "engine.max_num_batched_tokens")
+        _check_at_least(self.prefill_chunk_size, 1, "engine.prefill_chunk_size")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            _fail(
+                "engine.prefill_chunk_size",
+                f"({self.prefill_chunk_size}) must be <= engine.max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})",
+            )
+        _check_at_least(self.max_model_len, 1, "engine.max_model_len")
+
+
+@dataclass
+class SamplingConfig:
+    """How rollouts are sampled from the policy."""
+
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy. Logprobs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set with this much probability mass, in (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    max_tokens: int = 128
+    """Maximum number of generated tokens per completion."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion when generated (the stop string is kept in the text)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a completion, besides the tokenizer's end-of-sequence token."""
+
+    def validate(self) -> None:
+        _check_nonneg(self.temperature, "sampling.temperature")
+        if not (0 < self.top_p <= 1):
+            _fail("sampling.top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check_at_least(self.top_k, 0, "sampling.top_k")
+        _check_at_least(self.max_tokens, 1, "sampling.max_tokens")
+        for i, s in enumerate(self.stop):
+            if not s:
+                _fail(f"sampling.stop[{i}]", "must not be an empty string")
+        for i, t in enumerate(self.stop_token_ids):
+            _check_at_least(t, 0, f"sampling.stop_token_ids[{i}]")
+
+
+@dataclass
+class TaskConfig:
+    """The prompts to train and evaluate on: the built-in arithmetic task or a JSONL dataset."""
+
+    name: TaskName = "arithmetic"
+    """Task: "arithmetic" (generated sums, no data needed) or "jsonl" (prompts and answers from path)."""
+    path: str | None = None
+    """Training JSONL file, one object per line with prompt_field and answer_field (required for "jsonl")."""
+    eval_path: str | None = None
+    """Evaluation JSONL file; unset = a held-out split (arithmetic: fresh problems with another seed)."""
+    prompt_field: str = "prompt"
+    """JSONL field holding the prompt text."""
+    answer_field: str = "answer"
+    """JSONL field holding the reference answer passed to the reward functions."""
+    use_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template (when it has one)."""
+    system_prompt: str | None = None
+    """System message prepended when the chat template is used; unset = none."""
+    num_eval: int = 200
+    """Number of evaluation prompts."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 = only before and after training."""
+    eval_samples: int = 1
+    """Completions sampled per evaluation prompt (metrics are averaged)."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 = greedy."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this many tokens are dropped."""
+    arithmetic_max_operand: int = 20
+    """Arithmetic task: operands are drawn uniformly from 0..arithmetic_max_operand."""
+    arithmetic_ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    """Arithmetic task: operators to draw from, a subset of "+", "-", "*"."""
+    arithmetic_num_terms: int = 2
+    """Arithmetic task: number of operands in each expression."""
+
+    def validate(self) -> None:
+        if self.name == "jsonl" and not self.path:
+            _fail("task.path", 'is required when task.name = "jsonl"')
+        if not self.prompt_field:
+            _fail("task.prompt_field", "must not be empty")
+        if not self.answer_field:
+            _fail("task.answer_field", "must not be empty")
+        _check_at_least(self.num_eval, 0, "task.num_eval")
+        _check_at_least(self.eval_every, 0, "task.eval_every")
+        _check_at_least(self.eval_samples, 1, "task.eval_samples")
+        _check_nonneg(self.eval_temperature, "task.eval_temperature")
+        _check_at_least(self.max_prompt_tokens, 1, "task.max_prompt_tokens")
+        _check_at_least(self.arithmetic_max_operand, 1, "task.arithmetic_max_operand")
+        if not self.arithmetic_ops:
+            _fail("task.arithmetic_ops", "must not be empty")
+        for i, op in enumerate(self.arithmetic_ops):
+            if op not in ARITHMETIC_OPS:
+                _fail(f"task.arithmetic_ops[{i}]", f"must be one of {list(ARITHMETIC_OPS)}, got {op!r}")
+        if len(set(self.arithmetic_ops)) != len(self.arithmetic_ops):
+            _fail("task.arithmetic_ops", f"has duplicates: {self.arithmetic_ops}")
+        _check_at_least(self.arithmetic_num_terms, 2, "task.arithmetic_num_terms")
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions applied to each completion; the reward is their weighted sum."""
+
+    functions: list[str] = field(default_factory=lambda: ["numeric_match"])
+    """Reward functions: built-in names (e.g. "numeric_match") or "module:function" import paths."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per function; empty = all 1.0."""
+    timeout_s: float = 5.0
+    """Seconds a reward function may run on one completion before it scores 0."""
+
+    def validate(self) -> None:
+        if not self.functions:
+            _fail("reward.functions", "must name at least one reward function")
+        for i, name in enumerate(self.functions):
+            if not name.strip():
+                _fail(f"reward.functions[{i}]", "must not be empty")
+        if self.weights and len(self.weights) != len(self.functions):
+            _fail(
+                "reward.weights",
+                f"must be empty or have one weight per function ({len(self.functions)}), "
+                f"got {len(self.weights)}",
+            )
+        for i, w in enumerate(self.weights):
+            if not math.isfinite(w):
+                _fail(f"reward.weights[{i}]", f"must be finite, got {w!r}")
+        _check_positive(self.timeout_s, "reward.timeout_s")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective: advantages, clipping, loss aggregation, KL, value function, rollout correction."""
+
+    name: AlgorithmName = "grpo"
+    """Algorithm: "grpo", "dr_grpo", "rloo", "gspo" (sequence-level ratio) or "ppo" (learned critic, GAE)."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are computed within each group."""
+    rollouts_per_step: int = 64
+    """Sequences per optimizer step (prompts per step = rollouts_per_step / group_size)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    minibatches_per_rollout: int = 1
+    """Optimizer steps per pass over a rollout batch; rollouts_per_step must be divisible by it."""
+    eps_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip range: the ratio is clipped at 1 + eps_high (raise it for DAPO-style clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; unset = off."""
+    aggregation: Aggregation = "token-mean"
+    """How per-token losses are reduced to a scalar: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"."""
+    adv_scale: AdvScale = "group"
+    """Divide advantages by the reward std of the "group", of the whole "batch", or "none"."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference (initial) policy; 0 = no reference model."""
+    kl_kind: KLKind = "k3"
+    """KL estimator: "k1" (log ratio), "k2" (squared log ratio / 2) or "k3" (unbiased, non-negative)."""
+    kl_in_reward: bool = False
+    """Subtract the KL penalty from the reward instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus in the loss; 0 = off."""
+    gamma: float = 1.0
+    """PPO: discount factor, in [0, 1]."""
+    lam: float = 1.0
+    """PPO: GAE lambda, in [0, 1]."""
+    value_clip: float | None = 0.2
+    """PPO: clip value predictions to within this distance of the old values; none = off."""
+    vf_coef: float = 0.5
+    """PPO: coefficient of the value loss."""
+    rollout_correction: RolloutCorrection | None = None
+    """Importance correction for rollout/trainer mismatch: "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"; unset = off."""
+    rollout_correction_threshold: float = 2.0
+    """Truncation (TIS) or masking (MIS, IcePop) threshold on the trainer/rollout probability ratio."""
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts per optimizer step (rollouts_per_step / group_size)."""
+        return self.rollouts_per_step // self.group_size
+
+    def validate(self) -> None:
+        _check_at_least(self.group_size, 1, "algorithm.group_size")
+        if self.name == "rloo" and self.group_size < 2:
+            _fail("algorithm.group_size", f'must be >= 2 for "rloo", got {self.group_size}')
+        _check_at_least(self.rollouts_per_step, 1, "algorithm.rollouts_per_step")
+        if self.rollouts_per_step % self.group_size:
+            _fail(
+                "algorithm.rollouts_per_step",
+                f"({self.rollouts_per_step}) must be divisible by algorithm.group_size ({self.group_size})",
+            )
+        _check_at_least(self.ppo_epochs, 1, "algorithm.ppo_epochs")
+        _check_at_least(self.minibatches_per_rollout, 1, "algorithm.minibatches_per_rollout")
+        if self.rollouts_per_step % self.minibatches_per_rollout:
+            _fail(
+                "algorithm.rollouts_per_step",
+                f"({self.rollouts_per_step}) must be divisible by algorithm.minibatches_per_rollout "
+                f"({self.minibatches_per_rollout})",
+            )
+        if not (0 <= self.eps_low < 1):
+            _fail("algorithm.eps_low", f"must be in [0, 1), got {self.eps_low!r}")
+        _check_nonneg(self.eps_high, "algorithm.eps_high")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
+            _fail("algorithm.dual_clip", f"must be > 1 (or unset), got {self.dual_clip!r}")
+        _check_nonneg(self.kl_coef, "algorithm.kl_coef")
+        if not math.isfinite(self.entropy_coef):
+            _fail("algorithm.entropy_coef", f"must be finite, got {self.entropy_coef!r}")
+        if not (0 <= self.gamma <= 1):
+            _fail("algorithm.gamma", f"must be in [0, 1], got {self.gamma!r}")
+        if not (0 <= self.lam <= 1):
+            _fail("algorithm.lam", f"must be in [0, 1], got {self.lam!r}")
+        if self.value_clip is not None:
+            _check_positive(self.value_clip, "algorithm.value_clip")
+        _check_nonneg(self.vf_coef, "algorithm.vf_coef")
+        _check_positive(self.rollout_correction_threshold, "algorithm.rollout_correction_threshold")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation of the policy (and the PPO critic): steps, AdamW, schedule, microbatching, checkpoints."""
+
+    steps: int = 100
+    """Number of RL optimizer steps (each consumes algorithm.rollouts_per_step rollouts)."""
+    lr: float = 1e-5
+    """Peak learning rate of the policy."""
+    critic_lr: float = 1e-5
+    """Peak learning rate of the PPO critic."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup from 0 over this many steps."""
+    lr_schedule: LRSchedule = "constant"
+    """Learning rate after warmup: "constant", or "cosine" / "linear" decay to 0 at the last step."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed forward/backward microbatch (gradients are accumulated across them)."""
+    save_every: int = 50
+    """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Number of most recent checkpoints kept on disk; older ones are deleted."""
+    max_nan_steps: int = 3
+    """Abort after this many consecutive steps with a non-finite loss or gradient (those steps are skipped)."""
+
+    def validate(self) -> None:
+        _check_at_least(self.steps, 0, "train.steps")
+        _check_positive(self.lr, "train.lr")
+        _check_positive(self.critic_lr, "train.critic_lr")
+        _check_nonneg(self.weight_decay, "train.weight_decay")
+        if len(self.betas) != 2:
+            _fail("train.betas", f"must have exactly 2 values, got {len(self.betas)}")
+        for i, b in enumerate(self.betas):
+            if not (0 <= b < 1):
+                _fail(f"train.betas[{i}]", f"must be in [0, 1), got {b!r}")
+        _check_positive(self.grad_clip, "train.grad_clip")
+        _check_at_least(self.warmup_steps, 0, "train.warmup_steps")
+        _check_at_least(self.max_tokens_per_microbatch, 1, "train.max_tokens_per_microbatch")
+        _check_at_least(self.save_every, 0, "train.save_every")
+        _check_at_least(self.keep_checkpoints, 1, "train.keep_checkpoints")
+        _check_at_least(self.max_nan_steps, 0, "train.max_nan_steps")
+
+
+@dataclass
+class SFTConfig:
+    """Optional supervised warm start on the task's reference answers before RL."""
+
+    steps: int = 0
+    """Supervised fine-tuning steps before RL; 0 = no SFT warm start."""
+    lr: float = 1e-3
+    """SFT learning rate (AdamW, using train.betas and train.weight_decay)."""
+    batch_size: int = 32
+    """Prompt/answer pairs per SFT step."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many SFT steps."""
+    checkpoint: str | None = None
+    """Start RL from this existing SFT checkpoint directory instead of running SFT."""
+
+    def validate(self) -> None:
+        _check_at_least(self.steps, 0, "sft.steps")
+        _check_positive(self.lr, "sft.lr")
+        _check_at_least(self.batch_size, 1, "sft.batch_size")
+        _check_at_least(self.warmup_steps, 0, "sft.warmup_steps")
+        if self.checkpoint is not None and self.steps > 0:
+            _fail("sft.checkpoint", "and sft.steps > 0 are exclusive: load a checkpoint or run SFT, not both")
+
+
+@dataclass
+class RunConfig:
+    """The complete configuration of a run; one attribute per TOML section."""
+
+    run: RunSection = field(default_factory=RunSection)
+    """Run identity, output location, seeding and logging."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to train: a random-init preset shape or a local Hugging Face checkpoint."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Rollout engine: paged KV cache, scheduler limits and CUDA graphs."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How rollouts are sampled from the policy."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts to train and evaluate on: the built-in arithmetic task or a JSONL dataset."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions applied to each completion; the reward is their weighted sum."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL objective: advantages, clipping, loss aggregation, KL, value function, rollout correction."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation of the policy (and the PPO critic): steps, AdamW, schedule, microbatching, checkpoints."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Optional supervised warm start on the task's reference answers before RL."""
+
+    def validate(self) -> None:
+        """Run every section's checks, then the checks that span sections. Raises ConfigError."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        seq_len = self.task.max_prompt_tokens + self.sampling.max_tokens
+        if seq_len > self.engine.max_model_len:
+            _fail(
+                "engine.max_model_len",
+                f"({self.engine.max_model_len}) must be >= task.max_prompt_tokens + sampling.max_tokens "
+                f"({self.task.max_prompt_tokens} + {self.sampling.max_tokens} = {seq_len})",
+            )
+        if seq_len > self.train.max_tokens_per_microbatch:
+            _fail(
+                "train.max_tokens_per_microbatch",
+                f"({self.train.max_tokens_per_microbatch}) must fit one full sequence: "
+                f"task.max_prompt_tokens + sampling.max_tokens = {seq_len}",
+            )
+
+
+def resolve_device(cfg: RunConfig | str) -> str:
+    """The torch device string for ``cfg.run.device`` (or a device string): "auto" -> "cuda" if available else "cpu"."""
+    device = cfg if isinstance(cfg, str) else cfg.run.device
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generic machinery: dict/TOML -> dataclasses with type checking
+# ----------------------------------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+_NoneType = type(None)
+_NONE_WORDS = frozenset({"none", "null"})
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    """A readable name for an annotation: ``float | None``, ``list[str]``, ``"a" | "b"``."""
+    if tp is _NoneType or tp is None:
+        return "None"
+    if tp is Any:
+        return "any"
+    if _is_dataclass_type(tp):
+        return "table"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in get_args(tp))
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, dict, tuple):
+        args = get_args(tp)
+        inner = ", ".join(_type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]" if args else origin.__name__
+    return getattr(tp, "__name__", repr(tp))
+
+
+def _expected(tp: Any) -> str:
+    """How a type is described in an error message."""
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return _type_name(tp)
+
+
+def _show(value: Any) -> str:
+    r = repr(value)
+    if len(r) > 80:
+        r = r[:77] + "..."
+    return f"{r} ({type(value).__name__})"
+
+
+def _in(where: str | None) -> str:
+    return f" in {where}" if where else ""
+
+
+def _type_error(key: str, expected: str, value: Any, where: str | None, hint: str = "") -> ConfigError:
+    return ConfigError(f"{key}: expected {expected}, got {_show(value)}{_in(where)}{hint}", key=key)
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf field under a dataclass type."""
+    out: list[str] = []
+    hints = _hints(cls)
+    for name in _init_fields(cls):
+        key = f"{prefix}{name}"
+        if _is_dataclass_type(hints[name]):
+            out.extend(_all_keys(hints[name], key + "."))
+        else:
+            out.append(key)
+    return out
+
+
+def _all_sections(cls: type, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    hints = _hints(cls)
+    for name in _init_fields(cls):
+        if _is_dataclass_type(hints[name]):
+            out.append(f"{prefix}{name}")
+            out.extend(_all_sections(hints[name], f"{prefix}{name}."))
+    return out
+
+
+@dataclass
+class _Ctx:
+    root: type
+    where: str | None
+
+
+def _unknown_error(cls: type, prefix: str, name: str, is_section: bool, ctx: _Ctx) -> ConfigError:
+    """'unknown key 'train.lrr' in x.toml; did you mean 'train.lr'?' with the best suggestion we can find."""
+    full = f"{prefix}{name}"
+    hints = _hints(cls)
+    siblings = list(_init_fields(cls))
+    suggestion: str | None = None
+    if is_section:
+        candidates = [n for n in siblings if _is_dataclass_type(hints[n])]
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+        if close:
+            suggestion = f"[{prefix}{close[0]}]"
+        else:
+            sections = _all_sections(ctx.root)
+            close = difflib.get_close_matches(full, sections, n=1, cutoff=0.6)
+            if close:
+                suggestion = f"[{close[0]}]"
+    else:
+        close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+        if close:
+            suggestion = f"{prefix}{close[0]}"
+        else:
+            keys = _all_keys(ctx.root)
+            same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+            if same_leaf:
+                suggestion = same_leaf[0]
+            else:
+                leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+                close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+                if close:
+                    suggestion = leaves[close[0]]
+    shown = f"[{full}]" if is_section else full
+    msg = f"unknown {'section' if is_section else 'key'} '{shown}'{_in(ctx.where)}"
+    if suggestion is not None:
+        msg += f"; did you mean '{suggestion}'?"
+    else:
+        valid = ", ".join(siblings)
+        msg += f"; valid keys{f' in [{prefix[:-1]}]' if prefix else ''}: {valid}"
+    return ConfigError(msg, key=full)
+
+
+def _build(cls: type[_T], data: Any, prefix: str, ctx: _Ctx) -> _T:
+    """Instantiate dataclass ``cls`` from a dict, type-checking every value."""
+    if not isinstance(data, dict):
+        raise _type_error(prefix[:-1] or "<root>", "table", data, ctx.where)
+    fields = _init_fields(cls)
+    hints = _hints(cls)
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown_error(cls, prefix, str(name), isinstance(value, dict), ctx)
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], f"{prefix}{name}", ctx)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required key '{prefix}{name}'{_in(ctx.where)}", key=f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _convert(value: Any, tp: Any, key: str, ctx: _Ctx) -> Any:
+    """Check ``value`` against annotation ``tp`` and return it (ints widened to float, lists copied)."""
+    if tp is Any:
+        return copy.deepcopy(value)
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise _type_error(key, "table", value, ctx.where)
+        return _build(tp, value, key + ".", ctx)
+    origin = get_origin(tp)
+    if _is_union(tp):
+        args = get_args(tp)
+        optional = _NoneType in args
+        if value is None and optional:
+            return None
+        if optional and isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
+            return None
+        arms = [a for a in args if a is not _NoneType]
+        first_error: ConfigError | None = None
+        for arm in arms:
+            try:
+                return _convert(value, arm, key, ctx)
+            except ConfigError as e:
+                first_error = first_error or e
+        if len(arms) == 1 and first_error is not None and first_error.key != key:
+            raise first_error  # a nested element failed: its message is the precise one
+        expected = _expected(arms[0]) if len(arms) == 1 else " | ".join(_type_name(a) for a in arms)
+        if optional:
+            expected += " or None" if len(arms) == 1 and get_origin(arms[0]) is Literal else " | None"
+        raise _type_error(key, expected, value, ctx.where)
+    if origin is Literal:
+        allowed = get_args(tp)
+        for a in allowed:
+            if value == a and type(value) is type(a):
+                return a
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [a for a in allowed if isinstance(a, str)], n=1)
+            if close:
+                hint = f"; did you mean {close[0]!r}?"
+        raise _type_error(key, _expected(tp), value, ctx.where, hint)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, "bool", value, ctx.where)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(key, "int", value, ctx.where)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(key, "float", value, ctx.where)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(key, "str", value, ctx.where)
+    if tp is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, _type_name(tp), value, ctx.where)
+        (elem,) = get_args(tp) or (Any,)
+        return [_convert(v, elem, f"{key}[{i}]", ctx) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, _type_name(tp), value, ctx.where)
+        _, vt = get_args(tp) or (str, Any)
+        return {str(k): _convert(v, vt, f"{key}.{k}", ctx) for k, v in value.items()}
+    raise TypeError(f"{key}: unsupported annotation {tp!r} in a config dataclass")
+
+
+def config_from_dict(d: dict[str, Any], cls: type[_T] = RunConfig, source: str | None = None) -> _T:  # type: ignore[assignment]
+    """Build ``cls`` from a nested dict (as parsed from TOML); missing keys keep their defaults.
+
+    Unknown keys/sections and wrong types raise :class:`ConfigError`; ``source`` (a file name) is named in
+    the message. Does not run ``validate()``.
+    """
+    return _build(cls, d, "", _Ctx(root=cls, where=source))
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The nested-dict form of a config dataclass (None values kept; lists copied)."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
+        raise TypeError(f"config_to_dict expects a dataclass instance, got {type(cfg).__name__}")
+    return conv(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Overrides
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _parse_literal(text: str) -> Any:
+    """A TOML literal (``1e-5``, ``true``, ``[1, 2]``, ``"x"``), or the text itself when it is not one."""
+    try:
+        parsed = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    return parsed["v"] if list(parsed) == ["v"] else text
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``"section.key=value"`` into the dotted key and the value parsed as a TOML literal."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"bad override {item!r}: expected section.key=value")
+    return key, _parse_literal(raw.strip())
+
+
+def apply_overrides(cfg: _T, overrides: Iterable[str]) -> _T:
+    """Return a copy of ``cfg`` with each ``section.key=value`` override applied and type-checked.
+
+    The value is a TOML literal; when that does not fit the field's type, the raw text is tried as a string
+    (so ``run.name=42`` gives ``"42"``) and as a Python number (``.5``). Does not run ``validate()``.
+    """
+    cfg = copy.deepcopy(cfg)
+    root = type(cfg)
+    for item in overrides:
+        key, value = parse_override(item)
+        raw = item.partition("=")[2].strip()
+        ctx = _Ctx(root=root, where=f"--set {item}")
+        parts = key.split(".")
+        obj: Any = cfg
+        prefix = ""
+        for i, part in enumerate(parts):
+            cls = type(obj)
+            fields = _init_fields(cls)
+            last = i == len(parts) - 1
+            if part not in fields:
+                raise _unknown_error(cls, prefix, part, not last, ctx)
+            tp = _hints(cls)[part]
+            if not last:
+                if not _is_dataclass_type(tp):
+                    raise ConfigError(
+                        f"'{prefix}{part}' is not a section (in --set {item})", key=f"{prefix}{part}"
+                    )
+                obj = getattr(obj, part)
+                prefix += part + "."
+                continue
+            if _is_dataclass_type(tp):
+                raise ConfigError(
+                    f"'{key}' is a section; set one of its keys, e.g. --set {key}.<key>=value", key=key
+                )
+            setattr(obj, part, _convert_override(value, raw, tp, key, ctx))
+    return cfg
+
+
+def _convert_override(value: Any, raw: str, tp: Any, key: str, ctx: _Ctx) -> Any:
+    candidates: list[Any] = [value]
+    if raw != value:
+        candidates.append(raw)
+    for number in (int, float):
+        try:
+            candidates.append(number(raw))
+            break
+        except ValueError:
+            pass
+    error: ConfigError | None = None
+    for candidate in candidates:
+        try:
+            return _convert(candidate, tp, key, ctx)
+        except ConfigError as e:
+            error = error or e
+    assert error is not None
+    raise error
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading and saving
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    cls: type[_T] = RunConfig,  # type: ignore[assignment]
+) -> _T:
+    """Read a TOML config (``None`` = all defaults), apply ``section.key=value`` overrides, validate.
+
+    Raises :class:`ConfigError` for invalid TOML, unknown keys, wrong types and failed checks.
+    """
+    if path is None:
+        data: dict[str, Any] = {}
+        source = None
+    else:
+        source = str(path)
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"invalid TOML in {source}: {e}") from e
+    cfg = config_from_dict(data, cls, source=source)
+    cfg = apply_overrides(cfg, overrides)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        validate()
+    return cfg
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_str(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.fullmatch(k) else _toml_str(k)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # shortest repr round-trips exactly; inf/nan/1e-05 are valid TOML
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None)
+        return "{ " + items + " }" if items else "{}"
+    raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _toml_tree(obj: Any) -> Any:
+    """Dataclasses -> dicts. None is omitted when it is the default, else written as the string "none"."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            v = getattr(obj, f.name)
+            if v is None:
+                if _default_of(f) is not None:
+                    out[f.name] = "none"
+                continue
+            out[f.name] = _toml_tree(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_toml_tree(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _toml_tree(x) for k, x in obj.items()}
+    return obj
+
+
+def _write_table(lines: list[str], table: dict[str, Any], path: list[str]) -> None:
+    scalars = [(k, v) for k, v in table.items() if not isinstance(v, dict)]
+    tables = [(k, v) for k, v in table.items() if isinstance(v, dict)]
+    if path and (scalars or not tables):
+        lines.append("")
+        lines.append("[" + ".".join(_toml_key(p) for p in path) + "]")
+    for k, v in scalars:
+        lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    for k, v in tables:
+        _write_table(lines, v, [*path, k])
+
+
+def dump_toml(cfg: Any) -> str:
+    """Serialise a config dataclass to TOML, every field included; ``load(dump(cfg)) == cfg``."""
+    tree = _toml_tree(cfg)
+    if not isinstance(tree, dict):
+        raise TypeError(f"dump_toml expects a dataclass instance, got {type(cfg).__name__}")
+    lines: list[str] = []
+    _write_table(lines, tree, [])
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write ``dump_toml(cfg)`` to ``path`` atomically, creating parent directories."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_toml(cfg), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Field documentation
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _own_field_docs(cls: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    node = ast.parse(source).body[0]
+    if not isinstance(node, ast.ClassDef):
+        return {}
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(node.body, node.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field name: docstring}`` for every field of dataclass ``cls`` ("" where a field has none).
+
+    The docstring of a field is the string literal written right after it in the class body.
+    """
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def _md_cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _md_default(f: dataclasses.Field[Any]) -> str:
+    d = _default_of(f)
+    if d is dataclasses.MISSING:
+        return "*required*"
+    if d is None:
+        return "*unset*"
+    return "`" + _md_cell(_toml_value(_toml_tree(d))) + "`"
+
+
+def _md_tables(cls: type, prefix: str, doc: str, out: list[str]) -> None:
+    hints = _hints(cls)
+    docs = field_docs(cls)
+    fields = list(_init_fields(cls).values())
+    leaves = [f for f in fields if not _is_dataclass_type(hints[f.name])]
+    if leaves:
+        out.append(f"## `[{prefix}]`" if prefix else "## Top-level keys")
+        out.append("")
+        if doc:
+            out.append(" ".join(doc.split()))
+            out.append("")
+        out.append("| Key | Type | Default | Description |")
+        out.append("| --- | --- | --- | --- |")
+        for f in leaves:
+            typ = _md_cell(_type_name(hints[f.name]))
+            out.append(f"| `{f.name}` | `{typ}` | {_md_default(f)} | {_md_cell(docs[f.name])} |")
+        out.append("")
+    for f in fields:
+        tp = hints[f.name]
+        if _is_dataclass_type(tp):
+            sub_doc = docs[f.name] or inspect.cleandoc(tp.__doc__ or "")
+            _md_tables(tp, f"{prefix}.{f.name}" if prefix else f.name, sub_doc, out)
+
+
+def config_reference_markdown(cls: type = RunConfig) -> str:
+    """A Markdown reference of every config key: one table (key, type, default, description) per section."""
+    out = [
+        "# Configuration reference",
+        "",
+        "A run is configured by one TOML file with the sections below; every key is optional and defaults to",
+        "the value shown. Override any key on the command line with `--set section.key=value` (the value is a",
+        "TOML literal: `--set train.lr=3e-6`, `--set sampling.stop='[\"\\n\"]'`; a bare word is a string).",
+        "On keys that may be unset, `none` unsets them.",
+        "",
+        f"<!-- generated by `python -m exactrl.config` from `{cls.__module__}.{cls.__qualname__}` -->",
+        "",
+    ]
+    _md_tables(cls, "", "", out)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--toml" in sys.argv[1:]:
+        sys.stdout.write(dump_toml(RunConfig()))
+    else:
+        sys.stdout.write(config_reference_markdown())
