@@ -1,0 +1,379 @@
+"""Policy and value losses, and the reduction of a per-token loss matrix to a scalar.
+
+All losses are *minimised*. Inputs are padded `[B, T]` tensors with a `mask` (nonzero = response token that counts);
+values at masked positions are never read (see `metrics.py`), so padding may hold anything, including -inf.
+
+Microbatching. A step is often cut into microbatches whose gradients are accumulated. Each aggregation is
+numerator / denominator, where the numerator is a sum over the microbatch; passing the *whole step's* denominator
+as `loss_divisor` (e.g. the step's total valid-token count for token-mean) makes the microbatch losses add up to
+the full-batch loss, so the accumulated gradient does not depend on how the step was cut. Without it each
+microbatch divides by its own count, which re-weights tokens across microbatches.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from exactrl.algorithms.kl import kl_estimate
+from exactrl.algorithms.metrics import masked_count, masked_mean, masked_sum, masked_var, scalars_to_floats
+
+__all__ = ["AGGREGATIONS", "POLICY_LOSS_KINDS", "aggregate", "policy_loss", "value_loss"]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+PolicyLossKind = Literal["ppo", "gspo", "cispo"]
+Divisor = float | int | torch.Tensor
+
+AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+POLICY_LOSS_KINDS: tuple[str, ...] = ("ppo", "gspo", "cispo")
+
+# The importance ratio is exp(log ratio); as in verl the log ratio is clamped first so one token whose probability
+# moved by e^20 (or whose log-prob is garbage) cannot overflow to inf and turn the whole loss into NaN.
+_LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_divisor(name: str, value: Divisor | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        # Not checked for > 0: that would need a device sync; a tensor divisor is the trainer's own count.
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number or a scalar tensor, got {value!r}")
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    first_name, first = next(iter(shapes.items()))
+    if len(first) != 2:
+        raise ValueError(f"{first_name} must be [B, T], got shape {first}")
+    for k, s in shapes.items():
+        if s != first:
+            raise ValueError(f"{k} has shape {s}, expected {first} (the shape of {first_name})")
+
+
+def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] or [B, T] advantages -> [B, T], detached (advantages are targets, never differentiated)."""
+    if advantages.shape == like.shape:
+        return advantages.detach()
+    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
+        return advantages.detach().unsqueeze(-1).expand_as(like)
+    raise ValueError(
+        f"advantages must be [B] or [B, T] = {tuple(like.shape)}, got shape {tuple(advantages.shape)}"
+    )
+
+
+def _zero_masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # Replace padding by 0 before any arithmetic: exp(-inf - -inf) = NaN would otherwise reach the backward pass
+    # through exp's derivative even though the forward masks it out.
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# -------------------------------------------------------------------------------------------------- aggregation
+
+
+def _aggregate_parts(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, default denominator) of an aggregation. The numerator is a plain sum over this batch, so it is
+    additive across microbatches; the denominator is what the mode divides by when no divisor is given."""
+    m = mask.bool()
+    if mode == "token-mean":
+        return masked_sum(loss_mat, m), masked_count(m)
+    per_seq = masked_sum(loss_mat, m, dim=-1)  # [B]
+    n_tok = masked_count(m, dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / n_tok.clamp(min=1).to(per_seq.dtype)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
+    # Sequences without a valid token (padding rows, or rows dropped by rollout correction) are not counted.
+    return per_seq.sum(), (n_tok > 0).sum()
+
+
+def _divide(
+    numerator: torch.Tensor,
+    default_denominator: torch.Tensor,
+    divisor: Divisor | None,
+    grad_divisor: Divisor | None,
+) -> torch.Tensor:
+    """numerator / divisor, with the gradient optionally scaled as numerator / grad_divisor instead.
+
+    loss = num / grad_divisor + sg(num / divisor - num / grad_divisor): the value is num / divisor and the gradient
+    is that of num / grad_divisor. This lets a trainer report a loss on one scale (e.g. per token) while the
+    backward pass uses another (e.g. a divisor that also folds in data-parallel world size).
+    """
+    dtype, device = numerator.dtype, numerator.device
+    den = (
+        default_denominator.clamp(min=1).to(dtype)
+        if divisor is None
+        else torch.as_tensor(divisor, dtype=dtype, device=device)
+    )
+    value = numerator / den
+    if grad_divisor is None:
+        return value
+    for_grad = numerator / torch.as_tensor(grad_divisor, dtype=dtype, device=device)
+    return for_grad + (value - for_grad).detach()
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation = "token-mean",
+    *,
+    divisor: Divisor | None = None,
+    norm_constant: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss loss_mat: [B, T] with mask: [B, T] to a 0-d tensor (names as in verl's loss_agg_mode).
+
+    Let s_i = sum of loss_mat over valid tokens of row i, n_i its number of valid tokens, S the number of rows with
+    n_i > 0:
+      * "token-mean":              sum_i s_i / sum_i n_i             (DAPO; every token weighs the same)
+      * "seq-mean-token-mean":     sum_i (s_i / n_i) / S             (GRPO paper; every sequence weighs the same)
+      * "seq-mean-token-sum":      sum_i s_i / S
+      * "seq-mean-token-sum-norm": sum_i (s_i / C) / S, C = norm_constant or T (Dr.GRPO: a constant, e.g. the max
+                                   response length, so no length bias is introduced)
+
+    divisor, if given, replaces the denominator (sum_i n_i for token-mean, S for the seq-* modes): pass the whole
+    optimizer step's count so the result is independent of microbatching. For seq-mean-token-sum-norm pass
+    norm_constant too, since the default C = T depends on each microbatch's padding.
+    """
+    _check_choice("mode", mode, AGGREGATIONS)
+    _check_divisor("divisor", divisor)
+    if norm_constant is not None and not norm_constant > 0:
+        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_same_shape(loss_mat=loss_mat, mask=mask)
+    num, den = _aggregate_parts(loss_mat, mask, mode, norm_constant)
+    return _divide(num, den, divisor, None)
+
+
+# ------------------------------------------------------------------------------------------------- policy loss
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: PolicyLossKind = "ppo",
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    cispo_eps_high: float = 0.28,
+    cispo_eps_low: float | None = None,
+    aggregation: Aggregation = "token-mean",
+    loss_divisor: Divisor | None = None,
+    grad_divisor: Divisor | None = None,
+    norm_constant: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss and its metrics.
+
+    Shapes: logprobs [B, T] float32 (current policy, differentiable), old_logprobs [B, T] float32 (the policy that
+    the advantages were computed for; treated as constant), advantages [B, T] or [B] (broadcast over tokens;
+    constant), mask [B, T]. is_weights [B, T] (optional, constant): per-token multipliers of the loss, e.g. the
+    rollout-correction weights from `rollout_correction`.
+
+    Every ratio is exp of a log ratio clamped to [-20, 20] (as verl), so one wild token cannot overflow to inf.
+
+    kind="ppo" -- PPO-clip with clip-higher. r_t = exp(logprobs - old_logprobs),
+        loss_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)).
+      dual_clip = c > 1 (Ye et al. 2019, as in verl): for A < 0 the loss is additionally capped,
+        loss_t = min(loss_t, -c A), so a token whose ratio exploded under a negative advantage cannot push
+        arbitrarily hard (its gradient becomes 0 once r_t > c).
+    kind="gspo" -- GSPO (Zheng et al. 2025). Sequence ratio s_i = exp(mean over valid tokens of the log ratio), used
+      in the paper's per-token stop-gradient form log s_i,t = sg(log s_i) + logprobs_t - sg(logprobs_t): the value
+      of s_i,t is s_i, its gradient is s_i * grad(logprobs_t). The PPO-clip surrogate is then applied to s_i,t with
+      eps_low/eps_high (GSPO uses ~3e-4/4e-4; set them explicitly). With a [B] advantage (constant over each row)
+      the gradient is exactly that of the sequence-level objective -A_i * clip(s_i), under every aggregation (all
+      of them weigh a row's tokens equally). With a [B, T] advantage it is the paper's GSPO-token variant: each
+      token's clip decision and gradient use its own A_t. dual_clip also applies.
+    kind="cispo" -- CISPO (MiniMax-M1, 2025). The ratio is clipped and detached and multiplies a REINFORCE term:
+        loss_t = -sg(clip(r_t, max=1 + cispo_eps_high, min=1 - cispo_eps_low)) * A * logprobs_t,
+      with no lower bound unless cispo_eps_low is given (the paper sets the lower bound out of reach). No token
+      ever loses its gradient; clipping only caps its weight. The loss *value* is not a surrogate objective (it
+      contains logprobs itself), only its gradient is meaningful. eps_low/eps_high are unused and dual_clip is
+      rejected. The default cispo_eps_high = 0.28 is DAPO's clip-higher value, a starting point to tune (the
+      paper does not publish its own).
+
+    aggregation, loss_divisor, norm_constant: see `aggregate`; loss_divisor replaces the aggregation's denominator.
+    grad_divisor: the returned loss has the value numerator / loss_divisor but the gradient of
+    numerator / grad_divisor (see `_divide`).
+
+    Metrics (over valid tokens; r is the ratio the loss used: r_t for ppo/cispo, s_i for every token of row i for
+    gspo): pg_loss (the returned value), ratio/mean|min|max, ratio/sum and ratio/sum_sq (to combine microbatches
+    exactly), clip_frac = clip_frac/low + clip_frac/high, where clip_frac/low counts tokens with A < 0 and
+    r < 1 - eps_low and clip_frac/high tokens with A > 0 and r > 1 + eps_high (the tokens whose gradient the clip
+    removed; for cispo, tokens whose weight was clipped, regardless of A), dual_clip_frac (A < 0 and the cap -c A
+    was binding), kl_new_old (k3 estimate of KL(old || new), mean), num_tokens, num_seqs. Empty batch: ratio/min is
+    +inf and ratio/max -inf (identities for folding extrema).
+    """
+    _check_choice("kind", kind, POLICY_LOSS_KINDS)
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    _check_divisor("loss_divisor", loss_divisor)
+    _check_divisor("grad_divisor", grad_divisor)
+    if not eps_low >= 0:
+        raise ValueError(f"eps_low must be >= 0, got {eps_low!r}")
+    if not eps_high >= 0:
+        raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
+    if dual_clip is not None:
+        if kind == "cispo":
+            raise ValueError("dual_clip does not apply to kind='cispo' (CISPO has no clipped surrogate)")
+        if not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip!r}")
+    if not cispo_eps_high >= 0:
+        raise ValueError(f"cispo_eps_high must be >= 0, got {cispo_eps_high!r}")
+    if cispo_eps_low is not None and not cispo_eps_low >= 0:
+        raise ValueError(f"cispo_eps_low must be >= 0, got {cispo_eps_low!r}")
+    if norm_constant is not None and not norm_constant > 0:
+        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    if is_weights is not None:
+        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
+
+    m = mask.bool()
+    logp = _zero_masked(logprobs, m)
+    old = _zero_masked(old_logprobs.detach().to(logprobs.dtype), m)
+    adv = _zero_masked(_token_advantages(advantages, logprobs).to(logprobs.dtype), m)
+
+    if kind == "gspo":
+        seq_log_ratio = masked_mean((logp - old).detach(), m, dim=-1)  # [B]
+        log_ratio = seq_log_ratio.unsqueeze(-1) + logp - logp.detach()
+    else:
+        log_ratio = logp - old
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    r = ratio.detach()
+
+    zeros = torch.zeros_like(r, dtype=torch.bool)
+    dual_hit = zeros
+    if kind == "cispo":
+        lower = None if cispo_eps_low is None else 1.0 - cispo_eps_low
+        upper = 1.0 + cispo_eps_high
+        weight = r.clamp(min=lower, max=upper)
+        loss_mat = -weight * adv * logp
+        clip_high = r > upper
+        clip_low = r < lower if lower is not None else zeros
+    else:
+        surr = -adv * ratio
+        surr_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        loss_mat = torch.maximum(surr, surr_clipped)
+        # Exactly the tokens where the clipped branch wins (and so carries zero gradient).
+        clip_high = (adv > 0) & (r > 1.0 + eps_high)
+        clip_low = (adv < 0) & (r < 1.0 - eps_low)
+        if dual_clip is not None:
+            cap = -adv * dual_clip
+            negative = adv < 0
+            dual_hit = negative & (loss_mat.detach() > cap)
+            loss_mat = torch.where(negative, torch.minimum(loss_mat, cap), loss_mat)
+
+    if is_weights is not None:
+        loss_mat = loss_mat * _zero_masked(is_weights.detach().to(loss_mat.dtype), m)
+
+    num, den = _aggregate_parts(loss_mat, m, aggregation, norm_constant)
+    loss = _divide(num, den, loss_divisor, grad_divisor)
+
+    inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+    metrics = scalars_to_floats(
+        {
+            "pg_loss": loss.detach(),
+            "ratio/mean": masked_mean(r, m),
+            "ratio/min": torch.where(m, r, inf).min(),
+            "ratio/max": torch.where(m, r, -inf).max(),
+            "ratio/sum": masked_sum(r, m),
+            "ratio/sum_sq": masked_sum(r * r, m),
+            "clip_frac": masked_mean((clip_low | clip_high).to(r.dtype), m),
+            "clip_frac/low": masked_mean(clip_low.to(r.dtype), m),
+            "clip_frac/high": masked_mean(clip_high.to(r.dtype), m),
+            "dual_clip_frac": masked_mean(dual_hit.to(r.dtype), m),
+            # Tokens were sampled from the old policy, so k3(old, new) estimates KL(old || new).
+            "kl_new_old": masked_mean(kl_estimate(old, logp.detach(), "k3"), m),
+            "num_tokens": masked_count(m),
+            "num_seqs": (masked_count(m, dim=-1) > 0).sum(),
+        }
+    )
+    return loss, metrics
+
+
+# -------------------------------------------------------------------------------------------------- value loss
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = None,
+    aggregation: Aggregation = "token-mean",
+    loss_divisor: Divisor | None = None,
+    grad_divisor: Divisor | None = None,
+    norm_constant: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic regression loss. values [B, T] (differentiable), old_values [B, T] and returns [B, T] (constant),
+    mask [B, T].
+
+    loss_t = 0.5 * (v_t - R_t)^2; with clip = c (PPO value clipping), v_clip = old + clamp(v - old, -c, c) and
+    loss_t = 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2), i.e. a value that moved more than c from old_values gets
+    no credit for moving further towards the return. Aggregation and divisors as in `policy_loss`.
+
+    Metrics: vf_loss (the returned value), vf_clip_frac (tokens where the clipped term was the larger),
+    explained_variance = 1 - Var[R - v] / Var[R] over valid tokens (0 when Var[R] = 0, where it is undefined),
+    values/mean.
+    """
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    _check_divisor("loss_divisor", loss_divisor)
+    _check_divisor("grad_divisor", grad_divisor)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip!r}")
+    if norm_constant is not None and not norm_constant > 0:
+        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+
+    m = mask.bool()
+    v = _zero_masked(values, m)
+    old = _zero_masked(old_values.detach().to(values.dtype), m)
+    ret = _zero_masked(returns.detach().to(values.dtype), m)
+
+    err = (v - ret).square()
+    if clip is None:
+        loss_mat = 0.5 * err
+        clipped = torch.zeros_like(m)
+    else:
+        v_clip = old + (v - old).clamp(-clip, clip)
+        err_clip = (v_clip - ret).square()
+        loss_mat = 0.5 * torch.maximum(err, err_clip)
+        clipped = err_clip.detach() > err.detach()
+
+    num, den = _aggregate_parts(loss_mat, m, aggregation, norm_constant)
+    loss = _divide(num, den, loss_divisor, grad_divisor)
+
+    vd = v.detach()
+    # Biased variances: the Bessel factor cancels in the ratio, and the biased form is defined for one token.
+    var_ret = masked_var(ret, m, unbiased=False)
+    var_res = masked_var(ret - vd, m, unbiased=False)
+    ev = torch.where(var_ret > 0, 1.0 - var_res / var_ret.clamp(min=torch.finfo(var_ret.dtype).tiny), 0.0)
+    metrics = scalars_to_floats(
+        {
+            "vf_loss": loss.detach(),
+            "vf_clip_frac": masked_mean(clipped.to(vd.dtype), m),
+            "explained_variance": ev,
+            "values/mean": masked_mean(vd, m),
+        }
+    )
+    return loss, metrics
