@@ -95,7 +95,7 @@ def bench_rollout(args) -> dict:
     g = torch.Generator().manual_seed(0)
     C, P, N = args.concurrency, args.prompt_len, args.max_tokens
     prompts = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (C, P), generator=g).tolist()
-    params = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
     engine = RolloutEngine(
         model,
         EngineConfig(
@@ -107,9 +107,7 @@ def bench_rollout(args) -> dict:
             cuda_graphs=True,
         ),
     )
-    engine.generate(
-        prompts[: min(C, 8)], SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
-    )
+    engine.generate(prompts[: min(C, 8)], SamplingParams(temperature=1.0, max_tokens=8, seed=1))
     _sync(device)
     engine.reset_stats()
     t = time.perf_counter()

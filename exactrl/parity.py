@@ -64,9 +64,7 @@ def run_parity(
     vocab = prompt_vocab or model.config.vocab_size
     prompts = random_prompts(num_prompts, vocab, seed)
     others = random_prompts(num_prompts, vocab, seed + 1)
-    params = SamplingParams(
-        temperature=temperature, max_tokens=max_tokens, seed=seed, n=samples_per_prompt, ignore_eos=True
-    )
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=samples_per_prompt)
     cfg = EngineConfig(
         block_size=block_size,
         num_kv_blocks=kv_blocks,

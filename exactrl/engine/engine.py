@@ -1,0 +1,244 @@
+"""`RolloutEngine`: generate with the policy the trainer updates, recording exact rollout logprobs.
+
+One step = schedule (scheduler.py) -> copy-on-write block copies -> one flat forward of the shared model over
+the paged KV cache (runner.py) -> LM head at the sampling temperature -> Gumbel-max sampling keyed on
+(seed, request, sample, position) (sampler.py) -> postprocess. The logprob recorded for a sampled token comes
+from the same `logits` the trainer's `logprobs` op normalises, with the same row-wise log-softmax, so it is
+bitwise equal to what the trainer computes in exact mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.engine.block_manager import BlockManager
+from exactrl.engine.runner import ModelRunner, StepEntry, auto_num_blocks
+from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys, sample
+from exactrl.engine.scheduler import Scheduler
+from exactrl.engine.sequence import Sequence
+from exactrl.model.qwen import CausalLM
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing. block_size must be a multiple of the attention tile (16)."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from free memory (CUDA) or a CPU budget
+    kv_memory_fraction: float = 0.3
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    prefill_chunk_size: int = 2048
+    cuda_graphs: bool = True
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class Sample:
+    """One completion. rollout_logprobs: [len(token_ids)] fp32, the policy's logprob of each sampled token at
+    the sampling temperature (at 1.0 for greedy)."""
+
+    token_ids: list[int]
+    rollout_logprobs: torch.Tensor
+    finish_reason: str
+    text: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None
+
+
+class RolloutEngine:
+    """Generates from `model` (shared with the trainer: no copies, no files)."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
+        self.model = model
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.runner: ModelRunner | None = None
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {
+            "steps": 0,
+            "preemptions": 0,
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "cuda_graph_steps": 0,
+            "prefix_cache_hit_tokens": 0,
+        }
+
+    def _ensure_runner(self, tokens_needed: int) -> ModelRunner:
+        cfg = self.config
+        if self.runner is not None and (
+            self.runner.kv_caches[0][0].device != self.model.device
+            or self.runner.kv_caches[0][0].dtype != self.model.dtype
+        ):
+            self.runner = None  # the model moved or changed dtype: rebuild the cache
+        if self.runner is None:
+            n = cfg.num_kv_blocks or auto_num_blocks(
+                self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed
+            )
+            self.runner = ModelRunner(self.model, n, cfg.block_size)
+        return self.runner
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_ids: list[int] | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> list[RequestOutput]:
+        """Sample `params.n` completions for each prompt (token ids). request_ids (default 0..N-1) key the
+        sampling noise together with params.seed: the same (seed, request id) gives the same completions
+        whatever else is in the call. A prompt that is empty or too long gets `error` set; the others complete.
+        `progress(k)` is called as k more samples finish."""
+        params.validate()
+        if not prompts:
+            return []
+        if request_ids is None:
+            request_ids = list(range(len(prompts)))
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must be distinct (they key the sampling noise)")
+        cfg = self.config
+        vocab = self.model.config.vocab_size
+        outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
+        valid: list[int] = []
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                outputs[i].error = "empty prompt"
+            elif len(p) + 1 > cfg.max_model_len:
+                outputs[i].error = (
+                    f"prompt has {len(p)} tokens; with at least one new token that exceeds "
+                    f"max_model_len {cfg.max_model_len}"
+                )
+            elif min(p) < 0 or max(p) >= vocab:
+                outputs[i].error = f"prompt has token ids outside the vocabulary [0, {vocab})"
+            else:
+                valid.append(i)
+        if not valid:
+            return outputs
+        max_new = lambda p: min(params.max_tokens, cfg.max_model_len - len(p))  # noqa: E731
+        tokens_needed = sum(
+            (len(prompts[i]) + max_new(prompts[i])) * (1 if params.n == 1 else 1)
+            + (params.n - 1) * max_new(prompts[i])
+            for i in valid
+        )
+        runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))
+        bm = BlockManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        sched = Scheduler(
+            bm,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            prefill_chunk_size=min(cfg.prefill_chunk_size, cfg.max_num_batched_tokens),
+        )
+        stop_ids = list(params.stop_token_ids)
+        by_req: dict[int, int] = {}
+        for i in valid:
+            seq = Sequence(
+                sched.new_seq_id(),
+                request_ids[i],
+                prompts[i],
+                max_tokens=max_new(prompts[i]),
+                num_samples=params.n,
+                stop_token_ids=stop_ids,
+            )
+            by_req[request_ids[i]] = i
+            sched.add(seq)
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        greedy = params.temperature == 0
+        lm_dev = self.model.device
+        text_len: dict[int, int] = {}
+        finished: list[Sequence] = []
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            if batch is None:
+                break
+            t0 = time.perf_counter()
+            runner.copy_blocks(batch.block_copies)
+            entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
+            rows = batch.sample_rows()
+            hidden = runner.forward(entries)
+            if rows:
+                idx = torch.tensor([r.entry_index for r in rows], device=lm_dev)
+                uniq, inv = torch.unique(
+                    idx, return_inverse=True
+                )  # a fork row is computed once, sampled n times
+                z = self.model.logits(hidden[uniq], temperature)[inv]
+                keys = noise_keys(
+                    params.seed,
+                    [r.request_id for r in rows],
+                    [r.sample_index for r in rows],
+                    [r.position for r in rows],
+                ).to(lm_dev)
+                tok = sample(
+                    z,
+                    keys,
+                    top_k=_full(len(rows), params.top_k, lm_dev) if params.top_k else None,
+                    top_p=_full(len(rows), params.top_p, lm_dev) if params.top_p < 1 else None,
+                    greedy=torch.ones(len(rows), dtype=torch.bool, device=lm_dev) if greedy else None,
+                )
+                lp = self.model.ops.logprobs_from_logits(z, tok)
+                tok_l, lp_l = tok.tolist(), lp.tolist()
+            else:
+                tok_l, lp_l = [], []
+            dt = time.perf_counter() - t0
+            if all(e.is_decode for e in batch.entries):
+                self.stats["decode_s"] += dt
+            else:
+                self.stats["prefill_s"] += dt
+            self.stats["steps"] += 1
+            receivers = sched.postprocess(batch, tok_l, lp_l)
+            if params.stop and self.tokenizer is not None:
+                for seq in receivers:
+                    if seq.is_finished:
+                        continue
+                    text = self.tokenizer.decode(seq.completion_token_ids)
+                    if find_stop_string(text, params.stop, text_len.get(seq.seq_id, 0)) is not None:
+                        sched.finish(seq, "stop")
+                    text_len[seq.seq_id] = len(text)
+            done = sched.take_finished()
+            if done and progress is not None:
+                progress(len(done))
+            finished += done
+        finished += sched.take_finished()
+        self.stats["preemptions"] += sched.num_preemptions
+        for seq in sorted(finished, key=lambda s: (s.request_id, s.sample_index)):
+            out = outputs[by_req[seq.request_id]]
+            if seq.finish_reason and seq.finish_reason.startswith("error"):
+                out.error = seq.finish_reason
+                continue
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.completion_token_ids)
+                if params.stop:
+                    cut = find_stop_string(text, params.stop, 0)
+                    if cut is not None:
+                        ends = [cut + len(s) for s in params.stop if text.startswith(s, cut)]
+                        text = text[: max(ends)] if ends else text
+            out.samples.append(
+                Sample(
+                    seq.completion_token_ids,
+                    torch.tensor(seq.rollout_logprobs, dtype=torch.float32),
+                    seq.finish_reason or "length",
+                    text,
+                )
+            )
+        return outputs
+
+
+def _full(n: int, value, device) -> torch.Tensor:
+    return torch.full((n,), value, device=device)

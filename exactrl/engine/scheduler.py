@@ -1,0 +1,351 @@
+"""Continuous batching: which sequences run in the next step, with how many new tokens each.
+
+How the engine drives it (one step)::
+
+    batch = scheduler.schedule()                     # None: nothing left (has_unfinished() is False)
+    runner.copy_blocks(batch.block_copies)           # copy-on-write, BEFORE the forward pass
+    hidden = runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
+                                                     # one row per entry: its last new token
+    rows = batch.sample_rows()                       # which of those rows to sample, and how often
+    tokens, logprobs = <draw rows[k] from hidden[rows[k].entry_index], key = noise_key(seed of request,
+                        rows[k].request_id, rows[k].sample_index, rows[k].position)>
+    scheduler.postprocess(batch, tokens, logprobs)   # appends tokens, forks groups, finishes sequences
+    done = scheduler.take_finished()                 # also holds sequences rejected by add()/schedule()
+
+**Entries.** `batch.entries[i] = (seq, start, num_new_tokens, num_samples, block_table)`: write the KV of
+`seq.token_ids[start : start + num_new_tokens]` at positions start.. (keys 0..start-1 are already in the cache,
+`start == seq.num_computed_tokens`), using the block table snapshot of the entry. A decode is num_new_tokens
+== 1; a prefill chunk is longer (at most `prefill_chunk_size`); both can be mixed in one step. The total of
+num_new_tokens is at most `max_num_batched_tokens`, and a step has at most `max_num_seqs` entries.
+
+**Which rows are sampled.** Only an entry whose chunk ends at the sequence's last token
+(`start + num_new_tokens == seq.num_tokens`) has `num_samples > 0`; intermediate prefill chunks have 0 and
+need no logits. The token sampled from such a row goes to position `start + num_new_tokens`.
+
+**Parallel sampling (fork).** `add()` takes ONE sequence per prompt with `num_samples = n`. The entry that
+finishes its prefill has `num_samples = n`: the engine draws n tokens from that single logits row, sample j
+with `sample_index = j` in its noise key (`batch.sample_rows()` lists them). `postprocess` then forks the
+sequence: the parent keeps sample 0, children 1..n-1 (new seq ids, placed right after the parent in the running
+queue) share all of its KV blocks (`BlockManager.fork`), and each appends its own token.
+
+**Copy-on-write.** After a fork the prompt's last block is usually only partly filled and shared. When a
+sibling is scheduled to write into it, the block manager gives it a private copy and the step lists
+`(src, dst)` in `batch.block_copies`: copy those whole blocks (every layer, K and V) before the forward pass.
+Sources are read before any destination is written (gather then scatter, as `index_select`/`index_copy_`
+does); destinations are distinct and belong to sequences of this step.
+
+**Preemption (recompute).** When a running sequence cannot get the blocks it needs, the most recently admitted
+running sequence (the tail of the running queue, possibly the sequence itself) is preempted: its blocks are
+freed, `num_computed_tokens = 0`, and it goes to the FRONT of the waiting queue. Re-admitted later, it
+prefills prompt + generated tokens again (in chunks, maybe with prefix-cache hits); only its final chunk is
+sampled, producing the token after its last one. A preempted fork sibling simply becomes an independent
+sequence. A step that preempted admits no new sequence (unless it would otherwise be empty).
+
+**Rejection.** A sequence whose tokens need more blocks than the whole cache has is finished with
+`finish_reason = "error: ..."` (naming the lengths) instead of waiting forever: at `add()` for a prompt that can
+never fit, and at (re)admission for a sequence that has outgrown the cache while generating.
+
+**Order.** Running sequences are served in admission order (decodes and unfinished prefills alike), then
+waiting ones in queue order while budgets and blocks allow (first-come first-served: the head is never
+overtaken). All containers are lists/deques, so a given sequence of calls always produces the same batches;
+the tokens a request gets do not depend on batching at all (the sampler's noise is keyed by request, sample
+and position).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from exactrl.engine.block_manager import BlockManager
+from exactrl.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledEntry:
+    """One sequence's part of a step (see the module docstring)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    num_samples: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        """Tokens in the cache after this step; also the position of the token sampled from this entry."""
+        return self.start + self.num_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.end]
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token that continues generation (not a prefill or recompute chunk)."""
+        return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One token to sample: from the logits row of batch.entries[entry_index], with these noise-key inputs."""
+
+    entry_index: int
+    request_id: int
+    sample_index: int
+    position: int
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledEntry]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return sum(e.num_samples for e in self.entries)
+
+    def sample_rows(self) -> list[SampleRow]:
+        """Tokens to draw this step, in the order `postprocess` expects them: entries in order, and for a fork
+        entry (num_samples = n) its samples 0..n-1. Entries with num_samples = 0 contribute nothing."""
+        rows: list[SampleRow] = []
+        for i, e in enumerate(self.entries):
+            if e.num_samples == 1:
+                rows.append(SampleRow(i, e.seq.request_id, e.seq.sample_index, e.end))
+            else:
+                rows.extend(SampleRow(i, e.seq.request_id, j, e.end) for j in range(e.num_samples))
+        return rows
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_size: int,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("prefill_chunk_size", prefill_chunk_size),
+        ):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.block_manager = block_manager
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.prefill_chunk_size = int(prefill_chunk_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished: list[Sequence] = []
+        self._next_seq_id = 0
+        self._in_flight: ScheduledBatch | None = None
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (a prompt, with seq.num_samples samples). A prompt that can never fit the
+        cache is finished at once with an "error: ..." reason and shows up in take_finished()."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"only a fresh waiting sequence can be added, got {seq}")
+        if seq.num_completion_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already has generated tokens")
+        self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
+        if self._never_fits(seq):
+            self._finish(seq, self._too_long_reason(seq))
+            return
+        self.waiting.append(seq)
+
+    def new_seq_id(self) -> int:
+        """A seq id not used by any sequence added so far (forks take theirs from here too)."""
+        sid = self._next_seq_id
+        self._next_seq_id += 1
+        return sid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_finished(self) -> list[Sequence]:
+        """Sequences finished since the last call, in the order they finished."""
+        done, self._finished = self._finished, []
+        return done
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a waiting or running sequence from outside (e.g. a stop string found by the detokenizer)."""
+        if self._in_flight is not None:
+            raise RuntimeError("finish() called between schedule() and postprocess()")
+        if seq.is_finished:
+            raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.finish_reason})")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    # -- one step --------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's work and reserve its KV blocks.
+
+        None when nothing is left to run (what remained may just have been rejected: see take_finished());
+        after None, has_unfinished() is False."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called twice without postprocess() in between")
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledEntry] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        # 1. Running sequences in admission order. A sequence that cannot get its blocks preempts the running
+        #    tail (never an entry already in this step: those sit before it in the queue).
+        i = 0
+        while i < len(self.running) and len(entries) < self.max_num_seqs and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, self.prefill_chunk_size, budget)
+            target = seq.num_computed_tokens + num_new
+            while not bm.can_allocate(seq, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: it was the tail, nothing is left behind it
+            copies += bm.allocate(seq, target)
+            entries.append(self._entry(seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences, first come first served, while budgets and free blocks allow. After a preemption
+        #    nothing is admitted (it would only be preempted again), unless the step is otherwise empty.
+        while (
+            not (preempted and entries)
+            and self.waiting
+            and len(entries) < self.max_num_seqs
+            and budget > 0
+            and (not self.running or len(self.running) + self.waiting[0].num_samples <= self.max_num_seqs)
+        ):
+            seq = self.waiting[0]
+            if self._never_fits(seq):
+                self.waiting.popleft()
+                self._finish(seq, self._too_long_reason(seq))
+                continue
+            cached = bm.cached_prefix_tokens(seq)
+            num_new = min(seq.num_tokens - cached, self.prefill_chunk_size, budget)
+            if not bm.can_allocate(seq, cached + num_new):
+                break
+            self.waiting.popleft()
+            copies += bm.allocate(seq, cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            entries.append(self._entry(seq, num_new))
+            budget -= num_new
+
+        if not entries:
+            if self.running or self.waiting:
+                raise RuntimeError(  # cannot happen with budgets >= 1; guard against a silent stall
+                    f"scheduler made no progress: {len(self.running)} running, {len(self.waiting)} waiting, "
+                    f"{bm.num_free_blocks} free blocks"
+                )
+            return None
+        batch = ScheduledBatch(entries, copies)
+        self._in_flight = batch
+        return batch
+
+    def postprocess(
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float] | None = None
+    ) -> list[Sequence]:
+        """Apply a step's results: token_ids[k] (and logprobs[k]) is the token drawn for batch.sample_rows()[k].
+
+        Marks the step's KV computed, forks group parents, appends tokens and finishes sequences that drew a
+        stop token or reached max_tokens (their blocks are freed; collect them with take_finished()).
+        Returns the sequence that received each token, aligned with token_ids (forked children included),
+        so the engine can check stop strings and call finish()."""
+        if batch is not self._in_flight:
+            raise RuntimeError("postprocess() must get the batch returned by the last schedule()")
+        if len(token_ids) != batch.num_sample_rows:
+            raise ValueError(
+                f"postprocess expected {batch.num_sample_rows} sampled tokens, got {len(token_ids)}"
+            )
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ValueError(f"postprocess got {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        self._in_flight = None
+        bm = self.block_manager
+        receivers: list[Sequence] = []
+        children: dict[int, list[Sequence]] = {}
+        k = 0
+        for e in batch.entries:
+            seq = e.seq
+            bm.mark_computed(seq, e.end)
+            if e.num_samples == 0:
+                continue
+            group = [seq]
+            if e.num_samples > 1:
+                seq.num_samples = 1
+                for j in range(1, e.num_samples):
+                    child = seq.new_sample(self.new_seq_id(), j)
+                    bm.fork(seq, child)
+                    group.append(child)
+                children[seq.seq_id] = group[1:]
+            for member in group:
+                member.append_token(token_ids[k], None if logprobs is None else logprobs[k])
+                receivers.append(member)
+                k += 1
+
+        running: list[Sequence] = []
+        for seq in self.running:
+            running.append(seq)
+            running.extend(children.get(seq.seq_id, ()))
+        self.running = running
+        for seq in receivers:
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+        if any(s.is_finished for s in receivers):
+            self.running = [s for s in self.running if not s.is_finished]
+        return receivers
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledEntry:
+        start = seq.num_computed_tokens
+        samples = seq.num_samples if start + num_new == seq.num_tokens else 0
+        return ScheduledEntry(seq, start, num_new, samples, list(seq.block_table))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._finished.append(seq)
+
+    @staticmethod
+    def _stop_reason(seq: Sequence) -> str | None:
+        if seq.last_token_id in seq.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks
+
+    def _too_long_reason(self, seq: Sequence) -> str:
+        bm = self.block_manager
+        return (
+            f"error: sequence of {seq.num_tokens} tokens ({seq.num_prompt_tokens} prompt + "
+            f"{seq.num_completion_tokens} generated) needs {bm.blocks_for(seq.num_tokens)} KV blocks, but the "
+            f"cache has only {bm.num_blocks} blocks of {bm.block_size} tokens ({bm.num_blocks * bm.block_size} tokens)"
+        )
