@@ -177,7 +177,10 @@ class RolloutEngine:
                 uniq, inv = torch.unique(
                     idx, return_inverse=True
                 )  # a fork row is computed once, sampled n times
-                z = self.model.logits(hidden[uniq], temperature)[inv]
+                h, w = self.model.head_inputs(hidden[uniq])
+                ops = self.model.ops
+                raw = ops.linear(h, w)[inv]  # one LM-head matmul per distinct row
+                z = ops.scale_logits(raw, temperature)
                 keys = noise_keys(
                     params.seed,
                     [r.request_id for r in rows],
@@ -191,7 +194,8 @@ class RolloutEngine:
                     top_p=_full(len(rows), params.top_p, lm_dev) if params.top_p < 1 else None,
                     greedy=torch.ones(len(rows), dtype=torch.bool, device=lm_dev) if greedy else None,
                 )
-                lp = self.model.ops.logprobs_from_logits(z, tok)
+                # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
+                lp = ops.logprobs_from_logits(raw, tok, temperature)
                 tok_l, lp_l = tok.tolist(), lp.tolist()
             else:
                 tok_l, lp_l = [], []

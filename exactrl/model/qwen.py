@@ -178,7 +178,8 @@ class CausalLM(nn.Module):
         n = self.model.norm
         return ops.rms_norm(h, n.weight, n.eps)
 
-    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, LM-head weight) as the LM head consumes them (fp32 with fp32_lm_head)."""
         w = self.lm_head_weight()
         if self.fp32_lm_head:  # LM head and softmax in fp32 from bf16 hidden states, on both paths
             return hidden.float(), w.float()
@@ -192,12 +193,12 @@ class CausalLM(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden: [T, D], targets: [T] -> (logprobs [T] fp32, entropy [T] fp32 or None) at `temperature`."""
-        h, w = self._head(hidden)
+        h, w = self.head_inputs(hidden)
         return self.ops.logprobs(h, w, targets, temperature, with_entropy)
 
     def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """hidden: [T, D] -> [T, V] fp32 logits / temperature, the numbers `logprobs` normalises."""
-        h, w = self._head(hidden)
+        h, w = self.head_inputs(hidden)
         return self.ops.logits(h, w, temperature)
 
     def set_ops(self, ops: Ops) -> None:

@@ -71,8 +71,15 @@ class Ops(Protocol):
         exactly the numbers `logprobs` normalises."""
         ...
 
-    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """logits: [R, V] fp32 from `logits()`, targets: [R] -> [R] fp32. The second half of `logprobs`, so that
-        `logprobs(h, w, t, T)` equals `logprobs_from_logits(logits(h, w, T), t)` bitwise: the sampler records
-        its logprobs without a second LM-head matmul."""
+    def scale_logits(self, raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """raw: [R, V] LM-head output from `linear` -> [R, V] fp32 raw / temperature: the numbers the sampler
+        draws from, exactly the ones `logprobs_from_logits` normalises."""
+        ...
+
+    def logprobs_from_logits(
+        self, raw: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """raw: [R, V] LM-head output from `linear` (model dtype, or fp32 with fp32_lm_head), targets: [R] ->
+        [R] fp32. Bitwise equal to `logprobs(hidden, weight, targets, temperature)` when raw is
+        `linear(hidden, weight)`: the engine records its logprobs without a second LM-head matmul."""
         ...

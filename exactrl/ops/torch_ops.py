@@ -278,8 +278,16 @@ class ExactTorchOps:
         _check_temperature(temperature)
         return self.linear(hidden, weight).float() / float(temperature)
 
-    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    def scale_logits(self, raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        _check_temperature(temperature)
+        return raw.float() / float(temperature)
+
+    def logprobs_from_logits(
+        self, raw: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        # The same expression as one chunk of `logprobs`: the sampler's recorded logprob is the trainer's.
+        z = self.scale_logits(raw, temperature)
+        return torch.log_softmax(z, dim=-1).gather(1, targets[:, None])[:, 0]
 
 
 class FastOps(ExactTorchOps):

@@ -1,0 +1,343 @@
+"""Benchmark the exact Triton kernels against PyTorch's defaults on the GPU.
+
+- matmul: the batch-invariant persistent GEMM vs cuBLAS (`F.linear`) at qwen3-0.6b shapes, bf16,
+  M in {1, 16, 256, 1024, 4096, 8192}; `ratio_vs_cublas` = cuBLAS time / Triton time (1.0 = as fast).
+- a few alternative tile configs (informational: the exact path always uses MATMUL_CONFIGS), with whether
+  their output is bitwise equal to the default config's.
+- attention: packed causal training forward and forward+backward vs SDPA, and a paged decode step vs SDPA over
+  a dense cache.
+- logprobs: chunked exact logprobs vs F.linear + log_softmax.
+
+Prints a table and one JSON line per measurement (`--out FILE` also writes the JSON lines there).
+Usage: PYTHONPATH=. python benchmarks/bench_kernels.py [--quick] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda"
+ATTN_TRAIN_CASES = [(8, 2048), (32, 512)]  # (sequences, length) packed for training
+ATTN_DECODE_CASES = [(256, 512), (64, 2048)]  # (sequences, cached context) for one decode step
+LOGPROB_SHAPE = (4096, 1024, 151936)  # (rows, hidden, vocab)
+
+
+def bench(fn, grad_to_none=None, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(
+        triton.testing.do_bench(fn, warmup=rep // 4, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    )
+
+
+def emit(rows: list[dict], record: dict, out) -> None:
+    rows.append(record)
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+SHAPES = {
+    "q": (1024, 2048),
+    "k_v": (1024, 1024),
+    "o": (2048, 1024),
+    "gate_up": (1024, 3072),
+    "down": (3072, 1024),
+    "lm_head": (1024, 151936),
+}
+
+
+def bench_matmul(ms: list[int], rows: list[dict], out) -> None:
+    from exactrl.ops.triton.matmul import matmul
+
+    dtype = torch.bfloat16
+    for name, (K, N) in SHAPES.items():
+        w = torch.randn(N, K, device=DEVICE, dtype=dtype) * K**-0.5
+        for M in ms:
+            x = torch.randn(M, K, device=DEVICE, dtype=dtype)
+            t_tri = bench(partial(matmul, x, w))
+            t_cub = bench(partial(F.linear, x, w))
+            flop = 2.0 * M * N * K
+            emit(rows, {
+                "bench": "matmul", "shape": name, "dtype": "bf16", "M": M, "K": K, "N": N,
+                "triton_ms": t_tri, "cublas_ms": t_cub, "ratio_vs_cublas": t_cub / t_tri,
+                "triton_tflops": flop / t_tri * 1e-9, "cublas_tflops": flop / t_cub * 1e-9,
+            }, out)  # fmt: skip
+
+
+MATMUL_ALTERNATIVES = {
+    "128x256x64_w8_s3": (128, 256, 64, 8, 8, 3),
+    "128x128x64_w8_s3": (128, 128, 64, 8, 8, 3),
+    "64x128x64_w4_s4": (64, 128, 64, 8, 4, 4),
+    "64x256x64_w4_s3": (64, 256, 64, 8, 4, 3),
+    "128x256x64_w8_s4": (128, 256, 64, 8, 8, 4),
+}
+
+
+def bench_matmul_configs(ms: list[int], rows: list[dict], out) -> None:
+    """Other tile configs, for the record only (the exact ops never pick a config by M)."""
+    from exactrl.ops.triton.matmul import MATMUL_CONFIGS, MatmulConfig, matmul
+
+    dtype = torch.bfloat16
+    for cname, c in MATMUL_ALTERNATIVES.items():
+        cfg = MatmulConfig(*c)
+        for name, (K, N) in SHAPES.items():
+            w = torch.randn(N, K, device=DEVICE, dtype=dtype) * K**-0.5
+            for M in ms:
+                x = torch.randn(M, K, device=DEVICE, dtype=dtype)
+                rec = {"bench": "matmul_config", "config": cname, "shape": name, "M": M}
+                try:
+                    t = bench(partial(matmul, x, w, config=cfg), rep=40)
+                    same = torch.equal(matmul(x, w, config=cfg), matmul(x, w, config=MATMUL_CONFIGS[dtype]))
+                except Exception as e:  # e.g. out of shared memory: report and go on
+                    emit(rows, {**rec, "error": str(e)[:200]}, out)
+                    continue
+                t_cub = bench(partial(F.linear, x, w), rep=40)
+                emit(
+                    rows,
+                    {**rec, "triton_ms": t, "ratio_vs_cublas": t_cub / t, "bitwise_equal_to_default": same},
+                    out,
+                )
+
+
+def _exact_fwd_bwd(leaves, batch, dy) -> None:
+    from exactrl.ops.triton.attention import attention
+
+    attention(*leaves, batch).backward(dy)
+
+
+def _sdpa_fwd_bwd(leaves, dy) -> None:
+    F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(dy)
+
+
+def bench_attention(rows: list[dict], out, quick: bool) -> None:
+    from exactrl.ops.batch import AttentionBatch
+    from exactrl.ops.triton.attention import attention
+
+    hq, hkv, dh = 16, 8, 128
+    dtype = torch.bfloat16
+    for B, L in ATTN_TRAIN_CASES if not quick else ATTN_TRAIN_CASES[-1:]:
+        T = B * L
+        q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
+        k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+        v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+        dy = torch.randn_like(q)
+        batch = AttentionBatch.packed([L] * B, device=DEVICE)
+        qs, ks, vs = (t.view(B, L, -1, dh).transpose(1, 2).contiguous() for t in (q, k, v))
+        dys = dy.view(B, L, hq, dh).transpose(1, 2).contiguous()
+        flop_fwd = 4.0 * B * hq * dh * L * L / 2  # causal: half the score matrix
+        with torch.no_grad():
+            t_fwd = bench(partial(attention, q, k, v, batch))
+            t_sdpa = bench(
+                partial(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True, enable_gqa=True)
+            )
+        emit(rows, {
+            "bench": "attention_fwd", "B": B, "L": L, "triton_ms": t_fwd, "sdpa_ms": t_sdpa,
+            "ratio_vs_sdpa": t_sdpa / t_fwd, "triton_tflops": flop_fwd / t_fwd * 1e-9,
+            "sdpa_tflops": flop_fwd / t_sdpa * 1e-9,
+        }, out)  # fmt: skip
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        sleaves = [t.clone().requires_grad_(True) for t in (qs, ks, vs)]
+        t_fb = bench(partial(_exact_fwd_bwd, leaves, batch, dy), grad_to_none=leaves)
+        t_sfb = bench(partial(_sdpa_fwd_bwd, sleaves, dys), grad_to_none=sleaves)
+        emit(rows, {
+            "bench": "attention_fwd_bwd", "B": B, "L": L, "triton_ms": t_fb, "sdpa_ms": t_sfb,
+            "ratio_vs_sdpa": t_sfb / t_fb, "triton_tflops": 3.5 * flop_fwd / t_fb * 1e-9,
+        }, out)  # fmt: skip
+
+    # Decode: one new token for each of S sequences with C cached tokens, block size 16, shuffled pages.
+    block = 16
+    for S, C in ATTN_DECODE_CASES if not quick else ATTN_DECODE_CASES[:1]:
+        nb = S * (-(-(C + 1) // block))
+        perm = torch.randperm(nb).tolist()
+        per = nb // S
+        tables = [perm[i * per : (i + 1) * per] for i in range(S)]
+        k_cache = torch.randn(nb, block, hkv, dh, device=DEVICE, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        batch = AttentionBatch.paged([C] * S, [1] * S, tables, block, device=DEVICE)
+        q = torch.randn(S, hq, dh, device=DEVICE, dtype=dtype)
+        k = torch.randn(S, hkv, dh, device=DEVICE, dtype=dtype)
+        v = torch.randn(S, hkv, dh, device=DEVICE, dtype=dtype)
+        with torch.no_grad():
+            t_dec = bench(partial(attention, q, k, v, batch, kv_cache=(k_cache, v_cache)))
+            qs = q.view(S, hq, 1, dh)
+            kd = torch.randn(S, hkv, C + 1, dh, device=DEVICE, dtype=dtype)
+            vd = torch.randn_like(kd)
+            t_sdpa = bench(partial(F.scaled_dot_product_attention, qs, kd, vd, enable_gqa=True))
+        kv_bytes = 2.0 * S * (C + 1) * hkv * dh * 2
+        emit(rows, {
+            "bench": "attention_decode", "seqs": S, "context": C, "triton_ms": t_dec, "sdpa_dense_ms": t_sdpa,
+            "ratio_vs_sdpa": t_sdpa / t_dec, "triton_kv_GBps": kv_bytes / t_dec * 1e-6,
+            "sdpa_kv_GBps": kv_bytes / t_sdpa * 1e-6,
+        }, out)  # fmt: skip
+
+
+ATTN_FWD_ALTERNATIVES = [
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 128, 8, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 3),
+    (64, 128, 4, 2),
+]
+ATTN_BWD_ALTERNATIVES = [
+    (64, 64, 8, 2),
+    (32, 64, 4, 2),
+    (64, 128, 8, 2),
+    (32, 128, 8, 2),
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+]
+
+
+def bench_attention_configs(rows: list[dict], out) -> None:
+    """Forward tile configs (time for training and decode, and whether decode rows equal training rows under
+    each) and backward configs (time, difference to the default), for the record."""
+    from exactrl.ops.batch import AttentionBatch
+    from exactrl.ops.triton.attention import attention_bwd, attention_fwd
+
+    hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
+    B, L = ATTN_TRAIN_CASES[0]
+    T = B * L
+    q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
+    k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    dy = torch.randn_like(q)
+    train = AttentionBatch.packed([L] * B, device=DEVICE)
+    # Decode-like batch over the same key store: one query per sequence at a random position.
+    pos = torch.randint(0, L, (B,), device=DEVICE)
+    decode = AttentionBatch(
+        q_seq=torch.arange(B, device=DEVICE),
+        q_pos=pos,
+        cu_seqlens_q=torch.arange(B + 1, device=DEVICE),
+        key_lens=pos + 1,
+        key_slots=train.key_slots,
+        max_seqlen_q=1,
+        max_key_len=L,
+    )
+    rows_idx = torch.arange(B, device=DEVICE) * L + pos
+    q_dec = q[rows_idx]
+    flop_fwd = 4.0 * B * hq * dh * L * L / 2
+    with torch.no_grad():
+        for cfg in ATTN_FWD_ALTERNATIVES:
+            rec = {"bench": "attention_fwd_config", "config": cfg}
+            try:
+                full = attention_fwd(q, k, v, train, config=cfg)[0]
+                dec = attention_fwd(q_dec, k, v, decode, config=cfg)[0]
+                t = bench(partial(attention_fwd, q, k, v, train, cfg), rep=50)
+                td = bench(partial(attention_fwd, q_dec, k, v, decode, cfg), rep=50)
+            except Exception as e:
+                emit(rows, {**rec, "error": str(e)[:200]}, out)
+                continue
+            same = torch.equal(dec, full[rows_idx])
+            emit(rows, {**rec, "train_ms": t, "tflops": flop_fwd / t * 1e-9, "decode_rows_ms": td,
+                        "decode_equals_training": same}, out)  # fmt: skip
+        out_d, lse = attention_fwd(q, k, v, train)
+        base = attention_bwd(dy, q, k, v, out_d, lse, train)
+    for cfg in ATTN_BWD_ALTERNATIVES:
+        rec = {"bench": "attention_bwd_config", "config": cfg}
+        try:
+            grads = attention_bwd(dy, q, k, v, out_d, lse, train, config=cfg)
+            t = bench(partial(attention_bwd, dy, q, k, v, out_d, lse, train, cfg), rep=50)
+        except Exception as e:
+            emit(rows, {**rec, "error": str(e)[:200]}, out)
+            continue
+        diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, base))
+        emit(
+            rows, {**rec, "bwd_ms": t, "tflops": 2.5 * flop_fwd / t * 1e-9, "rel_diff_to_default": diff}, out
+        )
+
+
+def bench_logprobs(rows: list[dict], out) -> None:
+    from exactrl.ops.triton.logprobs import logprobs
+
+    dtype = torch.bfloat16
+    T, D, V = LOGPROB_SHAPE
+    h = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    w = torch.randn(V, D, device=DEVICE, dtype=dtype) * D**-0.5
+    tg = torch.randint(0, V, (T,), device=DEVICE)
+
+    def fast():
+        z = F.linear(h, w).float() / 0.7
+        return torch.log_softmax(z, -1).gather(1, tg[:, None])
+
+    with torch.no_grad():
+        t_tri = bench(partial(logprobs, h, w, tg, 0.7, True))
+        t_fast = bench(fast)
+    emit(rows, {"bench": "logprobs_fwd", "T": T, "V": V, "triton_ms": t_tri, "torch_ms": t_fast,
+                "ratio_vs_torch": t_fast / t_tri}, out)  # fmt: skip
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\nmatmul (bf16): exact Triton vs cuBLAS; ratio = cuBLAS time / Triton time")
+    print(
+        f"{'shape':>8} {'K':>5} {'N':>7} {'M':>5} {'triton ms':>10} {'cublas ms':>10} {'ratio':>6} {'TFLOP/s':>8}"
+    )
+    for r in rows:
+        if r["bench"] == "matmul":
+            print(f"{r['shape']:>8} {r['K']:>5} {r['N']:>7} {r['M']:>5} {r['triton_ms']:>10.4f} "
+                  f"{r['cublas_ms']:>10.4f} {r['ratio_vs_cublas']:>6.2f} {r['triton_tflops']:>8.1f}")  # fmt: skip
+    big = [r["ratio_vs_cublas"] for r in rows if r["bench"] == "matmul" and r["M"] >= 256]
+    if big:
+        gm = math.exp(sum(math.log(x) for x in big) / len(big))
+        print(f"geometric mean ratio at M >= 256: {gm:.3f} (min {min(big):.3f})")
+    cfg_rows = [r for r in rows if r["bench"] == "matmul_config" and "ratio_vs_cublas" in r]
+    if cfg_rows:
+        print(
+            "\nalternative matmul tiles (informational): geometric-mean ratio vs cuBLAS over the shapes, per M"
+        )
+        ms = sorted({r["M"] for r in cfg_rows})
+        print(f"{'config':>18} " + " ".join(f"{m:>6}" for m in ms) + "  equal_to_default")
+        for cname in dict.fromkeys(r["config"] for r in cfg_rows):
+            cells = []
+            for m in ms:
+                xs = [r["ratio_vs_cublas"] for r in cfg_rows if r["config"] == cname and r["M"] == m]
+                cells.append(f"{math.exp(sum(map(math.log, xs)) / len(xs)):>6.2f}" if xs else f"{'-':>6}")
+            eq = all(r["bitwise_equal_to_default"] for r in cfg_rows if r["config"] == cname)
+            print(f"{cname:>18} " + " ".join(cells) + f"  {eq}")
+    for r in rows:
+        if r["bench"].startswith("attention") or r["bench"] == "logprobs_fwd":
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    ap.add_argument("--skip-configs", action="store_true", help="skip the alternative tile configs")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from exactrl.ops import set_exact_environment
+
+    set_exact_environment(True)
+    torch.manual_seed(0)
+    out = open(args.out, "w") if args.out else None
+    rows: list[dict] = []
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": __import__("triton").__version__}))  # fmt: skip
+    ms = [1, 16, 256, 1024, 4096, 8192] if not args.quick else [1, 256, 4096]
+    bench_matmul(ms, rows, out)
+    bench_attention(rows, out, args.quick)
+    bench_logprobs(rows, out)
+    if not args.skip_configs:
+        bench_attention_configs(rows, out)
+        bench_matmul_configs(ms, rows, out)
+    print_table(rows)
+    if out is not None:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Pieces shared by the Triton kernels.
+
+`mma` is the one matrix-multiply-accumulate every kernel calls. On the GPU it is `tl.dot` (fp32 operands with
+input_precision="ieee": exact mode never uses TF32). Under TRITON_INTERPRET=1 (the CPU test path) the
+interpreter's `tl.dot` is unusable for these tests (it multiplies the raw uint16 bits of bf16 operands, and
+numpy's matmul gives a row different low bits depending on its place in the tile), so there `mma` upcasts to
+fp32 and sums the products over k in one order for every element. The GPU code never takes that branch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+if INTERPRET:
+
+    @triton.jit
+    def mma(a, b, acc):
+        # Products summed over k with the same order for every output element: numpy's matmul (what the
+        # interpreter's tl.dot calls) gives rows different low bits depending on their place in the tile.
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        return acc + tl.sum(prod, axis=1)
+
+else:
+
+    @triton.jit
+    def mma(a, b, acc):
+        # fp32 operands: IEEE fp32 FMAs, never TF32 (rule 7 of DESIGN.md). 16-bit operands: tensor cores with
+        # an fp32 accumulator; every output element is its own chain of MMAs, independent of the tile's other rows.
+        if a.dtype == tl.float32:
+            out = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc)
+        return out
+
+
+def num_programs_cap(device: torch.device) -> int:
+    """How many programs a persistent kernel launches at most: one per SM on the GPU, a few in the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def kernel_dtype_ok(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"exact Triton ops support bf16, fp16 and fp32 tensors, got {t.dtype}")

@@ -1,0 +1,206 @@
+"""Batch-invariant matmul: `linear(x [M, K], w [N, K], bias) -> [M, N]`, a persistent Triton GEMM.
+
+Why a row's result cannot depend on M (the number of rows in the call) or on where the row sits:
+- ONE tile configuration per dtype (`MATMUL_CONFIGS`), chosen without looking at M. The compiled kernel, its
+  tile shape and its instruction sequence are the same for a 1-row decode step and a 16k-row training batch.
+- The reduction over K runs in order, k-tile after k-tile, into one fp32 accumulator per output element:
+  no split-K, no stream-K, no atomics. An output element's value is a fixed chain of MMAs over its own row of
+  x and column of w; rows of a tile never mix (tensor-core MMAs compute each output element separately).
+- M is excluded from Triton's integer specialisation (`do_not_specialize`), so M = 1 or M % 16 == 0 cannot
+  select a differently compiled kernel. Out-of-range rows of a tile are masked and never stored;
+  out-of-range k (K not a multiple of BLOCK_K) load zeros, which add exactly 0 to every element.
+The persistent grid (one program per SM, tiles in grouped order for L2 reuse) only decides *which* program
+computes a tile, never how.
+
+Backward: dX = dY @ W runs through the same kernel with W's transposed strides (deterministic, no atomics);
+dW = dY^T @ X uses torch.matmul (cuBLAS: deterministic for fixed shapes when CUBLAS_WORKSPACE_CONFIG is set,
+and the backward does not need batch invariance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from exactrl.ops.triton.common import mma, num_programs_cap
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# One fixed configuration per dtype (never per M). 16-bit: Hopper wgmma tiles, two warpgroups of 64 rows each;
+# 4 stages of 128x64 + 64x128 bf16 tiles = 128 KiB of shared memory. fp32: IEEE FMAs (TF32 is off in exact
+# mode), smaller tiles so the accumulator and operands fit in registers.
+MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
+    torch.bfloat16: MatmulConfig(128, 128, 64, 8, 8, 4),
+    torch.float16: MatmulConfig(128, 128, 64, 8, 8, 4),
+    torch.float32: MatmulConfig(64, 64, 32, 8, 4, 3),
+}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_M * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile_id in range(start, num_tiles, NUM_PROGRAMS):
+        # Grouped ordering: GROUP_M row-tiles share each column-tile of w while it is in L2.
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past M are masked (zero-filled without a memory access: a decode step of a few rows reads only
+        # its rows); columns past N read column 0. Neither is ever stored, and rows never mix in the MMA.
+        row_ok = offs_m < M
+        offs_bn = tl.where(offs_n < N, offs_n, 0)
+        offs_bn = tl.max_contiguous(tl.multiple_of(offs_bn, BLOCK_N), BLOCK_N)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_bn[None, :] * stride_wn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            # K is reduced strictly in order into one fp32 accumulator (no split-K).
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(w_ptrs)
+            else:
+                k_left = K - kt * BLOCK_K
+                a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = mma(a, b, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_bn).to(tl.float32)
+            acc = acc + bias[None, :]  # in fp32, before the one rounding to the output dtype
+        out = acc.to(out_ptr.dtype.element_ty)
+        offs_cm = offs_m.to(tl.int64)  # M * N can pass 2**31 (logits)
+        out_ptrs = out_ptr + offs_cm[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (any strides), bias: [N] or None -> x @ w.T + bias, [M, N] in out_dtype (default x.dtype).
+
+    `config` exists for benchmarks only; the exact ops always use MATMUL_CONFIGS[x.dtype].
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"matmul operands must share a dtype, got {x.dtype} and {w.dtype}")
+    cfg = config or MATMUL_CONFIGS[x.dtype]
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    cap = num_programs_cap(x.device)
+    if bias is not None:
+        bias = bias.contiguous()
+    _matmul_kernel[(min(tiles, cap),)](
+        x,
+        w,
+        bias if bias is not None else x,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HAS_BIAS=bias is not None,
+        EVEN_K=K % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=cap,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    """Forward through the invariant kernel; backward dX through the same kernel (W transposed by strides),
+    dW and dBias through deterministic torch reductions."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        gx = matmul(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
+        gw = torch.matmul(grad_out.t(), x) if ctx.needs_input_grad[1] else None
+        gb = grad_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K], weight: [N, K], bias: [N] or None -> [..., N] in x.dtype; differentiable."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    y = _Linear.apply(x2, weight, bias) if needs_grad else matmul(x2, weight, bias)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,88 @@
+"""`TritonOps`: the exact (batch-invariant) backend on CUDA, built from the Triton kernels in exactrl/ops/triton.
+
+Every method runs the same compiled kernels for the rollout engine and the trainer, and each kernel's per-row
+arithmetic is fixed independently of the batch (see each kernel module's docstring for the argument):
+
+| op | kernel | invariance comes from |
+| --- | --- | --- |
+| linear | persistent GEMM, one tile config per dtype | in-order K reduction, no split-K, M not specialised |
+| rms_norm | one program per row | one fixed-size row reduction |
+| rope, silu_mul | elementwise | nothing to reduce |
+| attention | one kernel: training, prefill, decode | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op |
+| logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
+
+Constraints for callers (the engine): tensors in bf16, fp16 or fp32 (one dtype per model); head dim any size
+(padded to a power of two >= 16 inside the kernel); Hq a multiple of Hkv with Hq / Hkv <= 64; KV page size a
+multiple of exactrl.ops.batch.BLOCK_N (16), as AttentionBatch already checks; TF32 off
+(`set_exact_environment(True)`) for the torch matmuls in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.triton.attention import ATTN_BLOCK_N, ATTN_ROWS, attention
+from exactrl.ops.triton.elementwise import rope, silu_mul
+from exactrl.ops.triton.logprobs import (
+    LOGPROB_CHUNK_ROWS,
+    logits,
+    logprobs,
+    logprobs_from_logits,
+    scaled_logits,
+)
+from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear
+from exactrl.ops.triton.norm import rms_norm
+
+__all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
+
+
+class TritonOps:
+    """Batch-invariant ops in Triton: the exact backend on CUDA (also runs under TRITON_INTERPRET=1 on the CPU)."""
+
+    name = "exact-triton"
+    exact = True
+    attn_block_n = ATTN_BLOCK_N
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return rope(x, positions, cos_sin)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate, up)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return attention(q, k, v, batch, kv_cache)
+
+    def logprobs(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return logprobs(hidden, weight, targets, temperature, with_entropy)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return logits(hidden, weight, temperature)
+
+    def scale_logits(self, raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return scaled_logits(raw, temperature)
+
+    def logprobs_from_logits(
+        self, raw: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        return logprobs_from_logits(raw.contiguous(), targets, temperature)[0]

@@ -1,0 +1,360 @@
+"""Exactness of the Triton backend on the GPU at qwen3-0.6b shapes (marker `gpu`, skipped without CUDA).
+
+- Row-invariance sweep: rows of an m-row call `torch.equal` the same rows of a 300-row call, for every op,
+  m in SWEEP, bf16 and fp32.
+- Attention: decode and chunked prefill through the paged cache equal the packed training rows.
+- Gradients against float64 PyTorch references.
+- A negative control: cuBLAS (`F.linear`) gives some row different bits when the batch changes, so the same
+  check is able to fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+if torch.cuda.is_available():
+    from exactrl.ops import set_exact_environment
+    from exactrl.ops.batch import AttentionBatch
+    from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch
+    from exactrl.ops.triton.logprobs import logprobs_from_logits
+    from exactrl.ops.triton_ops import TritonOps
+
+    ops = TritonOps()
+    set_exact_environment(True)
+
+SWEEP = [1, 2, 3, 5, 7, 8, 15, 16, 17, 64, 255, 256, 300]
+DTYPES = [torch.bfloat16, torch.float32]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+HIDDEN, HQ, HKV, DH, INTER, VOCAB = 1024, 16, 8, 128, 3072, 151936
+# (K, N) of qwen3-0.6b's projections: q, k (= v), o, gate (= up), down, lm head
+LINEAR_SHAPES = {
+    "q": (1024, 2048),
+    "k_v": (1024, 1024),
+    "o": (2048, 1024),
+    "gate_up": (1024, 3072),
+    "down": (3072, 1024),
+    "lm_head": (1024, VOCAB),
+}
+DEV = "cuda"
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    return (torch.randn(*shape, generator=gen(seed), device=DEV) * scale).to(dtype)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_rows_invariant(fn, full_inputs, row_args, name):
+    """fn(*inputs) on the first m rows equals the first m rows of fn on all 300 rows, for every m in SWEEP."""
+    full = fn(*full_inputs)
+    bad = []
+    for m in SWEEP:
+        inputs = [t[:m] if i in row_args else t for i, t in enumerate(full_inputs)]
+        part = fn(*inputs)
+        parts = part if isinstance(part, tuple) else (part,)
+        fulls = full if isinstance(full, tuple) else (full,)
+        if not all(torch.equal(p, f[:m]) for p, f in zip(parts, fulls)):
+            bad.append(m)
+    assert not bad, f"{name}: rows of an m-row call differ from the 300-row call for m in {bad}"
+    return full
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Row-invariance sweeps
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(LINEAR_SHAPES))
+def test_linear_sweep(dtype, name):
+    K, N = LINEAR_SHAPES[name]
+    x = randn(300, K, dtype=dtype, seed=1)
+    w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=2)
+    full = assert_rows_invariant(ops.linear, [x, w], {0}, f"linear {name}")
+    idx = torch.randperm(300, generator=gen(3), device=DEV)[:64]
+    ref = x[idx].double() @ w.double().T
+    assert rel_err(full[idx], ref) < TOL[dtype] / 2
+    perm = torch.randperm(300, generator=gen(4), device=DEV)
+    assert torch.equal(ops.linear(x[perm], w), full[perm]), "a row's bits depend on its position in the call"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_bias_sweep(dtype):
+    x, w, b = (
+        randn(300, 1024, dtype=dtype, seed=5),
+        randn(1024, 1024, dtype=dtype, scale=1 / 32, seed=6),
+        randn(1024, dtype=dtype, seed=7),
+    )
+    full = assert_rows_invariant(ops.linear, [x, w, b], {0}, "linear+bias")
+    assert rel_err(full, x.double() @ w.double().T + b.double()) < TOL[dtype] / 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_sweep(dtype):
+    w = (1 + 0.1 * randn(HIDDEN, seed=8)).to(dtype)
+    x = randn(300, HIDDEN, dtype=dtype, seed=9)
+    full = assert_rows_invariant(lambda a, b: ops.rms_norm(a, b, 1e-6), [x, w], {0}, "rms_norm")
+    assert rel_err(full, rms_norm_torch(x.double(), w.double(), 1e-6)) < TOL[dtype]
+    wh = (1 + 0.1 * randn(DH, seed=10)).to(dtype)
+    xh = randn(300, HQ, DH, dtype=dtype, seed=11)
+    assert_rows_invariant(lambda a, b: ops.rms_norm(a, b, 1e-6), [xh, wh], {0}, "rms_norm per head")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_silu_sweep(dtype):
+    ang = torch.arange(4096, device=DEV)[:, None] * (1e6 ** (-torch.arange(DH // 2, device=DEV) / (DH // 2)))
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float()
+    pos = torch.randint(0, 4096, (300,), generator=gen(12), device=DEV)
+    x = randn(300, HQ, DH, dtype=dtype, seed=13)
+    full = assert_rows_invariant(lambda a, p: ops.rope(a, p, cos_sin), [x, pos], {0, 1}, "rope")
+    assert rel_err(full, rope_torch(x.double(), pos, cos_sin.double())) < TOL[dtype]
+    g, u = randn(300, INTER, dtype=dtype, seed=14), randn(300, INTER, dtype=dtype, seed=15)
+    full = assert_rows_invariant(ops.silu_mul, [g, u], {0, 1}, "silu_mul")
+    assert rel_err(full, silu_mul_torch(g.double(), u.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprobs_sweep(dtype):
+    h = randn(300, HIDDEN, dtype=dtype, seed=16)
+    w = randn(VOCAB, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5 * 2, seed=17)
+    targets = torch.randint(0, VOCAB, (300,), generator=gen(18), device=DEV)
+    lp, ent = assert_rows_invariant(
+        lambda a, t: ops.logprobs(a, w, t, 0.7, with_entropy=True), [h, targets], {0, 1}, "logprobs"
+    )
+    z = ops.logits(h, w, 0.7)
+    lin = ops.linear(h, w)
+    # logits() = the linear's output in fp32 divided by T with IEEE division (the CPU's fp32 division is IEEE).
+    assert torch.equal(z.cpu(), lin.float().cpu() / torch.full(lin.shape, 0.7)), "logits() is not linear / T"
+    # One lm-head matmul serves the sampler and the recorded logprob: the logprob kernel on the linear's output
+    # (the same kernel, on the same dtype, as inside ops.logprobs) gives the trainer's bits.
+    assert torch.equal(logprobs_from_logits(lin, targets, 0.7)[0], lp)
+    assert_rows_invariant(lambda a: ops.logits(a, w, 0.7), [h], {0}, "logits")
+    logp = torch.log_softmax(z.double(), -1)
+    assert rel_err(lp, logp.gather(1, targets[:, None])[:, 0]) < 1e-5
+    assert rel_err(ent, -(logp.exp() * logp).sum(-1)) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Attention: decode / prefill / training
+# ------------------------------------------------------------------------------------------------------------
+
+
+class PagedCache:
+    def __init__(self, num_blocks, block_size, dtype, seed):
+        self.block_size = block_size
+        self.k = torch.full((num_blocks, block_size, HKV, DH), float("nan"), dtype=dtype, device=DEV)
+        self.v = torch.full_like(self.k, float("nan"))
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def table(self, n_tokens):
+        nb = -(-n_tokens // self.block_size)
+        t, self.free = self.free[:nb], self.free[nb:]
+        return t
+
+
+def run_paged(q, k, v, lens, schedule, block_size=16, seed=0):
+    cache = PagedCache(sum(-(-n // block_size) for n in lens) + 4, block_size, q.dtype, seed)
+    tables = [cache.table(n) for n in lens]
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    out = torch.full_like(q, float("nan"))
+    cached, step = [0] * len(lens), 0
+    while any(c < n for c, n in zip(cached, lens)):
+        active, new = [], []
+        for b, n in enumerate(lens):
+            take = min(schedule(step, b, cached[b], n), n - cached[b])
+            if take > 0:
+                active.append(b)
+                new.append(take)
+        step += 1
+        if not active:
+            continue
+        rows = torch.cat(
+            [torch.arange(offsets[b] + cached[b], offsets[b] + cached[b] + t) for b, t in zip(active, new)]
+        )
+        rows = rows.to(DEV)
+        batch = AttentionBatch.paged(
+            [cached[b] for b in active], new, [tables[b] for b in active], block_size, DEV
+        )
+        out[rows] = ops.attention(q[rows], k[rows], v[rows], batch, kv_cache=(cache.k, cache.v))
+        for b, t in zip(active, new):
+            cached[b] += t
+    return out
+
+
+SCHEDULES = {
+    "whole_prefill": lambda step, b, c, n: n,
+    "chunks_37": lambda step, b, c, n: 37,
+    "chunks_64": lambda step, b, c, n: 64,
+    "prefill_1_then_decode": lambda step, b, c, n: 1,
+    "prefill_100_then_decode": lambda step, b, c, n: 100 if c == 0 else 1,
+    "staggered": lambda step, b, c, n: (13 if c == 0 else 1) if step >= 5 * b else 0,
+}
+
+
+def qkv(lens, dtype, seed):
+    T = sum(lens)
+    return (
+        randn(T, HQ, DH, dtype=dtype, seed=seed),
+        randn(T, HKV, DH, dtype=dtype, seed=seed + 1),
+        randn(T, HKV, DH, dtype=dtype, seed=seed + 2),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_prefill_equal_training(dtype):
+    lens = [300, 17, 129, 64, 1, 65]
+    q, k, v = qkv(lens, dtype, seed=20)
+    train = ops.attention(q, k, v, AttentionBatch.packed(lens, device=DEV))
+    ref = attention_reference(q.double(), k.double(), v.double(), AttentionBatch.packed(lens, device=DEV))
+    assert rel_err(train, ref) < TOL[dtype]
+    bad = []
+    for i, (name, sched) in enumerate(SCHEDULES.items()):
+        got = run_paged(q, k, v, lens, sched, seed=i)
+        if not torch.equal(got, train):
+            bad.append((name, (got.float() - train.float()).abs().max().item()))
+    # Each sequence alone (a training batch of one) equals its rows in the packed batch.
+    at = 0
+    for n in lens:
+        s = slice(at, at + n)
+        if not torch.equal(ops.attention(q[s], k[s], v[s], AttentionBatch.packed([n], device=DEV)), train[s]):
+            bad.append((f"alone[{n}]", None))
+        at += n
+    assert not bad, f"rollout/training attention differ: {bad}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_sweep(dtype):
+    """A decode step of m sequences equals the first m sequences of a 300-sequence decode step."""
+    block_size = 16
+    ctx = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(21)).tolist()
+    cache = PagedCache(sum(-(-(c + 1) // block_size) for c in ctx) + 4, block_size, dtype, seed=22)
+    tables = [cache.table(c + 1) for c in ctx]
+    # Fill the cached context with random keys/values through prefill steps of the same kernel.
+    kc, vc = randn(*cache.k.shape, dtype=dtype, seed=23), randn(*cache.v.shape, dtype=dtype, seed=24)
+    cache.k.copy_(kc)
+    cache.v.copy_(vc)
+    q, k, v = (
+        randn(300, HQ, DH, dtype=dtype, seed=25),
+        randn(300, HKV, DH, dtype=dtype, seed=26),
+        randn(300, HKV, DH, dtype=dtype, seed=27),
+    )
+
+    def step(qm, km, vm):
+        m = qm.shape[0]
+        batch = AttentionBatch.paged(ctx[:m], [1] * m, tables[:m], block_size, DEV)
+        return ops.attention(qm, km, vm, batch, kv_cache=(cache.k, cache.v))
+
+    full = assert_rows_invariant(step, [q, k, v], {0, 1, 2}, "attention decode")
+    batch = AttentionBatch.paged(ctx, [1] * 300, tables, block_size, DEV)
+    kf, vf = cache.k.view(-1, HKV, DH), cache.v.view(-1, HKV, DH)
+    ref = attention_reference(q.double(), k.double(), v.double(), batch, kf.double(), vf.double())
+    assert rel_err(full, ref) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Gradients
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_grad(dtype):
+    lens = [300, 77, 129, 1]
+    q, k, v = qkv(lens, dtype, seed=30)
+    gy = randn(sum(lens), HQ, DH, dtype=dtype, seed=33)
+    batch = AttentionBatch.packed(lens, device=DEV)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ops.attention(*leaves, batch).backward(gy)
+    refs = [t.double().requires_grad_(True) for t in (q, k, v)]
+    attention_reference(*refs, batch).backward(gy.double())
+    errs = {n: rel_err(a.grad, b.grad) for n, a, b in zip("qkv", leaves, refs)}
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+    again = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ops.attention(*again, batch).backward(gy)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves)), (
+        "attention backward not deterministic"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_grads(dtype):
+    x, w = randn(257, 1024, dtype=dtype, seed=40), randn(3072, 1024, dtype=dtype, scale=1 / 32, seed=41)
+    gy = randn(257, 3072, dtype=dtype, seed=42)
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ops.linear(xl, wl).backward(gy)
+    assert rel_err(xl.grad, gy.double() @ w.double()) < TOL[dtype]
+    assert rel_err(wl.grad, gy.double().T @ x.double()) < TOL[dtype]
+
+    nw = (1 + 0.1 * randn(1024, seed=43)).to(dtype)
+    xl, wl = x.clone().requires_grad_(True), nw.clone().requires_grad_(True)
+    g2 = randn(257, 1024, dtype=dtype, seed=44)
+    ops.rms_norm(xl, wl, 1e-6).backward(g2)
+    xr, wr = x.double().requires_grad_(True), nw.double().requires_grad_(True)
+    rms_norm_torch(xr, wr, 1e-6).backward(g2.double())
+    assert rel_err(xl.grad, xr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+    g, u = randn(257, 3072, dtype=dtype, seed=45), randn(257, 3072, dtype=dtype, seed=46)
+    gl, ul = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    ops.silu_mul(gl, ul).backward(gy)
+    gr, ur = g.double().requires_grad_(True), u.double().requires_grad_(True)
+    silu_mul_torch(gr, ur).backward(gy.double())
+    assert rel_err(gl.grad, gr.grad) < TOL[dtype] and rel_err(ul.grad, ur.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprobs_grad(dtype):
+    T, temp = 96, 0.8
+    h = randn(T, HIDDEN, dtype=dtype, seed=50)
+    w = randn(VOCAB, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5 * 2, seed=51)
+    targets = torch.randint(0, VOCAB, (T,), generator=gen(52), device=DEV)
+    g_lp, g_ent = randn(T, seed=53), randn(T, seed=54)
+    hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = ops.logprobs(hl, wl, targets, temp, with_entropy=True)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp = torch.log_softmax((hr @ wr.T) / temp, -1)
+    rlp, rent = logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    ((rlp * g_lp.double()).sum() + (rent * g_ent.double()).sum()).backward()
+    assert rel_err(hl.grad, hr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Negative control
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_negative_control_cublas_is_not_batch_invariant():
+    """The same sweep applied to F.linear (cuBLAS) finds a shape where a row's bits change with the batch size:
+    proof that the sweep can fail. Shapes with large K and small N push cuBLAS towards split-K for small M."""
+    found = []
+    for dtype in DTYPES:
+        for K, N in [(1024, 1024), (3072, 1024), (8192, 256), (16384, 128), (4096, 4096), (1023, 1000)]:
+            x = randn(300, K, dtype=dtype, seed=60)
+            w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=61)
+            full = F.linear(x, w)
+            ms = [m for m in SWEEP if not torch.equal(F.linear(x[:m], w), full[:m])]
+            if ms:
+                found.append((str(dtype), K, N, ms))
+    print("cuBLAS rows that change with the batch:", found)
+    assert found, "cuBLAS was batch-invariant for every tried shape; the negative control needs another shape"
+    # ... while the Triton kernel is invariant on the very same shapes.
+    for dtype_name, K, N, _ in found[:2]:
+        dtype = getattr(torch, dtype_name.split(".")[-1])
+        x = randn(300, K, dtype=dtype, seed=60)
+        w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=61)
+        assert_rows_invariant(ops.linear, [x, w], {0}, f"linear {K}x{N}")

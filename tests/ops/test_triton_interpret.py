@@ -1,0 +1,317 @@
+"""The Triton kernels on tiny shapes: against float64 references, and for exact batch invariance.
+
+Runs everywhere: without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1 on the CPU, set here
+before the kernels are first imported); with CUDA they run compiled on the GPU. The full sweep at model shapes
+lives in test_triton_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
+
+pytest.importorskip("triton")
+
+from exactrl.ops.batch import AttentionBatch  # noqa: E402
+from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch  # noqa: E402
+from exactrl.ops.triton import common  # noqa: E402
+from exactrl.ops.triton.logprobs import logprobs_from_logits  # noqa: E402
+from exactrl.ops.triton_ops import TritonOps  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if (
+    DEVICE == "cpu" and not common.INTERPRET
+):  # pragma: no cover - only when another module imported them first
+    pytest.skip(
+        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
+        allow_module_level=True,
+    )
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+ops = TritonOps()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double().cpu(), ref.double().cpu()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=None):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# linear
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kn", [(96, 80), (128, 200)])  # K not a multiple of BLOCK_K; N across two tiles
+def test_linear_reference_and_row_invariance(dtype, kn):
+    K, N = kn
+    x, w, b = (
+        randn(150, K, dtype=dtype, seed=1),
+        randn(N, K, dtype=dtype, seed=2),
+        randn(N, dtype=dtype, seed=3),
+    )
+    full = ops.linear(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert full.dtype == dtype and rel_err(full, ref) < TOL[dtype] / 2
+    for m in (1, 2, 5, 17, 129):
+        assert torch.equal(ops.linear(x[:m], w, b), full[:m]), f"rows of an {m}-row call differ"
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    assert torch.equal(ops.linear(x[perm], w, b), full[perm]), "a row's result depends on its position"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_grad(dtype):
+    x, w, b = (
+        randn(37, 96, dtype=dtype, seed=4),
+        randn(80, 96, dtype=dtype, seed=5),
+        randn(80, dtype=dtype, seed=6),
+    )
+    gy = randn(37, 80, dtype=dtype, seed=7)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    ops.linear(*leaves).backward(gy)
+    refs = [t.double().requires_grad_(True) for t in (x, w, b)]
+    torch.nn.functional.linear(*refs).backward(gy.double())
+    for got, ref in zip(leaves, refs):
+        assert rel_err(got.grad, ref.grad) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# rms_norm, silu_mul, rope
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 100])
+def test_rms_norm(dtype, dim):
+    x, w = randn(45, dim, dtype=dtype, seed=8), randn(dim, dtype=dtype, seed=9)
+    full = ops.rms_norm(x, w, 1e-6)
+    assert rel_err(full, rms_norm_torch(x.double(), w.double(), 1e-6)) < TOL[dtype]
+    for m in (1, 3, 16, 44):
+        assert torch.equal(ops.rms_norm(x[:m], w, 1e-6), full[:m])
+    # [T, H, Dh] input (Qwen3's per-head q/k norm) through a non-contiguous view
+    x3 = randn(9, 3 * dim, dtype=dtype, seed=10)[:, : dim * 2].view(9, 2, dim)
+    assert rel_err(ops.rms_norm(x3, w, 1e-6), rms_norm_torch(x3.double(), w.double(), 1e-6)) < TOL[dtype]
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    gy = randn(45, dim, dtype=dtype, seed=11)
+    ops.rms_norm(xl, wl, 1e-6).backward(gy)
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    rms_norm_torch(xr, wr, 1e-6).backward(gy.double())
+    assert rel_err(xl.grad, xr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g, u = randn(33, 300, dtype=dtype, seed=12), randn(33, 300, dtype=dtype, seed=13)
+    full = ops.silu_mul(g, u)
+    assert rel_err(full, silu_mul_torch(g.double(), u.double())) < TOL[dtype]
+    for m in (1, 5, 32):
+        assert torch.equal(ops.silu_mul(g[:m], u[:m]), full[:m])
+    gl, ul = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    gy = randn(33, 300, dtype=dtype, seed=14)
+    ops.silu_mul(gl, ul).backward(gy)
+    gr, ur = g.double().requires_grad_(True), u.double().requires_grad_(True)
+    silu_mul_torch(gr, ur).backward(gy.double())
+    assert rel_err(gl.grad, gr.grad) < TOL[dtype] and rel_err(ul.grad, ur.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope(dtype):
+    T, H, Dh = 21, 3, 40
+    pos = torch.randint(0, 64, (T,), generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    ang = torch.arange(64)[:, None] * (1e-2 ** (torch.arange(Dh // 2) / (Dh // 2)))[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1).float().to(DEVICE)
+    x = randn(T, 2 * H * Dh, dtype=dtype, seed=16)[:, : H * Dh].view(T, H, Dh)  # strided like a qkv slice
+    full = ops.rope(x, pos, cos_sin)
+    assert rel_err(full, rope_torch(x.double(), pos, cos_sin.double())) < TOL[dtype]
+    for m in (1, 4, 20):
+        assert torch.equal(ops.rope(x[:m], pos[:m], cos_sin), full[:m])
+    xl = x.detach().clone().requires_grad_(True)
+    gy = randn(T, H, Dh, dtype=dtype, seed=17)
+    ops.rope(xl, pos, cos_sin).backward(gy)
+    xr = x.double().requires_grad_(True)
+    rope_torch(xr, pos, cos_sin.double()).backward(gy.double())
+    assert rel_err(xl.grad, xr.grad) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------------------
+
+ATTN_SHAPES = [(4, 2, 32), (6, 2, 24)]  # (Hq, Hkv, Dh): GQA group 2 and 3, a head dim that needs padding
+
+
+def _qkv(lens, hq, hkv, dh, dtype, seed):
+    T = sum(lens)
+    return (
+        randn(T, hq, dh, dtype=dtype, seed=seed),
+        randn(T, hkv, dh, dtype=dtype, seed=seed + 1),
+        randn(T, hkv, dh, dtype=dtype, seed=seed + 2),
+    )
+
+
+def run_paged(q, k, v, lens, schedule, block_size=16, seed=0):
+    """Feed packed sequences through the paged cache step by step: `schedule(step, b, cached, length)` says how
+    many new rows sequence b brings this step (0: idle). Returns the outputs in packed order."""
+    hkv, dh = k.shape[1:]
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, at = [], 0
+    for nb in blocks_per_seq:
+        tables.append(order[at : at + nb])
+        at += nb
+    # NaN everywhere nothing was written: a kernel that reads an unwritten slot cannot pass.
+    k_cache = torch.full((num_blocks, block_size, hkv, dh), float("nan"), dtype=k.dtype, device=k.device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    out = torch.full_like(q, float("nan"))
+    cached = [0] * len(lens)
+    step = 0
+    while any(c < n for c, n in zip(cached, lens)):
+        active, new = [], []
+        for b, n in enumerate(lens):
+            if cached[b] < n:
+                take = min(schedule(step, b, cached[b], n), n - cached[b])
+                if take > 0:
+                    active.append(b)
+                    new.append(take)
+        step += 1
+        if not active:
+            continue
+        rows = torch.cat(
+            [torch.arange(offsets[b] + cached[b], offsets[b] + cached[b] + t) for b, t in zip(active, new)]
+        )
+        rows = rows.to(q.device)
+        batch = AttentionBatch.paged(
+            [cached[b] for b in active], new, [tables[b] for b in active], block_size, device=q.device
+        )
+        out[rows] = ops.attention(q[rows], k[rows], v[rows], batch, kv_cache=(k_cache, v_cache))
+        for b, t in zip(active, new):
+            cached[b] += t
+    return out
+
+
+SCHEDULES = {
+    "whole": lambda step, b, c, n: n,
+    "chunks_23": lambda step, b, c, n: 23,
+    "prefill_then_decode": lambda step, b, c, n: 19 if c == 0 else 1,
+    "staggered_decode": lambda step, b, c, n: 1 if step >= 7 * b else 0,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+def test_attention_training_matches_reference(dtype, shape):
+    hq, hkv, dh = shape
+    lens = [5, 70, 1, 33]
+    q, k, v = _qkv(lens, hq, hkv, dh, dtype, seed=20)
+    batch = AttentionBatch.packed(lens, device=DEVICE)
+    out = ops.attention(q, k, v, batch)
+    assert rel_err(out, attention_reference(q.double(), k.double(), v.double(), batch)) < TOL[dtype]
+    # Sequence b's rows alone equal its rows inside the packed batch.
+    for b, (s, n) in enumerate(zip([0, 5, 75, 76], lens)):
+        alone = ops.attention(
+            q[s : s + n], k[s : s + n], v[s : s + n], AttentionBatch.packed([n], device=DEVICE)
+        )
+        assert torch.equal(alone, out[s : s + n]), f"sequence {b} differs when packed with others"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_attention_paged_equals_training(dtype, schedule):
+    hq, hkv, dh = ATTN_SHAPES[1] if schedule == "chunks_23" else ATTN_SHAPES[0]
+    lens = [70, 9, 100]
+    q, k, v = _qkv(lens, hq, hkv, dh, dtype, seed=30)
+    train = ops.attention(q, k, v, AttentionBatch.packed(lens, device=DEVICE))
+    rollout = run_paged(q, k, v, lens, SCHEDULES[schedule], seed=len(schedule))
+    assert torch.equal(rollout, train), (
+        f"rollout ({schedule}) differs from training: {(rollout - train).abs().max()}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+def test_attention_grad(dtype, shape):
+    hq, hkv, dh = shape
+    lens = [70, 3, 40]
+    q, k, v = _qkv(lens, hq, hkv, dh, dtype, seed=40)
+    gy = randn(sum(lens), hq, dh, dtype=dtype, seed=43)
+    batch = AttentionBatch.packed(lens, device=DEVICE)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ops.attention(*leaves, batch).backward(gy)
+    refs = [t.double().requires_grad_(True) for t in (q, k, v)]
+    attention_reference(*refs, batch).backward(gy.double())
+    for name, got, ref in zip("qkv", leaves, refs):
+        assert rel_err(got.grad, ref.grad) < TOL[dtype], f"d{name}"
+    again = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ops.attention(*again, batch).backward(gy)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves)), "backward is not deterministic"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# logprobs / logits
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _logprob_ref(h, w, targets, temperature):
+    # The op's definition: log_softmax of the linear's output (in the model dtype) / T, here in float64.
+    z = ops.linear(h, w).double() / temperature
+    logp = torch.log_softmax(z, -1)
+    return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprobs_reference_invariance_and_logits(dtype):
+    T, D, V, temp = 40, 64, 5000, 0.7  # V spans two vocabulary slices
+    h, w = randn(T, D, dtype=dtype, seed=50), randn(V, D, dtype=dtype, seed=51, scale=0.3)
+    targets = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(52)).to(DEVICE)
+    lp, ent = ops.logprobs(h, w, targets, temp, with_entropy=True)
+    ref_lp, ref_ent = _logprob_ref(h, w, targets, temp)
+    assert rel_err(lp, ref_lp) < 1e-5 and rel_err(ent, ref_ent) < 1e-5
+    for m in (1, 7, 39):
+        lp_m, ent_m = ops.logprobs(h[:m], w, targets[:m], temp, with_entropy=True)
+        assert torch.equal(lp_m, lp[:m]) and torch.equal(ent_m, ent[:m])
+    assert ops.logprobs(h, w, targets, temp)[1] is None
+    # logits() = the linear's output in fp32 divided by T with IEEE division, as inside the logprob kernel.
+    z = ops.logits(h, w, temp)
+    lin = ops.linear(h, w)
+    assert z.dtype == torch.float32 and z.shape == (T, V)
+    assert torch.equal(z.cpu(), lin.float().cpu() / torch.full(lin.shape, temp))
+    # One lm-head matmul can serve the sampler and the recorded logprob: same kernel, same input dtype.
+    assert torch.equal(logprobs_from_logits(lin, targets, temp)[0], lp)
+    assert torch.equal(ops.logits(h[:3], w, temp), z[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprobs_chunking_and_grad(dtype):
+    from exactrl.ops.triton.logprobs import logprobs
+
+    T, D, V, temp = 30, 64, 700, 1.3
+    h, w = randn(T, D, dtype=dtype, seed=60), randn(V, D, dtype=dtype, seed=61, scale=0.3)
+    targets = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(62)).to(DEVICE)
+    lp, ent = logprobs(h, w, targets, temp, True)
+    lp7, ent7 = logprobs(h, w, targets, temp, True, chunk_rows=7)
+    assert torch.equal(lp, lp7) and torch.equal(ent, ent7)
+    g_lp, g_ent = randn(T, seed=63), randn(T, seed=64)
+    hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = logprobs(hl, wl, targets, temp, True, chunk_rows=7)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    z = (hr @ wr.T) / temp  # gradient flows through the rounding to the model dtype as identity
+    logp = torch.log_softmax(z, -1)
+    rlp, rent = logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    ((rlp * g_lp.double()).sum() + (rent * g_ent.double()).sum()).backward()
+    assert rel_err(hl.grad, hr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
