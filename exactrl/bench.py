@@ -64,13 +64,10 @@ def _result_path(out_dir: str, bench: str, preset: str, mode: str, device: str) 
 
 
 def _emit(args, record: dict) -> None:
-    path = _result_path(
-        args.out_dir,
-        args.what,
-        args.preset if not args.model else Path(args.model).name,
-        args.mode,
-        record["device"],
-    )
+    name = args.preset if not args.model else Path(args.model).name
+    if args.what == "rollout":
+        name += f"-c{args.concurrency}"
+    path = _result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
     print(json.dumps(record))

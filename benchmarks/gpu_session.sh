@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One bundled GPU session: tests marked gpu, end-to-end parity on qwen3-0.6b, rollout and train benchmarks.
+# Usage on the GPU machine (repo root): PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train]
+# Results: benchmarks/results/*.json, and logs under $OUT when set.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=${PYTHONPATH:-.}
+OUT=${OUT:-/tmp/exactrl-gpu}
+mkdir -p "$OUT" benchmarks/results
+X="python3 -m exactrl.cli"
+want() { [[ " $* " == *" all "* ]] || [[ " $SECTIONS " == *" $1 "* ]]; }
+SECTIONS=" ${*:-all} "
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+if want tests; then
+  timeout 300 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/engine/test_sampler.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
+fi
+if want parity; then
+  for mode in exact fast; do
+    timeout 400 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode $mode --num-prompts 32 \
+      --max-tokens 224 --samples-per-prompt 1 --json 2>&1 | tail -3 | tee -a "$OUT/parity.txt"
+  done
+  timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 16 --max-tokens 128 \
+    --samples-per-prompt 4 --kv-blocks 96 --prefill-chunk 32 --temperature 0.7 --json 2>&1 | tail -3 | tee -a "$OUT/parity.txt"
+fi
+if want rollout; then
+  for c in 256 1; do
+    for mode in exact fast; do
+      vs=""; [[ $mode == exact ]] && vs="--vs hf"
+      timeout 300 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \
+        --max-tokens 256 $vs 2>&1 | tail -1 | tee -a "$OUT/rollout.txt"
+    done
+  done
+fi
+if want train; then
+  for mode in exact fast; do
+    vs=""; [[ $mode == exact ]] && vs="--vs hf"
+    timeout 300 $X bench train --preset qwen3-0.6b --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 5 \
+      $vs 2>&1 | tail -1 | tee -a "$OUT/train.txt"
+  done
+fi
+tar czf "$OUT/results.tgz" benchmarks/results
