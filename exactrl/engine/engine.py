@@ -79,18 +79,25 @@ class RolloutEngine:
         }
 
     def _ensure_runner(self, tokens_needed: int) -> ModelRunner:
+        """The KV cache for a call: a fixed size when configured, else sized for the call's worst case (within
+        the memory budget) and grown, never shrunk, when a later call needs more."""
         cfg = self.config
-        if self.runner is not None and (
-            self.runner.kv_caches[0][0].device != self.model.device
-            or self.runner.kv_caches[0][0].dtype != self.model.dtype
+        r = self.runner
+        if r is not None and (
+            r.kv_caches[0][0].device != self.model.device or r.kv_caches[0][0].dtype != self.model.dtype
         ):
-            self.runner = None  # the model moved or changed dtype: rebuild the cache
-        if self.runner is None:
-            n = cfg.num_kv_blocks or auto_num_blocks(
-                self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed
-            )
-            self.runner = ModelRunner(self.model, n, cfg.block_size)
-        return self.runner
+            r = None  # the model moved or changed dtype: rebuild the cache
+        if cfg.num_kv_blocks:
+            n = cfg.num_kv_blocks
+        else:
+            n = auto_num_blocks(self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed)
+            if r is not None:
+                n = max(n, r.num_blocks)
+        if r is None or r.num_blocks != n:
+            self.runner = None  # free the old cache before allocating the new one
+            r = ModelRunner(self.model, n, cfg.block_size)
+        self.runner = r
+        return r
 
     @torch.no_grad()
     def generate(
