@@ -141,3 +141,16 @@ def test_stop_token_ends_sample():
     ]
     first = free.token_ids.index(stop_tok)
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+
+
+def test_fp32_lm_head_parity():
+    """bf16 model, LM head and softmax in fp32 on both sides: still bitwise equal, and not the bf16 head."""
+    m = build_model(preset("tiny"), dtype=torch.bfloat16, seed=0, fp32_lm_head=True)
+    r = run_parity(m, num_prompts=3, max_tokens=24, temperature=1.0, seed=2, prompt_vocab=259)
+    assert r.num_mismatched == 0 and r.num_tokens > 0
+    h = torch.randn(4, m.config.hidden_size).to(torch.bfloat16)
+    t = torch.tensor([1, 2, 3, 4])
+    lp32, _ = m.logprobs(h, t)
+    m.fp32_lm_head = False
+    lp16, _ = m.logprobs(h, t)
+    assert not torch.equal(lp32, lp16)
