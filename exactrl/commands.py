@@ -34,26 +34,37 @@ def cmd_eval(args) -> int:
     from exactrl.tasks import RewardComputer
     from exactrl.train.loop import build_task, evaluate, make_encoder
 
-    overrides = list(args.set or []) + [f"model.path={args.model}", f"task.name={args.task}"]
+    # model.preset=none: --model replaces the config's model, which may be a preset (exactly one may be set)
+    overrides = list(args.set or []) + ["model.preset=none", f"model.path={args.model}"]
+    if args.task:  # else the config's task (arithmetic without a config)
+        overrides.append(f"task.name={args.task}")
     if args.data:
-        overrides += [f"task.path={args.data}", f"task.eval_path={args.data}"]
+        overrides += [f"task.path={args.data}", "task.eval_path=none"]
     cfg = load_config(args.config, overrides) if args.config else load_config(None, overrides)
     model, tok = load_policy(
         path=args.model, device=args.device, dtype=cfg.model.dtype, exact=args.mode == "exact"
     )
-    task = build_task(cfg)
+    num = args.num or cfg.task.num_eval
+    # Every record of --data is an eval example (a JsonlTask would hold most of them out for training).
+    if args.data:
+        from exactrl.tasks import load_jsonl
+
+        examples = load_jsonl(args.data, cfg.task.prompt_field, cfg.task.answer_field)[:num]
+    else:
+        examples = build_task(cfg).eval_examples(num)
     rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
     engine = RolloutEngine(model, EngineConfig(block_size=cfg.engine.block_size), tokenizer=tok)
     res = evaluate(
         engine,
         tok,
         make_encoder(cfg, tok),
-        task.eval_examples(args.num or cfg.task.num_eval),
+        examples,
         rewards,
         samples=args.samples,
         temperature=args.temperature if args.samples == 1 else max(args.temperature, 1.0),
         max_tokens=args.max_tokens,
         seed=cfg.run.seed,
+        stop=cfg.sampling.stop,  # as train's held-out evaluation does
     )
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v:.4f}" for k, v in res.items()))
     return 0
@@ -86,7 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("eval", help="accuracy and pass@k of a checkpoint on held-out prompts")
     p.add_argument("--model", required=True, help="HF checkpoint directory")
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "jsonl"])
+    p.add_argument(
+        "--task", choices=["arithmetic", "jsonl"], help="default: the --config's task, else arithmetic"
+    )
     p.add_argument("--data", help="JSONL file for --task jsonl")
     p.add_argument("--config", help="take task/reward settings from this TOML config")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")

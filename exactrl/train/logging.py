@@ -24,13 +24,14 @@ class MetricsLogger:
                 self.tb = None
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint's step (they will be logged again)."""
+        """On resume, drop lines logged after the checkpoint's step (they will be logged again), and the
+        after-RL evaluation of the interrupted run (logged after its last checkpoint; the resumed run logs its own)."""
         if not self.path.exists():
             return
         keep = []
         for line in self.path.read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("step", -1) <= step:
+            if rec.get("step", -1) <= step and rec.get("phase") != "after_rl":
                 keep.append(line)
         self.path.write_text("".join(k + "\n" for k in keep))
 

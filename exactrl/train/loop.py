@@ -227,8 +227,26 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
         ),
         tokenizer=tok,
     )
-    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard, resume=resume)
-    eval_examples = task.eval_examples(cfg.task.num_eval)
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    if resume and resume_from is None:
+        out(f"no checkpoint under {ckpt_root}: starting from scratch")
+    # With nothing to resume from the run starts over, and so does its metrics.jsonl.
+    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard, resume=resume_from is not None)
+
+    def fits(ids: list[int]) -> bool:
+        return (
+            len(ids) <= cfg.task.max_prompt_tokens and len(ids) + cfg.sampling.max_tokens <= e.max_model_len
+        )
+
+    # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
+    all_eval = task.eval_examples(cfg.task.num_eval)
+    eval_examples = [ex for ex in all_eval if fits(encode(ex))]
+    if len(eval_examples) < len(all_eval):
+        out(
+            f"{len(all_eval) - len(eval_examples)} held-out prompts are longer than task.max_prompt_tokens = "
+            f"{cfg.task.max_prompt_tokens} tokens: left out of the evaluation"
+        )
     ev_kw = dict(
         samples=cfg.task.eval_samples,
         temperature=cfg.task.eval_temperature,
@@ -236,11 +254,6 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
         seed=cfg.run.seed,
         stop=cfg.sampling.stop,
     )
-
-    ckpt_root = out_dir / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
-    if resume and resume_from is None:
-        out(f"no checkpoint under {ckpt_root}: starting from scratch")
 
     # ---- SFT warm start (skipped on resume: the checkpoint holds the RL-trained weights) ------------------
     summary: dict[str, Any] = {}
@@ -265,6 +278,13 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
             f"held-out accuracy before RL: {before.get('eval/accuracy', float('nan')):.3f} "
             f"on {len(eval_examples)} examples"
         )
+    elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
+        # Resuming: the KL reference is the model RL started from (after SFT), not the initial weights. Put it in
+        # place before the reference copy is taken below; the checkpoint then overwrites the policy's weights.
+        from exactrl.train.checkpoint import load_model
+
+        loaded = load_model(cfg.sft.checkpoint or sft_dir, device=device, dtype=model.dtype, exact=exact)
+        model.load_state_dict(loaded.state_dict())
 
     # ---- RL ------------------------------------------------------------------------------------------------
     a, tr = cfg.algorithm, cfg.train
@@ -329,6 +349,8 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
     stream = task.train_examples(seed=cfg.run.seed)
     sampling = cfg.sampling
     prompts_per_step = a.prompts_per_step
+    # Two passes over a finite training set with no prompt that fits means none ever will.
+    max_skips_in_a_row = 2 * getattr(task, "num_train", 5_000) + 1
     consecutive_nan = 0
     step = start_step
     stopped_early = False
@@ -354,12 +376,21 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
                 )
             # -- prompts (too-long ones are skipped and counted, not a crash) ------------------------------
             examples, prompt_ids = [], []
+            skipped_in_a_row = 0
             while len(examples) < prompts_per_step:
                 ex = next(stream)
                 ids = encode(ex)
-                if len(ids) > cfg.task.max_prompt_tokens or len(ids) + sampling.max_tokens > e.max_model_len:
+                if not fits(ids):
                     totals["skipped_prompts"] += 1
+                    skipped_in_a_row += 1
+                    if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
+                        raise ValueError(
+                            f"{skipped_in_a_row} training prompts in a row are longer than task.max_prompt_tokens "
+                            f"= {cfg.task.max_prompt_tokens} tokens: raise it (and engine.max_model_len), or check "
+                            "task.prompt_field and the chat template"
+                        )
                     continue
+                skipped_in_a_row = 0
                 examples.append(ex)
                 prompt_ids.append(ids)
             # -- rollout ------------------------------------------------------------------------------------
@@ -393,6 +424,12 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
             rollouts: list[Rollout] = []
             completions, answers, exs = [], [], []
             for ex, ids, o in zip(examples, prompt_ids, outs):
+                if o.error is not None or len(o.samples) != a.group_size:
+                    # The engine refused this prompt (e.g. it can never fit the KV cache): skip its group,
+                    # count it, and train on the others.
+                    totals["skipped_prompts"] += 1
+                    out(f"step {step + 1}: prompt skipped by the engine: {o.error}")
+                    continue
                 for smp in o.samples:
                     rollouts.append(
                         Rollout(
@@ -405,6 +442,11 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
                     completions.append(tok.decode(smp.token_ids))
                     answers.append(ex.answer)
                     exs.append(ex)
+            if not rollouts:
+                raise RuntimeError(
+                    f"step {step + 1}: the engine refused every prompt of the step ({outs[0].error}); "
+                    "check engine.num_kv_blocks / engine.max_model_len against the prompt lengths"
+                )
             res = rewards(completions, answers, exs)
             r = torch.tensor(res.rewards, dtype=torch.float32)
             if a.name == "rloo":
@@ -425,7 +467,8 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
             lengths = torch.tensor([len(ro.completion_ids) for ro in rollouts], dtype=torch.float32)
             per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in res.per_function.items()}
             m.update(reward_metrics(r, a.group_size, per_fn))
-            m.update(advantage_metrics(adv[:, None], torch.ones(len(adv), 1)))
+            if a.name != "ppo":  # PPO's token-level GAE advantages are logged by the trainer
+                m.update(advantage_metrics(adv[:, None], torch.ones(len(adv), 1)))
             from exactrl.algorithms import response_length_metrics
 
             m.update(response_length_metrics(lengths, torch.tensor([ro.truncated for ro in rollouts])))

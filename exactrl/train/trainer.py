@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.algorithms import (
+    advantage_metrics,
     aggregate,
     gae,
     kl_estimate,
@@ -223,6 +224,7 @@ class PolicyTrainer:
             if ref_lp is not None and s.kl_in_reward:
                 token_rewards = token_rewards - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind) * full_mask
             advantages, returns = gae(token_rewards, old_values, full_mask, s.gamma, s.lam)
+            metrics.update(advantage_metrics(advantages, full_mask))  # the GAE advantages the loss uses
         else:
             advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(
                 -1, L
@@ -280,20 +282,24 @@ class PolicyTrainer:
                     )
                     ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
                     total = loss - s.entropy_coef * ent_term
-                    pm["entropy"] = float(ent_term.detach()) * divisor / max(1, int(m.sum()))
+                    # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
+                    # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
+                    n_m = max(1, int(m.sum()))
+                    local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
+                    pm["entropy"] = float((ent.detach() * m).sum()) / n_m
                     if use_loss_kl:
                         kl = kl_estimate(lp, ref_lp[ids, :Lm].to(dev), s.kl_kind)
                         kl_term = aggregate(
                             kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
                         )
                         total = total + s.kl_coef * kl_term
-                        pm["kl_ref"] = float(kl_term.detach()) * divisor / max(1, int(m.sum()))
+                        pm["kl_ref"] = float((kl.detach() * m).sum()) / n_m
                     if not torch.isfinite(total):
                         finite = False
                         break
                     total.backward()
                     w = float(m.sum())
-                    pm["loss"] = float(total.detach()) * divisor / max(w, 1.0)
+                    pm["loss"] = float(total.detach()) * divisor / local
                     acc.add(pm, w)
                     if self.critic is not None:
                         v_flat = self.critic(pb)

@@ -1,0 +1,250 @@
+"""The `exactrl` command line, called in-process through `exactrl.cli.main` (one subprocess checks the script)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exactrl.cli import main
+
+# configs/quickstart.toml as committed, shrunk (that file is tuned by hand: a copy keeps these tests still).
+SMALL_TOML = """
+[run]
+name = "cli-test"
+device = "cpu"
+progress = false
+tensorboard = false
+
+[model]
+preset = "tiny"
+
+[engine]
+max_model_len = 64
+
+[sampling]
+max_tokens = 3
+
+[task]
+name = "arithmetic"
+arithmetic_max_operand = 30
+use_chat_template = false
+num_eval = 4
+max_prompt_tokens = 16
+
+[algorithm]
+group_size = 4
+rollouts_per_step = 8
+
+[train]
+steps = 2
+lr = 3e-4
+max_tokens_per_microbatch = 4096
+
+[sft]
+steps = 2
+lr = 3e-3
+batch_size = 8
+"""
+
+PARITY_KEYS = {"mode", "device", "dtype", "num_tokens", "num_mismatched", "max_abs_diff"}
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread for these runs: on a shared 2-core machine, OpenMP threads spin-waiting on each other
+    make a tiny run 5-10x slower than one thread does (and every comparison here is at the same thread count)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "small.toml"
+    path.write_text(SMALL_TOML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    assert main(["init-model", "--preset", "tiny", "--out", str(out)]) == 0
+    return out
+
+
+def test_init_model_writes_a_checkpoint(tiny_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tiny_dir / name).is_file(), name
+
+
+def test_generate_reads_the_checkpoint(tiny_dir, capsys):
+    capsys.readouterr()
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "1+1=", "--max-tokens", "4", "--json"]
+    assert main(argv) == 0
+    (rec,) = json_lines(capsys.readouterr().out)
+    assert rec["prompt"] == "1+1="
+    assert 1 <= len(rec["token_ids"]) <= 4
+    assert len(rec["rollout_logprobs"]) == len(rec["token_ids"])
+    assert all(lp <= 0 for lp in rec["rollout_logprobs"])
+    assert rec["finish_reason"] in ("length", "stop")
+    assert isinstance(rec["completion"], str)
+    # same seed, same sample
+    assert main(argv) == 0
+    assert json_lines(capsys.readouterr().out) == [rec]
+
+
+def test_generate_missing_model_is_a_clean_error(tmp_path, capsys):
+    rc = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--max-tokens", "2"])
+    assert rc == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_parity_exact(capsys):
+    argv = "parity --preset tiny --device cpu --num-prompts 3 --max-tokens 16 --json".split()
+    assert main(argv) == 0
+    (rec,) = json_lines(capsys.readouterr().out)
+    assert PARITY_KEYS <= rec.keys()
+    assert (rec["mode"], rec["device"], rec["dtype"]) == ("exact", "cpu", "float32")
+    assert rec["num_tokens"] > 0
+    assert rec["num_mismatched"] == 0 and rec["max_abs_diff"] == 0.0
+
+
+def test_parity_fast_shows_mismatches_and_exits_0(capsys):
+    argv = ["parity", "--preset", "tiny", "--device", "cpu", "--num-prompts", "2", "--max-tokens", "8"]
+    assert main([*argv, "--mode", "fast", "--json"]) == 0
+    (rec,) = json_lines(capsys.readouterr().out)
+    assert PARITY_KEYS <= rec.keys()
+    assert rec["mode"] == "fast" and rec["num_tokens"] > 0
+    assert rec["num_mismatched"] > 0 and rec["max_abs_diff"] > 0
+
+
+def test_train_unknown_key_exits_2_with_a_hint(config, capsys):
+    assert main(["train", str(config), "--set", "train.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'train.lrr'" in err and "did you mean 'train.lr'?" in err
+
+
+def test_train_unknown_section_exits_2_from_the_script(config):
+    """The installed `exactrl` script: exit status 2 and the list of valid sections, no traceback."""
+    exe = shutil.which("exactrl", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "exactrl.cli"]
+    proc = subprocess.run(
+        [*cmd, "train", str(config), "--set", "bogus.key=1"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown section '[bogus]'" in proc.stderr
+    assert "valid keys: run, model, engine" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_eval(tiny_dir, capsys):
+    argv = [
+        "eval",
+        "--model",
+        str(tiny_dir),
+        "--task",
+        "arithmetic",
+        "--num",
+        "8",
+        "--max-tokens",
+        "8",
+        "--json",
+    ]
+    assert main(argv) == 0
+    (rec,) = json_lines(capsys.readouterr().out)
+    assert rec["eval/num_examples"] == 8
+    assert 0 <= rec["eval/accuracy"] <= 1 and 0 <= rec["eval/reward"] <= 1
+
+
+def test_eval_uses_the_config_stop_strings(tiny_dir, config, monkeypatch, capsys):
+    """`exactrl eval --config C` scores like the held-out evaluation of `exactrl train C` (same stop strings)."""
+    import exactrl.train.loop as loop
+
+    seen = {}
+    real = loop.evaluate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", spy)
+    argv = ["eval", "--model", str(tiny_dir), "--config", str(config), "--num", "2", "--max-tokens", "3"]
+    assert main([*argv, "--set", 'sampling.stop=["="]', "--json"]) == 0
+    assert seen["stop"] == ["="] and seen["max_tokens"] == 3
+    assert json_lines(capsys.readouterr().out)[0]["eval/num_examples"] == 2
+
+
+def _jsonl(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    return path
+
+
+def test_eval_takes_the_task_from_the_config(tiny_dir, config, tmp_path, capsys):
+    train_file = _jsonl(tmp_path / "train.jsonl", [(f"{i}+2=", str(i + 2)) for i in range(4)])
+    eval_file = _jsonl(tmp_path / "eval.jsonl", [(f"{i}+1=", str(i + 1)) for i in range(3)])
+    cfg = tmp_path / "c.toml"
+    task = f'name = "jsonl"\npath = "{train_file}"\neval_path = "{eval_file}"'
+    cfg.write_text(config.read_text().replace('name = "arithmetic"', task))
+    assert main(["eval", "--model", str(tiny_dir), "--config", str(cfg), "--max-tokens", "2", "--json"]) == 0
+    # all 3 of the eval JSONL (task.num_eval = 4 arithmetic problems would be 4)
+    assert json_lines(capsys.readouterr().out)[0]["eval/num_examples"] == 3
+
+
+def test_eval_on_a_jsonl_file(tiny_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", [(f"{i}+1=", str(i + 1)) for i in range(6)])
+    argv = ["eval", "--model", str(tiny_dir), "--task", "jsonl", "--data", str(data), "--max-tokens", "2"]
+    assert main([*argv, "--json"]) == 0
+    assert json_lines(capsys.readouterr().out)[0]["eval/num_examples"] == 6  # all of them
+    assert main([*argv, "--num", "4", "--json"]) == 0
+    assert json_lines(capsys.readouterr().out)[0]["eval/num_examples"] == 4
+
+
+def test_eval_jsonl_without_data_exits_2(tiny_dir, capsys):
+    assert main(["eval", "--model", str(tiny_dir), "--task", "jsonl"]) == 2
+    assert "task.path" in capsys.readouterr().err
+
+
+def test_train_resume_and_report(config, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", str(config), "--set", f"run.output_dir={run}"]
+    assert main([*argv, "--set", "train.steps=1"]) == 0
+    assert main([*argv, "--resume"]) == 0  # on to train.steps = 2
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 1" in out and "mismatch 0/" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["mismatched_tokens_total"] == 0
+
+    (run / "report.png").unlink()
+    assert main(["report", str(run)]) == 0
+    assert str(run / "report.png") in capsys.readouterr().out
+    assert (run / "report.png").stat().st_size > 0
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").is_file()
+
+
+def test_report_without_metrics_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_sft_command(config, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["sft", str(config), "--set", f"run.output_dir={run}"]) == 0
+    assert (run / "sft" / "model.safetensors").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rl_steps"] == 0 and summary["accuracy_before_rl"] is not None
+    # the SFT checkpoint is a model the other commands read
+    assert main(["eval", "--model", str(run / "sft"), "--num", "4", "--max-tokens", "3", "--json"]) == 0
+    assert json_lines(capsys.readouterr().out)[-1]["eval/num_examples"] == 4
