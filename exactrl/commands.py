@@ -61,10 +61,12 @@ def cmd_eval(args) -> int:
         examples,
         rewards,
         samples=args.samples,
-        temperature=args.temperature if args.samples == 1 else max(args.temperature, 1.0),
+        # pass@k with greedy decoding would draw k identical samples: sample at T=1 unless told otherwise
+        temperature=args.temperature if (args.samples == 1 or args.temperature > 0) else 1.0,
         max_tokens=args.max_tokens,
         seed=cfg.run.seed,
         stop=cfg.sampling.stop,  # as train's held-out evaluation does
+        stop_token_ids=cfg.sampling.stop_token_ids,
     )
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v:.4f}" for k, v in res.items()))
     return 0

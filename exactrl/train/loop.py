@@ -117,6 +117,7 @@ def evaluate(
     max_tokens: int = 64,
     seed: int = 0,
     stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
 ) -> dict[str, float]:
     """Accuracy (mean reward > 0.5 of the first sample, greedy by default) and pass@k over held-out examples."""
     if not examples:
@@ -127,7 +128,7 @@ def evaluate(
         max_tokens=max_tokens,
         n=samples,
         seed=seed + 7_777_777,
-        stop_token_ids=tok.stop_token_ids,
+        stop_token_ids=sorted(set(tok.stop_token_ids) | set(stop_token_ids or [])),
         stop=list(stop or []),
     )
     outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
@@ -253,6 +254,7 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
         max_tokens=cfg.sampling.max_tokens,
         seed=cfg.run.seed,
         stop=cfg.sampling.stop,
+        stop_token_ids=cfg.sampling.stop_token_ids,
     )
 
     # ---- SFT warm start (skipped on resume: the checkpoint holds the RL-trained weights) ------------------

@@ -104,10 +104,18 @@ class _Acc:
     weights: dict[str, float] = field(default_factory=dict)
     mins: dict[str, float] = field(default_factory=dict)
     maxs: dict[str, float] = field(default_factory=dict)
+    shares: dict[str, float] = field(default_factory=dict)
+    num_minibatches: int = 0
+
+    # Losses computed with the minibatch's global divisor: each microbatch holds its share of the minibatch's
+    # loss, so shares add up within a minibatch and the step reports the mean over minibatches.
+    SHARE_KEYS = ("pg_loss", "vf_loss")
 
     def add(self, metrics: dict[str, float], weight: float) -> None:
         for k, v in metrics.items():
-            if k.endswith("/min"):
+            if k in self.SHARE_KEYS:
+                self.shares[k] = self.shares.get(k, 0.0) + v
+            elif k.endswith("/min"):
                 self.mins[k] = min(self.mins.get(k, math.inf), v)
             elif k.endswith("/max"):
                 self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
@@ -122,6 +130,7 @@ class _Acc:
         out.update(self.mins)
         out.update(self.maxs)
         out.update({k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.weighted.items()})
+        out.update({k: v / max(1, self.num_minibatches) for k, v in self.shares.items()})
         return out
 
 
@@ -316,6 +325,7 @@ class PolicyTrainer:
                         )
                         (s.vf_coef * vl).backward()
                         acc.add(vm, w)
+                acc.num_minibatches += 1
                 if check_mismatch and mm_parts:
                     r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])
                     t_all = torch.cat([_pad_to(p[1], L) for p in mm_parts])
