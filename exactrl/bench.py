@@ -73,10 +73,7 @@ def _emit(args, record: dict) -> None:
     print(json.dumps(record))
 
 
-def bench_rollout(args) -> dict:
-    from exactrl.engine.engine import EngineConfig, RolloutEngine
-    from exactrl.engine.runner import kv_bytes_per_token
-    from exactrl.engine.sampler import SamplingParams
+def _load(args):
     from exactrl.ops import set_exact_environment
 
     device = resolve_device(args.device)
@@ -89,6 +86,15 @@ def bench_rollout(args) -> dict:
         exact=args.mode == "exact",
         seed=0,
     )
+    return device, model, tok
+
+
+def bench_rollout(args) -> dict:
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.runner import kv_bytes_per_token
+    from exactrl.engine.sampler import SamplingParams
+
+    device, model, tok = _load(args)
     g = torch.Generator().manual_seed(0)
     C, P, N = args.concurrency, args.prompt_len, args.max_tokens
     prompts = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (C, P), generator=g).tolist()
@@ -183,20 +189,10 @@ def _hf_generate(model, tok, prompts, max_tokens, device) -> dict:
 
 
 def bench_train(args) -> dict:
-    from exactrl.ops import set_exact_environment
     from exactrl.train.optim import MasterAdamW
     from exactrl.train.packing import PackedBatch
 
-    device = resolve_device(args.device)
-    set_exact_environment(args.mode == "exact")
-    model, tok = load_policy(
-        preset_name=None if args.model else args.preset,
-        path=args.model,
-        device=device,
-        dtype=args.dtype,
-        exact=args.mode == "exact",
-        seed=0,
-    )
+    device, model, tok = _load(args)
     T = args.tokens_per_microbatch
     seq_len = min(1024, T)
     n_seq = max(1, T // seq_len)

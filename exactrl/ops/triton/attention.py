@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.torch_ops import write_kv_cache  # one cache write for every backend
 from exactrl.ops.triton.common import mma, next_pow2
 
 # Key tile of the forward kernel, in positions. The engine's KV page size does not need to be a multiple of it
@@ -354,19 +355,6 @@ class _PackedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, ctx.batch)
         return dq, dk, dv, None
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the new rows at slot_mapping (before attending) and return flat [slots, Hkv, Dh] views of the cache."""
-    k_cache, v_cache = kv_cache
-    hkv, dh = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, hkv, dh)
-    v_flat = v_cache.view(-1, hkv, dh)
-    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))  # slots are distinct: deterministic
-    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
-    return k_flat, v_flat
 
 
 def attention(
