@@ -3,9 +3,15 @@ packed path and exact ops as RL. A random tiny model cannot be taught by RL alon
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
 from exactrl.model.qwen import CausalLM
+from exactrl.model.tokenizer import Tokenizer
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import PackedBatch, pack_by_tokens
+
+T = TypeVar("T")
 
 
 def sft_step(
@@ -42,7 +48,8 @@ def sft_step(
     }
 
 
-def batch_iter(examples, batch_size: int):
+def batch_iter(examples: Iterable[T], batch_size: int) -> Iterator[list[T]]:
+    """Consecutive full batches of `batch_size` items (a last partial batch is dropped)."""
     batch = []
     for ex in examples:
         batch.append(ex)
@@ -51,7 +58,7 @@ def batch_iter(examples, batch_size: int):
             batch = []
 
 
-def sft_tokens(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+def sft_tokens(tokenizer: Tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """Prompt ids and completion ids (answer + end-of-sequence)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return tokenizer.encode(prompt), tokenizer.encode(answer) + eos
