@@ -25,6 +25,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _seconds_per_step(step, steps: int, device) -> float:
+    """Mean wall time of step() over `steps` calls, after one warm-up call."""
+    step()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t) / steps
+
+
 def measure_copy_bandwidth(device) -> float | None:
     """Bytes read + written per second by a large device-to-device copy."""
     if torch.device(device).type != "cuda":
@@ -209,13 +220,7 @@ def bench_train(args) -> dict:
         (-lp.mean()).backward()
         opt.clip_and_step(1.0)
 
-    step()
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    _sync(device)
-    wall = (time.perf_counter() - t) / args.steps
+    wall = _seconds_per_step(step, args.steps, device)
     tokens = n_seq * seq_len
     flops = 3 * model.flops_per_token(context=seq_len // 2) * tokens
     peak = measure_matmul_rate(device)
@@ -246,13 +251,7 @@ def bench_train(args) -> dict:
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
-        hstep()
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            hstep()
-        _sync(device)
-        hwall = (time.perf_counter() - t) / args.steps
+        hwall = _seconds_per_step(hstep, args.steps, device)
         rec["hf_tokens_per_s"] = tokens / hwall
         rec["hf_mfu"] = flops / hwall / peak
         rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]

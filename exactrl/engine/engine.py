@@ -140,8 +140,8 @@ class RolloutEngine:
             return outputs
         max_new = lambda p: min(params.max_tokens, cfg.max_model_len - len(p))  # noqa: E731
         tokens_needed = sum(
-            (len(prompts[i]) + max_new(prompts[i])) * (1 if params.n == 1 else 1)
-            + (params.n - 1) * max_new(prompts[i])
+            # the prompt once (its n samples share it), then n completions
+            len(prompts[i]) + params.n * max_new(prompts[i])
             for i in valid
         )
         runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))

@@ -63,16 +63,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    def refresh(self) -> None:
-        """Re-read derived state after a weight update (the cache is per generate call, nothing else is kept)."""
-        dt, dev = self.model.dtype, self.model.device
-        if self.kv_caches and (self.kv_caches[0][0].dtype != dt or self.kv_caches[0][0].device != dev):
-            shape = self.kv_caches[0][0].shape
-            self.kv_caches = [
-                (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-                for _ in self.kv_caches
-            ]
-
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole KV blocks src -> dst in every layer."""

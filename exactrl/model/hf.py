@@ -7,7 +7,6 @@ tensor of the wrong shape is refused with an error naming it, and nothing is par
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -157,19 +156,3 @@ def save_model(
         )
     if tokenizer is not None:
         tokenizer.save(out)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync every file under path, then the directory itself (for atomic checkpoints)."""
-    for root, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -166,9 +166,11 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"input_ids and positions must be flat [T] tensors, got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
-        if int(positions.max()) >= self.config.max_position_embeddings:
+        # Checked on the host-side batch description: reading positions.max() would sync the device every step.
+        if batch.max_key_len > self.config.max_position_embeddings:
             raise ValueError(
-                f"position {int(positions.max())} is past max_position_embeddings {self.config.max_position_embeddings}"
+                f"position {batch.max_key_len - 1} is past max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
             )
         ops = self.ops
         cos_sin = self.rope_table(input_ids.device)

@@ -106,14 +106,15 @@ class AttentionBatch:
         q_seq = torch.repeat_interleave(torch.arange(len(num_new)), new)
         q_pos = cached[q_seq] + torch.arange(int(cu[-1])) - cu[:-1][q_seq]
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
-        for b, t in enumerate(block_tables):
-            need = -(-int(key_lens[b]) // block_size)
-            if len(t) < need:
+        for b, (t, n) in enumerate(zip(block_tables, key_lens.tolist())):
+            if len(t) * block_size < n:
                 raise ValueError(
-                    f"sequence {b} needs {need} KV blocks for {int(key_lens[b])} tokens, has {len(t)}"
+                    f"sequence {b} needs {-(-n // block_size)} KV blocks for {n} tokens, has {len(t)}"
                 )
-            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        # One tensor from padded lists: this runs every decode step, so no per-sequence tensor creation.
+        tables = torch.tensor(
+            [list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64
+        )
         max_key = int(key_lens.max())
         width = _round_up(max_key, BLOCK_N)
         n = torch.arange(width)

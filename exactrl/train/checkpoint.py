@@ -20,9 +20,25 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from exactrl.model.hf import fsync_dir, load_model, save_model
+from exactrl.model.hf import load_model, save_model
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync every file under path, then the directory itself (for atomic checkpoints)."""
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:

@@ -262,7 +262,7 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
     sft_dir = out_dir / "sft"
     if resume_from is None:
         if cfg.sft.checkpoint:
-            from exactrl.train.checkpoint import load_model
+            from exactrl.model.hf import load_model
 
             loaded = load_model(cfg.sft.checkpoint, device=device, dtype=model.dtype, exact=exact)
             model.load_state_dict(loaded.state_dict())
@@ -283,7 +283,7 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
     elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
         # Resuming: the KL reference is the model RL started from (after SFT), not the initial weights. Put it in
         # place before the reference copy is taken below; the checkpoint then overwrites the policy's weights.
-        from exactrl.train.checkpoint import load_model
+        from exactrl.model.hf import load_model
 
         loaded = load_model(cfg.sft.checkpoint or sft_dir, device=device, dtype=model.dtype, exact=exact)
         model.load_state_dict(loaded.state_dict())

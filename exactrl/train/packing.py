@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,26 @@ class PackedBatch:
         )
 
 
+def packed_microbatches(
+    seqs: list[list[int]], prompt_lens: list[int], max_tokens: int, device: torch.device | str
+) -> Iterator[tuple[list[int], PackedBatch]]:
+    """(indices into seqs, their PackedBatch) for each microbatch of at most max_tokens tokens, in order."""
+    for mb in pack_by_tokens([len(s) - 1 for s in seqs], max_tokens):
+        yield mb, PackedBatch.build([seqs[i] for i in mb], [prompt_lens[i] for i in mb], device)
+
+
+def response_logprobs(
+    model: CausalLM, pb: PackedBatch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Logprobs (and entropy) of the completion targets of a packed batch: ([R], [R] or None, seq index [R]).
+
+    Only completion rows go through the LM head: rows are independent, so the values are the same bits."""
+    h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
+    rows = pb.response_mask.nonzero()[:, 0]
+    lp, ent = model.logprobs(h[rows], pb.targets[rows], temperature, with_entropy)
+    return lp, ent, pb.seq_index[rows]
+
+
 def completion_logprobs(
     model: CausalLM,
     seqs: list[list[int]],
@@ -82,11 +103,8 @@ def completion_logprobs(
     sequence, through packed microbatches of the shared model."""
     out: list[torch.Tensor | None] = [None] * len(seqs)
     with torch.no_grad():
-        for mb in pack_by_tokens([len(s) - 1 for s in seqs], max_tokens_per_microbatch):
-            pb = PackedBatch.build([seqs[i] for i in mb], [prompt_lens[i] for i in mb], model.device)
-            h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
-            lp, _ = model.logprobs(h, pb.targets, temperature)
+        for mb, pb in packed_microbatches(seqs, prompt_lens, max_tokens_per_microbatch, model.device):
+            lp, _, sidx = response_logprobs(model, pb, temperature)
             for j, i in enumerate(mb):
-                sel = (pb.seq_index == j) & pb.response_mask
-                out[i] = lp[sel].cpu()
+                out[i] = lp[sidx == j].float().cpu()
     return out  # type: ignore[return-value]

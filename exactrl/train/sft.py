@@ -9,7 +9,7 @@ from typing import TypeVar
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.train.optim import MasterAdamW
-from exactrl.train.packing import PackedBatch, pack_by_tokens
+from exactrl.train.packing import packed_microbatches, response_logprobs
 
 T = TypeVar("T")
 
@@ -30,11 +30,10 @@ def sft_step(
         raise ValueError("SFT batch has no completion tokens")
     total_nll = 0.0
     correct = 0
-    for mb in pack_by_tokens([len(s) - 1 for s in seqs], max_tokens_per_microbatch):
-        pb = PackedBatch.build([seqs[i] for i in mb], [len(prompts[i]) for i in mb], model.device)
-        h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
-        rows = pb.response_mask.nonzero()[:, 0]
-        lp, _ = model.logprobs(h[rows], pb.targets[rows])
+    for _, pb in packed_microbatches(
+        seqs, [len(p) for p in prompts], max_tokens_per_microbatch, model.device
+    ):
+        lp, _, _ = response_logprobs(model, pb)
         loss = -lp.sum() / n_tok  # one divisor for the whole step: independent of the microbatch cut
         loss.backward()
         total_nll += float(-lp.detach().sum())

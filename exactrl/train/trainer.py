@@ -9,6 +9,7 @@ logs the `mismatch/*` metrics. In fast mode the old logprobs are recomputed here
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ from exactrl.algorithms import (
 from exactrl.model.qwen import CausalLM
 from exactrl.train.critic import ValueModel
 from exactrl.train.optim import MasterAdamW
-from exactrl.train.packing import PackedBatch, pack_by_tokens
+from exactrl.train.packing import PackedBatch, packed_microbatches, response_logprobs
 
 POLICY_KIND = {"grpo": "ppo", "dr_grpo": "ppo", "rloo": "ppo", "ppo": "ppo", "gspo": "gspo", "cispo": "cispo"}
 
@@ -157,34 +158,24 @@ class PolicyTrainer:
         self.steps_done = 0
 
     # -- forward pieces ----------------------------------------------------------------------------------
-    def _completion_logprobs(self, model: CausalLM, pb: PackedBatch, with_entropy: bool):
-        h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
-        rows = pb.response_mask.nonzero()[:, 0]
-        # Only completion rows go through the LM head: rows are independent, so the values are the same bits.
-        lp, ent = model.logprobs(h[rows], pb.targets[rows], self.s.temperature, with_entropy)
-        return lp, ent, pb.seq_index[rows]
+    def _rollout_batches(self, rollouts: list[Rollout]) -> Iterator[tuple[list[int], PackedBatch]]:
+        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+        plens = [len(r.prompt_ids) for r in rollouts]
+        return packed_microbatches(seqs, plens, self.s.max_tokens_per_microbatch, self.model.device)
 
     @torch.no_grad()
     def _score(self, model: CausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Per-sequence completion logprobs without grad (old or reference policy)."""
         out: list[torch.Tensor] = []
-        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
-        for mb in pack_by_tokens([len(s) - 1 for s in seqs], self.s.max_tokens_per_microbatch):
-            pb = PackedBatch.build(
-                [seqs[i] for i in mb], [len(rollouts[i].prompt_ids) for i in mb], model.device
-            )
-            lp, _, sidx = self._completion_logprobs(model, pb, False)
+        for mb, pb in self._rollout_batches(rollouts):
+            lp, _, sidx = response_logprobs(model, pb, self.s.temperature)
             out += [lp[sidx == j].float().cpu() for j in range(len(mb))]
         return out
 
     @torch.no_grad()
     def _values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
-        for mb in pack_by_tokens([len(s) - 1 for s in seqs], self.s.max_tokens_per_microbatch):
-            pb = PackedBatch.build(
-                [seqs[i] for i in mb], [len(rollouts[i].prompt_ids) for i in mb], self.model.device
-            )
+        for mb, pb in self._rollout_batches(rollouts):
             v = self.critic(pb)
             out += [v[(pb.seq_index == j) & pb.response_mask].cpu() for j in range(len(mb))]
         return out
@@ -261,13 +252,9 @@ class PolicyTrainer:
                     continue
                 finite = True
                 mm_parts = []
-                seqs = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in mb_idx]
-                for micro in pack_by_tokens([len(x) - 1 for x in seqs], s.max_tokens_per_microbatch):
+                for micro, pb in self._rollout_batches([rollouts[i] for i in mb_idx]):
                     ids = [mb_idx[j] for j in micro]
-                    pb = PackedBatch.build(
-                        [seqs[j] for j in micro], [len(rollouts[i].prompt_ids) for i in ids], dev
-                    )
-                    lp_flat, ent_flat, sidx = self._completion_logprobs(self.model, pb, True)
+                    lp_flat, ent_flat, sidx = response_logprobs(self.model, pb, s.temperature, True)
                     lens = [lengths[i] for i in ids]
                     lp = _pad(lp_flat, sidx, lens)
                     ent = _pad(ent_flat, sidx, lens)
