@@ -75,11 +75,16 @@ def bench_matmul(ms: list[int], rows: list[dict], out) -> None:
 
 
 MATMUL_ALTERNATIVES = {
-    "128x256x64_w8_s3": (128, 256, 64, 8, 8, 3),
-    "128x128x64_w8_s3": (128, 128, 64, 8, 8, 3),
-    "64x128x64_w4_s4": (64, 128, 64, 8, 4, 4),
-    "64x256x64_w4_s3": (64, 256, 64, 8, 4, 3),
-    "128x256x64_w8_s4": (128, 256, 64, 8, 8, 4),
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma)
+    "128x128x64_w8_s4": (128, 128, 64, 8, 8, 4, False),
+    "128x256x64_w8_s3": (128, 256, 64, 8, 8, 3, False),
+    "64x128x64_w4_s4": (64, 128, 64, 8, 4, 4, False),
+    "128x128x64_w8_s4_tma": (128, 128, 64, 8, 8, 4, True),
+    "128x128x64_w8_s3_tma": (128, 128, 64, 8, 8, 3, True),
+    "128x128x64_w4_s4_tma": (128, 128, 64, 8, 4, 4, True),
+    "128x256x64_w8_s3_tma": (128, 256, 64, 8, 8, 3, True),
+    "64x128x64_w4_s4_tma": (64, 128, 64, 8, 4, 4, True),
+    "128x64x64_w4_s4_tma": (128, 64, 64, 8, 4, 4, True),
 }
 
 
@@ -296,14 +301,16 @@ def print_table(rows: list[dict]) -> None:
             "\nalternative matmul tiles (informational): geometric-mean ratio vs cuBLAS over the shapes, per M"
         )
         ms = sorted({r["M"] for r in cfg_rows})
-        print(f"{'config':>18} " + " ".join(f"{m:>6}" for m in ms) + "  equal_to_default")
+        print(f"{'config':>22} " + " ".join(f"{m:>6}" for m in ms) + "  M>=256  equal_to_default")
         for cname in dict.fromkeys(r["config"] for r in cfg_rows):
             cells = []
             for m in ms:
                 xs = [r["ratio_vs_cublas"] for r in cfg_rows if r["config"] == cname and r["M"] == m]
                 cells.append(f"{math.exp(sum(map(math.log, xs)) / len(xs)):>6.2f}" if xs else f"{'-':>6}")
             eq = all(r["bitwise_equal_to_default"] for r in cfg_rows if r["config"] == cname)
-            print(f"{cname:>18} " + " ".join(cells) + f"  {eq}")
+            big = [r["ratio_vs_cublas"] for r in cfg_rows if r["config"] == cname and r["M"] >= 256]
+            gm = f"{math.exp(sum(map(math.log, big)) / len(big)):>6.3f}" if big else f"{'-':>6}"
+            print(f"{cname:>22} " + " ".join(cells) + f"  {gm}  {eq}")
     for r in rows:
         if r["bench"].startswith("attention") or r["bench"] == "logprobs_fwd":
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
     ap.add_argument("--skip-configs", action="store_true", help="skip the alternative tile configs")
+    ap.add_argument("--only-matmul-configs", action="store_true", help="only the alternative matmul tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -327,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": __import__("triton").__version__}))  # fmt: skip
     ms = [1, 16, 256, 1024, 4096, 8192] if not args.quick else [1, 256, 4096]
+    if args.only_matmul_configs:
+        bench_matmul_configs([1, 256, 1024, 4096, 8192], rows, out)
+        print_table(rows)
+        return 0
     bench_matmul(ms, rows, out)
     bench_attention(rows, out, args.quick)
     bench_logprobs(rows, out)

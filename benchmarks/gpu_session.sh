@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One bundled GPU session: tests marked gpu, end-to-end parity on qwen3-0.6b, rollout and train benchmarks.
-# Usage on the GPU machine (repo root): PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train]
+# Usage on the GPU machine (repo root):
+#   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs] [profile]
+# ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/exactrl-gpu}
 mkdir -p "$OUT" benchmarks/results
 X="python3 -m exactrl.cli"
-want() { [[ " $* " == *" all "* ]] || [[ " $SECTIONS " == *" $1 "* ]]; }
+want() { [[ " $SECTIONS " == *" $1 "* ]] || { [[ " $SECTIONS " == *" all "* ]] && [[ " tests parity rollout train kernels " == *" $1 "* ]]; }; }
 SECTIONS=" ${*:-all} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 if want tests; then
-  timeout 300 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/engine/test_sampler.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
+  timeout 420 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/ops/test_triton_sampling.py \
+    tests/engine/test_sampler.py tests/engine/test_decode_graphs.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
@@ -37,5 +40,15 @@ if want train; then
     timeout 300 $X bench train --preset qwen3-0.6b --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 5 \
       $vs 2>&1 | tail -1 | tee -a "$OUT/train.txt"
   done
+fi
+if want kernels; then
+  timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"
+fi
+if want matmul-configs; then
+  timeout 300 python3 benchmarks/bench_kernels.py --only-matmul-configs --out "$OUT/matmul_configs.jsonl" 2>&1 \
+    | tail -15 | tee "$OUT/matmul_configs.txt"
+fi
+if want profile; then
+  timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"
 fi
 tar czf "$OUT/results.tgz" benchmarks/results

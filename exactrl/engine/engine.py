@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.engine.block_manager import BlockManager
-from exactrl.engine.runner import ModelRunner, StepEntry, auto_num_blocks
+from exactrl.engine.runner import DecodeRow, ModelRunner, StepEntry, auto_num_blocks
 from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys, sample
 from exactrl.engine.scheduler import Scheduler
 from exactrl.engine.sequence import Sequence
@@ -65,6 +65,9 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.runner: ModelRunner | None = None
+        # How pure decode steps run (runner.DECODE_MODES); None: "graph" on CUDA when config.cuda_graphs, else
+        # "eager". Tests set "static" to run the graph path's padded static buffers eagerly on the CPU.
+        self.decode_mode: str | None = None
         self.stats: dict[str, float] = {}
         self.reset_stats()
 
@@ -75,6 +78,7 @@ class RolloutEngine:
             "prefill_s": 0.0,
             "decode_s": 0.0,
             "cuda_graph_steps": 0,
+            "static_decode_steps": 0,
             "prefix_cache_hit_tokens": 0,
         }
 
@@ -83,10 +87,17 @@ class RolloutEngine:
         the memory budget) and grown, never shrunk, when a later call needs more."""
         cfg = self.config
         r = self.runner
+        mode = self.decode_mode or (
+            "graph" if cfg.cuda_graphs and self.model.device.type == "cuda" else "eager"
+        )
         if r is not None and (
-            r.kv_caches[0][0].device != self.model.device or r.kv_caches[0][0].dtype != self.model.dtype
+            r.kv_caches[0][0].device != self.model.device
+            or r.kv_caches[0][0].dtype != self.model.dtype
+            or r.decode_mode != mode
+            or r.max_num_seqs != cfg.max_num_seqs
+            or r.max_model_len != min(cfg.max_model_len, self.model.config.max_position_embeddings)
         ):
-            r = None  # the model moved or changed dtype: rebuild the cache
+            r = None  # the model moved, changed dtype or the engine's shape changed: rebuild
         if cfg.num_kv_blocks:
             n = cfg.num_kv_blocks
         else:
@@ -94,8 +105,15 @@ class RolloutEngine:
             if r is not None:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:
-            self.runner = None  # free the old cache before allocating the new one
-            r = ModelRunner(self.model, n, cfg.block_size)
+            self.runner = None  # free the old cache (and graphs) before allocating the new one
+            r = ModelRunner(
+                self.model,
+                n,
+                cfg.block_size,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=cfg.max_model_len,
+                decode_mode=mode,
+            )
         self.runner = r
         return r
 
@@ -176,38 +194,50 @@ class RolloutEngine:
                 break
             t0 = time.perf_counter()
             runner.copy_blocks(batch.block_copies)
-            entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
             rows = batch.sample_rows()
-            hidden = runner.forward(entries)
-            if rows:
+            ops = self.model.ops
+            is_decode = all(e.is_decode for e in batch.entries)
+            if is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows)):
+                # Static buffers / CUDA graph: forward and noise keys in one replay, one row per sequence.
+                hidden, keys = runner.decode(
+                    [
+                        DecodeRow(
+                            e.token_ids[0], e.start, e.block_table, params.seed, r.request_id, r.sample_index
+                        )
+                        for e, r in zip(batch.entries, rows)
+                    ]
+                )
+                h, w = self.model.head_inputs(hidden)
+                raw = ops.linear(h, w)
+                self.stats["static_decode_steps"] += 1
+                self.stats["cuda_graph_steps"] += runner.decode_mode == "graph"
+            elif rows:
+                entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
+                hidden = runner.forward(entries)
                 idx = torch.tensor([r.entry_index for r in rows], device=lm_dev)
-                uniq, inv = torch.unique(
-                    idx, return_inverse=True
-                )  # a fork row is computed once, sampled n times
+                # A fork row is computed once and sampled n times: one LM-head matmul per distinct row.
+                uniq, inv = torch.unique(idx, return_inverse=True)
                 h, w = self.model.head_inputs(hidden[uniq])
-                ops = self.model.ops
-                raw = ops.linear(h, w)[inv]  # one LM-head matmul per distinct row
-                z = ops.scale_logits(raw, temperature)
+                raw = ops.linear(h, w)[inv]
                 keys = noise_keys(
                     params.seed,
                     [r.request_id for r in rows],
                     [r.sample_index for r in rows],
                     [r.position for r in rows],
                 ).to(lm_dev)
-                tok = sample(
-                    z,
-                    keys,
-                    top_k=_full(len(rows), params.top_k, lm_dev) if params.top_k else None,
-                    top_p=_full(len(rows), params.top_p, lm_dev) if params.top_p < 1 else None,
-                    greedy=torch.ones(len(rows), dtype=torch.bool, device=lm_dev) if greedy else None,
-                )
+            else:  # prefill chunks that sample nothing yet
+                runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
+            if rows:
+                z = ops.scale_logits(raw, temperature)
+                tok = sample_tokens(z, keys, params, greedy)
                 # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
                 lp = ops.logprobs_from_logits(raw, tok, temperature)
-                tok_l, lp_l = tok.tolist(), lp.tolist()
+                out = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()  # one device sync
+                tok_l, lp_l = [int(t) for t in out[0]], out[1]
             else:
                 tok_l, lp_l = [], []
             dt = time.perf_counter() - t0
-            if all(e.is_decode for e in batch.entries):
+            if is_decode:
                 self.stats["decode_s"] += dt
             else:
                 self.stats["prefill_s"] += dt
@@ -251,5 +281,21 @@ class RolloutEngine:
         return outputs
 
 
-def _full(n: int, value, device) -> torch.Tensor:
-    return torch.full((n,), value, device=device)
+def sample_tokens(z: torch.Tensor, keys: torch.Tensor, params: SamplingParams, greedy: bool) -> torch.Tensor:
+    """Draw one token per row of temperature-scaled fp32 logits z with the call's options.
+
+    On CUDA without top-k / top-p, the fused Triton kernel (one pass over the logits) draws the same tokens as
+    `sample`, bit for bit (tests/ops/test_triton_sampling.py); everything else goes through `sample`."""
+    dev = z.device
+    rows = z.shape[0]
+    if z.is_cuda and not params.top_k and params.top_p >= 1:
+        from exactrl.ops.triton.sampling import gumbel_argmax
+
+        return gumbel_argmax(z, keys, torch.ones(rows, dtype=torch.bool, device=dev) if greedy else None)
+    return sample(
+        z,
+        keys,
+        top_k=torch.full((rows,), params.top_k, device=dev) if params.top_k else None,
+        top_p=torch.full((rows,), params.top_p, device=dev) if params.top_p < 1 else None,
+        greedy=torch.ones(rows, dtype=torch.bool, device=dev) if greedy else None,
+    )

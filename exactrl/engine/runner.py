@@ -1,15 +1,33 @@
 """The model runner: everything that touches tensors in the rollout engine.
 
-It owns the paged KV cache (one (k, v) pair per layer, [num_blocks, block_size, Hkv, Dh]) and turns a scheduled
-step (for each sequence: its new tokens, how many of its tokens are already cached, its block table) into one
-flat forward of the *shared* model, the same module the trainer updates. Bookkeeping (which blocks, which
-tokens) stays in plain Python in block_manager.py and scheduler.py.
+It owns the paged KV cache (one (k, v) pair per layer, [num_blocks + 1, block_size, Hkv, Dh]) and turns a
+scheduled step (for each sequence: its new tokens, how many of its tokens are already cached, its block table)
+into one flat forward of the *shared* model, the same module the trainer updates. Bookkeeping (which blocks,
+which tokens) stays in plain Python in block_manager.py and scheduler.py.
+
+Two ways to run a step:
+
+* `forward` (any step: prefill chunks, recompute after preemption, decode): builds an `AttentionBatch` on the
+  host and runs the model eagerly.
+* `decode` (a step where every sequence brings exactly one new token): fills *static* device buffers, padded to
+  a batch-size bucket, and replays the CUDA graph captured for that bucket (mode "graph"), or runs the same
+  code eagerly on the same buffers (mode "static": the CPU test of the padding logic). The graph covers the
+  model forward and the sampling keys; the LM head and the sampler run after it, eagerly, because they take
+  the call's temperature and sampling options.
+
+Why the graph changes no bit: replay runs the kernels the eager forward runs, with the same tile
+configurations (no kernel specialises on the number of rows, see exactrl/ops/triton). The bucket's padding rows
+are dummy one-token sequences at position 0 that write their K/V into a scratch KV page the block manager never
+hands out (`scratch_block`), and rows never mix in any kernel, so a real row cannot see them. Keys past a
+sequence's length are masked whatever the table width, and a fully masked key tile is an exact no-op.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from exactrl.model.qwen import CausalLM
@@ -23,6 +41,18 @@ class StepEntry:
     token_ids: list[int]
     num_cached: int
     block_table: list[int]
+
+
+@dataclass
+class DecodeRow:
+    """A decode step's sequence: its one new token, where it goes, and its sampling-noise key inputs."""
+
+    token_id: int
+    position: int
+    block_table: list[int]
+    seed: int
+    request_id: int
+    sample_index: int
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype | None = None) -> int:
@@ -43,17 +73,45 @@ def auto_num_blocks(model: CausalLM, block_size: int, memory_fraction: float, ma
     return max(2, min(need, budget // per_block))
 
 
+def graph_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every multiple of 16 up to max_batch."""
+    out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch + 1, 16))
+    if not out or out[-1] < max_batch:
+        out.append(max_batch)
+    return out
+
+
+DECODE_MODES = ("eager", "static", "graph")
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        decode_mode: str = "eager",
+    ):
         if block_size % BLOCK_N:
             raise ValueError(
                 f"engine.block_size {block_size} must be a multiple of the attention tile {BLOCK_N}"
             )
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
+        if decode_mode == "graph" and model.device.type != "cuda":
+            raise ValueError("decode_mode 'graph' (CUDA graphs) needs a model on a CUDA device")
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_blocks = num_blocks  # pages the block manager may hand out: 0 .. num_blocks - 1
+        self.scratch_block = num_blocks  # one more page: padding rows of a decode bucket write their K/V here
+        self.decode_mode = decode_mode
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len, cfg.max_position_embeddings)
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zero-filled: masked keys are multiplied by exactly 0, which needs finite values behind them.
         self.kv_caches = [
             (
@@ -62,6 +120,8 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        self._static: _StaticDecode | None = None
+        self.graph_capture_s = 0.0  # time spent capturing CUDA graphs (warm-up runs included)
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -89,3 +149,180 @@ class ModelRunner:
         )
         hidden = self.model(ids, batch.q_pos, batch, self.kv_caches)
         return hidden[batch.cu_seqlens_q[1:] - 1]
+
+    # -- decode through static buffers / CUDA graphs -------------------------------------------------------
+    def can_decode(self, num_rows: int) -> bool:
+        """Whether a pure decode step of num_rows sequences goes through `decode` (else use `forward`)."""
+        return self.decode_mode != "eager" and 0 < num_rows <= self.max_num_seqs
+
+    @torch.no_grad()
+    def decode(self, rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: (hidden [len(rows), D], sampling keys int64 [len(rows)]), bitwise equal to
+        `forward` on the same sequences and to `noise_keys` on the same inputs."""
+        if not self.can_decode(len(rows)):
+            raise ValueError(f"decode takes 1 .. {self.max_num_seqs} rows in mode {self.decode_mode!r}")
+        st = self._static
+        if st is None or not st.valid(self.model):
+            self._static = None  # drop old graphs (and their memory) before capturing new ones
+            st = self._static = _StaticDecode(self)
+            self.graph_capture_s += st.capture_s
+        return st.run(rows)
+
+    @property
+    def num_graphs(self) -> int:
+        return 0 if self._static is None else len(self._static.graphs)
+
+
+class _StaticDecode:
+    """Static decode buffers and one CUDA graph per batch-size bucket (captured on first use)."""
+
+    def __init__(self, runner: ModelRunner):
+        model = runner.model
+        self.runner = runner
+        self.model = model
+        dev = model.device
+        self.buckets = graph_buckets(runner.max_num_seqs)
+        B = self.buckets[-1]
+        bs = runner.block_size
+        self.width_blocks = -(-runner.max_model_len // bs)
+        width = self.width_blocks * bs
+        # Host-side staging (pinned on CUDA) and one device buffer: one copy per step. Sections, each a whole
+        # number of 16-element rows so every view is as aligned as a fresh allocation: ids, positions, key
+        # lengths, slot mapping, seed, request id, sample index, then the block tables [B, width_blocks].
+        self.B = B
+        self.sec = -(-B // 16) * 16
+        self.tw = -(-self.width_blocks // 16) * 16
+        n = 7 * self.sec + B * self.tw
+        pin = dev.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.dev_buf = torch.zeros(n, dtype=torch.int64, device=dev)
+        s = self.sec
+        view = lambda i: self.dev_buf[i * s : i * s + B]  # noqa: E731
+        self.ids, self.pos, self.key_lens, self.slots = view(0), view(1), view(2), view(3)
+        self.seed, self.rid, self.sidx = view(4), view(5), view(6)
+        self.tables = self.dev_buf[7 * s :].view(B, self.tw)
+        self.cu = torch.arange(B + 1, dtype=torch.int64, device=dev)
+        self.q_seq = torch.arange(B, dtype=torch.int64, device=dev)
+        self.n = torch.arange(width, dtype=torch.int64, device=dev)
+        self.params = _param_ptrs(model)
+        self.kv_ptr = runner.kv_caches[0][0].data_ptr()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        if runner.decode_mode == "graph":
+            t0 = time.perf_counter()
+            self._capture_all()
+            self.capture_s = time.perf_counter() - t0
+
+    def valid(self, model: CausalLM) -> bool:
+        """Graphs hold raw addresses: recapture when a parameter or the KV cache was reallocated."""
+        return (
+            model is self.model
+            and self.kv_ptr == self.runner.kv_caches[0][0].data_ptr()
+            and self.params == _param_ptrs(model)
+        )
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode step of bucket b computes from the static buffers (captured, or run eagerly)."""
+        from exactrl.engine.sampler import noise_keys_unchecked
+
+        bs = self.runner.block_size
+        tables = self.tables[:b, : self.width_blocks]
+        n = self.n
+        key_lens = self.key_lens[:b]
+        key_slots = tables.gather(1, (n // bs)[None, :].expand(b, -1)) * bs + n % bs
+        key_slots = torch.where(n[None, :] < key_lens[:, None], key_slots, 0)
+        batch = AttentionBatch(
+            q_seq=self.q_seq[:b],
+            q_pos=self.pos[:b],
+            cu_seqlens_q=self.cu[: b + 1],
+            key_lens=key_lens,
+            key_slots=key_slots,
+            max_seqlen_q=1,
+            max_key_len=self.runner.max_model_len,
+            slot_mapping=self.slots[:b],
+            block_size=bs,
+        )
+        hidden = self.model(self.ids[:b], self.pos[:b], batch, self.runner.kv_caches)
+        keys = noise_keys_unchecked(self.seed[:b], self.rid[:b], self.sidx[:b], self.pos[:b] + 1)
+        return hidden, keys
+
+    def _fill(self, rows: list[DecodeRow], b: int) -> None:
+        """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""
+        h, s, bs, r, tw = self.host_np, self.sec, self.runner.block_size, len(rows), self.tw
+        scratch = self.runner.scratch_block
+        if r:
+            a = np.array(
+                [
+                    (
+                        x.token_id,
+                        x.position,
+                        x.block_table[x.position // bs],
+                        x.seed,
+                        x.request_id,
+                        x.sample_index,
+                    )
+                    for x in rows
+                ],
+                dtype=np.int64,
+            )
+            h[0:r] = a[:, 0]
+            h[s : s + r] = a[:, 1]
+            h[3 * s : 3 * s + r] = a[:, 2] * bs + a[:, 1] % bs  # slot of the new token's K/V
+            h[4 * s : 4 * s + r] = a[:, 3]
+            h[5 * s : 5 * s + r] = a[:, 4]
+            h[6 * s : 6 * s + r] = a[:, 5]
+            t0 = 7 * s
+            for i, x in enumerate(rows):
+                h[t0 + i * tw : t0 + i * tw + len(x.block_table)] = x.block_table
+        # Dummy rows r..b-1: token 0 at position 0 of a one-token sequence living in the scratch page.
+        for k in (0, s, 4 * s, 5 * s, 6 * s):
+            h[k + r : k + b] = 0
+        h[3 * s + r : 3 * s + b] = scratch * bs
+        h[7 * s + r * tw : 7 * s + b * tw : tw] = scratch
+        h[2 * s : 2 * s + b] = h[s : s + b] + 1  # key lengths
+        n = 7 * s + b * tw
+        # Asynchronous copy from pinned memory: the host buffer is rewritten only at the next step, after the
+        # engine has read this step's tokens back (a device sync).
+        self.dev_buf[:n].copy_(self.host[:n], non_blocking=True)
+
+    def run(self, rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        r = len(rows)
+        b = next(x for x in self.buckets if x >= r)
+        for row in rows:
+            if len(row.block_table) > self.width_blocks or row.position >= self.runner.max_model_len:
+                raise ValueError(
+                    f"decode row at position {row.position} with {len(row.block_table)} KV blocks is past "
+                    f"max_model_len {self.runner.max_model_len}"
+                )
+        self._fill(rows, b)
+        graph = self.graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            hidden, keys = self.outputs[b]
+        else:
+            hidden, keys = self._body(b)
+        return hidden[:r], keys[:r]
+
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first, in one memory pool; a warm-up run first compiles the kernels."""
+        pool = torch.cuda.graph_pool_handle()
+        # Valid dummy metadata for the capture: every row is a padding row.
+        self._fill([], self.B)
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                self._body(b)  # warm-up: Triton compilation, allocator growth
+        torch.cuda.current_stream().wait_stream(stream)
+        for b in reversed(self.buckets):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[b] = self._body(b)
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.model.device)
+
+
+def _param_ptrs(model: CausalLM) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())

@@ -11,7 +11,7 @@ Bitwise reproducibility, CPU and CUDA alike, by construction:
 
 * The integer hash uses int64 tensor ops only (xor, shifts, masks, products kept below 2**63), so it is exact
   everywhere; the same code runs on Python ints (`noise_key`) and on tensors (`noise_keys`).
-* The uniform is u = ((h >> 8) + 0.5) * 2**-24, exact in float32. The Gumbel transform -log(-log(u))
+* The uniform is u = ((h >> 9) + 0.5) * 2**-23, exact in float32 (24 significant bits), in (0, 1). The Gumbel transform -log(-log(u))
   (float32) and the top-p probabilities (float64) use logarithm/exponential written with IEEE basic operations
   only (+, -, *, / of tensors, frexp, floor, bit casts), never torch.log/exp, whose vectorised and scalar CPU
   paths (and CUDA) may differ in the last bit.
@@ -101,6 +101,14 @@ def noise_keys(
     return _key(*args)
 
 
+def noise_keys_unchecked(
+    seed: torch.Tensor, request_id: torch.Tensor, sample_index: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
+    """noise_keys for int64 tensors the caller knows to be >= 0: no validation, hence no host sync, so it can
+    run inside a captured CUDA graph. Same values as noise_keys."""
+    return _key(seed, request_id, sample_index, position)
+
+
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """G(key, v) for every row key and vocab index v < vocab_size: float32 [R, vocab_size], in [-2.86, 17.33]."""
     keys = keys.to(torch.int64)
@@ -108,7 +116,8 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     s2 = _mix32((keys >> 32) ^ _mix32(s1 ^ 0xB5297A4D))
     v = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=keys.device) ^ 0x1B56C4E9)
     h = _mix32(_mix32(v[None, :] ^ s1[:, None]) ^ s2[:, None])
-    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24  # exact: 25 significant bits, in [2**-25, 1 - 2**-25]
+    # 23 hash bits + 0.5: 24 significant bits, exact in float32; u in [2**-24, 1 - 2**-24], never 0 or 1.
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return -_log(-_log(u))
 
 

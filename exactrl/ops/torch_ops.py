@@ -93,6 +93,34 @@ def attention_reference(
     return out[batch.q_seq, row_in_seq].to(q.dtype)
 
 
+def attention_sdpa(
+    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, batch: AttentionBatch
+) -> torch.Tensor:
+    """The fast backend's attention: PyTorch's fused `scaled_dot_product_attention` (GQA, boolean causal mask)
+    on queries padded per sequence and keys gathered through batch.key_slots. Differentiable. Its kernels pick
+    their split by shape, so a row's bits may depend on the batch: fine for the fast mode, never used by exact."""
+    T, hq, dh = q.shape
+    B, L = batch.key_slots.shape
+    qmax = batch.max_seqlen_q
+    row_in_seq = torch.arange(T, device=q.device) - batch.cu_seqlens_q[batch.q_seq]
+    qp = q.new_zeros(B, qmax, hq, dh).index_put((batch.q_seq, row_in_seq), q)
+    kk = k_store[batch.key_slots].to(q.dtype)  # [B, L, Hkv, Dh]
+    vv = v_store[batch.key_slots].to(q.dtype)
+    qpos = torch.full((B, qmax), -1, dtype=torch.int64, device=q.device)
+    qpos = qpos.index_put((batch.q_seq, row_in_seq), batch.q_pos)
+    n = torch.arange(L, device=q.device)
+    # Padding query rows (qpos = -1) look at key 0 only, so no row is fully masked (NaN in the backward).
+    mask = (n[None, None, :] <= qpos[:, :, None]) | ((qpos < 0)[:, :, None] & (n == 0)[None, None, :])
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),
+        kk.transpose(1, 2),
+        vv.transpose(1, 2),
+        attn_mask=mask[:, None],
+        enable_gqa=True,
+    )  # [B, Hq, Qmax, Dh]
+    return out.transpose(1, 2)[batch.q_seq, row_in_seq]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Exact (batch-invariant) attention
 # ----------------------------------------------------------------------------------------------------------
@@ -291,7 +319,8 @@ class ExactTorchOps:
 
 
 class FastOps(ExactTorchOps):
-    """PyTorch's default kernels: no row padding, batched-matmul attention. Rows may change bits with the batch."""
+    """PyTorch's default kernels: cuBLAS `F.linear` with no row padding, fused SDPA attention. Rows may change
+    bits with the batch (the control the exact backends are measured against)."""
 
     name = "fast"
     exact = False
@@ -301,6 +330,6 @@ class FastOps(ExactTorchOps):
 
     def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None) -> torch.Tensor:
         if kv_cache is None:
-            return attention_reference(q, k, v, batch)
+            return attention_sdpa(q, k, v, batch)
         k_flat, v_flat = write_kv_cache(k, v, kv_cache, batch.slot_mapping)
-        return attention_reference(q, k, v, batch, k_flat, v_flat)
+        return attention_sdpa(q, k_flat, v_flat, batch)

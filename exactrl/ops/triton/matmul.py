@@ -36,6 +36,9 @@ class MatmulConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # Operands through Hopper's tensor memory accelerator (host-side TMA descriptors, zero fill past the edges)
+    # instead of pointer loads. Same per-element arithmetic: the loads change, the MMA chain does not.
+    tma: bool = False
 
 
 # One fixed configuration per dtype (never per M). 16-bit: Hopper wgmma tiles, two warpgroups of 64 rows each;
@@ -119,6 +122,58 @@ def _matmul_kernel(
         tl.store(out_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    out_desc,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """The same persistent GEMM with TMA tile loads/stores. Rows past M and k past K arrive as zeros (TMA
+    zero fill), which add exactly 0; rows past M are clipped at the store."""
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_M * num_pid_n
+    for tile_id in range(start, num_tiles, NUM_PROGRAMS):
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            a = x_desc.load([off_m, kt * BLOCK_K])
+            b = w_desc.load([off_n, kt * BLOCK_K])
+            acc = mma(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit last stride, 16-byte aligned base and row strides."""
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors
+    )
+
+
 def matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -146,6 +201,36 @@ def matmul(
     cap = num_programs_cap(x.device)
     if bias is not None:
         bias = bias.contiguous()
+    if cfg.tma and (K * x.element_size()) % 16 == 0 and (N * out.element_size()) % 16 == 0:
+        # Whether TMA is used depends on the weight's shape and dtype only (never on M): any x is made
+        # TMA-friendly by a copy, so every call with a given weight runs the same kernel.
+        if not _tma_ok(x):
+            x = x.clone(memory_format=torch.contiguous_format)
+        if not _tma_ok(w):
+            w = w.clone(memory_format=torch.contiguous_format)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+        wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+        od = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+        _matmul_tma_kernel[(min(tiles, cap),)](
+            xd,
+            wd,
+            bias if bias is not None else x,
+            od,
+            M,
+            N,
+            K,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=cap,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return out
     _matmul_kernel[(min(tiles, cap),)](
         x,
         w,

@@ -1,0 +1,106 @@
+"""Where a rollout decode step and a training step spend GPU time: torch.profiler kernel tables.
+
+Builds the qwen3-0.6b shape (random init, bf16) in exact or fast mode and prints, for each of
+- rollout: one `generate` call (C concurrent prompts of P tokens, N new tokens) after a warm-up call, and
+- train: forward + backward + optimizer step on 8 x 1024 packed tokens,
+the kernels with the most total CUDA time, the host time per step, and one JSON line per table.
+
+Usage (GPU): PYTHONPATH=. python benchmarks/profile_steps.py [--mode exact] [--concurrency 256] [--what rollout train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _table(prof, label: str, top: int) -> None:
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"\n== {label}: GPU time by kernel (total {total / 1e3:.1f} ms)")
+    rows = []
+    for e in events[:top]:
+        share = e.self_device_time_total / total
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:6.1%} {e.count:7d}x  {e.key[:90]}")
+        rows.append({"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "count": e.count})
+    print(json.dumps({"profile": label, "total_gpu_ms": total / 1e3, "top": rows}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="exact", choices=["exact", "fast"])
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--what", nargs="+", default=["rollout", "train"])
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.sampler import SamplingParams
+    from exactrl.model import build_model, preset
+    from exactrl.ops import set_exact_environment
+
+    exact = args.mode == "exact"
+    set_exact_environment(exact)
+    model = build_model(preset("qwen3-0.6b"), device="cuda", dtype=torch.bfloat16, exact=exact, seed=0)
+    C, P, N = args.concurrency, args.prompt_len, args.max_tokens
+    g = torch.Generator().manual_seed(0)
+    if "rollout" in args.what:
+        prompts = torch.randint(0, 150000, (C, P), generator=g).tolist()
+        eng = RolloutEngine(
+            model,
+            EngineConfig(
+                max_num_seqs=C,
+                max_num_batched_tokens=max(8192, P),
+                prefill_chunk_size=max(8192, P),
+                max_model_len=P + N + 16,
+                num_kv_blocks=C * (-(-(P + N) // 16) + 1) + 16,
+            ),
+        )
+        params = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
+        eng.generate(prompts, params)  # warm-up: compile, capture graphs
+        torch.cuda.synchronize()
+        eng.reset_stats()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.generate(prompts, params)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        st = eng.stats
+        print(json.dumps({"rollout_wall_s": wall, **{k: v for k, v in st.items()}}))
+        _table(prof, f"rollout {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
+    if "train" in args.what:
+        from exactrl.train.optim import MasterAdamW
+        from exactrl.train.packing import PackedBatch
+
+        seqs = torch.randint(0, 150000, (8, 1025), generator=g).tolist()
+        pb = PackedBatch.build(seqs, [1] * 8, "cuda")
+        opt = MasterAdamW(model, lr=1e-5)
+
+        def step():
+            h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
+            lp, _ = model.logprobs(h, pb.targets)
+            (-lp.mean()).backward()
+            opt.clip_and_step(1.0)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
+        _table(prof, f"train {args.mode} 8x1024 (2 steps)", args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

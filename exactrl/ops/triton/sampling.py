@@ -1,0 +1,271 @@
+"""Fused Gumbel-max sampling: `gumbel_argmax` equals `exactrl.engine.sampler.sample` bit for bit (no top-k/top-p).
+
+One program per row walks the vocabulary in fixed BLOCK_V slices. For every element it recomputes the noise
+G(key, v) of `sampler.gumbel_noise`, forms y = logits + G in fp32 and keeps a running (max, lowest index) per
+lane; one lane reduction at the end picks the row's token. Greedy rows take the argmax of the logits alone.
+
+Why the bits are the same as the torch version:
+
+* Hash. `_mix32` works on uint32: a wrapping 32-bit multiply is (x * c) mod 2**32, the `& 0xFFFFFFFF` of the
+  int64 torch code, and `>>` on unsigned ints is a logical shift. Both are exact integer ops everywhere.
+* Uniform. u = (float(h >> 9) + 0.5) * 2**-23: the same two fp32 operations, both exact (24 significant bits),
+  so u lies in [2**-24, 1 - 2**-24] and both logarithms see positive normal floats.
+* Log. `_log` repeats the torch `_log` operation by operation in fp32: frexp from the bit pattern (inputs are
+  positive normal floats or +-0, where frexp gives (x, 0)), the `m < sqrt(0.5)` test against the fp32-rounded
+  constant (what torch compares with for an fp32 tensor), s = (m - 1) / (m + 1) with IEEE division (`div_rn`,
+  correctly rounded; Triton's `/` is approximate on the GPU), the polynomial as separate multiply and add, then
+  e * LN2 + (s * p) * 2. Every constant is the fp32-rounded python constant, as torch uses for fp32 tensors.
+  Contracting a multiply and an add into one FMA would round once instead of twice, so the kernels are compiled
+  with `enable_fp_fusion=False` (no FMA contraction, LLVM and ptxas --fmad=false).
+* Argmax. A lane sees its indices in increasing order and replaces its best only on a strictly larger value, so
+  it keeps the lowest index of its maximum; the final reduction takes the lowest index among lanes holding the
+  row maximum. NaN counts as larger than everything (as in torch.argmax): the first NaN wins. Comparisons and
+  selects are exact, so the result does not depend on BLOCK_V.
+
+The noise alone is available as `gumbel_noise_triton` (tests compare it with `gumbel_noise` bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from exactrl.ops.triton.common import INTERPRET
+
+_BLOCK_V = 8192 if INTERPRET else 2048  # vocabulary slice per loop step (any size gives the same tokens)
+_NOISE_BLOCK = 1 << 16 if INTERPRET else 2048
+_NO_INDEX = 2**31 - 1  # a lane that has seen no element yet
+# No FMA contraction: the torch reference rounds after every multiply and every add (see the docstring). The
+# interpreter computes op by op with numpy anyway (and has no such option).
+_LAUNCH_OPTS = {} if INTERPRET else {"enable_fp_fusion": False}
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32 (ties to even), as torch rounds a python scalar for an fp32 tensor."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# The constants of sampler._log / sampler.gumbel_noise, fp32-rounded (exact in fp32, so Triton keeps them as is).
+_SQRT_HALF = tl.constexpr(_f32(math.sqrt(0.5)))
+_LN2 = tl.constexpr(_f32(math.log(2.0)))
+_C1 = tl.constexpr(1.0)
+_C3 = tl.constexpr(_f32(1.0 / 3))
+_C5 = tl.constexpr(_f32(1.0 / 5))
+_C7 = tl.constexpr(_f32(1.0 / 7))
+_C9 = tl.constexpr(_f32(1.0 / 9))
+_C11 = tl.constexpr(_f32(1.0 / 11))
+_TWO_M23 = tl.constexpr(2.0**-23)
+
+
+@triton.jit
+def _mix32(x):
+    """sampler._mix32 on uint32 (wrapping multiply == product & 0xFFFFFFFF; logical shifts)."""
+    tl.static_assert(x.dtype == tl.uint32)
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x21F0AAAD, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x735A2D97, tl.uint32)
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _row_seeds(key):
+    """(s1, s2) of gumbel_noise for one int64 key >= 0."""
+    lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    hi = (key >> 32).to(tl.uint32)  # key < 2**63: fits
+    s1 = _mix32(lo ^ tl.full([], 0x68E31DA4, tl.uint32))
+    s2 = _mix32(hi ^ _mix32(s1 ^ tl.full([], 0xB5297A4D, tl.uint32)))
+    return s1, s2
+
+
+@triton.jit
+def _log(x):
+    """sampler._log for fp32 x > 0 (normal) or x == +-0, operation by operation."""
+    bits = x.to(tl.int32, bitcast=True)
+    is_zero = x == 0.0
+    # frexp: x = m * 2**e, m in [0.5, 1); frexp(+-0) = (+-0, 0)
+    m = tl.where(is_zero, x, ((bits & 0x007FFFFF) | 0x3F000000).to(tl.float32, bitcast=True))
+    e = tl.where(is_zero, 0, ((bits >> 23) & 0xFF) - 126)
+    small = m < _SQRT_HALF
+    m = tl.where(small, m * 2.0, m)
+    ef = e.to(tl.float32) - small.to(tl.float32)
+    s = tl.math.div_rn(m - 1.0, m + 1.0)
+    z = s * s
+    p = tl.full(z.shape, _C11, tl.float32)
+    p = p * z + _C9
+    p = p * z + _C7
+    p = p * z + _C5
+    p = p * z + _C3
+    p = p * z + _C1
+    return ef * _LN2 + (s * p) * 2.0
+
+
+@triton.jit
+def _gumbel(h):
+    """G from the uint32 hash h: u = ((h >> 9) + 0.5) * 2**-23, G = -log(-log(u))."""
+    u = ((h >> 9).to(tl.int32).to(tl.float32) + 0.5) * _TWO_M23
+    return -_log(-_log(u))
+
+
+@triton.jit
+def _noise(cols, s1, s2):
+    """gumbel_noise(key)[cols] for one row's (s1, s2); cols int32 >= 0."""
+    v = _mix32(cols.to(tl.uint32) ^ tl.full([], 0x1B56C4E9, tl.uint32))
+    return _gumbel(_mix32(_mix32(v ^ s1) ^ s2))
+
+
+@triton.jit(do_not_specialize=["V"])
+def _gumbel_argmax_kernel(
+    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, V, HAS_GREEDY: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    s1, s2 = _row_seeds(tl.load(keys_ptr + row))
+    add_noise = True
+    if HAS_GREEDY:
+        add_noise = tl.load(greedy_ptr + row) == 0
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = cols < V
+        y = tl.load(base + cols, mask=ok, other=0.0)
+        if add_noise:
+            y = y + _noise(cols, s1, s2)
+        # strictly larger (lanes see increasing indices: keeps the lowest), the lane's first element, or the
+        # first NaN (torch.argmax treats NaN as the maximum)
+        take = ok & ((y > best) | (best_i == _NO_INDEX) | ((y != y) & (best == best)))
+        best = tl.where(take, y, best)
+        best_i = tl.where(take, cols, best_i)
+    seen = best_i != _NO_INDEX
+    nan = seen & (best != best)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    mx = tl.max(tl.where(seen & ~nan, best, float("-inf")), axis=0)
+    hit = tl.where(any_nan, nan, seen & (best == mx))
+    token = tl.min(tl.where(hit, best_i, _NO_INDEX), axis=0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["V"])
+def _gumbel_noise_kernel(keys_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    s1, s2 = _row_seeds(tl.load(keys_ptr + row))
+    tl.store(out_ptr + row * stride_o + cols, _noise(cols, s1, s2), mask=cols < V)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _gumbel_of_uniform_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + idx, _gumbel(idx.to(tl.uint32) << 9), mask=idx < n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+def fused_sampling_supported(logits: torch.Tensor) -> bool:
+    """Whether gumbel_argmax can take these logits: 2-D fp32 on a CUDA device (any device when interpreting)."""
+    return (
+        isinstance(logits, torch.Tensor)
+        and logits.dim() == 2
+        and logits.dtype == torch.float32
+        and (logits.is_cuda or INTERPRET)
+    )
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    if not (t.is_cuda or INTERPRET):
+        raise ValueError(f"{what}: the kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}")
+
+
+def _check_keys(keys: torch.Tensor, rows: int, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(keys, torch.Tensor) or keys.shape != (rows,):
+        shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise ValueError(f"{what}: keys must be a tensor of shape [{rows}] (one key per row), got {shape}")
+    if keys.dtype != torch.int64:
+        raise ValueError(f"{what}: keys must be int64, got {keys.dtype}")
+    if keys.device != device:
+        raise ValueError(f"{what}: keys are on {keys.device}, the logits on {device}")
+    if bool((keys < 0).any()):
+        raise ValueError(f"{what}: keys must be non-negative int64")
+    return keys.contiguous()
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """logits: float32 [R, V] (already divided by temperature), keys: int64 [R] >= 0, greedy: bool [R] or None
+    -> int64 [R]; equal to sampler.sample(logits, keys, greedy=greedy) bit for bit.
+
+    block_v (a power of two) only changes the loop step, never the result; None picks the default."""
+    what = "gumbel_argmax"
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"{what}: logits must be a 2-D tensor [rows, vocab]")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"{what}: logits must be float32, got {logits.dtype}")
+    _check_device(logits, what)
+    rows, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError(f"{what}: logits has an empty vocab dimension")
+    if vocab >= _NO_INDEX:
+        raise ValueError(f"{what}: vocab must be below 2**31 - 1, got {vocab}")
+    keys = _check_keys(keys, rows, logits.device, what)
+    if greedy is not None:
+        if not isinstance(greedy, torch.Tensor) or greedy.shape != (rows,) or greedy.dtype != torch.bool:
+            raise ValueError(f"{what}: greedy must be a bool tensor of shape [{rows}]")
+        if greedy.device != logits.device:
+            raise ValueError(f"{what}: greedy is on {greedy.device}, the logits on {logits.device}")
+        greedy = greedy.contiguous().view(torch.uint8)
+    block = _BLOCK_V if block_v is None else int(block_v)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{what}: block_v must be a power of two >= 16, got {block_v}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _gumbel_argmax_kernel[(rows,)](
+            logits,
+            keys,
+            keys if greedy is None else greedy,  # unused without greedy rows
+            out,
+            logits.stride(0),
+            vocab,
+            HAS_GREEDY=greedy is not None,
+            BLOCK_V=block,
+            num_warps=8 if block >= 2048 else 4,
+            **_LAUNCH_OPTS,
+        )
+    return out
+
+
+def gumbel_noise_triton(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The noise gumbel_argmax adds: float32 [R, vocab_size], equal to sampler.gumbel_noise(keys, vocab_size)."""
+    what = "gumbel_noise_triton"
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 1:
+        raise ValueError(f"{what}: keys must be a 1-D int64 tensor")
+    _check_device(keys, what)
+    keys = _check_keys(keys, keys.shape[0], keys.device, what)
+    if not 0 <= vocab_size < _NO_INDEX:
+        raise ValueError(f"{what}: vocab_size must be in [0, 2**31 - 1), got {vocab_size}")
+    out = torch.empty((keys.shape[0], vocab_size), dtype=torch.float32, device=keys.device)
+    if out.numel():
+        grid = (keys.shape[0], triton.cdiv(vocab_size, _NOISE_BLOCK))
+        _gumbel_noise_kernel[grid](keys, out, out.stride(0), vocab_size, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS)
+    return out
+
+
+def _gumbel_of_all_uniforms(device: torch.device | str) -> torch.Tensor:
+    """G for every value the hash can give: float32 [2**23], entry i for h >> 9 == i (an exhaustive test hook)."""
+    n = 1 << 23
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    _check_device(out, "_gumbel_of_all_uniforms")
+    _gumbel_of_uniform_kernel[(triton.cdiv(n, _NOISE_BLOCK),)](out, n, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS)
+    return out
