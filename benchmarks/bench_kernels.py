@@ -75,16 +75,16 @@ def bench_matmul(ms: list[int], rows: list[dict], out) -> None:
 
 
 MATMUL_ALTERNATIVES = {
-    # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma)
-    "128x128x64_w8_s4": (128, 128, 64, 8, 8, 4, False),
-    "128x256x64_w8_s3": (128, 256, 64, 8, 8, 3, False),
-    "64x128x64_w4_s4": (64, 128, 64, 8, 4, 4, False),
-    "128x128x64_w8_s4_tma": (128, 128, 64, 8, 8, 4, True),
-    "128x128x64_w8_s3_tma": (128, 128, 64, 8, 8, 3, True),
-    "128x128x64_w4_s4_tma": (128, 128, 64, 8, 4, 4, True),
-    "128x256x64_w8_s3_tma": (128, 256, 64, 8, 8, 3, True),
-    "64x128x64_w4_s4_tma": (64, 128, 64, 8, 4, 4, True),
-    "128x64x64_w4_s4_tma": (128, 64, 64, 8, 4, 4, True),
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, flatten, warp_specialize)
+    "128x128x64_w8_s4_ptr": (128, 128, 64, 8, 8, 4, False, False, False),
+    "128x128x64_w8_s4_tma": (128, 128, 64, 8, 8, 4, True, False, False),
+    "128x128x64_w8_s5_tma": (128, 128, 64, 8, 8, 5, True, False, False),
+    "128x128x64_w8_s4_tma_fl": (128, 128, 64, 8, 8, 4, True, True, False),
+    "128x128x64_w8_s4_tma_ws": (128, 128, 64, 8, 8, 4, True, False, True),
+    "128x128x128_w8_s3_tma": (128, 128, 128, 8, 8, 3, True, False, False),
+    "128x256x64_w8_s3_tma": (128, 256, 64, 8, 8, 3, True, False, False),
+    "128x256x64_w8_s4_tma": (128, 256, 64, 8, 8, 4, True, False, False),
+    "128x256x64_w8_s3_tma_fl": (128, 256, 64, 8, 8, 3, True, True, False),
 }
 
 

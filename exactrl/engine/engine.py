@@ -138,6 +138,9 @@ class RolloutEngine:
             raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must be distinct (they key the sampling noise)")
+        for rid in request_ids:
+            if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 2**63:
+                raise ValueError(f"request_ids must be ints in [0, 2**63), got {rid!r}")
         cfg = self.config
         vocab = self.model.config.vocab_size
         outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
@@ -198,8 +201,8 @@ class RolloutEngine:
             ops = self.model.ops
             is_decode = all(e.is_decode for e in batch.entries)
             if is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows)):
-                # Static buffers / CUDA graph: forward and noise keys in one replay, one row per sequence.
-                hidden, keys = runner.decode(
+                # Static buffers / CUDA graph: the forward in one replay, one row per sequence.
+                hidden, key_parts = runner.decode(
                     [
                         DecodeRow(
                             e.token_ids[0], e.start, e.block_table, params.seed, r.request_id, r.sample_index
@@ -219,17 +222,20 @@ class RolloutEngine:
                 uniq, inv = torch.unique(idx, return_inverse=True)
                 h, w = self.model.head_inputs(hidden[uniq])
                 raw = ops.linear(h, w)[inv]
-                keys = noise_keys(
-                    params.seed,
-                    [r.request_id for r in rows],
-                    [r.sample_index for r in rows],
-                    [r.position for r in rows],
+                key_parts = torch.tensor(
+                    [
+                        [params.seed] * len(rows),
+                        [r.request_id for r in rows],
+                        [r.sample_index for r in rows],
+                        [r.position for r in rows],
+                    ],
+                    dtype=torch.int64,
                 ).to(lm_dev)
             else:  # prefill chunks that sample nothing yet
                 runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
             if rows:
                 z = ops.scale_logits(raw, temperature)
-                tok = sample_tokens(z, keys, params, greedy)
+                tok = sample_tokens(z, key_parts, params, greedy)
                 # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
                 lp = ops.logprobs_from_logits(raw, tok, temperature)
                 out = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()  # one device sync
@@ -281,17 +287,23 @@ class RolloutEngine:
         return outputs
 
 
-def sample_tokens(z: torch.Tensor, keys: torch.Tensor, params: SamplingParams, greedy: bool) -> torch.Tensor:
-    """Draw one token per row of temperature-scaled fp32 logits z with the call's options.
+def sample_tokens(
+    z: torch.Tensor, key_parts: torch.Tensor, params: SamplingParams, greedy: bool
+) -> torch.Tensor:
+    """Draw one token per row of temperature-scaled fp32 logits z with the call's options; key_parts: int64
+    [4, rows], each row's (seed, request_id, sample_index, position), the inputs of its noise key.
 
-    On CUDA without top-k / top-p, the fused Triton kernel (one pass over the logits) draws the same tokens as
-    `sample`, bit for bit (tests/ops/test_triton_sampling.py); everything else goes through `sample`."""
+    On CUDA without top-k / top-p, the fused Triton kernel (one pass over the logits, keys derived inside)
+    draws the same tokens as `sample`, bit for bit (tests/ops/test_triton_sampling.py); everything else goes
+    through `sample`."""
     dev = z.device
     rows = z.shape[0]
     if z.is_cuda and not params.top_k and params.top_p >= 1:
         from exactrl.ops.triton.sampling import gumbel_argmax
 
-        return gumbel_argmax(z, keys, torch.ones(rows, dtype=torch.bool, device=dev) if greedy else None)
+        g = torch.ones(rows, dtype=torch.bool, device=dev) if greedy else None
+        return gumbel_argmax(z, None, g, key_parts=key_parts)
+    keys = noise_keys(key_parts[0], key_parts[1], key_parts[2], key_parts[3])
     return sample(
         z,
         keys,

@@ -12,8 +12,8 @@ Two ways to run a step:
 * `decode` (a step where every sequence brings exactly one new token): fills *static* device buffers, padded to
   a batch-size bucket, and replays the CUDA graph captured for that bucket (mode "graph"), or runs the same
   code eagerly on the same buffers (mode "static": the CPU test of the padding logic). The graph covers the
-  model forward and the sampling keys; the LM head and the sampler run after it, eagerly, because they take
-  the call's temperature and sampling options.
+  model forward; the LM head and the sampler run after it, eagerly, because they take the call's temperature
+  and sampling options. The sampler reads the noise-key inputs from the same static buffer.
 
 Why the graph changes no bit: replay runs the kernels the eager forward runs, with the same tile
 configurations (no kernel specialises on the number of rows, see exactrl/ops/triton). The bucket's padding rows
@@ -157,8 +157,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step: (hidden [len(rows), D], sampling keys int64 [len(rows)]), bitwise equal to
-        `forward` on the same sequences and to `noise_keys` on the same inputs."""
+        """One decode step: (hidden [len(rows), D], key parts int64 [4, len(rows)]). hidden is bitwise equal to
+        `forward` on the same sequences; key parts are each row's (seed, request_id, sample_index, position of
+        the token to sample), the inputs of sampler.noise_key."""
         if not self.can_decode(len(rows)):
             raise ValueError(f"decode takes 1 .. {self.max_num_seqs} rows in mode {self.decode_mode!r}")
         st = self._static
@@ -187,8 +188,9 @@ class _StaticDecode:
         self.width_blocks = -(-runner.max_model_len // bs)
         width = self.width_blocks * bs
         # Host-side staging (pinned on CUDA) and one device buffer: one copy per step. Sections, each a whole
-        # number of 16-element rows so every view is as aligned as a fresh allocation: ids, positions, key
-        # lengths, slot mapping, seed, request id, sample index, then the block tables [B, width_blocks].
+        # number of 16-element rows so every view is as aligned as a fresh allocation: ids, positions, slot
+        # mapping, seed, request id, sample index, key lengths (= the sampled token's position), then the block
+        # tables [B, width_blocks]. Sections 3..6 are the sampler's key parts [4, B] with row stride `sec`.
         self.B = B
         self.sec = -(-B // 16) * 16
         self.tw = -(-self.width_blocks // 16) * 16
@@ -199,8 +201,9 @@ class _StaticDecode:
         self.dev_buf = torch.zeros(n, dtype=torch.int64, device=dev)
         s = self.sec
         view = lambda i: self.dev_buf[i * s : i * s + B]  # noqa: E731
-        self.ids, self.pos, self.key_lens, self.slots = view(0), view(1), view(2), view(3)
-        self.seed, self.rid, self.sidx = view(4), view(5), view(6)
+        self.ids, self.pos, self.slots = view(0), view(1), view(2)
+        self.seed, self.rid, self.sidx, self.key_lens = view(3), view(4), view(5), view(6)
+        self.key_parts = self.dev_buf[3 * s : 7 * s].view(4, s)
         self.tables = self.dev_buf[7 * s :].view(B, self.tw)
         self.cu = torch.arange(B + 1, dtype=torch.int64, device=dev)
         self.q_seq = torch.arange(B, dtype=torch.int64, device=dev)
@@ -208,7 +211,7 @@ class _StaticDecode:
         self.params = _param_ptrs(model)
         self.kv_ptr = runner.kv_caches[0][0].data_ptr()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
         if runner.decode_mode == "graph":
             t0 = time.perf_counter()
@@ -223,10 +226,8 @@ class _StaticDecode:
             and self.params == _param_ptrs(model)
         )
 
-    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, b: int) -> torch.Tensor:
         """What a decode step of bucket b computes from the static buffers (captured, or run eagerly)."""
-        from exactrl.engine.sampler import noise_keys_unchecked
-
         bs = self.runner.block_size
         tables = self.tables[:b, : self.width_blocks]
         n = self.n
@@ -244,9 +245,7 @@ class _StaticDecode:
             slot_mapping=self.slots[:b],
             block_size=bs,
         )
-        hidden = self.model(self.ids[:b], self.pos[:b], batch, self.runner.kv_caches)
-        keys = noise_keys_unchecked(self.seed[:b], self.rid[:b], self.sidx[:b], self.pos[:b] + 1)
-        return hidden, keys
+        return self.model(self.ids[:b], self.pos[:b], batch, self.runner.kv_caches)
 
     def _fill(self, rows: list[DecodeRow], b: int) -> None:
         """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""
@@ -269,19 +268,19 @@ class _StaticDecode:
             )
             h[0:r] = a[:, 0]
             h[s : s + r] = a[:, 1]
-            h[3 * s : 3 * s + r] = a[:, 2] * bs + a[:, 1] % bs  # slot of the new token's K/V
-            h[4 * s : 4 * s + r] = a[:, 3]
-            h[5 * s : 5 * s + r] = a[:, 4]
-            h[6 * s : 6 * s + r] = a[:, 5]
+            h[2 * s : 2 * s + r] = a[:, 2] * bs + a[:, 1] % bs  # slot of the new token's K/V
+            h[3 * s : 3 * s + r] = a[:, 3]
+            h[4 * s : 4 * s + r] = a[:, 4]
+            h[5 * s : 5 * s + r] = a[:, 5]
             t0 = 7 * s
             for i, x in enumerate(rows):
                 h[t0 + i * tw : t0 + i * tw + len(x.block_table)] = x.block_table
         # Dummy rows r..b-1: token 0 at position 0 of a one-token sequence living in the scratch page.
-        for k in (0, s, 4 * s, 5 * s, 6 * s):
+        for k in (0, s, 3 * s, 4 * s, 5 * s):
             h[k + r : k + b] = 0
-        h[3 * s + r : 3 * s + b] = scratch * bs
+        h[2 * s + r : 2 * s + b] = scratch * bs
         h[7 * s + r * tw : 7 * s + b * tw : tw] = scratch
-        h[2 * s : 2 * s + b] = h[s : s + b] + 1  # key lengths
+        h[6 * s : 6 * s + b] = h[s : s + b] + 1  # key lengths
         n = 7 * s + b * tw
         # Asynchronous copy from pinned memory: the host buffer is rewritten only at the next step, after the
         # engine has read this step's tokens back (a device sync).
@@ -300,10 +299,10 @@ class _StaticDecode:
         graph = self.graphs.get(b)
         if graph is not None:
             graph.replay()
-            hidden, keys = self.outputs[b]
+            hidden = self.outputs[b]
         else:
-            hidden, keys = self._body(b)
-        return hidden[:r], keys[:r]
+            hidden = self._body(b)
+        return hidden[:r], self.key_parts[:, :r]
 
     def _capture_all(self) -> None:
         """Capture every bucket, largest first, in one memory pool; a warm-up run first compiles the kernels."""

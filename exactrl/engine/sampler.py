@@ -101,14 +101,6 @@ def noise_keys(
     return _key(*args)
 
 
-def noise_keys_unchecked(
-    seed: torch.Tensor, request_id: torch.Tensor, sample_index: torch.Tensor, position: torch.Tensor
-) -> torch.Tensor:
-    """noise_keys for int64 tensors the caller knows to be >= 0: no validation, hence no host sync, so it can
-    run inside a captured CUDA graph. Same values as noise_keys."""
-    return _key(seed, request_id, sample_index, position)
-
-
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """G(key, v) for every row key and vocab index v < vocab_size: float32 [R, vocab_size], in [-2.86, 17.33]."""
     keys = keys.to(torch.int64)

@@ -49,9 +49,10 @@ class Attention(nn.Module):
 
     def forward(self, ops: Ops, x, positions, cos_sin, batch: AttentionBatch, kv_cache=None):
         T = x.shape[0]
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias).view(T, self.num_heads, self.head_dim)
-        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias).view(T, self.num_kv_heads, self.head_dim)
-        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.linear_group(x, [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)])
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -69,7 +70,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, ops: Ops, x):
-        h = ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight))
+        gate, up = ops.linear_group(x, [(self.gate_proj.weight, None), (self.up_proj.weight, None)])
+        h = ops.silu_mul(gate, up)
         return ops.linear(h, self.down_proj.weight)
 
 

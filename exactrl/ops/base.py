@@ -24,6 +24,14 @@ class Ops(Protocol):
         """x: [T, K], weight: [N, K], bias: [N] -> [T, N] in x.dtype (fp32 accumulation)."""
         ...
 
+    def linear_group(
+        self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """[linear(x, w, b) for w, b in weights]: several projections of the same input (q/k/v, gate/up).
+
+        Each output has exactly the bits of its own `linear` call; a backend may run them concurrently."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [..., D] -> [..., D]; normalise in fp32, cast to x.dtype, multiply by weight (HF order)."""
         ...

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.torch_ops import linear_group
 from exactrl.ops.triton.attention import ATTN_BLOCK_N, ATTN_ROWS, attention
 from exactrl.ops.triton.elementwise import rope, silu_mul
 from exactrl.ops.triton.logprobs import (
@@ -44,8 +45,16 @@ class TritonOps:
     exact = True
     attn_block_n = ATTN_BLOCK_N
 
+    def __init__(self) -> None:
+        self._side_streams: list[torch.cuda.Stream] = []
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, weight, bias)
+
+    def linear_group(
+        self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        return linear_group(self.linear, x, weights, self._side_streams)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -297,3 +297,30 @@ def test_gpu_ties_at_serving_shape():
     got = gumbel_argmax(logits, keys, greedy)
     assert torch.equal(got, reference(logits, keys, greedy))
     assert bool((got[greedy] == 70_000).all())
+
+
+def test_key_parts_equal_precomputed_keys():
+    """The kernel's own noise_key from (seed, request_id, sample_index, position) gives the tokens of the keys
+    noise_keys computes; a different sample index gives other tokens (the check can fail)."""
+    rows, vocab = 6, 3001
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(rows, vocab, generator=g).to(DEVICE)
+    parts = torch.stack(
+        [
+            torch.tensor([0, 1, 2**40 + 3, 5, 2**62, 2**63 - 1]),
+            torch.tensor([0, 7, 123456789012, 3, 1, 2**33]),
+            torch.tensor([0, 0, 1, 2**31, 4, 9]),
+            torch.tensor([1, 17, 2**35, 64, 0, 4095]),
+        ]
+    ).to(DEVICE)
+    keys = sampler.noise_keys(parts[0], parts[1], parts[2], parts[3])
+    want = gumbel_argmax(logits, keys)
+    assert torch.equal(gumbel_argmax(logits, None, key_parts=parts), want)
+    assert torch.equal(want, sampler.sample(logits, keys))
+    other = parts.clone()
+    other[2] += 1
+    assert not torch.equal(gumbel_argmax(logits, None, key_parts=other), want)
+    with pytest.raises(ValueError, match="key_parts must be an int64 tensor"):
+        gumbel_argmax(logits, None, key_parts=parts[:3])
+    with pytest.raises(ValueError, match="not both"):
+        gumbel_argmax(logits, keys, key_parts=parts)

@@ -39,14 +39,20 @@ class MatmulConfig:
     # Operands through Hopper's tensor memory accelerator (host-side TMA descriptors, zero fill past the edges)
     # instead of pointer loads. Same per-element arithmetic: the loads change, the MMA chain does not.
     tma: bool = False
+    # TMA kernel only: let Triton pipeline across the persistent loop's tiles (`tl.range(flatten=True)`), and
+    # warp-specialise producer/consumer warps. Scheduling only: the per-element MMA chain is unchanged.
+    flatten: bool = False
+    warp_specialize: bool = False
 
 
 # One fixed configuration per dtype (never per M). 16-bit: Hopper wgmma tiles, two warpgroups of 64 rows each;
-# 4 stages of 128x64 + 64x128 bf16 tiles = 128 KiB of shared memory. fp32: IEEE FMAs (TF32 is off in exact
-# mode), smaller tiles so the accumulator and operands fit in registers.
+# 4 stages of 128x64 + 64x128 bf16 tiles = 128 KiB of shared memory, loaded by TMA, the persistent loop
+# flattened so the next tile's loads overlap this tile's epilogue (on an H200 the best geometric mean over the
+# model's shapes of the variants in benchmarks/bench_kernels.py; all of them gave the same bits). fp32: IEEE
+# FMAs (TF32 is off in exact mode), pointer loads, smaller tiles so the accumulator and operands fit in registers.
 MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
-    torch.bfloat16: MatmulConfig(128, 128, 64, 8, 8, 4),
-    torch.float16: MatmulConfig(128, 128, 64, 8, 8, 4),
+    torch.bfloat16: MatmulConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=True),
+    torch.float16: MatmulConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=True),
     torch.float32: MatmulConfig(64, 64, 32, 8, 4, 3),
 }
 
@@ -137,16 +143,20 @@ def _matmul_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    W_KN: tl.constexpr,
 ):
     """The same persistent GEMM with TMA tile loads/stores. Rows past M and k past K arrive as zeros (TMA
-    zero fill), which add exactly 0; rows past M are clipped at the store."""
+    zero fill), which add exactly 0; rows past M are clipped at the store. W_KN: w_desc describes w^T, a
+    row-major [K, N] tensor (the backward's dX = dY @ W reads W as it is stored, with no transposed copy)."""
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_pid_in_group = GROUP_M * num_pid_n
-    for tile_id in range(start, num_tiles, NUM_PROGRAMS):
+    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         group_id = tile_id // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
@@ -157,8 +167,11 @@ def _matmul_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(0, k_tiles):
             a = x_desc.load([off_m, kt * BLOCK_K])
-            b = w_desc.load([off_n, kt * BLOCK_K])
-            acc = mma(a, b.T, acc)
+            if W_KN:
+                b = w_desc.load([kt * BLOCK_K, off_n])
+            else:
+                b = w_desc.load([off_n, kt * BLOCK_K]).T
+            acc = mma(a, b, acc)
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -206,12 +219,17 @@ def matmul(
         # TMA-friendly by a copy, so every call with a given weight runs the same kernel.
         if not _tma_ok(x):
             x = x.clone(memory_format=torch.contiguous_format)
-        if not _tma_ok(w):
+        # A transposed view of a row-major [K, N] tensor (the weight in the backward's dX) is read as stored.
+        w_kn = w.stride(0) == 1 and w.stride(1) != 1 and _tma_ok(w.t())
+        if not w_kn and not _tma_ok(w):
             w = w.clone(memory_format=torch.contiguous_format)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
-        wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+        if w_kn:
+            wd = TensorDescriptor.from_tensor(w.t(), [cfg.block_k, cfg.block_n])
+        else:
+            wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
         od = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
         _matmul_tma_kernel[(min(tiles, cap),)](
             xd,
@@ -227,6 +245,9 @@ def matmul(
             BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m,
             NUM_PROGRAMS=cap,
+            FLATTEN=cfg.flatten,
+            WARP_SPECIALIZE=cfg.warp_specialize,
+            W_KN=w_kn,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

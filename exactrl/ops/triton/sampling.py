@@ -39,6 +39,7 @@ from exactrl.ops.triton.common import INTERPRET
 _BLOCK_V = 8192 if INTERPRET else 2048  # vocabulary slice per loop step (any size gives the same tokens)
 _NOISE_BLOCK = 1 << 16 if INTERPRET else 2048
 _NO_INDEX = 2**31 - 1  # a lane that has seen no element yet
+_NO_INDEX_K = tl.constexpr(_NO_INDEX)  # the same, readable inside kernels
 # No FMA contraction: the torch reference rounds after every multiply and every add (see the docstring). The
 # interpreter computes op by op with numpy anyway (and has no such option).
 _LAUNCH_OPTS = {} if INTERPRET else {"enable_fp_fusion": False}
@@ -83,6 +84,31 @@ def _row_seeds(key):
 
 
 @triton.jit
+def _absorb(a, b, v):
+    """One input of sampler._key: its low then high 32-bit word into the (a, b) state."""
+    lo = (v & 0xFFFFFFFF).to(tl.uint32)
+    a = _mix32(a ^ lo)
+    b = _mix32(b ^ _mix32(lo ^ tl.full([], 0x9E3779B9, tl.uint32)))
+    hi = (v >> 32).to(tl.uint32)  # v < 2**63: fits
+    a = _mix32(a ^ hi)
+    b = _mix32(b ^ _mix32(hi ^ tl.full([], 0x9E3779B9, tl.uint32)))
+    return a, b
+
+
+@triton.jit
+def _row_seeds_from_parts(parts_ptr, stride_p, row):
+    """(s1, s2) of the key sampler.noise_key(seed, request_id, sample_index, position) of one row, computed from
+    the four int64 inputs (rows 0..3 of `parts`): the key's low word is b, its high word a & 0x3FFFFFFF."""
+    a = tl.full([], 0x243F6A88, tl.uint32)
+    b = tl.full([], 0x85A308D3, tl.uint32)
+    for i in tl.static_range(4):
+        a, b = _absorb(a, b, tl.load(parts_ptr + i * stride_p + row))
+    s1 = _mix32(b ^ tl.full([], 0x68E31DA4, tl.uint32))
+    s2 = _mix32((a & tl.full([], 0x3FFFFFFF, tl.uint32)) ^ _mix32(s1 ^ tl.full([], 0xB5297A4D, tl.uint32)))
+    return s1, s2
+
+
+@triton.jit
 def _log(x):
     """sampler._log for fp32 x > 0 (normal) or x == +-0, operation by operation."""
     bits = x.to(tl.int32, bitcast=True)
@@ -120,16 +146,20 @@ def _noise(cols, s1, s2):
 
 @triton.jit(do_not_specialize=["V"])
 def _gumbel_argmax_kernel(
-    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, V, HAS_GREEDY: tl.constexpr, BLOCK_V: tl.constexpr
-):
+    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, stride_p, V,
+    HAS_GREEDY: tl.constexpr, KEY_PARTS: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
-    s1, s2 = _row_seeds(tl.load(keys_ptr + row))
+    if KEY_PARTS:
+        s1, s2 = _row_seeds_from_parts(keys_ptr, stride_p, row)
+    else:
+        s1, s2 = _row_seeds(tl.load(keys_ptr + row))
     add_noise = True
     if HAS_GREEDY:
         add_noise = tl.load(greedy_ptr + row) == 0
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK_V], _NO_INDEX, tl.int32)
+    best_i = tl.full([BLOCK_V], _NO_INDEX_K, tl.int32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         ok = cols < V
@@ -138,15 +168,15 @@ def _gumbel_argmax_kernel(
             y = y + _noise(cols, s1, s2)
         # strictly larger (lanes see increasing indices: keeps the lowest), the lane's first element, or the
         # first NaN (torch.argmax treats NaN as the maximum)
-        take = ok & ((y > best) | (best_i == _NO_INDEX) | ((y != y) & (best == best)))
+        take = ok & ((y > best) | (best_i == _NO_INDEX_K) | ((y != y) & (best == best)))
         best = tl.where(take, y, best)
         best_i = tl.where(take, cols, best_i)
-    seen = best_i != _NO_INDEX
+    seen = best_i != _NO_INDEX_K
     nan = seen & (best != best)
     any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     mx = tl.max(tl.where(seen & ~nan, best, float("-inf")), axis=0)
     hit = tl.where(any_nan, nan, seen & (best == mx))
-    token = tl.min(tl.where(hit, best_i, _NO_INDEX), axis=0)
+    token = tl.min(tl.where(hit, best_i, _NO_INDEX_K), axis=0)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -197,14 +227,18 @@ def _check_keys(keys: torch.Tensor, rows: int, device: torch.device, what: str) 
 
 def gumbel_argmax(
     logits: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | None,
     greedy: torch.Tensor | None = None,
     *,
+    key_parts: torch.Tensor | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
     """logits: float32 [R, V] (already divided by temperature), keys: int64 [R] >= 0, greedy: bool [R] or None
     -> int64 [R]; equal to sampler.sample(logits, keys, greedy=greedy) bit for bit.
 
+    key_parts (instead of keys): int64 [4, R] (last dim contiguous) holding each row's (seed, request_id,
+    sample_index, position); the kernel derives noise_key(...) itself, with no extra launches and no check of
+    the values (the caller guarantees them in [0, 2**63)): the form the rollout engine uses every step.
     block_v (a power of two) only changes the loop step, never the result; None picks the default."""
     what = "gumbel_argmax"
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -217,7 +251,23 @@ def gumbel_argmax(
         raise ValueError(f"{what}: logits has an empty vocab dimension")
     if vocab >= _NO_INDEX:
         raise ValueError(f"{what}: vocab must be below 2**31 - 1, got {vocab}")
-    keys = _check_keys(keys, rows, logits.device, what)
+    if key_parts is not None:
+        if keys is not None:
+            raise ValueError(f"{what}: pass keys or key_parts, not both")
+        if (
+            not isinstance(key_parts, torch.Tensor)
+            or key_parts.dtype != torch.int64
+            or key_parts.shape != (4, rows)
+            or (rows and key_parts.stride(1) != 1)
+        ):
+            raise ValueError(
+                f"{what}: key_parts must be an int64 tensor [4, {rows}] with a contiguous last dim"
+            )
+        if key_parts.device != logits.device:
+            raise ValueError(f"{what}: key_parts is on {key_parts.device}, the logits on {logits.device}")
+        keys_arg, stride_p = key_parts, key_parts.stride(0)
+    else:
+        keys_arg, stride_p = _check_keys(keys, rows, logits.device, what), 0
     if greedy is not None:
         if not isinstance(greedy, torch.Tensor) or greedy.shape != (rows,) or greedy.dtype != torch.bool:
             raise ValueError(f"{what}: greedy must be a bool tensor of shape [{rows}]")
@@ -233,12 +283,14 @@ def gumbel_argmax(
     if rows:
         _gumbel_argmax_kernel[(rows,)](
             logits,
-            keys,
-            keys if greedy is None else greedy,  # unused without greedy rows
+            keys_arg,
+            keys_arg if greedy is None else greedy,  # unused without greedy rows
             out,
             logits.stride(0),
+            stride_p,
             vocab,
             HAS_GREEDY=greedy is not None,
+            KEY_PARTS=key_parts is not None,
             BLOCK_V=block,
             num_warps=8 if block >= 2048 else 4,
             **_LAUNCH_OPTS,
