@@ -200,18 +200,22 @@ class RolloutEngine:
             rows = batch.sample_rows()
             ops = self.model.ops
             is_decode = all(e.is_decode for e in batch.entries)
+            out = None  # float64 [2, rows]: (token, logprob), when a graph produced them
             if is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows)):
-                # Static buffers / CUDA graph: the forward in one replay, one row per sequence.
-                hidden, key_parts = runner.decode(
-                    [
-                        DecodeRow(
-                            e.token_ids[0], e.start, e.block_table, params.seed, r.request_id, r.sample_index
-                        )
-                        for e, r in zip(batch.entries, rows)
-                    ]
-                )
-                h, w = self.model.head_inputs(hidden)
-                raw = ops.linear(h, w)
+                # Static buffers / CUDA graph, one row per sequence.
+                drows = [
+                    DecodeRow(
+                        e.token_ids[0], e.start, e.block_table, params.seed, r.request_id, r.sample_index
+                    )
+                    for e, r in zip(batch.entries, rows)
+                ]
+                if runner.decode_mode == "graph" and fused_sampling(params):
+                    # Forward, LM head, fused sampler and recorded logprob in one replay.
+                    out = runner.decode_sample(drows, temperature, greedy)
+                else:
+                    hidden, key_parts = runner.decode(drows)
+                    h, w = self.model.head_inputs(hidden)
+                    raw = ops.linear(h, w)
                 self.stats["static_decode_steps"] += 1
                 self.stats["cuda_graph_steps"] += runner.decode_mode == "graph"
             elif rows:
@@ -233,13 +237,15 @@ class RolloutEngine:
                 ).to(lm_dev)
             else:  # prefill chunks that sample nothing yet
                 runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
-            if rows:
+            if rows and out is None:
                 z = ops.scale_logits(raw, temperature)
                 tok = sample_tokens(z, key_parts, params, greedy)
                 # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
                 lp = ops.logprobs_from_logits(raw, tok, temperature)
-                out = torch.stack((tok.to(torch.float64), lp.to(torch.float64))).tolist()  # one device sync
-                tok_l, lp_l = [int(t) for t in out[0]], out[1]
+                out = torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
+            if rows:
+                res = out.tolist()  # the step's one device sync
+                tok_l, lp_l = [int(t) for t in res[0]], res[1]
             else:
                 tok_l, lp_l = [], []
             dt = time.perf_counter() - t0
@@ -287,6 +293,11 @@ class RolloutEngine:
         return outputs
 
 
+def fused_sampling(params: SamplingParams) -> bool:
+    """Whether the call's tokens can come from the fused Triton sampler (no top-k / top-p filtering)."""
+    return not params.top_k and params.top_p >= 1
+
+
 def sample_tokens(
     z: torch.Tensor, key_parts: torch.Tensor, params: SamplingParams, greedy: bool
 ) -> torch.Tensor:
@@ -298,7 +309,7 @@ def sample_tokens(
     through `sample`."""
     dev = z.device
     rows = z.shape[0]
-    if z.is_cuda and not params.top_k and params.top_p >= 1:
+    if z.is_cuda and fused_sampling(params):
         from exactrl.ops.triton.sampling import gumbel_argmax
 
         g = torch.ones(rows, dtype=torch.bool, device=dev) if greedy else None

@@ -121,7 +121,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._static: _StaticDecode | None = None
-        self.graph_capture_s = 0.0  # time spent capturing CUDA graphs (warm-up runs included)
+        self.graph_capture_s = 0.0  # capture time of replaced graph sets (see capture_seconds)
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -162,16 +162,37 @@ class ModelRunner:
         the token to sample), the inputs of sampler.noise_key."""
         if not self.can_decode(len(rows)):
             raise ValueError(f"decode takes 1 .. {self.max_num_seqs} rows in mode {self.decode_mode!r}")
+        st = self._static_decode()
+        hidden = st.run(rows)
+        return hidden[: len(rows)], st.key_parts[:, : len(rows)]
+
+    @torch.no_grad()
+    def decode_sample(self, rows: list[DecodeRow], temperature: float, greedy: bool) -> torch.Tensor:
+        """One decode step with the LM head and the fused sampler inside the graph (CUDA, no top-k / top-p):
+        float64 [2, len(rows)], each row's (token, logprob at `temperature`), the same numbers as `decode`
+        followed by the engine's eager head and sampler."""
+        if not self.can_decode(len(rows)) or self.model.device.type != "cuda":
+            raise ValueError(f"decode_sample takes 1 .. {self.max_num_seqs} rows of a CUDA model")
+        out = self._static_decode().run(rows, (float(temperature), bool(greedy)))
+        return out[:, : len(rows)]
+
+    def _static_decode(self) -> _StaticDecode:
         st = self._static
         if st is None or not st.valid(self.model):
+            if st is not None:
+                self.graph_capture_s += st.capture_s
             self._static = None  # drop old graphs (and their memory) before capturing new ones
             st = self._static = _StaticDecode(self)
-            self.graph_capture_s += st.capture_s
-        return st.run(rows)
+        return st
 
     @property
     def num_graphs(self) -> int:
         return 0 if self._static is None else len(self._static.graphs)
+
+    @property
+    def capture_seconds(self) -> float:
+        """Time spent capturing CUDA graphs (warm-up runs included), over this runner's life."""
+        return self.graph_capture_s + (0.0 if self._static is None else self._static.capture_s)
 
 
 class _StaticDecode:
@@ -210,13 +231,13 @@ class _StaticDecode:
         self.n = torch.arange(width, dtype=torch.int64, device=dev)
         self.params = _param_ptrs(model)
         self.kv_ptr = runner.kv_caches[0][0].data_ptr()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.greedy_mask = torch.ones(B, dtype=torch.bool, device=dev)
+        # Graphs per (kind, bucket); kind None: the forward alone, (temperature, greedy): forward + LM head +
+        # fused sampler + logprob. All buckets of a kind are captured together, the first time it is needed.
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.kinds: set = set()
+        self.pool = torch.cuda.graph_pool_handle() if runner.decode_mode == "graph" else None
         self.capture_s = 0.0
-        if runner.decode_mode == "graph":
-            t0 = time.perf_counter()
-            self._capture_all()
-            self.capture_s = time.perf_counter() - t0
 
     def valid(self, model: CausalLM) -> bool:
         """Graphs hold raw addresses: recapture when a parameter or the KV cache was reallocated."""
@@ -286,7 +307,26 @@ class _StaticDecode:
         # engine has read this step's tokens back (a device sync).
         self.dev_buf[:n].copy_(self.host[:n], non_blocking=True)
 
-    def run(self, rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_body(self, b: int, temperature: float, greedy: bool) -> torch.Tensor:
+        """The step plus what the engine does after it on the fused-sampler path: LM head, temperature, Gumbel-max
+        with the keys from the static buffer, the recorded logprob. -> float64 [2, b]: (token, logprob)."""
+        from exactrl.ops.triton.sampling import gumbel_argmax
+
+        ops = self.model.ops
+        h, w = self.model.head_inputs(self._body(b))
+        raw = ops.linear(h, w)
+        z = ops.scale_logits(raw, temperature)
+        tok = gumbel_argmax(
+            z, None, self.greedy_mask[:b] if greedy else None, key_parts=self.key_parts[:, :b]
+        )
+        lp = ops.logprobs_from_logits(raw, tok, temperature)
+        return torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
+
+    def _compute(self, kind, b: int) -> torch.Tensor:
+        return self._body(b) if kind is None else self._sample_body(b, *kind)
+
+    def run(self, rows: list[DecodeRow], kind=None) -> torch.Tensor:
+        """Fill the buffers for `rows` and run the step of `kind` (see __init__): the bucket's output tensor."""
         r = len(rows)
         b = next(x for x in self.buckets if x >= r)
         for row in rows:
@@ -295,31 +335,34 @@ class _StaticDecode:
                     f"decode row at position {row.position} with {len(row.block_table)} KV blocks is past "
                     f"max_model_len {self.runner.max_model_len}"
                 )
+        if self.pool is not None and kind not in self.kinds:
+            t0 = time.perf_counter()
+            self._capture(kind)
+            self.capture_s += time.perf_counter() - t0
         self._fill(rows, b)
-        graph = self.graphs.get(b)
-        if graph is not None:
-            graph.replay()
-            hidden = self.outputs[b]
-        else:
-            hidden = self._body(b)
-        return hidden[:r], self.key_parts[:, :r]
+        entry = self.graphs.get((kind, b))
+        if entry is None:
+            return self._compute(kind, b)
+        entry[0].replay()
+        return entry[1]
 
-    def _capture_all(self) -> None:
-        """Capture every bucket, largest first, in one memory pool; a warm-up run first compiles the kernels."""
-        pool = torch.cuda.graph_pool_handle()
-        # Valid dummy metadata for the capture: every row is a padding row.
+    def _capture(self, kind) -> None:
+        """Capture every bucket of `kind`, largest first, into the shared memory pool. Warm-up runs first
+        (Triton compilation, side streams, allocator growth) on all-padding metadata, which writes only into
+        the scratch page; so does the capture, which executes nothing."""
         self._fill([], self.B)
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
-                self._body(b)  # warm-up: Triton compilation, allocator growth
+                self._compute(kind, b)
         torch.cuda.current_stream().wait_stream(stream)
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[b] = self._body(b)
-            self.graphs[b] = g
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._compute(kind, b)
+            self.graphs[(kind, b)] = (g, out)
+        self.kinds.add(kind)
         torch.cuda.synchronize(self.model.device)
 
 

@@ -116,6 +116,15 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
         plens = [len(p) for p, o in zip(PROMPTS, b) for _ in o.samples]
         for (_, rec), lp in zip(_flat(b), completion_logprobs(model, seqs, plens)):
             assert torch.equal(rec, lp)
+    # Greedy (a second graph kind) and top-k (forward-only graphs, then the torch sampler) agree with eager too.
+    for other in (
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.8, top_k=50, max_tokens=20, seed=3),
+    ):
+        _assert_same(
+            _flat(graph.generate(PROMPTS, other)), _flat(_generate(model, "eager", other, **sizes)[1])
+        )
+    assert graph.runner.num_graphs == 3 * len(graph_buckets(24))
     # Live weights: an in-place update is seen by the captured graphs; a reallocation triggers a recapture.
     with torch.no_grad():
         for p in model.parameters():
