@@ -214,6 +214,17 @@ def matmul(
     cap = num_programs_cap(x.device)
     if bias is not None:
         bias = bias.contiguous()
+    # Launch parameters both kernels share.
+    common = dict(
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=cap,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if cfg.tma and (K * x.element_size()) % 16 == 0 and (N * out.element_size()) % 16 == 0:
         # Whether TMA is used depends on the weight's shape and dtype only (never on M): any x is made
         # TMA-friendly by a copy, so every call with a given weight runs the same kernel.
@@ -239,17 +250,10 @@ def matmul(
             M,
             N,
             K,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=cap,
             FLATTEN=cfg.flatten,
             WARP_SPECIALIZE=cfg.warp_specialize,
             W_KN=w_kn,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **common,
         )
         return out
     _matmul_kernel[(min(tiles, cap),)](
@@ -266,15 +270,8 @@ def matmul(
         w.stride(1),
         out.stride(0),
         out.stride(1),
-        HAS_BIAS=bias is not None,
         EVEN_K=K % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=cap,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **common,
     )
     return out
 
