@@ -166,6 +166,7 @@ class RolloutEngine:
             for i in valid
         )
         runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))
+        runner.refresh_graphs()
         bm = BlockManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         sched = Scheduler(
             bm,

@@ -162,7 +162,7 @@ class ModelRunner:
         the token to sample), the inputs of sampler.noise_key."""
         if not self.can_decode(len(rows)):
             raise ValueError(f"decode takes 1 .. {self.max_num_seqs} rows in mode {self.decode_mode!r}")
-        st = self._static_decode()
+        st = self._static_state()
         hidden = st.run(rows)
         return hidden[: len(rows)], st.key_parts[:, : len(rows)]
 
@@ -173,17 +173,22 @@ class ModelRunner:
         followed by the engine's eager head and sampler."""
         if not self.can_decode(len(rows)) or self.model.device.type != "cuda":
             raise ValueError(f"decode_sample takes 1 .. {self.max_num_seqs} rows of a CUDA model")
-        out = self._static_decode().run(rows, (float(temperature), bool(greedy)))
+        out = self._static_state().run(rows, (float(temperature), bool(greedy)))
         return out[:, : len(rows)]
 
-    def _static_decode(self) -> _StaticDecode:
+    def refresh_graphs(self) -> None:
+        """Drop the captured graphs if a parameter or the KV cache was reallocated since their capture (graphs
+        hold raw addresses; in-place weight updates need nothing). The engine calls this once per `generate`,
+        not per step: the weights do not move during a call."""
         st = self._static
-        if st is None or not st.valid(self.model):
-            if st is not None:
-                self.graph_capture_s += st.capture_s
-            self._static = None  # drop old graphs (and their memory) before capturing new ones
-            st = self._static = _StaticDecode(self)
-        return st
+        if st is not None and not st.valid(self.model):
+            self.graph_capture_s += st.capture_s
+            self._static = None  # free the old graphs (and their memory) before capturing new ones
+
+    def _static_state(self) -> _StaticDecode:
+        if self._static is None:
+            self._static = _StaticDecode(self)
+        return self._static
 
     @property
     def num_graphs(self) -> int:

@@ -304,6 +304,9 @@ class ExactTorchOps:
     name = "exact-torch"
     exact = True
 
+    def __init__(self) -> None:
+        self._side_streams: list[torch.cuda.Stream] = []  # linear_group's pool (fast mode on CUDA)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         mp = _round_up(m, ROW_MULTIPLE)
@@ -314,7 +317,7 @@ class ExactTorchOps:
     def linear_group(
         self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
     ) -> list[torch.Tensor]:
-        return linear_group(self.linear, x, weights, self.__dict__.setdefault("_side_streams", []))
+        return linear_group(self.linear, x, weights, self._side_streams)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)

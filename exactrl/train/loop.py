@@ -12,7 +12,7 @@ import json
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -213,21 +213,8 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
     task = build_task(cfg)
     encode = make_encoder(cfg, tok)
     rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
-    e = cfg.engine
-    engine = RolloutEngine(
-        model,
-        EngineConfig(
-            block_size=e.block_size,
-            num_kv_blocks=e.num_kv_blocks,
-            kv_memory_fraction=e.kv_memory_fraction,
-            max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            prefill_chunk_size=e.prefill_chunk_size,
-            cuda_graphs=e.cuda_graphs,
-            max_model_len=e.max_model_len,
-        ),
-        tokenizer=tok,
-    )
+    # The [engine] section's fields are a subset of the engine's own config: passed through by name.
+    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
     ckpt_root = out_dir / "checkpoints"
     resume_from = latest_checkpoint(ckpt_root) if resume else None
     if resume and resume_from is None:
@@ -237,7 +224,8 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
 
     def fits(ids: list[int]) -> bool:
         return (
-            len(ids) <= cfg.task.max_prompt_tokens and len(ids) + cfg.sampling.max_tokens <= e.max_model_len
+            len(ids) <= cfg.task.max_prompt_tokens
+            and len(ids) + cfg.sampling.max_tokens <= cfg.engine.max_model_len
         )
 
     # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).

@@ -57,6 +57,18 @@ MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
 }
 
 
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a persistent program's tile_id in grouped order: GROUP_M row-tiles share
+    each column-tile of w while it is in L2. Which program computes a tile never changes how."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,
@@ -85,15 +97,9 @@ def _matmul_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    num_pid_in_group = GROUP_M * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
     for tile_id in range(start, num_tiles, NUM_PROGRAMS):
-        # Grouped ordering: GROUP_M row-tiles share each column-tile of w while it is in L2.
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,13 +161,8 @@ def _matmul_tma_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    num_pid_in_group = GROUP_M * num_pid_n
     for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
