@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
 import torch
@@ -85,15 +87,24 @@ MATMUL_ALTERNATIVES = {
     "128x256x64_w8_s3_tma": (128, 256, 64, 8, 8, 3, True, False, False),
     "128x256x64_w8_s4_tma": (128, 256, 64, 8, 8, 4, True, False, False),
     "128x256x64_w8_s3_tma_fl": (128, 256, 64, 8, 8, 3, True, True, False),
+    # Narrower tiles: more tiles per launch at small M (decode, M = 256), fewer FLOPs per loaded byte.
+    "128x64x64_w4_s4_tma_fl": (128, 64, 64, 8, 4, 4, True, True, False),
+    "128x64x64_w8_s5_tma_fl": (128, 64, 64, 8, 8, 5, True, True, False),
+    "64x128x64_w4_s4_tma_fl": (64, 128, 64, 8, 4, 4, True, True, False),
+    "64x128x64_w4_s6_tma_fl": (64, 128, 64, 8, 4, 6, True, True, False),
+    "64x64x64_w4_s6_tma_fl": (64, 64, 64, 8, 4, 6, True, True, False),
+    "128x128x64_w8_s3_tma_fl": (128, 128, 64, 8, 8, 3, True, True, False),
 }
 
 
-def bench_matmul_configs(ms: list[int], rows: list[dict], out) -> None:
+def bench_matmul_configs(ms: list[int], rows: list[dict], out, names: list[str] | None = None) -> None:
     """Other tile configs, for the record only (the exact ops never pick a config by M)."""
     from exactrl.ops.triton.matmul import MATMUL_CONFIGS, MatmulConfig, matmul
 
     dtype = torch.bfloat16
     for cname, c in MATMUL_ALTERNATIVES.items():
+        if names and cname not in names:
+            continue
         cfg = MatmulConfig(*c)
         for name, (K, N) in SHAPES.items():
             w = torch.randn(N, K, device=DEVICE, dtype=dtype) * K**-0.5
@@ -194,21 +205,13 @@ ATTN_FWD_ALTERNATIVES = [
     (128, 64, 8, 3),
     (64, 128, 4, 2),
 ]
-ATTN_BWD_ALTERNATIVES = [
-    (64, 64, 8, 2),
-    (32, 64, 4, 2),
-    (64, 128, 8, 2),
-    (32, 128, 8, 2),
-    (64, 64, 4, 2),
-    (128, 64, 8, 2),
-]
 
 
 def bench_attention_configs(rows: list[dict], out) -> None:
     """Forward tile configs (time for training and decode, and whether decode rows equal training rows under
-    each) and backward configs (time, difference to the default), for the record."""
+    each), then the backward's (bench_attention_bwd_configs), for the record."""
     from exactrl.ops.batch import AttentionBatch
-    from exactrl.ops.triton.attention import attention_bwd, attention_fwd
+    from exactrl.ops.triton.attention import attention_fwd
 
     hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
     B, L = ATTN_TRAIN_CASES[0]
@@ -216,7 +219,6 @@ def bench_attention_configs(rows: list[dict], out) -> None:
     q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
     k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
     v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
-    dy = torch.randn_like(q)
     train = AttentionBatch.packed([L] * B, device=DEVICE)
     # Decode-like batch over the same key store: one query per sequence at a random position.
     pos = torch.randint(0, L, (B,), device=DEVICE)
@@ -246,20 +248,140 @@ def bench_attention_configs(rows: list[dict], out) -> None:
             same = torch.equal(dec, full[rows_idx])
             emit(rows, {**rec, "train_ms": t, "tflops": flop_fwd / t * 1e-9, "decode_rows_ms": td,
                         "decode_equals_training": same}, out)  # fmt: skip
-        out_d, lse = attention_fwd(q, k, v, train)
-        base = attention_bwd(dy, q, k, v, out_d, lse, train)
-    for cfg in ATTN_BWD_ALTERNATIVES:
-        rec = {"bench": "attention_bwd_config", "config": cfg}
-        try:
-            grads = attention_bwd(dy, q, k, v, out_d, lse, train, config=cfg)
-            t = bench(partial(attention_bwd, dy, q, k, v, out_d, lse, train, cfg), rep=50)
-        except Exception as e:
-            emit(rows, {**rec, "error": str(e)[:200]}, out)
-            continue
-        diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, base))
-        emit(
-            rows, {**rec, "bwd_ms": t, "tflops": 2.5 * flop_fwd / t * 1e-9, "rel_diff_to_default": diff}, out
-        )
+    bench_attention_bwd_configs(rows, out)
+
+
+ATTN_BWD_ALTERNATIVES = {
+    # (rows, block_n, num_warps, num_stages) of each backward kernel, swept one kernel at a time. rows: (query,
+    # q-head) rows of a query tile; block_n: key positions of a key tile. The dK/dV kernel is keys-major (scores
+    # as [keys, rows]: p^T and ds^T feed their MMAs from registers) when block_n >= 16 * num_warps, rows-major
+    # otherwise. Left out: tiles that spill a lot (offline compile for sm_90) or need more shared memory than a
+    # Hopper SM has (dK/dV (128, 64, 8, 3): 242 KiB).
+    "dkdv": [
+        (128, 64, 8, 2),  # rows-major
+        (128, 32, 8, 2),
+        (128, 32, 8, 3),
+        (32, 128, 8, 2),  # keys-major
+        (32, 128, 8, 3),
+        (64, 128, 8, 2),
+        (64, 128, 8, 3),
+        (32, 64, 4, 2),
+        (32, 64, 4, 3),
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+    ],
+    "dq": [
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 8, 2),
+        (128, 32, 8, 3),
+        (128, 128, 8, 2),
+        (256, 32, 8, 2),
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 32, 4, 3),
+        (64, 128, 4, 2),
+    ],
+}
+
+
+def _compile_bwd_tile(name: str, cfg: tuple[int, int, int, int]) -> None:
+    """Put one backward tile's binary into Triton's cache, from a worker process (compiles hold the GIL, so
+    processes are what runs them in parallel). Small inputs with the sweep's dtypes, strides and alignment give
+    the same specialisation, hence the same cache entry."""
+    from exactrl.ops.batch import AttentionBatch
+    from exactrl.ops.triton.attention import attention_bwd_dkdv, attention_bwd_dq
+
+    hq, hkv, dh, lens = 16, 8, 128, [256, 256]
+    try:
+        q, dy = (torch.randn(sum(lens), hq, dh, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(sum(lens), hkv, dh, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        lse, delta = (torch.zeros(sum(lens), hq, device=DEVICE) for _ in range(2))
+        fn = attention_bwd_dkdv if name == "dkdv" else attention_bwd_dq
+        fn(dy, q, k, v, lse, delta, AttentionBatch.packed(lens, device=DEVICE), cfg)
+        torch.cuda.synchronize()
+    except Exception:  # the timed run reports it
+        pass
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_attention_bwd_configs(rows: list[dict], out) -> None:
+    """Backward tiles, one kernel at a time: the dK/dV or the dQ kernel alone under each tile of its
+    ATTN_BWD_ALTERNATIVES, the backward's total with that tile (delta + dK/dV + dQ, the other kernel at its
+    default), and whether its gradients equal the default tile's. Ends with the fastest pair timed together."""
+    from exactrl.ops.batch import AttentionBatch
+    from exactrl.ops.triton.attention import (
+        _BWD_LAUNCH,
+        AttnBwdConfig,
+        attention_bwd,
+        attention_bwd_delta,
+        attention_bwd_dkdv,
+        attention_bwd_dq,
+        attention_fwd,
+    )
+
+    hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
+    B, L = ATTN_TRAIN_CASES[0]
+    T = B * L
+    q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
+    k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    dy = torch.randn_like(q)
+    batch = AttentionBatch.packed([L] * B, device=DEVICE)
+    with torch.no_grad():
+        out_d, lse = attention_fwd(q, k, v, batch)
+    delta = attention_bwd_delta(dy, out_d)
+    kernels = {
+        "dkdv": lambda cfg: attention_bwd_dkdv(dy, q, k, v, lse, delta, batch, cfg),
+        "dq": lambda cfg: (attention_bwd_dq(dy, q, k, v, lse, delta, batch, cfg),),
+    }
+    base = {name: fn(None) for name, fn in kernels.items()}
+    # Compile the tiles in 8 processes first: one by one, compiling would take most of the sweep's time.
+    tiles = [(name, cfg) for name, cfgs in ATTN_BWD_ALTERNATIVES.items() for cfg in cfgs]
+    try:
+        with ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_compile_bwd_tile, *zip(*tiles)))
+    except Exception as e:  # then the timed runs compile one by one
+        print(f"parallel compile failed ({e!r}); compiling one tile at a time", file=sys.stderr)
+    flop_fwd = 4.0 * B * hq * dh * L * L / 2
+    flops = {"dkdv": 2.0 * flop_fwd, "dq": 1.5 * flop_fwd}  # 4 and 3 matmuls over the causal half
+    rep = 30
+    t_delta = bench(partial(attention_bwd_delta, dy, out_d), rep=rep)
+    t_delta_torch = bench(lambda: (dy.float() * out_d.float()).sum(-1), rep=rep)
+    t_default = {name: bench(partial(fn, None), rep=rep) for name, fn in kernels.items()}
+    emit(rows, {"bench": "attention_bwd_default", "B": B, "L": L, "default": tuple(_BWD_LAUNCH[dtype]),
+                "delta_ms": t_delta, "torch_delta_ms": t_delta_torch, "dkdv_ms": t_default["dkdv"],
+                "dq_ms": t_default["dq"], "total_ms": t_delta + sum(t_default.values())}, out)  # fmt: skip
+    best: dict[str, tuple[tuple[int, int, int, int], float]] = {}
+    for name, cfgs in ATTN_BWD_ALTERNATIVES.items():
+        other = "dq" if name == "dkdv" else "dkdv"
+        for cfg in cfgs:
+            rec: dict = {"bench": f"attention_bwd_{name}_config", "config": cfg}
+            if name == "dkdv":
+                rec["keys_major"] = cfg[1] >= 16 * cfg[2]
+            try:
+                grads = kernels[name](cfg)
+                t = bench(partial(kernels[name], cfg), rep=rep)
+            except Exception as e:  # e.g. out of shared memory: report and go on
+                emit(rows, {**rec, "error": str(e)[:200]}, out)
+                continue
+            emit(rows, {
+                **rec, "ms": t, "tflops": flops[name] / t * 1e-9, "total_ms": t_delta + t + t_default[other],
+                "equal_to_default": all(torch.equal(a, b) for a, b in zip(grads, base[name])),
+                "rel_diff_to_default": max(_rel_diff(a, b) for a, b in zip(grads, base[name])),
+            }, out)  # fmt: skip
+            if name not in best or t < best[name][1]:
+                best[name] = (cfg, t)
+    if len(best) == 2:
+        pair = AttnBwdConfig(dkdv=best["dkdv"][0], dq=best["dq"][0])
+        t_pair = bench(partial(attention_bwd, dy, q, k, v, out_d, lse, batch, pair), rep=rep)
+        t_def = bench(partial(attention_bwd, dy, q, k, v, out_d, lse, batch), rep=rep)
+        emit(rows, {"bench": "attention_bwd_best", "config": tuple(pair), "bwd_ms": t_pair,
+                    "tflops": 3.5 * flop_fwd / t_pair * 1e-9, "default_bwd_ms": t_def,
+                    "default_tflops": 3.5 * flop_fwd / t_def * 1e-9}, out)  # fmt: skip
 
 
 def bench_logprobs(rows: list[dict], out) -> None:
@@ -322,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
     ap.add_argument("--skip-configs", action="store_true", help="skip the alternative tile configs")
     ap.add_argument("--only-matmul-configs", action="store_true", help="only the alternative matmul tiles")
+    ap.add_argument(
+        "--configs", nargs="*", default=None, help="names of MATMUL_ALTERNATIVES to run (default all)"
+    )
+    ap.add_argument("--only-attention-configs", action="store_true", help="only the attention tile sweeps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -335,8 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": __import__("triton").__version__}))  # fmt: skip
     ms = [1, 16, 256, 1024, 4096, 8192] if not args.quick else [1, 256, 4096]
+    if args.only_attention_configs:
+        bench_attention_configs(rows, out)
+        print_table(rows)
+        return 0
     if args.only_matmul_configs:
-        bench_matmul_configs([1, 256, 1024, 4096, 8192], rows, out)
+        bench_matmul_configs([1, 256, 1024, 4096, 8192], rows, out, args.configs)
         print_table(rows)
         return 0
     bench_matmul(ms, rows, out)

@@ -38,6 +38,10 @@ def main() -> int:
         w = torch.randn(3072, 1024, device="cuda", dtype=dtype, requires_grad=True)
         ops.linear(x, w).sum().backward()
         ops.rms_norm(x, torch.ones(1024, device="cuda", dtype=dtype), 1e-6).sum().backward()
+        normed, summed = ops.add_rms_norm(
+            x, torch.randn_like(x), torch.ones(1024, device="cuda", dtype=dtype), 1e-6
+        )
+        (normed.sum() + summed.sum()).backward()
         g = torch.randn(300, 3072, device="cuda", dtype=dtype, requires_grad=True)
         ops.silu_mul(g, g.detach()).sum().backward()
         cs = torch.randn(512, 128, device="cuda")

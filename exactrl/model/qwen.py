@@ -83,11 +83,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, ops: Ops, h, positions, cos_sin, batch, kv_cache=None):
+    def forward(
+        self,
+        ops: Ops,
+        pending: torch.Tensor | None,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pending, h) -> (this layer's MLP output, not yet added; the residual stream it is to be added to).
+
+        `pending` is the previous sublayer's output, not yet added to the residual stream h (None before the first
+        layer): each residual add is fused with the norm after it, `add_rms_norm` rounding the sum as HF's
+        `residual + hidden_states` does. The caller adds the returned pending output into the next norm."""
         n = self.input_layernorm
-        h = h + self.self_attn(ops, ops.rms_norm(h, n.weight, n.eps), positions, cos_sin, batch, kv_cache)
+        if pending is None:
+            x = ops.rms_norm(h, n.weight, n.eps)
+        else:
+            x, h = ops.add_rms_norm(pending, h, n.weight, n.eps)
+        attn = self.self_attn(ops, x, positions, cos_sin, batch, kv_cache)
         n = self.post_attention_layernorm
-        return h + self.mlp(ops, ops.rms_norm(h, n.weight, n.eps))
+        x, h = ops.add_rms_norm(attn, h, n.weight, n.eps)
+        return self.mlp(ops, x), h
 
 
 class Backbone(nn.Module):
@@ -177,10 +196,13 @@ class CausalLM(nn.Module):
         ops = self.ops
         cos_sin = self.rope_table(input_ids.device)
         h = self.model.embed_tokens(input_ids)
+        pending = None  # the last sublayer output, added to the residual stream h by the next (fused) norm
         for i, layer in enumerate(self.model.layers):
-            h = layer(ops, h, positions, cos_sin, batch, None if kv_caches is None else kv_caches[i])
-        n = self.model.norm
-        return ops.rms_norm(h, n.weight, n.eps)
+            pending, h = layer(
+                ops, pending, h, positions, cos_sin, batch, None if kv_caches is None else kv_caches[i]
+            )
+        n = self.model.norm  # the last MLP output is added here (config.validate() requires a layer)
+        return ops.add_rms_norm(pending, h, n.weight, n.eps)[0]
 
     def head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, LM-head weight) as the LM head consumes them (fp32 with fp32_lm_head)."""

@@ -36,6 +36,15 @@ class Ops(Protocol):
         """x: [..., D] -> [..., D]; normalise in fp32, cast to x.dtype, multiply by weight (HF order)."""
         ...
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [..., D] of one dtype -> (normed, summed): summed = x + residual rounded once to x.dtype
+        (torch's `x + residual`), normed = rms_norm(summed, weight, eps) with exactly those bits.
+
+        The decoder's residual add and the next norm in one op; a backend may fuse them into one pass."""
+        ...
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, Dh], positions: [T] int64, cos_sin: [P, Dh] fp32 (cos in the first half, sin in the second)."""
         ...

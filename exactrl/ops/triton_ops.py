@@ -6,7 +6,7 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 | op | kernel | invariance comes from |
 | --- | --- | --- |
 | linear | persistent GEMM, one tile config per dtype | in-order K reduction, no split-K, M not specialised |
-| rms_norm | one program per row | one fixed-size row reduction |
+| rms_norm, add_rms_norm | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
 | rope, silu_mul | elementwise | nothing to reduce |
 | attention | one kernel: training, prefill, decode | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op |
 | logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
@@ -33,7 +33,7 @@ from exactrl.ops.triton.logprobs import (
     scaled_logits,
 )
 from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear
-from exactrl.ops.triton.norm import rms_norm
+from exactrl.ops.triton.norm import add_rms_norm, rms_norm
 
 __all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
 
@@ -58,6 +58,11 @@ class TritonOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, weight, eps)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         return rope(x, positions, cos_sin)

@@ -67,6 +67,21 @@ def test_rms_norm_rope_silu_rows_invariant(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", [ops, fast], ids=["exact", "fast"])
+def test_add_rms_norm_is_add_then_norm(dtype, backend):
+    """The fused op is `x + residual` (one rounding) and rms_norm of that, in every backend; rows invariant."""
+    x, r = _rand(FULL, 64, dtype=dtype), _rand(FULL, 64, dtype=dtype, seed=7)
+    w = 1 + 0.1 * _rand(64, dtype=dtype, seed=8)
+    normed, summed = backend.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r) and torch.equal(normed, backend.rms_norm(x + r, w, 1e-6))
+    for m in MS:
+        off = FULL - m
+        for sl in (slice(0, m), slice(off, FULL)):
+            part = backend.add_rms_norm(x[sl], r[sl], w, 1e-6)
+            assert torch.equal(part[0], normed[sl]) and torch.equal(part[1], summed[sl]), (m, sl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_logprobs_rows_invariant(dtype):
     h = _rand(FULL, 128, dtype=dtype)
     w = _rand(259, 128, dtype=dtype, seed=1) * 0.1

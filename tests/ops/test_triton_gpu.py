@@ -3,9 +3,12 @@
 - Row-invariance sweep: rows of an m-row call `torch.equal` the same rows of a 300-row call, for every op,
   m in SWEEP, bf16 and fp32.
 - Attention: decode and chunked prefill through the paged cache equal the packed training rows.
+- RMSNorm and the fused residual add + RMSNorm at training shapes (D = 1024 over a 8k-token batch, D = 128 over
+  ~100k head rows): a row alone, in prefixes, at other offsets and inside bigger calls has the bits it has in the
+  full call; the fused op has the bits of `x + residual` then `rms_norm`; gradients, run twice for determinism.
 - Gradients against float64 PyTorch references.
-- A negative control: cuBLAS (`F.linear`) gives some row different bits when the batch changes, so the same
-  check is able to fail.
+- Negative controls: cuBLAS (`F.linear`) gives some row different bits when the batch changes, and a norm whose
+  reduction order depends on the row count fails the norm check, so the checks are able to fail.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ if torch.cuda.is_available():
     from exactrl.ops import set_exact_environment
     from exactrl.ops.batch import AttentionBatch
     from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch
+    from exactrl.ops.triton.attention import AttnBwdConfig, attention_bwd, attention_fwd
     from exactrl.ops.triton.logprobs import logprobs_from_logits
+    from exactrl.ops.triton.norm import norm_config
     from exactrl.ops.triton_ops import TritonOps
 
     ops = TritonOps()
@@ -146,6 +151,131 @@ def test_logprobs_sweep(dtype):
     logp = torch.log_softmax(z.double(), -1)
     assert rel_err(lp, logp.gather(1, targets[:, None])[:, 0]) < 1e-5
     assert rel_err(ent, -(logp.exp() * logp).sum(-1)) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RMSNorm and the fused residual add + RMSNorm at training shapes
+# ------------------------------------------------------------------------------------------------------------
+
+# (D, rows): the hidden norms of an 8 x 1024-token step, and Qwen3's per-head q/k norms over ~100k head rows.
+# Neither row count is a multiple of the kernel's ROWS.
+NORM_SHAPES = {"hidden": (HIDDEN, 8 * 1024 + 13), "head": (DH, 100_003)}
+
+
+def norm_row_failures(fn, inputs, seed=0):
+    """Where `fn` (rows -> a tuple of row outputs) gives some row other bits than it has in `fn(*inputs)`: the row
+    alone, in m-row prefixes (m in SWEEP), in windows at offsets that are no multiple of the kernel's ROWS, and
+    inside bigger calls with random rows before and after it. Empty: invariant."""
+    full = fn(*inputs)
+    R, D = inputs[0].shape
+    rows = norm_config(D)[1]
+    bad = []
+
+    def check(name, part, lo):
+        if not all(torch.equal(p, f[lo : lo + p.shape[0]]) for p, f in zip(part, full)):
+            bad.append(name)
+
+    for i in sorted({0, 1, rows - 1, rows, R // 2, R - 1}):
+        check(f"row {i} alone", fn(*(t[i : i + 1] for t in inputs)), i)
+    for m in SWEEP:
+        check(f"{m}-row prefix", fn(*(t[:m] for t in inputs)), 0)
+    for off in (1, rows // 2 + 3, R - 300):
+        check(f"300 rows at {off}", fn(*(t[off : off + 300] for t in inputs)), off)
+    for before, after in ((1, 0), (rows - 1, 5), (3 * rows + 5, 1000)):
+        pads = [
+            (
+                randn(before, D, dtype=t.dtype, seed=seed + 2 * j),
+                randn(after, D, dtype=t.dtype, seed=seed + 2 * j + 1),
+            )
+            for j, t in enumerate(inputs)
+        ]
+        big = fn(*(torch.cat((a, t, b)) for t, (a, b) in zip(inputs, pads)))
+        if not all(torch.equal(o[before : before + R], f) for o, f in zip(big, full)):
+            bad.append(f"inside a call of {before} + {R} + {after} rows")
+    return bad
+
+
+def norm_inputs(shape, dtype, seed):
+    D, R = NORM_SHAPES[shape]
+    x, r = randn(R, D, dtype=dtype, seed=seed), randn(R, D, dtype=dtype, scale=4.0, seed=seed + 1)
+    return x, r, (1 + 0.1 * randn(D, seed=seed + 2)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_norm_rows_invariant(dtype, shape):
+    x, r, w = norm_inputs(shape, dtype, seed=70)
+    assert x.shape[0] % norm_config(x.shape[1])[1], "R must not be a multiple of ROWS"
+    assert norm_row_failures(lambda a: (ops.rms_norm(a, w, 1e-6),), [x], seed=73) == []
+    assert norm_row_failures(lambda a, b: ops.add_rms_norm(a, b, w, 1e-6), [x, r], seed=74) == []
+    if shape == "head":  # the model's call: [T, H, Dh], each head a row
+        T = x.shape[0] // HQ
+        heads = ops.rms_norm(x[: T * HQ].view(T, HQ, DH), w, 1e-6)
+        assert torch.equal(heads.view(-1, DH), ops.rms_norm(x, w, 1e-6)[: T * HQ])
+
+
+def test_norm_row_check_negative_control():
+    """The same check finds the rows of a norm whose reduction order depends on the number of rows: calls of fewer
+    than 64 rows split each row's sum of squares into 4 partial sums, as a kernel that splits rows across
+    programs to fill the GPU on small batches would."""
+
+    def split_rms_norm_when_small(x, w, eps):
+        xf = x.float()
+        parts = 4 if x.shape[0] < 64 else 1
+        ss = sum(c.pow(2).sum(-1) for c in xf.chunk(parts, dim=-1))
+        return ((xf * torch.rsqrt(ss / x.shape[-1] + eps)[:, None]).to(x.dtype) * w,)
+
+    x, _, w = norm_inputs("hidden", torch.float32, seed=75)
+    assert norm_row_failures(lambda a: split_rms_norm_when_small(a, w, 1e-6), [x], seed=76)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_add_rms_norm_equals_unfused(dtype, shape):
+    x, r, w = norm_inputs(shape, dtype, seed=80)
+    normed, summed = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r), "summed is not torch's x + residual"
+    assert torch.equal(normed, ops.rms_norm(x + r, w, 1e-6)), "fused norm differs from rms_norm(x + residual)"
+    assert rel_err(normed, rms_norm_torch((x + r).double(), w.double(), 1e-6)) < TOL[dtype]
+    if dtype == torch.bfloat16:
+        # Negative control: normalising the unrounded fp32 sum (a fused kernel that skips rounding `summed` to
+        # x.dtype), rounded at the end, gives other bits: the equality above can fail.
+        unrounded = ops.rms_norm(x.float() + r.float(), w.float(), 1e-6).to(dtype)
+        assert not torch.equal(unrounded, normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_norm_grads(dtype, shape):
+    """rms_norm and add_rms_norm gradients against float64 autograd, and the same bits on a second run."""
+    x, r, w = norm_inputs(shape, dtype, seed=90)
+    g_normed, g_summed = randn(*x.shape, dtype=dtype, seed=93), randn(*x.shape, dtype=dtype, seed=94)
+
+    def run(fused):
+        leaves = [t.clone().requires_grad_(True) for t in ((x, r, w) if fused else (x, w))]
+        if fused:
+            normed, summed = ops.add_rms_norm(*leaves, 1e-6)
+            torch.autograd.backward((normed, summed), (g_normed, g_summed))
+        else:
+            ops.rms_norm(*leaves, 1e-6).backward(g_normed)
+        return [t.grad for t in leaves]
+
+    def reference(fused):
+        leaves = [t.double().requires_grad_(True) for t in ((x, r, w) if fused else (x, w))]
+        summed = leaves[0] + leaves[1] if fused else leaves[0]
+        loss = (rms_norm_torch(summed, leaves[-1], 1e-6) * g_normed.double()).sum()
+        if fused:
+            loss = loss + (summed * g_summed.double()).sum()
+        loss.backward()
+        return [t.grad for t in leaves]
+
+    for fused in (False, True):
+        got = run(fused)
+        errs = [rel_err(a, b) for a, b in zip(got, reference(fused))]
+        assert all(e < TOL[dtype] for e in errs), (fused, errs)
+        assert all(torch.equal(a, b) for a, b in zip(run(fused), got)), (
+            f"backward not deterministic ({fused=})"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -289,6 +419,36 @@ def test_attention_grad(dtype):
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves)), (
         "attention backward not deterministic"
     )
+
+
+# Backward tiles (dK/dV, dQ) from the benchmark sweep: the dK/dV kernel is keys-major when block_n >= 16 *
+# num_warps, rows-major otherwise. The default runs on GQA groups 1, 2 and 4, the others on Qwen3's 2.
+BWD_TILES = {
+    "keys_major_8_warps": ((32, 128, 8, 3), (128, 32, 8, 3)),
+    "keys_major_4_warps": ((64, 64, 4, 2), (64, 64, 4, 3)),
+    "rows_major_32_keys": ((128, 32, 8, 2), (256, 32, 8, 2)),
+}
+BWD_CASES = [("default", 8, 8), ("default", 16, 8), ("default", 16, 4)] + [(t, HQ, HKV) for t in BWD_TILES]
+
+
+@pytest.mark.parametrize("tiles,hq,hkv", BWD_CASES)
+def test_attention_bwd_tiles(tiles, hq, hkv):
+    """bf16 gradients under each tile pair against float64, run twice for determinism. Sequences that are and
+    are not multiples of the tiles and a 1-token one: masked diagonal tiles, unmasked tiles, partial last tiles."""
+    lens = [300, 64, 129, 1, 77, 256]
+    T, dtype = sum(lens), torch.bfloat16
+    q, gy = randn(T, hq, DH, dtype=dtype, seed=34), randn(T, hq, DH, dtype=dtype, seed=35)
+    k, v = randn(T, hkv, DH, dtype=dtype, seed=36), randn(T, hkv, DH, dtype=dtype, seed=37)
+    batch = AttentionBatch.packed(lens, device=DEV)
+    out, lse = attention_fwd(q, k, v, batch)
+    config = AttnBwdConfig(*BWD_TILES[tiles]) if tiles in BWD_TILES else None
+    grads = attention_bwd(gy, q, k, v, out, lse, batch, config=config)
+    refs = [t.double().requires_grad_(True) for t in (q, k, v)]
+    attention_reference(*refs, batch).backward(gy.double())
+    errs = {n: rel_err(a, b.grad) for n, a, b in zip("qkv", grads, refs)}
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+    again = attention_bwd(gy, q, k, v, out, lse, batch, config=config)
+    assert all(torch.equal(a, b) for a, b in zip(again, grads)), "attention backward not deterministic"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,7 +20,14 @@ pytest.importorskip("triton")
 from exactrl.ops.batch import AttentionBatch  # noqa: E402
 from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch  # noqa: E402
 from exactrl.ops.triton import common  # noqa: E402
+from exactrl.ops.triton.attention import (  # noqa: E402
+    AttnBwdConfig,
+    attention_bwd,
+    attention_bwd_delta,
+    attention_fwd,
+)
 from exactrl.ops.triton.logprobs import logprobs_from_logits  # noqa: E402
+from exactrl.ops.triton.norm import norm_config  # noqa: E402
 from exactrl.ops.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +115,147 @@ def test_rms_norm(dtype, dim):
     xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
     rms_norm_torch(xr, wr, 1e-6).backward(gy.double())
     assert rel_err(xl.grad, xr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+
+def norm_row_failures(fn, inputs: list[torch.Tensor], seed: int = 0) -> list[str]:
+    """Where `fn` (rows -> a tuple of row outputs) gives some row other bits than it has in `fn(*inputs)`: the row
+    alone, in m-row prefixes, in windows at offsets that are no multiple of the kernel's ROWS, and inside bigger
+    calls with random rows before and after it (so it sits at another place in another tile). Empty: invariant."""
+    full = fn(*inputs)
+    R, D = inputs[0].shape
+    rows = norm_config(D)[1]
+    bad = []
+
+    def check(name, part, lo):
+        if not all(torch.equal(p, f[lo : lo + p.shape[0]]) for p, f in zip(part, full)):
+            bad.append(name)
+
+    for i in sorted({0, 1, rows - 1, rows, R // 2, R - 1}):
+        check(f"row {i} alone", fn(*(t[i : i + 1] for t in inputs)), i)
+    for m in (2, 3, 17, rows + 1, R - 1):
+        check(f"{m}-row prefix", fn(*(t[:m] for t in inputs)), 0)
+    for off in (1, rows // 2 + 3, R - 37):
+        check(f"37 rows at {off}", fn(*(t[off : off + 37] for t in inputs)), off)
+    for before, after in ((1, 0), (rows - 1, 5), (3 * rows + 5, rows)):
+        pads = [
+            (
+                randn(before, D, dtype=t.dtype, seed=seed + 2 * j),
+                randn(after, D, dtype=t.dtype, seed=seed + 2 * j + 1),
+            )
+            for j, t in enumerate(inputs)
+        ]
+        big = fn(*(torch.cat((a, t, b)) for t, (a, b) in zip(inputs, pads)))
+        if not all(torch.equal(o[before : before + R], f) for o, f in zip(big, full)):
+            bad.append(f"inside a call of {before} + {R} + {after} rows")
+    return bad
+
+
+def split_rms_norm_when_small(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor]:
+    """A plausible, wrong RMSNorm: calls of fewer than 64 rows split each row's sum of squares into 4 partial sums
+    (as a kernel that splits rows across programs to fill the GPU on small batches would). The negative control."""
+    xf = x.float()
+    parts = 4 if x.shape[0] < 64 else 1
+    ss = sum(c.pow(2).sum(-1) for c in xf.chunk(parts, dim=-1))
+    return ((xf * torch.rsqrt(ss / x.shape[-1] + eps)[:, None]).to(x.dtype) * w,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 100])
+def test_rms_norm_rows_invariant(dtype, dim):
+    R = 300
+    assert R % norm_config(dim)[1], "R must not be a multiple of ROWS"
+    x, w = randn(R, dim, dtype=dtype, seed=18), randn(dim, dtype=dtype, seed=19)
+    assert norm_row_failures(lambda a: (ops.rms_norm(a, w, 1e-6),), [x], seed=20) == []
+    r = randn(R, dim, dtype=dtype, seed=21)
+    assert norm_row_failures(lambda a, b: ops.add_rms_norm(a, b, w, 1e-6), [x, r], seed=22) == []
+
+
+def test_rms_norm_row_check_negative_control():
+    """The same check finds the rows of a norm whose reduction order depends on the number of rows."""
+    x, w = randn(300, 100, seed=23), randn(100, seed=24)
+    assert norm_row_failures(lambda a: split_rms_norm_when_small(a, w, 1e-6), [x], seed=25)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_backward_multi_tile(dtype):
+    """Each backward program walks several tiles (R not a multiple of the tile): gradients against float64,
+    and the same bits on a second run."""
+    R, dim = 2001, 64
+    x, w = randn(R, dim, dtype=dtype, seed=26), (1 + 0.1 * randn(dim, seed=27)).to(dtype)
+    gy = randn(R, dim, dtype=dtype, seed=28)
+    grads = []
+    for _ in range(2):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ops.rms_norm(xl, wl, 1e-6).backward(gy)
+        grads.append((xl.grad, wl.grad))
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    rms_norm_torch(xr, wr, 1e-6).backward(gy.double())
+    assert rel_err(grads[0][0], xr.grad) < TOL[dtype] and rel_err(grads[0][1], wr.grad) < TOL[dtype]
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "backward is not deterministic"
+
+
+def round_as_kernels(f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> dtype rounded as the kernels' `.to(dtype)` does: to nearest even on the GPU, while the interpreter's
+    fp32 -> bf16 cast truncates (drops the low 16 bits); its other casts round to nearest like torch's."""
+    if common.INTERPRET and dtype == torch.bfloat16:
+        return (f32.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact: the low bits are zero
+    return f32.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 100])
+def test_add_rms_norm_equals_unfused(dtype, dim):
+    x, r = randn(150, 3, dim, dtype=dtype, seed=30), randn(150, 3, dim, dtype=dtype, seed=31, scale=4.0)
+    w = randn(dim, dtype=dtype, seed=32)
+    normed, summed = ops.add_rms_norm(x, r, w, 1e-6)
+    # Unfused: the fp32 sum rounded once to x.dtype (torch's `x + r` on the GPU), then rms_norm of it.
+    expected_sum = round_as_kernels(x.float() + r.float(), dtype)
+    if not common.INTERPRET or dtype == torch.float32:
+        assert torch.equal(expected_sum, x + r)
+    assert torch.equal(summed, expected_sum), "summed is not x + residual rounded once"
+    assert torch.equal(normed, ops.rms_norm(expected_sum, w, 1e-6)), (
+        "fused norm differs from rms_norm(summed)"
+    )
+    assert rel_err(normed, rms_norm_torch((x + r).double(), w.double(), 1e-6)) < TOL[dtype]
+    if dtype == torch.bfloat16:
+        # Negative control: normalising the unrounded fp32 sum (a fused kernel that skips rounding `summed` to
+        # x.dtype), rounded at the end, gives other bits: the equality above can fail.
+        unrounded = round_as_kernels(ops.rms_norm(x.float() + r.float(), w.float(), 1e-6), dtype)
+        assert not torch.equal(unrounded, normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_grad(dtype):
+    R, dim = 1001, 64
+    x, r = randn(R, dim, dtype=dtype, seed=33), randn(R, dim, dtype=dtype, seed=34)
+    w = (1 + 0.1 * randn(dim, seed=35)).to(dtype)
+    g_normed, g_summed = randn(R, dim, dtype=dtype, seed=36), randn(R, dim, dtype=dtype, seed=37)
+
+    def grads(use_normed=True, use_summed=True):
+        xl, rl, wl = (t.clone().requires_grad_(True) for t in (x, r, w))
+        normed, summed = ops.add_rms_norm(xl, rl, wl, 1e-6)
+        loss = (normed.float() * g_normed.float()).sum() if use_normed else 0
+        loss = loss + ((summed.float() * g_summed.float()).sum() if use_summed else 0)
+        loss.backward()
+        return xl.grad, rl.grad, wl.grad
+
+    def reference(use_normed=True, use_summed=True):
+        xr, rr, wr = (t.double().requires_grad_(True) for t in (x, r, w))
+        summed = xr + rr
+        loss = (rms_norm_torch(summed, wr, 1e-6) * g_normed.double()).sum() if use_normed else 0
+        loss = loss + ((summed * g_summed.double()).sum() if use_summed else 0)
+        loss.backward()
+        return xr.grad, rr.grad, wr.grad
+
+    got, ref = grads(), reference()
+    for name, a, b in zip(("x", "residual", "weight"), got, ref):
+        assert rel_err(a, b) < TOL[dtype], name
+    assert all(torch.equal(a, b) for a, b in zip(grads(), got)), "backward is not deterministic"
+    # Only one of the outputs used (the model's final norm drops `summed`): d x = d residual still.
+    got, ref = grads(use_summed=False), reference(use_summed=False)
+    assert all(rel_err(a, b) < TOL[dtype] for a, b in zip(got, ref)) and torch.equal(got[0], got[1])
+    got = grads(use_normed=False)
+    assert torch.equal(got[0], g_summed) and torch.equal(got[1], g_summed) and got[2] is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -259,6 +407,59 @@ def test_attention_grad(dtype, shape):
     again = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ops.attention(*again, batch).backward(gy)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves)), "backward is not deterministic"
+
+
+# Backward tiles small enough that short sequences span several of them. Under the interpreter num_warps only
+# selects the dK/dV orientation (keys-major when block_n >= 16 * num_warps, and always in fp32).
+BWD_CONFIGS = {
+    # dK/dV: 32 keys x 16 rows (P = 16 / G queries < 32 keys: several masked query tiles per diagonal)
+    "keys_major": AttnBwdConfig(dkdv=(16, 32, 2, 2), dq=(16, 16, 1, 2)),
+    # dK/dV: 16 keys x 32 rows (for G = 1, P = 32 queries > 16 keys: a masked tile reaches past the diagonal)
+    "rows_major": AttnBwdConfig(dkdv=(32, 16, 4, 1), dq=(32, 32, 1, 1)),
+}
+
+
+# 32: a multiple of every tile, the others not; the last query tiles of sequence 0 reach into sequence 1.
+BWD_LENS = [37, 32, 5, 20]
+
+
+def _bwd_inputs(shape, dtype):
+    hq, hkv, dh = shape
+    q, k, v = _qkv(BWD_LENS, hq, hkv, dh, dtype, seed=45)
+    dy = randn(sum(BWD_LENS), hq, dh, dtype=dtype, seed=48)
+    batch = AttentionBatch.packed(BWD_LENS, device=DEVICE)
+    return dy, q, k, v, *attention_fwd(q, k, v, batch), batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 32), (4, 2, 32), (6, 2, 24)])  # G = 1, 2, 3
+@pytest.mark.parametrize("config", list(BWD_CONFIGS))
+def test_attention_bwd_tiles(dtype, shape, config):
+    """Masked (diagonal, partial) and unmasked tiles of both backward kernels against float64."""
+    if shape[0] // shape[1] == 3 and config == "keys_major":
+        pytest.skip("G = 3 runs once, with the tiles where its padded rows reach the unmasked dK/dV loop")
+    dy, q, k, v, out, lse, batch = _bwd_inputs(shape, dtype)
+    grads = attention_bwd(dy, q, k, v, out, lse, batch, config=BWD_CONFIGS[config])
+    refs = [t.double().requires_grad_(True) for t in (q, k, v)]
+    attention_reference(*refs, batch).backward(dy.double())
+    for name, got, ref in zip("qkv", grads, refs):
+        assert rel_err(got, ref.grad) < TOL[dtype], f"d{name}: {rel_err(got, ref.grad)}"
+
+
+@pytest.mark.parametrize("config", list(BWD_CONFIGS))
+def test_attention_bwd_deterministic(config):
+    dy, q, k, v, out, lse, batch = _bwd_inputs((4, 2, 32), torch.bfloat16)
+    first = attention_bwd(dy, q, k, v, out, lse, batch, config=BWD_CONFIGS[config])
+    again = attention_bwd(dy, q, k, v, out, lse, batch, config=BWD_CONFIGS[config])
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "backward is not deterministic"
+
+
+def test_attention_bwd_delta():
+    out = randn(13, 3, 40, dtype=torch.bfloat16, seed=49)
+    dy = randn(13, 3, 64, dtype=torch.bfloat16, seed=50)[:, :, :40]  # strided like a slice
+    delta = attention_bwd_delta(dy, out)
+    ref = (dy.double() * out.double()).sum(-1)
+    assert delta.dtype == torch.float32 and rel_err(delta, ref) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------------

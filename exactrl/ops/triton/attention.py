@@ -20,15 +20,25 @@ Why a query row's output is the same bits in every batch, chunking and storage:
 - The rows of a tile do not depend on the call's size (decode pads a tile of ROWS rows; it never switches
   kernels), and the number of rows/sequences is excluded from Triton's integer specialisation.
 
-Backward (training only), FlashAttention-2 style and deterministic: one program per (sequence, key tile, KV
-head) owns dK/dV of its keys and loops over the queries that see them (the G q-heads of the KV head are rows
-of the same tile, so their sum is inside the MMA, in a fixed order; no atomics); dQ is a separate pass over
-query tiles. Neither needs batch invariance, only determinism.
+Backward (training only): deterministic, not batch invariant, FlashAttention-2 style in three launches:
+1. delta = rowsum(dO * O) in fp32 per (token, q-head), read from the stored dtype (_attn_bwd_delta_kernel).
+2. dK, dV: one program per (sequence, key tile, KV head) keeps its K, V tile and loops over the query tiles
+   that see it; the G q-heads of the KV head are rows of each tile, so their sum happens inside the MMA in a
+   fixed order (no atomics). Query tiles that straddle the key tile's diagonal apply the causal mask; the later,
+   full ones (every key visible) load and compute without any mask; the sequence's last, partial tile masks
+   rows only. Keys-major tiles (scores as [keys, rows], chosen when block_n >= 16 * num_warps, and in fp32)
+   feed p^T and ds^T to the dV and dK MMAs straight from registers; rows-major tiles (where a [keys, rows] MMA
+   would leave warps idle) compute [rows, keys] and transpose p and ds through shared memory.
+3. dQ: one program per (sequence, query tile, KV head) walks key tiles from 0: those wholly below the tile's
+   first query without masks, those reaching its diagonal with the mask.
+Both recompute p = exp2(scaled score - lse) from the forward's lse, rely on a sequence's queries having
+consecutive positions (as AttentionBatch builds them), and have their own tile (_BWD_LAUNCH).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -48,12 +58,26 @@ _LOG2E = 1.4426950408889634
 # (num_warps, num_stages) per dtype for the forward (the invariant kernel). bf16 on an H200 (triton 3.6):
 # 3 stages was the fastest of the tried (rows, block_n, warps, stages) for training and decode.
 _FWD_LAUNCH = {torch.bfloat16: (4, 3), torch.float16: (4, 3), torch.float32: (8, 1)}
-# Backward tiles (rows, key block, num_warps, num_stages): free to differ from the forward, since the backward
-# only has to be deterministic. fp32 runs on FMAs (no TF32) and gets smaller tiles to fit shared memory.
+
+
+class AttnBwdConfig(NamedTuple):
+    """Backward launch: (rows, block_n, num_warps, num_stages) of the dK/dV kernel and of the dQ kernel. rows:
+    (query, q-head) rows of a query tile (raised to the GQA group if smaller); block_n: positions of a key tile.
+    The dK/dV kernel works keys-major when block_n >= 16 * num_warps (and in fp32), rows-major otherwise."""
+
+    dkdv: tuple[int, int, int, int]
+    dq: tuple[int, int, int, int]
+
+
+# Backward tiles: free to differ from the forward's and from each other (the backward only has to be
+# deterministic); benchmarks/bench_kernels.py --only-attention-configs sweeps each kernel's. fp32 runs on FMAs
+# (no TF32) and gets smaller tiles to fit shared memory.
 _BWD_LAUNCH = {
-    torch.bfloat16: (128, 64, 8, 2),  # fastest tried on an H200: 1.97 ms vs 3.04 ms for (64, 64, 8, 2)
-    torch.float16: (128, 64, 8, 2),
-    torch.float32: (32, 32, 8, 1),
+    # The fastest pair of `bench_kernels.py --only-attention-configs` on an H200 (8 x 2048, Hq 16, Hkv 8, Dh 128):
+    # 1.35 ms vs 1.54 ms for (128, 64, 8, 2) in both kernels; every tried tile gave the same gradient bits.
+    torch.bfloat16: AttnBwdConfig(dkdv=(32, 64, 4, 2), dq=(128, 128, 8, 2)),
+    torch.float16: AttnBwdConfig(dkdv=(32, 64, 4, 2), dq=(128, 128, 8, 2)),
+    torch.float32: AttnBwdConfig(dkdv=(32, 32, 8, 1), dq=(32, 32, 8, 1)),
 }
 
 
@@ -120,6 +144,70 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + row * stride_lse + hq, m_i + tl.log2(l_i), mask=row_ok)
 
 
+@triton.jit
+def _attn_bwd_delta_kernel(
+    do_ptr, o_ptr, delta_ptr, n_rows, num_heads, stride_dot, stride_doh, stride_ot, stride_oh, head_dim,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # delta[t, h] = sum over d of dO[t, h, d] * O[t, h, d], in fp32 from the stored dtype: one tl.sum per row.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    t = (r // num_heads).to(tl.int64)
+    h = r % num_heads
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < head_dim)[None, :]
+    do_ptrs = do_ptr + t[:, None] * stride_dot + h[:, None] * stride_doh + d[None, :]
+    o_ptrs = o_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + r, tl.sum(do * o, axis=1), mask=r_ok)
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k_op, v_op, q_ptr, do_ptr, lse_ptr, delta_ptr, q_offs, do_offs, row_offs,
+    row, i0, nq, n, pos0, qr, d_ok, stride_qt, stride_dot, stride_lse, qk_scale,
+    P: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+):  # fmt: skip
+    # Queries i0 .. i0 + P - 1 of the sequence (G heads each; `row` is the packed row of its query 0) into dK, dV.
+    # k_op, v_op: this key tile's K, V ([keys, dims]) when KEYS_MAJOR, else K^T, V^T ([dims, keys]).
+    q_ptrs = q_ptr + (row + i0) * stride_qt + q_offs
+    do_ptrs = do_ptr + (row + i0) * stride_dot + do_offs
+    lse_ptrs = lse_ptr + (row + i0) * stride_lse + row_offs
+    delta_ptrs = delta_ptr + (row + i0) * stride_lse + row_offs
+    if MASKED:
+        # Rows past the tile or the sequence, and dims past head_dim, load as 0 and their lse as +inf: p = 0.
+        row_ok = (qr < P) & (i0 + qr < nq)
+        mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
+        do = tl.load(do_ptrs, mask=mask, other=0.0)
+        lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    pos = pos0 + i0 + qr
+    if KEYS_MAJOR:  # [keys, rows] scores: p^T and ds^T are the register operands of their MMAs as computed
+        zero = tl.zeros([k_op.shape[0], q.shape[0]], tl.float32)
+        p_t = tl.exp2(mma(k_op, tl.trans(q), zero) * qk_scale - lse[None, :])
+        if CAUSAL:  # this query tile straddles the key tile's diagonal
+            p_t = tl.where(n[:, None] <= pos[None, :], p_t, 0.0)
+        dv = mma(p_t.to(do.dtype), do, dv)
+        ds_t = p_t * (mma(v_op, tl.trans(do), zero) - delta[None, :])
+        dk = mma(ds_t.to(q.dtype), q, dk)
+    else:  # [rows, keys] scores: p and ds are transposed (through shared memory) for the dV and dK MMAs
+        zero = tl.zeros([q.shape[0], k_op.shape[1]], tl.float32)
+        p = tl.exp2(mma(q, k_op, zero) * qk_scale - lse[:, None])
+        if CAUSAL:
+            p = tl.where(n[None, :] <= pos[:, None], p, 0.0)
+        dv = mma(tl.trans(p.to(do.dtype)), do, dv)
+        ds = p * (mma(do, v_op, zero) - delta[:, None])
+        dk = mma(tl.trans(ds.to(q.dtype)), q, dk)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["kv_tiles_per_seq"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, q_pos_ptr, key_lens_ptr, slots_ptr,
@@ -127,12 +215,13 @@ def _attn_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse, stride_slots,
     kv_tiles_per_seq, head_dim, qk_scale, sm_scale,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr, KEYS_MAJOR: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // kv_tiles_per_seq
-    n0 = (pid % kv_tiles_per_seq) * BLOCK_N
-    key_len = tl.load(key_lens_ptr + b)
+    n0 = (pid % kv_tiles_per_seq) * BLOCK_N  # early (long) key tiles start first
+    key_len = tl.load(key_lens_ptr + b).to(tl.int32)
     if n0 >= key_len:
         return
     n = n0 + tl.arange(0, BLOCK_N)
@@ -143,37 +232,46 @@ def _attn_bwd_dkdv_kernel(
     slot = tl.load(slots_ptr + b * stride_slots + n, mask=n_ok, other=0)
     k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    if not KEYS_MAJOR:  # transposed once here, so that K^T, V^T are put in shared memory once, not per tile
+        k = tl.trans(k)
+        v = tl.trans(v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     row_begin = tl.load(cu_q_ptr + b)
-    nq = tl.load(cu_q_ptr + b + 1) - row_begin
-    pos0 = tl.load(q_pos_ptr + row_begin)
-    # Query positions of a sequence are consecutive, so queries before index n0 - pos0 cannot see these keys.
-    i_start = tl.maximum(n0 - pos0, 0)
+    nq = (tl.load(cu_q_ptr + b + 1) - row_begin).to(tl.int32)
+    pos0 = tl.load(q_pos_ptr + row_begin).to(tl.int32)  # the sequence's queries sit at pos0, pos0 + 1, ...
     r = tl.arange(0, ROWS)
     qr = r // G
     hq = kvh * G + r % G
-    for i0 in range(i_start, nq, P):
-        qi = i0 + qr
-        row = row_begin + qi
-        row_ok = (qr < P) & (qi < nq)
-        mask = row_ok[:, None] & d_ok[None, :]
-        pos = tl.load(q_pos_ptr + row, mask=row_ok, other=0)
-        q = tl.load(
-            q_ptr + row[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :], mask=mask, other=0.0
-        )
-        do = tl.load(
-            do_ptr + row[:, None] * stride_dot + hq[:, None] * stride_doh + d[None, :], mask=mask, other=0.0
-        )
-        lse = tl.load(lse_ptr + row * stride_lse + hq, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + row * stride_lse + hq, mask=row_ok, other=0.0)
-        s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32)) * qk_scale
-        valid = row_ok[:, None] & (n[None, :] <= pos[:, None])
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        dv = mma(tl.trans(p.to(do.dtype)), do, dv)
-        dp = mma(do, tl.trans(v), tl.zeros([ROWS, BLOCK_N], tl.float32))
-        ds = p * (dp - delta[:, None])
-        dk = mma(tl.trans(ds.to(q.dtype)), q, dk)
+    # In-tile offsets (int32); the tile's first packed row enters once per tile as a scalar.
+    q_offs = qr[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :]
+    do_offs = qr[:, None] * stride_dot + hq[:, None] * stride_doh + d[None, :]
+    row_offs = qr * stride_lse + hq
+    # Queries before i_start see none of these keys; from i_full on they see all of them. Tiles of P queries from
+    # i_start: the first ones straddle the diagonal (masked), then full tiles without any mask, then the
+    # sequence's last, partial tile (row mask only).
+    i_start = tl.maximum(n0 - pos0, 0)
+    i_full = n0 + BLOCK_N - 1 - pos0
+    i_mid = i_start + (tl.maximum(i_full - i_start, 0) + P - 1) // P * P
+    i_tail = i_mid + tl.maximum(nq - i_mid, 0) // P * P
+    for i0 in range(i_start, tl.minimum(i_mid, nq), P):
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_offs, do_offs, row_offs,
+            row_begin, i0, nq, n, pos0, qr, d_ok, stride_qt, stride_dot, stride_lse, qk_scale,
+            P=P, CAUSAL=True, MASKED=True, KEYS_MAJOR=KEYS_MAJOR,
+        )  # fmt: skip
+    for i0 in tl.range(i_mid, i_tail, P, num_stages=STAGES):
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_offs, do_offs, row_offs,
+            row_begin, i0, nq, n, pos0, qr, d_ok, stride_qt, stride_dot, stride_lse, qk_scale,
+            P=P, CAUSAL=False, MASKED=not EVEN, KEYS_MAJOR=KEYS_MAJOR,
+        )  # fmt: skip
+    for i0 in range(i_tail, nq, P):  # at most one tile
+        dk, dv = _dkdv_step(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_offs, do_offs, row_offs,
+            row_begin, i0, nq, n, pos0, qr, d_ok, stride_qt, stride_dot, stride_lse, qk_scale,
+            P=P, CAUSAL=False, MASKED=True, KEYS_MAJOR=KEYS_MAJOR,
+        )  # fmt: skip
     dk = dk * sm_scale
     tl.store(
         dk_ptr + slot[:, None] * stride_dkt + kvh * stride_dkh + d[None, :],
@@ -187,57 +285,94 @@ def _attn_bwd_dkdv_kernel(
     )
 
 
+@triton.jit
+def _dq_step(
+    dq, q, do, lse, delta, k_ptr, v_ptr, slot_ptr, j, key_len, pos, d, d_ok, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+):  # fmt: skip
+    # Key tile j into dQ of this query tile. CAUSAL: the tile is at the diagonal (mask n <= pos; keys past the
+    # sequence load as 0). Otherwise every key of the tile is visible to every query of the tile.
+    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if CAUSAL:
+        n_ok = n < key_len
+        slot = tl.load(slot_ptr + n, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+    else:
+        slot = tl.load(slot_ptr + n)
+        if EVEN_D:
+            k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :])
+            v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :])
+        else:
+            k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
+    zero = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
+    p = tl.exp2(mma(q, tl.trans(k), zero) * qk_scale - lse[:, None])
+    if CAUSAL:
+        p = tl.where(n[None, :] <= pos[:, None], p, 0.0)
+    ds = p * (mma(do, tl.trans(v), zero) - delta[:, None])
+    return mma(ds.to(k.dtype), k, dq)
+
+
 @triton.jit(do_not_specialize=["tiles_per_seq"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, q_pos_ptr, key_lens_ptr, slots_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lse, stride_slots, tiles_per_seq, head_dim, qk_scale, sm_scale,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // tiles_per_seq
-    tile = tiles_per_seq - 1 - pid % tiles_per_seq
+    i0 = (tiles_per_seq - 1 - pid % tiles_per_seq) * P  # late (long) query tiles start first
     row_begin = tl.load(cu_q_ptr + b)
-    row_end = tl.load(cu_q_ptr + b + 1)
-    first = row_begin + tile * P
-    if first >= row_end:
+    nq = (tl.load(cu_q_ptr + b + 1) - row_begin).to(tl.int32)
+    if i0 >= nq:
         return
+    pos0 = tl.load(q_pos_ptr + row_begin).to(tl.int32)  # the sequence's queries sit at pos0, pos0 + 1, ...
     r = tl.arange(0, ROWS)
-    qi = r // G
+    qr = r // G
     hq = kvh * G + r % G
-    row = first + qi
-    row_ok = (qi < P) & (row < row_end)
+    row_ok = (qr < P) & (i0 + qr < nq)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     mask = row_ok[:, None] & d_ok[None, :]
-    pos = tl.load(q_pos_ptr + row, mask=row_ok, other=0)
-    q = tl.load(q_ptr + row[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
-    do = tl.load(
-        do_ptr + row[:, None] * stride_dot + hq[:, None] * stride_doh + d[None, :], mask=mask, other=0.0
-    )
-    lse = tl.load(lse_ptr + row * stride_lse + hq, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + row * stride_lse + hq, mask=row_ok, other=0.0)
-    key_len = tl.load(key_lens_ptr + b)
-    n_tiles = tl.max(pos, axis=0) // BLOCK_N + 1
-    slot_base = slots_ptr + b * stride_slots
+    row = row_begin + i0  # int64: the tile's first packed row
+    q_offs = qr[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + row * stride_qt + q_offs, mask=mask, other=0.0)
+    do_offs = qr[:, None] * stride_dot + hq[:, None] * stride_doh + d[None, :]
+    do = tl.load(do_ptr + row * stride_dot + do_offs, mask=mask, other=0.0)
+    row_offs = qr * stride_lse + hq
+    # Rows past the tile or the sequence load lse = +inf, so their p is 0 (they are never stored either).
+    lse = tl.load(lse_ptr + row * stride_lse + row_offs, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + row * stride_lse + row_offs, mask=row_ok, other=0.0)
+    pos = pos0 + i0 + qr
+    key_len = tl.load(key_lens_ptr + b).to(tl.int32)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    slot_ptr = slots_ptr + b * stride_slots
     dq = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for j in range(0, n_tiles):
-        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < key_len
-        slot = tl.load(slot_base + n, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32)) * qk_scale
-        valid = row_ok[:, None] & (n[None, :] <= pos[:, None])
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        dp = mma(do, tl.trans(v), tl.zeros([ROWS, BLOCK_N], tl.float32))
-        ds = p * (dp - delta[:, None])
-        dq = mma(ds.to(k.dtype), k, dq)
+    # Key tiles before n_full are visible in full to every query of the tile; the rest reach its diagonal. fp32
+    # (FMA dots) keeps one masked loop: with two, the compiler holds q's and dO's operand copies across both.
+    n_full = 0
+    if q.dtype != tl.float32:
+        n_full = (pos0 + i0 + 1) // BLOCK_N
+        for j in tl.range(0, n_full, num_stages=STAGES):
+            dq = _dq_step(
+                dq, q, do, lse, delta, k_base, v_base, slot_ptr, j, key_len, pos, d, d_ok, stride_kt, stride_vt,
+                qk_scale, BLOCK_N=BLOCK_N, CAUSAL=False, EVEN_D=EVEN_D,
+            )  # fmt: skip
+    n_tiles = (pos0 + tl.minimum(i0 + P, nq) - 1) // BLOCK_N + 1
+    for j in range(n_full, n_tiles):
+        dq = _dq_step(
+            dq, q, do, lse, delta, k_base, v_base, slot_ptr, j, key_len, pos, d, d_ok, stride_kt, stride_vt,
+            qk_scale, BLOCK_N=BLOCK_N, CAUSAL=True, EVEN_D=EVEN_D,
+        )  # fmt: skip
     dq = dq * sm_scale
     tl.store(
-        dq_ptr + row[:, None] * stride_dqt + hq[:, None] * stride_dqh + d[None, :],
+        dq_ptr + row * stride_dqt + (qr[:, None] * stride_dqt + hq[:, None] * stride_dqh + d[None, :]),
         dq.to(dq_ptr.dtype.element_ty),
         mask=mask,
     )
@@ -295,32 +430,55 @@ def attention_fwd(
     return out, lse
 
 
-def attention_bwd(
+def attention_bwd_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """delta [T, Hq] fp32 = rowsum over Dh of grad_out * out (the softmax backward's correction term)."""
+    grad_out, out = _last_dim_contiguous(grad_out), _last_dim_contiguous(out)
+    T, hq, dh = out.shape
+    delta = torch.empty((T, hq), dtype=torch.float32, device=out.device)
+    if T == 0:
+        return delta
+    block_r = 32
+    _attn_bwd_delta_kernel[(triton.cdiv(T * hq, block_r),)](
+        grad_out, out, delta, T * hq, hq, grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1), dh,
+        BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(dh)), num_warps=4,
+    )  # fmt: skip
+    return delta
+
+
+def _bwd_tile(
+    launch: tuple[int, int, int, int] | None, default: tuple[int, int, int, int], g: int
+) -> tuple[int, int, int, int, int]:
+    rows, block_n, warps, stages = launch or default
+    rows = max(rows, next_pow2(g))
+    return rows, rows // g, block_n, warps, stages
+
+
+def _keys_major(block_n: int, warps: int, dtype: torch.dtype) -> bool:
+    # A [keys, rows] wgmma needs 16 keys per warp, or warps duplicate work. fp32 dots run on FMAs, where the
+    # rows-major form (K^T, V^T kept in registers across the loops) spills far more.
+    return block_n >= 16 * warps or dtype == torch.float32
+
+
+def attention_bwd_dkdv(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
     lse: torch.Tensor,
+    delta: torch.Tensor,
     batch: AttentionBatch,
-    config: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of attention_fwd for packed sequences (keys indexed by key_slots into k/v). Deterministic.
-
-    `config` (rows, block_n, num_warps, num_stages) overrides _BWD_LAUNCH[dtype] (benchmarks)."""
+    launch: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV of attention_fwd (one program per sequence, key tile and KV head). `launch` (rows, block_n,
+    num_warps, num_stages) overrides _BWD_LAUNCH[dtype].dkdv (benchmarks)."""
     q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
     hq, hkv, g, block_d = _geometry(q, k)
-    T, _, dh = q.shape
-    # delta_i = rowsum(dO_i * O_i): a row-wise torch reduction, deterministic.
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dh = q.shape[2]
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    if T == 0:
-        return dq, dk, dv
-    rows, block_n, warps, stages = config or _BWD_LAUNCH[q.dtype]
-    rows = max(rows, next_pow2(g))
-    p = rows // g
+    if q.shape[0] == 0:
+        return dk, dv
+    rows, p, block_n, warps, stages = _bwd_tile(launch, _BWD_LAUNCH[q.dtype].dkdv, g)
     sm_scale = 1.0 / math.sqrt(dh)
     slots = batch.key_slots
     kv_tiles = triton.cdiv(batch.max_key_len, block_n)
@@ -329,16 +487,62 @@ def attention_bwd(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         lse.stride(0), slots.stride(0), kv_tiles, dh, sm_scale * _LOG2E, sm_scale,
-        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN=p * g == rows and dh == block_d,
+        KEYS_MAJOR=_keys_major(block_n, warps, q.dtype), STAGES=stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    return dk, dv
+
+
+def attention_bwd_dq(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    batch: AttentionBatch,
+    launch: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """dQ of attention_fwd (one program per query tile and KV head). `launch` (rows, block_n, num_warps,
+    num_stages) overrides _BWD_LAUNCH[dtype].dq (benchmarks)."""
+    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    hq, hkv, g, block_d = _geometry(q, k)
+    dh = q.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.shape[0] == 0:
+        return dq
+    rows, p, block_n, warps, stages = _bwd_tile(launch, _BWD_LAUNCH[q.dtype].dq, g)
+    sm_scale = 1.0 / math.sqrt(dh)
+    slots = batch.key_slots
     tiles_per_seq = triton.cdiv(batch.max_seqlen_q, p)
     _attn_bwd_dq_kernel[(batch.num_seqs * tiles_per_seq, hkv)](
         q, k, v, grad_out, lse, delta, dq, batch.cu_seqlens_q, batch.q_pos, batch.key_lens, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), slots.stride(0),
         tiles_per_seq, dh, sm_scale * _LOG2E, sm_scale,
-        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d,
+        STAGES=stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    return dq
+
+
+def attention_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    batch: AttentionBatch,
+    config: AttnBwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention_fwd for packed sequences (keys indexed by key_slots into k/v). Deterministic.
+
+    `config` overrides _BWD_LAUNCH[dtype] (benchmarks)."""
+    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    delta = attention_bwd_delta(grad_out, out)
+    dk, dv = attention_bwd_dkdv(grad_out, q, k, v, lse, delta, batch, config.dkdv if config else None)
+    dq = attention_bwd_dq(grad_out, q, k, v, lse, delta, batch, config.dq if config else None)
     return dq, dk, dv
 
 

@@ -9,6 +9,7 @@ fp32 and sums the products over k in one order for every element. The GPU code n
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,8 +43,14 @@ else:
 def num_programs_cap(device: torch.device) -> int:
     """How many programs a persistent kernel launches at most: one per SM on the GPU, a few in the interpreter."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    # Cached: asked on every launch, and the device query costs more host time than the launch itself.
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2(x: int) -> int:

@@ -1,6 +1,6 @@
 """Token log-probabilities: log_softmax(linear(hidden, weight).float() / temperature)[targets], plus entropy.
 
-Rows are processed in chunks of LOGPROB_CHUNK_ROWS: the chunk's logits come from the invariant matmul (in the
+Forward rows are processed in chunks of LOGPROB_CHUNK_ROWS: the chunk's logits come from the invariant matmul (in the
 hidden dtype), then one program per row reads them in fixed BLOCK_V slices with an online (max, sum) per lane
 and one final lane reduction. Nothing depends on the chunk size or on the other rows, so a row's logprob is
 the same bits whether it was computed during sampling (a decode step) or in a training batch.
@@ -126,12 +126,12 @@ def logprobs_from_logits(
     return lp, ent, lse
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, s: int, e: int) -> torch.Tensor:
-    return matmul(hidden[s:e], weight)
-
-
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Forward keeps only (logprob, entropy, lse) per row; backward recomputes each chunk's logits."""
+    """Forward keeps only (logprob, entropy, lse) per row. Backward recomputes the logits in vocabulary slices
+    `[all rows, v0:v1)` instead of row chunks: the gradient of a logit needs only its row's saved statistics, so
+    each slice yields its rows of dweight in one GEMM over all T rows (written once, never accumulated in a
+    [V, D] buffer), while dhidden, [T, D], sums the slices' contributions in fp32. The recomputed logits are the
+    forward's bits: the invariant matmul gives an element the same value in any slice or row chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk):  # type: ignore[override]
@@ -142,7 +142,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             lp[s:e], ent[s:e], lse[s:e] = logprobs_from_logits(
-                _chunk_logits(hidden, weight, s, e), targets[s:e], temperature
+                matmul(hidden[s:e], weight), targets[s:e], temperature
             )
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
@@ -157,32 +157,38 @@ class _ChunkedLogprobs(torch.autograd.Function):
         has_ent = ctx.with_entropy and grad_ent is not None
         grad_lp = grad_lp.float().contiguous()
         grad_ent = grad_ent.float().contiguous() if has_ent else grad_lp
-        gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        gw = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if ctx.needs_input_grad[1]
-            else None
-        )
-        for s in range(0, T, ctx.chunk):
-            e = min(T, s + ctx.chunk)
-            logits = _chunk_logits(hidden, weight, s, e)
-            # d loss / d logits without the one-hot term, in the hidden dtype (the matmuls' operand dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # The one-hot term of d logp[y] / d logits, per row; kept out of the long vocabulary sums.
+        g_target = grad_lp / ctx.temperature
+        gh_f = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        gw = torch.empty_like(weight) if need_w else None
+        # As many logits per slice as a forward row chunk holds ([T, vc] with T * vc ~ chunk * V), and at least
+        # 256 columns so a slice stays a reasonable GEMM.
+        vc = min(V, max(256, ctx.chunk * V // max(T, 1)))
+        rows = torch.arange(T, device=hidden.device)
+        for v0 in range(0, V, vc):
+            v1 = min(V, v0 + vc)
+            w_s = weight[v0:v1]
+            logits = matmul(hidden, w_s)
             gz = torch.empty_like(logits)
-            _logprob_bwd_kernel[(e - s,)](
-                logits, lse[s:e], ent[s:e], grad_lp[s:e], grad_ent[s:e], gz,
-                logits.stride(0), gz.stride(0), V, ctx.temperature, HAS_ENT=has_ent, BLOCK_V=_BLOCK_V, num_warps=8,
+            _logprob_bwd_kernel[(T,)](
+                logits, lse, ent, grad_lp, grad_ent, gz,
+                logits.stride(0), gz.stride(0), v1 - v0, ctx.temperature, HAS_ENT=has_ent, BLOCK_V=_BLOCK_V,
+                num_warps=8,
             )  # fmt: skip
-            tgt = targets[s:e]
-            g_target = grad_lp[s:e] / ctx.temperature  # the one-hot term of d logp[y] / d logits, per row
-            if gh is not None:
-                # In-order K reduction, no atomics (deterministic); fp32 out so the target term adds before rounding.
-                gh_f = matmul(gz, weight.t(), out_dtype=torch.float32)
-                gh[s:e] = (gh_f + g_target[:, None] * weight[tgt].float()).to(gh.dtype)
-            if gw is not None:
-                rows = torch.arange(e - s, device=gz.device)
-                gz[rows, tgt] += g_target.to(gz.dtype)  # one element per row: no accumulation races
-                gw += torch.matmul(gz.t(), hidden[s:e]).float()
-        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
+            if need_h:
+                gh_f += matmul(gz, w_s.t(), out_dtype=torch.float32)
+            if need_w:
+                # One element per row (no accumulation races): the target's, or + 0 (a no-op) at a clamped
+                # column when the target lies outside this slice. No host sync.
+                hit = (targets >= v0) & (targets < v1)
+                cols = (targets - v0).clamp(0, v1 - v0 - 1)
+                gz[rows, cols] += torch.where(hit, g_target, 0.0).to(gz.dtype)
+                gw[v0:v1] = torch.matmul(gz.t(), hidden)
+        gh = None
+        if need_h:
+            gh = (gh_f + g_target[:, None] * weight[targets].float()).to(hidden.dtype)
+        return gh, gw, None, None, None, None
 
 
 def _check_temperature(temperature: float) -> None:

@@ -1,8 +1,28 @@
-"""RMSNorm with HF semantics, one program per row.
+"""RMSNorm with HF semantics, and the fused residual add + RMSNorm; a fixed tile of rows per program.
 
-The row's sum of squares is one `tl.sum` over a fixed BLOCK_D (the next power of two of D, decided by D alone)
-in one program, so its reduction tree never depends on how many rows the call has. Cast order as HF and
-`rms_norm_torch`: normalise in fp32, round to x.dtype, multiply by the weight in the promoted dtype.
+Why a row's bits cannot depend on the batch (how many rows R the call has, or where the row sits in it):
+- A program normalises a [ROWS, BLOCK_D] tile: BLOCK_D is the next power of two of D, and ROWS and num_warps are
+  chosen from D alone (`norm_config`), never from R. Every call with a given D and dtype runs the same compiled
+  kernel with the same register layout; R decides only how many programs run and which rows are masked.
+- R is excluded from Triton's integer specialisation (`do_not_specialize`), so R = 1 or R % 16 == 0 cannot
+  select a differently compiled kernel. The kernels read contiguous rows (row stride D) at a 16-byte-aligned
+  address, copying a view that is not (`_rows`), so the pointer and stride specialisations that decide the
+  vector width of the loads, and with it the layout, are a function of D and the dtype too.
+- A row's sum of squares is one `tl.sum` along axis 1 of the tile. It combines only that row's elements, and the
+  layout spreads every row's columns over registers and lanes in the same pattern, so every row of every tile is
+  reduced by the same tree. Masked rows (past R) load zeros and are never stored; masked columns (past D) load
+  zeros, which add exactly 0.
+Cast order as HF and `rms_norm_torch`: normalise in fp32, round to x.dtype, multiply by the weight in the promoted
+dtype (one rounding).
+
+Fused add (`add_rms_norm`): the same kernel with HAS_RESIDUAL loads x and the residual, rounds their fp32 sum once
+to x.dtype (torch's `x + residual`), stores it, and normalises that rounded value with the code `rms_norm` runs:
+`normed` has the bits of `rms_norm(summed)`, and the residual stream is read once instead of twice.
+
+Backward (training only: deterministic, not batch-invariant): a program walks a fixed run of consecutive tiles,
+writes dx, and accumulates its rows' weight-gradient terms in an fp32 register tile; it stores one partial row of
+a [programs, D] fp32 buffer, summed in a fixed order by torch. The number of programs depends on R and the SM
+count only, so the same inputs on the same device give the same bits. No atomics.
 """
 
 from __future__ import annotations
@@ -11,114 +31,241 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import next_pow2
+from exactrl.ops.triton.common import next_pow2, num_programs_cap
+
+# The forward's tile: 4096 elements, 32 per thread. The backward keeps x, dy, dx and the weight-gradient
+# accumulator live at once, so it takes a smaller tile over more warps (8 elements per thread): at D = 128 and
+# 1024, ptxas (sm_90) gave it 150-220 registers with the forward's tile, 55-72 with this one; no spills.
+NORM_TILE, NORM_ELEMS_PER_THREAD = 4096, 32
+NORM_BWD_TILE, NORM_BWD_ELEMS_PER_THREAD = 2048, 8
+NORM_BWD_PROGRAMS_PER_SM = 4  # the backward's grid: this many programs per SM, each walking a run of tiles
 
 
-@triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, stride_x, stride_o, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    ok = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / D
-    rstd = tl.math.rsqrt(var + eps)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty)  # HF: cast back to the input dtype before the weight
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+def norm_config(D: int, backward: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS, num_warps) for rows of width D: a function of D alone, never of the number of rows."""
+    tile, per_thread = (
+        (NORM_BWD_TILE, NORM_BWD_ELEMS_PER_THREAD) if backward else (NORM_TILE, NORM_ELEMS_PER_THREAD)
+    )
+    block_d = next_pow2(D)
+    rows = max(1, tile // block_d)
+    return block_d, rows, min(16, max(4, block_d * rows // (32 * per_thread)))
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    rstd_ptr,
+    R,
+    D,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    ok = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # torch's `x + residual`: the sum in fp32, rounded once to x.dtype; then normalised like any input.
+        res = tl.load(res_ptr + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # one reduction per row, along the tile's axis 1
+    # HF: cast back to the input dtype before the weight.
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     # A product of two <=16-bit floats is exact in fp32, so one rounding to the output dtype matches torch.
-    y = normed.to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(rstd_ptr + row, rstd)
+    y = normed.to(tl.float32) * w[None, :]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "tiles_per_program"])
 def _rms_norm_bwd_kernel(
     gy_ptr,
     x_ptr,
     w_ptr,
     rstd_ptr,
+    gs_ptr,
     gx_ptr,
     gw_part_ptr,
-    stride_gy,
-    stride_x,
-    stride_gx,
+    R,
     D,
+    tiles_per_program,
+    ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_GRAD_SUM: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    ok = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    gy = tl.load(gy_ptr + row * stride_gy + offs, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    n = x * rstd
-    gn = gy * w
-    # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (gn - n * mean(gn * n)); the cast to x.dtype passes gradients.
-    gx = rstd * (gn - n * (tl.sum(gn * n, axis=0) / D))
-    tl.store(gx_ptr + row * stride_gx + offs, gx.to(gx_ptr.dtype.element_ty), mask=ok)
-    n_cast = n.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(gw_part_ptr + row * D + offs, gy * n_cast, mask=ok)
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    gw_acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    first_tile = pid.to(tl.int64) * tiles_per_program
+    for t in range(tiles_per_program):
+        rows = (first_tile + t) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < R
+        ok = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        gy = tl.load(gy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]  # masked rows: all terms are 0
+        n = x * rstd
+        gn = gy * w[None, :]
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (gn - n * mean(gn * n)); the cast to x.dtype passes gradients.
+        gx = rstd * (gn - n * (tl.sum(gn * n, axis=1) / D)[:, None])
+        if HAS_GRAD_SUM:
+            # add_rms_norm: the gradient of `summed` joins the one through the norm before the one rounding.
+            gx += tl.load(gs_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=ok)
+        gw_acc += gy * n.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(gw_part_ptr + pid * D + cols, tl.sum(gw_acc, axis=0), mask=col_ok)
 
 
-def _warps(block_d: int) -> int:
-    return 8 if block_d >= 4096 else 4 if block_d >= 1024 else 2 if block_d >= 512 else 1
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [R, D] contiguous rows at a 16-byte-aligned address (a copy only for a view that is not), so every
+    call with a given D and dtype compiles to the same specialisation (see the module docstring)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if not t2.is_contiguous() or t2.data_ptr() % 16:
+        t2 = t2.clone(memory_format=torch.contiguous_format)
+    return t2
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [R, D] (last dim contiguous) -> (y [R, D] in promote(x, weight) dtype, rstd [R] fp32)."""
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x (and residual): [R, D] from `_rows` -> (y [R, D] in promote(x, weight) dtype, summed [R, D] in x.dtype
+    (None without a residual), rstd [R] fp32). With a residual, y normalises summed = x + residual."""
     R, D = x.shape
     out = torch.empty((R, D), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
-        block = next_pow2(D)
-        _rms_norm_fwd_kernel[(R,)](
+        block_d, rows, num_warps = norm_config(D)
+        _rms_norm_fwd_kernel[(triton.cdiv(R, rows),)](
             x,
+            x if residual is None else residual,
             weight,
             out,
+            out if summed is None else summed,
             rstd,
-            x.stride(0),
-            out.stride(0),
+            R,
             D,
             float(eps),
-            BLOCK_D=block,
-            num_warps=_warps(block),
+            ROWS=rows,
+            BLOCK_D=block_d,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=num_warps,
         )
-    return out, rstd
+    return out, summed, rstd
+
+
+def rms_norm_bwd(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    grad_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gy, x (and grad_sum): [R, D] from `_rows`, rstd: [R] -> (dx [R, D] in x.dtype, dweight [D] in
+    weight.dtype). grad_sum, if given, is added to dx in fp32 before its one rounding. Deterministic."""
+    R, D = x.shape
+    gx = torch.empty_like(x)
+    block_d, rows, num_warps = norm_config(D, backward=True)
+    tiles = triton.cdiv(R, rows)
+    programs = min(tiles, NORM_BWD_PROGRAMS_PER_SM * num_programs_cap(x.device))
+    per_program = triton.cdiv(tiles, programs) if tiles else 0
+    programs = triton.cdiv(tiles, per_program) if tiles else 0  # no program without a tile of its own
+    gw_part = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    if programs:
+        _rms_norm_bwd_kernel[(programs,)](
+            gy,
+            x,
+            weight,
+            rstd,
+            gy if grad_sum is None else grad_sum,
+            gx,
+            gw_part,
+            R,
+            D,
+            per_program,
+            ROWS=rows,
+            BLOCK_D=block_d,
+            HAS_GRAD_SUM=grad_sum is not None,
+            num_warps=num_warps,
+        )
+    return gx, gw_part.sum(0).to(weight.dtype)  # a few hundred partial rows, summed in a fixed order
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):  # type: ignore[override]
-        y, rstd = rms_norm_fwd(x, weight, eps)
+        y, _, rstd = rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
-        gy = gy.contiguous()
-        R, D = x.shape
-        gx = torch.empty_like(x)
-        gw_part = torch.empty((R, D), dtype=torch.float32, device=x.device)
-        if R:
-            block = next_pow2(D)
-            _rms_norm_bwd_kernel[(R,)](
-                gy, x, weight, rstd, gx, gw_part, gy.stride(0), x.stride(0), gx.stride(0), D,
-                BLOCK_D=block, num_warps=_warps(block),
-            )  # fmt: skip
-        gw = gw_part.sum(0).to(weight.dtype)  # deterministic column sum (no atomics)
+        gx, gw = rms_norm_bwd(_rows(gy), x, weight, rstd)
         return gx, gw, None
 
 
+class _AddRMSNorm(torch.autograd.Function):
+    """(normed, summed) = (rms_norm(x + residual), x + residual); d x = d residual = d summed + d(norm input)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # the last layer's `summed` is not used: its gradient stays None
+        y, summed, rstd = rms_norm_fwd(x, weight, eps, residual)
+        ctx.save_for_backward(summed, weight, rstd)
+        return y, summed
+
+    @staticmethod
+    def backward(ctx, gy, gs):  # type: ignore[override]
+        summed, weight, rstd = ctx.saved_tensors
+        if gy is None:
+            return gs, gs, None, None
+        gx, gw = rms_norm_bwd(_rows(gy), summed, weight, rstd, None if gs is None else _rows(gs))
+        return gx, gx, gw, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D] -> [..., D]; differentiable."""
+    """x: [..., D] -> [..., D]; normalise in fp32, round to x.dtype, multiply by weight. Differentiable."""
     shape = x.shape
     weight = weight.contiguous()
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RMSNorm.apply(x2, weight, float(eps))
     else:
         y = rms_norm_fwd(x2, weight, eps)[0]
     return y.reshape(shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D] of one dtype -> (rms_norm(summed, weight, eps), summed) with summed = x + residual
+    rounded once to x.dtype. Both outputs have the bits of the unfused `x + residual` then `rms_norm`.
+    Differentiable."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm needs x and residual of one shape and dtype, got {tuple(x.shape)} {x.dtype} and "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    shape = x.shape
+    weight = weight.contiguous()
+    x2, r2 = _rows(x), _rows(residual)
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        y, summed = _AddRMSNorm.apply(x2, r2, weight, float(eps))
+    else:
+        y, summed, _ = rms_norm_fwd(x2, weight, eps, r2)
+    return y.reshape(shape), summed.reshape(shape)
