@@ -97,6 +97,13 @@ class BlockManager:
         grow = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
         return grow + len(self._shared_in_range(seq, seq.num_computed_tokens, num_tokens - 1))
 
+    def can_append_in_place(self, seq: Sequence) -> bool:
+        """Whether seq's one uncomputed token (a decode step) goes into a block it already owns alone, so that
+        `allocate(seq, seq.num_tokens)` would take no block and copy nothing: the scheduler's fast path."""
+        pos = seq.num_computed_tokens
+        i = pos // self.block_size
+        return seq.num_tokens == pos + 1 and i < len(seq.block_table) and self._ref[seq.block_table[i]] == 1
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
 

@@ -207,6 +207,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and len(entries) < self.max_num_seqs and budget > 0:
             seq = self.running[i]
+            if bm.can_append_in_place(seq):  # the common decode step: nothing to allocate or copy
+                entries.append(self._entry(seq, 1))
+                budget -= 1
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self.prefill_chunk_size, budget)
             target = seq.num_computed_tokens + num_new
             while not bm.can_allocate(seq, target):

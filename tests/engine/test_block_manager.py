@@ -67,6 +67,7 @@ def test_fork_shares_blocks_and_copy_on_write():
 
     child.append_token(7)
     parent.append_token(8)
+    assert not bm.can_append_in_place(child)  # b1 is shared: copy-on-write first
     # The child writes position 6, inside the shared partial block b1: it gets a private copy.
     assert bm.blocks_needed(child, 7) == 1
     copies = bm.allocate(child, 7)
@@ -74,6 +75,7 @@ def test_fork_shares_blocks_and_copy_on_write():
     assert copies == [(b1, new)] and new not in (b0, b1)
     assert bm.ref_count(b1) == 1 and bm.ref_count(new) == 1 and bm.ref_count(b0) == 2
     # The parent is now the only user of b1: it writes in place.
+    assert bm.can_append_in_place(parent) and bm.can_append_in_place(child)  # both own their block 1 now
     assert bm.blocks_needed(parent, 7) == 0
     assert bm.allocate(parent, 7) == []
     assert parent.block_table == [b0, b1]
@@ -96,6 +98,7 @@ def test_fork_on_block_boundary_needs_no_copy():
         children.append(c)
     for s in [parent, *children]:
         s.append_token(50 + s.sample_index)
+        assert not bm.can_append_in_place(s)  # position 8 starts a block nobody holds yet
         assert bm.allocate(s, 9) == []
         assert len(s.block_table) == 3
     assert all(bm.ref_count(b) == 4 for b in parent.block_table[:2])
@@ -279,8 +282,12 @@ def _run_program(seed: int, num_blocks: int, block_size: int, prefix_caching: bo
                     bm.allocate(seq, target)
                 continue
             free_before = bm.num_free_blocks
+            in_place = bm.can_append_in_place(seq)  # the scheduler's fast path skips allocate() when True
+            table_before = list(seq.block_table)
             copies = bm.allocate(seq, target)
             assert bm.num_free_blocks == free_before - need
+            if in_place:
+                assert copies == [] and need == 0 and seq.block_table == table_before
             blocks = [cache[s * block_size : (s + 1) * block_size] for s, _ in copies]
             for (_, d), content in zip(copies, blocks):
                 cache[d * block_size : (d + 1) * block_size] = content
