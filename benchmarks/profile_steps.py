@@ -31,6 +31,28 @@ def _table(prof, label: str, top: int) -> None:
     print(json.dumps({"profile": label, "total_gpu_ms": total / 1e3, "top": rows}))
 
 
+def _host_profile(step, top: int) -> None:
+    """Wall time of a step with and without cProfile, and the host functions with the most own time: a step
+    whose wall time exceeds its GPU time is bound by the host (Python, launches)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    print(json.dumps({"train_step_s": (time.perf_counter() - t) / 3}))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    print("\n== host: functions by own time over 2 steps (cProfile)")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="exact", choices=["exact", "fast"])
@@ -39,6 +61,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--what", nargs="+", default=["rollout", "train"])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--host", action="store_true", help="train: also profile the host (cProfile, by own time) of 2 steps"
+    )
     args = ap.parse_args()
 
     from exactrl.engine.engine import EngineConfig, RolloutEngine
@@ -99,6 +124,8 @@ def main() -> int:
             torch.cuda.synchronize()
         print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
         _table(prof, f"train {args.mode} 8x1024 (2 steps)", args.top)
+        if args.host:
+            _host_profile(step, args.top)
     return 0
 
 
