@@ -207,19 +207,27 @@ ATTN_FWD_ALTERNATIVES = [
 ]
 
 
+def _packed_attention_inputs(B: int, L: int):
+    """q, k, v, dy and the packed AttentionBatch of B sequences of L tokens at the qwen3-0.6b attention shape."""
+    from exactrl.ops.batch import AttentionBatch
+
+    hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
+    T = B * L
+    q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
+    k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
+    return q, k, v, torch.randn_like(q), AttentionBatch.packed([L] * B, device=DEVICE)
+
+
 def bench_attention_configs(rows: list[dict], out) -> None:
     """Forward tile configs (time for training and decode, and whether decode rows equal training rows under
     each), then the backward's (bench_attention_bwd_configs), for the record."""
     from exactrl.ops.batch import AttentionBatch
     from exactrl.ops.triton.attention import attention_fwd
 
-    hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
     B, L = ATTN_TRAIN_CASES[0]
-    T = B * L
-    q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
-    k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
-    v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
-    train = AttentionBatch.packed([L] * B, device=DEVICE)
+    q, k, v, _, train = _packed_attention_inputs(B, L)
+    _, hq, dh = q.shape
     # Decode-like batch over the same key store: one query per sequence at a random position.
     pos = torch.randint(0, L, (B,), device=DEVICE)
     decode = AttentionBatch(
@@ -312,7 +320,6 @@ def bench_attention_bwd_configs(rows: list[dict], out) -> None:
     """Backward tiles, one kernel at a time: the dK/dV or the dQ kernel alone under each tile of its
     ATTN_BWD_ALTERNATIVES, the backward's total with that tile (delta + dK/dV + dQ, the other kernel at its
     default), and whether its gradients equal the default tile's. Ends with the fastest pair timed together."""
-    from exactrl.ops.batch import AttentionBatch
     from exactrl.ops.triton.attention import (
         _BWD_LAUNCH,
         AttnBwdConfig,
@@ -323,14 +330,10 @@ def bench_attention_bwd_configs(rows: list[dict], out) -> None:
         attention_fwd,
     )
 
-    hq, hkv, dh, dtype = 16, 8, 128, torch.bfloat16
     B, L = ATTN_TRAIN_CASES[0]
-    T = B * L
-    q = torch.randn(T, hq, dh, device=DEVICE, dtype=dtype)
-    k = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
-    v = torch.randn(T, hkv, dh, device=DEVICE, dtype=dtype)
-    dy = torch.randn_like(q)
-    batch = AttentionBatch.packed([L] * B, device=DEVICE)
+    q, k, v, dy, batch = _packed_attention_inputs(B, L)
+    _, hq, dh = q.shape
+    dtype = q.dtype
     with torch.no_grad():
         out_d, lse = attention_fwd(q, k, v, batch)
     delta = attention_bwd_delta(dy, out_d)
