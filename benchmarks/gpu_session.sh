@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 if want tests; then
   timeout 420 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/ops/test_triton_sampling.py \
-    tests/engine/test_sampler.py tests/engine/test_decode_graphs.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+    tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
@@ -41,6 +41,9 @@ if want train; then
     timeout 300 $X bench train --preset qwen3-0.6b --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 5 \
       $vs 2>&1 | tail -1 | tee -a "$OUT/train.txt"
   done
+  # The same exact step without CUDA graphs, in the same session (the host-bound eager step).
+  timeout 300 $X bench train --preset qwen3-0.6b --mode exact --device cuda --tokens-per-microbatch 8192 --steps 5 \
+    --graphs off 2>&1 | tail -1 | tee -a "$OUT/train.txt"
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

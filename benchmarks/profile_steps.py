@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument(
         "--host", action="store_true", help="train: also profile the host (cProfile, by own time) of 2 steps"
     )
+    ap.add_argument(
+        "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
+    )
     args = ap.parse_args()
 
     from exactrl.engine.engine import EngineConfig, RolloutEngine
@@ -102,17 +105,19 @@ def main() -> int:
         _table(prof, f"rollout {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
     if "train" in args.what:
         from exactrl.train.optim import MasterAdamW
-        from exactrl.train.packing import PackedBatch
+        from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
 
         seqs = torch.randint(0, 150000, (8, 1025), generator=g).tolist()
-        pb = PackedBatch.build(seqs, [1] * 8, "cuda")
-        opt = MasterAdamW(model, lr=1e-5)
+        rollouts = [
+            Rollout(s[:1], s[1:], torch.zeros(1024), advantage=1.0 - 2 * (i % 2)) for i, s in enumerate(seqs)
+        ]
+        settings = TrainerSettings(
+            max_tokens_per_microbatch=8192, exact=True, cuda_graphs=args.graphs == "on"
+        )
+        trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
 
         def step():
-            h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
-            lp, _ = model.logprobs(h, pb.targets)
-            (-lp.mean()).backward()
-            opt.clip_and_step(1.0)
+            trainer.step(rollouts)
 
         for _ in range(2):
             step()
@@ -123,7 +128,7 @@ def main() -> int:
                 step()
             torch.cuda.synchronize()
         print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
-        _table(prof, f"train {args.mode} 8x1024 (2 steps)", args.top)
+        _table(prof, f"train {args.mode} 8x1024 graphs {args.graphs} (2 steps)", args.top)
         if args.host:
             _host_profile(step, args.top)
     return 0

@@ -4,8 +4,9 @@ rollout: output tokens/s of `RolloutEngine.generate` (random-init preset, random
 CUDA the achieved memory bandwidth of decode (weights + KV read per step) next to a copy bandwidth measured in
 the same run. `--vs hf` runs transformers `generate` on the same weights and prompts in the same process.
 
-train: forward + backward + AdamW tokens/s and MFU against a bf16 matmul rate measured in the same run;
-`--vs hf` trains the transformers model on the same weights and data.
+train: tokens/s and MFU of the trainer's step (forward, GRPO loss, backward, AdamW; replayed from CUDA graphs
+unless `--graphs off`) against a bf16 matmul rate measured in the same run; `--vs hf` trains the transformers
+model on the same weights and data (cross-entropy loss, eager).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def _emit(args, record: dict) -> None:
     name = args.preset if not args.model else Path(args.model).name
     if args.what == "rollout":
         name += f"-c{args.concurrency}"
+    elif getattr(args, "graphs", "on") == "off":
+        name += "-eager"
     path = _result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
@@ -207,7 +210,7 @@ def _hf_generate(model, tok, prompts, max_tokens, device) -> dict:
 
 def bench_train(args) -> dict:
     from exactrl.train.optim import MasterAdamW
-    from exactrl.train.packing import PackedBatch
+    from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
 
     device, model, tok = _load(args)
     T = args.tokens_per_microbatch
@@ -217,14 +220,20 @@ def bench_train(args) -> dict:
     seqs = torch.randint(
         0, min(tok.vocab_size, model.config.vocab_size), (n_seq, seq_len + 1), generator=g
     ).tolist()
-    pb = PackedBatch.build(seqs, [1] * n_seq, device)
-    opt = MasterAdamW(model, lr=1e-5)
+    # One GRPO step of the real trainer over one microbatch: forward, policy loss, backward, clip, AdamW. Both
+    # modes take the old logprobs as given (exact mode's rule), so fast and exact do the same work: this
+    # measures kernels and the step's machinery, not fast mode's extra scoring pass.
+    rollouts = [
+        Rollout(s[:1], s[1:], torch.zeros(seq_len), advantage=1.0 if i % 2 else -1.0)
+        for i, s in enumerate(seqs)
+    ]
+    settings = TrainerSettings(
+        algorithm="grpo", max_tokens_per_microbatch=T, exact=True, cuda_graphs=args.graphs == "on"
+    )
+    trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
 
     def step():
-        h = model(pb.input_ids, pb.batch.q_pos, pb.batch)
-        lp, _ = model.logprobs(h, pb.targets)
-        (-lp.mean()).backward()
-        opt.clip_and_step(1.0)
+        trainer.step(rollouts)
 
     wall = _seconds_per_step(step, args.steps, device)
     tokens = n_seq * seq_len
@@ -239,6 +248,7 @@ def bench_train(args) -> dict:
         "dtype": args.dtype,
         "tokens_per_step": tokens,
         "seq_len": seq_len,
+        "cuda_graphs": trainer.graphs.replays > 0,
         "step_s": wall,
         "tokens_per_s": tokens / wall,
         "achieved_TFLOPs": flops / wall / 1e12,

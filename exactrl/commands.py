@@ -131,6 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tokens-per-microbatch", type=int, default=8192)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
+    )
     p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
     p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON line is kept")
     p.add_argument("--json", action="store_true")

@@ -7,7 +7,14 @@ Token tensors are padded `[B, T]` with a `mask` whose nonzero entries mark the r
 from exactrl.algorithms.advantages import gae, grpo_advantages, rloo_advantages
 from exactrl.algorithms.correction import CORRECTION_MODES, mismatch_metrics, rollout_correction
 from exactrl.algorithms.kl import K3_LOG_RATIO_CLAMP, K3_OUTPUT_CLAMP, kl_estimate
-from exactrl.algorithms.losses import AGGREGATIONS, POLICY_LOSS_KINDS, aggregate, policy_loss, value_loss
+from exactrl.algorithms.losses import (
+    AGGREGATIONS,
+    POLICY_LOSS_KINDS,
+    aggregate,
+    policy_loss,
+    policy_loss_terms,
+    value_loss,
+)
 from exactrl.algorithms.metrics import (
     advantage_metrics,
     masked_count,
@@ -38,6 +45,7 @@ __all__ = [
     "masked_whiten",
     "mismatch_metrics",
     "policy_loss",
+    "policy_loss_terms",
     "response_length_metrics",
     "reward_metrics",
     "rloo_advantages",

@@ -19,7 +19,14 @@ import torch
 from exactrl.algorithms.kl import kl_estimate
 from exactrl.algorithms.metrics import masked_count, masked_mean, masked_sum, masked_var, scalars_to_floats
 
-__all__ = ["AGGREGATIONS", "POLICY_LOSS_KINDS", "aggregate", "policy_loss", "value_loss"]
+__all__ = [
+    "AGGREGATIONS",
+    "POLICY_LOSS_KINDS",
+    "aggregate",
+    "policy_loss",
+    "policy_loss_terms",
+    "value_loss",
+]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 PolicyLossKind = Literal["ppo", "gspo", "cispo"]
@@ -89,7 +96,7 @@ def _zero_masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _aggregate_parts(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: Divisor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(numerator, default denominator) of an aggregation. The numerator is a plain sum over this batch, so it is
     additive across microbatches; the denominator is what the mode divides by when no divisor is given."""
@@ -137,7 +144,7 @@ def aggregate(
     mode: Aggregation = "token-mean",
     *,
     divisor: Divisor | None = None,
-    norm_constant: float | None = None,
+    norm_constant: Divisor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss loss_mat: [B, T] with mask: [B, T] to a 0-d tensor (names as in verl's loss_agg_mode).
 
@@ -155,8 +162,7 @@ def aggregate(
     """
     _check_choice("mode", mode, AGGREGATIONS)
     _check_divisor("divisor", divisor)
-    if norm_constant is not None and not norm_constant > 0:
-        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_divisor("norm_constant", norm_constant)
     _check_same_shape(loss_mat=loss_mat, mask=mask)
     num, den = _aggregate_parts(loss_mat, mask, mode, norm_constant)
     return _divide(num, den, divisor, None)
@@ -165,7 +171,7 @@ def aggregate(
 # ------------------------------------------------------------------------------------------------- policy loss
 
 
-def policy_loss(
+def policy_loss_terms(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -180,10 +186,11 @@ def policy_loss(
     aggregation: Aggregation = "token-mean",
     loss_divisor: Divisor | None = None,
     grad_divisor: Divisor | None = None,
-    norm_constant: float | None = None,
+    norm_constant: Divisor | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss and its metrics.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss and its metrics as 0-d tensors (no device sync: CUDA-graph capturable).
+    `policy_loss` is the same with the metrics as floats.
 
     Shapes: logprobs [B, T] float32 (current policy, differentiable), old_logprobs [B, T] float32 (the policy that
     the advantages were computed for; treated as constant), advantages [B, T] or [B] (broadcast over tokens;
@@ -241,8 +248,7 @@ def policy_loss(
         raise ValueError(f"cispo_eps_high must be >= 0, got {cispo_eps_high!r}")
     if cispo_eps_low is not None and not cispo_eps_low >= 0:
         raise ValueError(f"cispo_eps_low must be >= 0, got {cispo_eps_low!r}")
-    if norm_constant is not None and not norm_constant > 0:
-        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_divisor("norm_constant", norm_constant)
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
     if is_weights is not None:
         _check_same_shape(logprobs=logprobs, is_weights=is_weights)
@@ -288,26 +294,37 @@ def policy_loss(
     num, den = _aggregate_parts(loss_mat, m, aggregation, norm_constant)
     loss = _divide(num, den, loss_divisor, grad_divisor)
 
-    inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
-    metrics = scalars_to_floats(
-        {
-            "pg_loss": loss.detach(),
-            "ratio/mean": masked_mean(r, m),
-            "ratio/min": torch.where(m, r, inf).min(),
-            "ratio/max": torch.where(m, r, -inf).max(),
-            "ratio/sum": masked_sum(r, m),
-            "ratio/sum_sq": masked_sum(r * r, m),
-            "clip_frac": masked_mean((clip_low | clip_high).to(r.dtype), m),
-            "clip_frac/low": masked_mean(clip_low.to(r.dtype), m),
-            "clip_frac/high": masked_mean(clip_high.to(r.dtype), m),
-            "dual_clip_frac": masked_mean(dual_hit.to(r.dtype), m),
-            # Tokens were sampled from the old policy, so k3(old, new) estimates KL(old || new).
-            "kl_new_old": masked_mean(kl_estimate(old, logp.detach(), "k3"), m),
-            "num_tokens": masked_count(m),
-            "num_seqs": (masked_count(m, dim=-1) > 0).sum(),
-        }
-    )
+    inf = torch.full((), float("inf"), dtype=r.dtype, device=r.device)
+    metrics = {
+        "pg_loss": loss.detach(),
+        "ratio/mean": masked_mean(r, m),
+        "ratio/min": torch.where(m, r, inf).min(),
+        "ratio/max": torch.where(m, r, -inf).max(),
+        "ratio/sum": masked_sum(r, m),
+        "ratio/sum_sq": masked_sum(r * r, m),
+        "clip_frac": masked_mean((clip_low | clip_high).to(r.dtype), m),
+        "clip_frac/low": masked_mean(clip_low.to(r.dtype), m),
+        "clip_frac/high": masked_mean(clip_high.to(r.dtype), m),
+        "dual_clip_frac": masked_mean(dual_hit.to(r.dtype), m),
+        # Tokens were sampled from the old policy, so k3(old, new) estimates KL(old || new).
+        "kl_new_old": masked_mean(kl_estimate(old, logp.detach(), "k3"), m),
+        "num_tokens": masked_count(m),
+        "num_seqs": (masked_count(m, dim=-1) > 0).sum(),
+    }
     return loss, metrics
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    **kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss_terms` (see there for the arguments and metrics) with the metrics as Python floats, read
+    back from the device in one copy."""
+    loss, metrics = policy_loss_terms(logprobs, old_logprobs, advantages, mask, **kwargs)
+    return loss, scalars_to_floats(metrics)
 
 
 # -------------------------------------------------------------------------------------------------- value loss
@@ -323,7 +340,7 @@ def value_loss(
     aggregation: Aggregation = "token-mean",
     loss_divisor: Divisor | None = None,
     grad_divisor: Divisor | None = None,
-    norm_constant: float | None = None,
+    norm_constant: Divisor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Critic regression loss. values [B, T] (differentiable), old_values [B, T] and returns [B, T] (constant),
     mask [B, T].
@@ -341,8 +358,7 @@ def value_loss(
     _check_divisor("grad_divisor", grad_divisor)
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip!r}")
-    if norm_constant is not None and not norm_constant > 0:
-        raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    _check_divisor("norm_constant", norm_constant)
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
 
     m = mask.bool()

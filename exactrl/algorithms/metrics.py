@@ -105,7 +105,7 @@ def scalars_to_floats(scalars: dict[str, torch.Tensor | float]) -> dict[str, flo
 def _masked_min_max(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max over valid positions; +inf / -inf when there are none (the identity elements of min and max, so
     a trainer folding microbatch extrema with min()/max() gets the exact answer)."""
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    inf = torch.full((), float("inf"), dtype=x.dtype, device=x.device)
     return torch.where(m, x, inf).min(), torch.where(m, x, -inf).max()
 
 

@@ -55,19 +55,38 @@ class AttentionBatch:
         return self.slot_mapping is not None
 
     @staticmethod
-    def packed(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionBatch:
-        """Whole sequences packed back to back (training): sequence b occupies rows offset_b .. offset_b+len_b."""
+    def packed(
+        seq_lens: list[int],
+        device: torch.device | str = "cpu",
+        *,
+        num_seqs: int | None = None,
+        width: int | None = None,
+    ) -> AttentionBatch:
+        """Whole sequences packed back to back (training): sequence b occupies rows offset_b .. offset_b+len_b.
+
+        num_seqs and width give the batch a fixed geometry (a CUDA-graph bucket): empty sequences are appended up
+        to num_seqs, and every sequence is described as up to `width` long (a multiple of BLOCK_N, at least the
+        longest), so the kernels' grids depend on the bucket only. Empty sequences own no rows and see no keys."""
         if not seq_lens or min(seq_lens) <= 0:
             raise ValueError(
                 f"packed attention needs at least one sequence and positive lengths, got {seq_lens}"
             )
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        if num_seqs is not None and num_seqs < len(seq_lens):
+            raise ValueError(f"num_seqs {num_seqs} is less than the {len(seq_lens)} sequences given")
+        max_len = max(seq_lens)
+        if width is not None and (width < max_len or width % BLOCK_N):
+            raise ValueError(
+                f"width {width} must be a multiple of {BLOCK_N} and at least the longest sequence ({max_len})"
+            )
+        lens = torch.tensor(list(seq_lens) + [0] * ((num_seqs or 0) - len(seq_lens)), dtype=torch.int64)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(lens, 0)
-        q_seq = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
+        q_seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
         q_pos = torch.arange(int(cu[-1])) - cu[:-1][q_seq]
-        max_len = int(lens.max())
-        width = _round_up(max_len, BLOCK_N)
+        if width is None:
+            width = _round_up(max_len, BLOCK_N)
+        else:
+            max_len = width
         n = torch.arange(width)
         key_slots = torch.where(
             n[None, :] < lens[:, None], cu[:-1, None] + n[None, :], torch.zeros(()).long()

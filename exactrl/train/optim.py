@@ -25,6 +25,7 @@ class MasterAdamW:
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.has_master = any(p.dtype != torch.float32 for p in self.params)
+        self._persistent: set[int] = set()  # ids of params whose .grad buffer is kept (see persistent_grads)
         if self.has_master:
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         else:
@@ -43,9 +44,28 @@ class MasterAdamW:
     def param_groups(self):
         return self.opt.param_groups
 
+    def persistent_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Give each of `params` (a subset of the optimized parameters) a zero `.grad` that stays at the same
+        address from now on: `zero_grad` zeroes it in place instead of dropping it. A CUDA graph that adds into
+        these buffers stays valid across optimizer steps."""
+        ids = {id(p) for p in self.params}
+        out = []
+        for p in params:
+            if id(p) not in ids:
+                raise ValueError("persistent_grads: a parameter that this optimizer does not own")
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._persistent.add(id(p))
+            out.append(p.grad)
+        return out
+
     def zero_grad(self) -> None:
+        keep = [p.grad for p in self.params if p.grad is not None and id(p) in self._persistent]
+        if keep:
+            torch._foreach_zero_(keep)
         for p in self.params:
-            p.grad = None
+            if id(p) not in self._persistent:
+                p.grad = None
         if self.has_master:
             for m in self.master:
                 m.grad = None

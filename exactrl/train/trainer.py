@@ -19,15 +19,25 @@ from exactrl.algorithms import (
     aggregate,
     gae,
     kl_estimate,
+    masked_sum,
     mismatch_metrics,
-    policy_loss,
+    policy_loss_terms,
     rollout_correction,
     value_loss,
 )
 from exactrl.model.qwen import CausalLM
 from exactrl.train.critic import ValueModel
+from exactrl.train.graphs import MicrobatchGraphs, accumulate_grads
 from exactrl.train.optim import MasterAdamW
-from exactrl.train.packing import PackedBatch, packed_microbatches, response_logprobs
+from exactrl.train.packing import (
+    Bucket,
+    PackedBatch,
+    TrainMicrobatch,
+    microbatch_logprobs,
+    pack_by_tokens,
+    packed_microbatches,
+    response_logprobs,
+)
 
 POLICY_KIND = {"grpo": "ppo", "dr_grpo": "ppo", "rloo": "ppo", "ppo": "ppo", "gspo": "gspo", "cispo": "cispo"}
 
@@ -71,6 +81,11 @@ class TrainerSettings:
     exact: bool = True
     norm_constant: float | None = None  # Dr.GRPO's constant (defaults to the longest completion)
     seed: int = 0
+    # Replay each microbatch's forward + loss + backward as a CUDA graph (on a CUDA device). Microbatches are
+    # then padded to a few bucket shapes (`exactrl.train.packing.choose_bucket`); padding is its own sequences
+    # and never reaches the loss. None for pad_microbatches: pad exactly when graphs are used.
+    cuda_graphs: bool = True
+    pad_microbatches: bool | None = None
 
 
 def _pad(flat: torch.Tensor, seq_idx: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -87,6 +102,14 @@ def _pad(flat: torch.Tensor, seq_idx: torch.Tensor, lengths: list[int]) -> torch
 def _mask(lengths: list[int], device) -> torch.Tensor:
     L = max(lengths)
     return torch.arange(L, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+
+def _rows(t: torch.Tensor, ids: list[int], batch: int, cols: int) -> torch.Tensor:
+    """Rows `ids` of a step-level [N, L] tensor as a zero-padded [batch, cols] one (a bucket's loss matrix)."""
+    out = torch.zeros(batch, cols, dtype=t.dtype)
+    w = min(cols, t.shape[1])
+    out[: len(ids), :w] = t[ids, :w]
+    return out
 
 
 def _padded_list(vals: list[torch.Tensor], L: int, device) -> torch.Tensor:
@@ -156,6 +179,55 @@ class PolicyTrainer:
         self.model, self.s, self.opt = model, settings, optimizer
         self.ref_model, self.critic, self.critic_opt = ref_model, critic, critic_optimizer
         self.steps_done = 0
+        on_cuda = model.device.type == "cuda"
+        graphs = settings.cuda_graphs and on_cuda
+        self.padded = graphs if settings.pad_microbatches is None else settings.pad_microbatches
+        self._grads: list[torch.Tensor] = []
+        self._metric_names: list[str] = []
+        self.graphs = MicrobatchGraphs(
+            self._policy_body, enabled=graphs, watched=lambda: [*self.opt.params, *self._grads]
+        )
+
+    def _policy_body(
+        self, key: tuple[Bucket, bool, bool], x: dict[str, torch.Tensor], accumulate: bool
+    ) -> dict[str, torch.Tensor]:
+        """One microbatch: forward, policy loss (+ entropy and KL terms), backward into the persistent gradient
+        buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures."""
+        s = self.s
+        bucket, _, use_loss_kl = key
+        lp, ent = microbatch_logprobs(self.model, x, bucket, s.temperature)
+        m = x["mask"]
+        divisor, norm_constant = x["divisor"], x["norm_constant"]
+        loss, pm = policy_loss_terms(
+            lp,
+            x["old_lp"],
+            x["adv"],
+            m,
+            kind=POLICY_KIND[s.algorithm],
+            eps_low=s.eps_low,
+            eps_high=s.eps_high,
+            dual_clip=s.dual_clip,
+            aggregation=s.aggregation,
+            loss_divisor=divisor,
+            norm_constant=norm_constant,
+            is_weights=x.get("is_weights"),
+        )
+        ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
+        total = loss - s.entropy_coef * ent_term
+        pm["entropy/sum"] = masked_sum(ent.detach(), m)
+        if use_loss_kl:
+            kl = kl_estimate(lp, x["ref_lp"], s.kl_kind)
+            total = total + s.kl_coef * aggregate(
+                kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
+            )
+            pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
+        pm["total"] = total.detach()
+        accumulate_grads(total, self.opt.params, self._grads, accumulate)
+        self._metric_names = list(pm)
+        return {
+            "metrics": torch.stack([v.detach().reshape(()).to(torch.float64) for v in pm.values()]),
+            "lp": lp.detach(),
+        }
 
     # -- forward pieces ----------------------------------------------------------------------------------
     def _rollout_batches(self, rollouts: list[Rollout]) -> Iterator[tuple[list[int], PackedBatch]]:
@@ -233,8 +305,11 @@ class PolicyTrainer:
                 advantages = advantages - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind)
             old_values = returns = None
 
-        kind = POLICY_KIND[s.algorithm]
         norm_constant = s.norm_constant or float(L)
+        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+        plens = [len(r.prompt_ids) for r in rollouts]
+        if not self._grads:  # before any graph is captured: the graphs add into these buffers in place
+            self._grads = self.opt.persistent_grads(self.opt.params)
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
         acc = _Acc()
         grad_norms, nan_skips, num_updates = [], 0, 0
@@ -250,68 +325,75 @@ class PolicyTrainer:
                 divisor = n_tok if s.aggregation == "token-mean" else len(mb_idx)
                 if divisor == 0:
                     continue
-                finite = True
-                mm_parts = []
-                for micro, pb in self._rollout_batches([rollouts[i] for i in mb_idx]):
+                # Every microbatch is queued before any result is read: one device sync per minibatch.
+                done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+                for micro in pack_by_tokens([len(seqs[i]) - 1 for i in mb_idx], s.max_tokens_per_microbatch):
                     ids = [mb_idx[j] for j in micro]
-                    lp_flat, ent_flat, sidx = response_logprobs(self.model, pb, s.temperature, True)
-                    lens = [lengths[i] for i in ids]
-                    lp = _pad(lp_flat, sidx, lens)
-                    ent = _pad(ent_flat, sidx, lens)
-                    Lm = max(lens)
-                    m = full_mask[ids, :Lm].to(dev)
-                    if check_mismatch:
-                        mm_parts.append((rollout_lp[ids, :Lm], lp.detach().cpu(), _mask(lens, "cpu")))
-                    loss, pm = policy_loss(
-                        lp,
-                        old_lp[ids, :Lm].to(dev),
-                        advantages[ids, :Lm].to(dev),
-                        m,
-                        kind=kind,
-                        eps_low=s.eps_low,
-                        eps_high=s.eps_high,
-                        dual_clip=s.dual_clip,
-                        aggregation=s.aggregation,
-                        loss_divisor=divisor,
-                        norm_constant=norm_constant,
-                        is_weights=None if weights is None else weights[ids, :Lm].to(dev),
+                    tm = TrainMicrobatch.build(
+                        [seqs[i] for i in ids],
+                        [plens[i] for i in ids],
+                        max_tokens=s.max_tokens_per_microbatch,
+                        max_positions=self.model.config.max_position_embeddings,
+                        padded=self.padded,
                     )
-                    ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
-                    total = loss - s.entropy_coef * ent_term
-                    # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
-                    # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
-                    n_m = max(1, int(m.sum()))
-                    local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
-                    pm["entropy"] = float((ent.detach() * m).sum()) / n_m
+                    B, C = tm.bucket.batch, tm.bucket.cols
+                    m = _rows(full_mask, ids, B, C)
+                    x = dict(
+                        tm.inputs,
+                        old_lp=_rows(old_lp, ids, B, C),
+                        adv=_rows(advantages, ids, B, C),
+                        mask=m,
+                        divisor=torch.tensor(float(divisor)),
+                        norm_constant=torch.tensor(norm_constant),
+                    )
+                    if weights is not None:
+                        x["is_weights"] = _rows(weights, ids, B, C)
                     if use_loss_kl:
-                        kl = kl_estimate(lp, ref_lp[ids, :Lm].to(dev), s.kl_kind)
-                        kl_term = aggregate(
-                            kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
-                        )
-                        total = total + s.kl_coef * kl_term
-                        pm["kl_ref"] = float((kl.detach() * m).sum()) / n_m
-                    if not torch.isfinite(total):
-                        finite = False
-                        break
-                    total.backward()
-                    w = float(m.sum())
-                    pm["loss"] = float(total.detach()) * divisor / local
-                    acc.add(pm, w)
+                        assert ref_lp is not None
+                        x["ref_lp"] = _rows(ref_lp, ids, B, C)
+                    out = self.graphs.run((tm.bucket, weights is not None, use_loss_kl), x)
+                    lp = out["lp"][: len(ids)].clone() if check_mismatch else None
+                    done.append((ids, m, out["metrics"].clone(), lp))
                     if self.critic is not None:
+                        pb = PackedBatch.build([seqs[i] for i in ids], [plens[i] for i in ids], dev)
+                        lens = [lengths[i] for i in ids]
+                        Lm = max(lens)
                         v_flat = self.critic(pb)
                         v = _pad(v_flat[pb.response_mask], pb.seq_index[pb.response_mask], lens)
                         vl, vm = value_loss(
                             v,
                             old_values[ids, :Lm].to(dev),
                             returns[ids, :Lm].to(dev),
-                            m,
+                            full_mask[ids, :Lm].to(dev),
                             clip=s.value_clip,
                             aggregation=s.aggregation,
                             loss_divisor=divisor,
                             norm_constant=norm_constant,
                         )
                         (s.vf_coef * vl).backward()
-                        acc.add(vm, w)
+                        acc.add(vm, float(full_mask[ids].sum()))
+                values = torch.stack([d[2] for d in done]).tolist()
+                finite = True
+                mm_parts = []
+                for (ids, m, _, lp), vals in zip(done, values):
+                    pm = dict(zip(self._metric_names, vals))
+                    total = pm.pop("total")
+                    if not math.isfinite(total):
+                        finite = False
+                        break
+                    # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
+                    # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
+                    n_m = max(1, int(m.sum()))
+                    local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
+                    pm["entropy"] = pm.pop("entropy/sum") / n_m
+                    if use_loss_kl:
+                        pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
+                    pm["loss"] = total * divisor / local
+                    acc.add(pm, float(m.sum()))
+                    if lp is not None:
+                        lens = [lengths[i] for i in ids]
+                        Lm = max(lens)
+                        mm_parts.append((rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
                 acc.num_minibatches += 1
                 if check_mismatch and mm_parts:
                     r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])

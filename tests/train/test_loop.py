@@ -507,7 +507,7 @@ def test_all_prompts_too_long_is_an_error_not_a_hang(tmp_path):
 
 
 def _nan_policy_loss(times: int):
-    real = trainer_mod.policy_loss
+    real = trainer_mod.policy_loss_terms
     calls = {"n": 0}
 
     def patched(*args, **kwargs):
@@ -521,7 +521,7 @@ def _nan_policy_loss(times: int):
 
 
 def test_nan_steps_are_skipped_then_the_run_stops(plugin, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "policy_loss", _nan_policy_loss(times=10**9))
+    monkeypatch.setattr(trainer_mod, "policy_loss_terms", _nan_policy_loss(times=10**9))
     lines: list[str] = []
     cfg = cfg_for(tmp_path, "train.steps=4", "sft.steps=0", "train.max_nan_steps=2")
     with pytest.raises(RuntimeError, match=r"2 consecutive steps had a non-finite loss.*max_nan_steps = 2"):
@@ -535,7 +535,7 @@ def test_nan_steps_are_skipped_then_the_run_stops(plugin, tmp_path, monkeypatch)
 
 
 def test_a_nan_step_is_skipped_and_the_run_goes_on(plugin, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "policy_loss", _nan_policy_loss(times=1))
+    monkeypatch.setattr(trainer_mod, "policy_loss_terms", _nan_policy_loss(times=1))
     summary = train(cfg_for(tmp_path, "train.steps=2", "sft.steps=0", "train.max_nan_steps=2"), out=quiet)
     steps = step_records(tmp_path)
     assert [r["nan_skipped"] for r in steps] == [1, 0]

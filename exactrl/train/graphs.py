@@ -1,0 +1,125 @@
+"""Training microbatches replayed as CUDA graphs.
+
+A training step of a small model is bound by the host: forward, loss and backward of one microbatch are about
+two thousand kernel launches, and Python issues them more slowly than the GPU runs them. A `MicrobatchGraphs`
+captures the whole microbatch once per input geometry (a *bucket*: see `exactrl.train.packing.Bucket`) and
+replays it with one launch: forward through the shared model, LM-head logprobs, the loss, the backward pass, and
+the accumulation of the gradients into buffers that live outside the graph (`MasterAdamW.persistent_grads`).
+
+The captured body is the eager body: `run` calls the same function directly when graphs are off (the CPU, or
+`cuda_graphs = false`), and a replay executes exactly the kernels that function launched during capture, on the
+same shapes, so a graph step and an eager step of the same bucket are bitwise equal (tested on the GPU).
+
+Rules the body follows, because capture records kernels and not Python: every input is a tensor of the bucket's
+shape copied into a static buffer before replay; nothing reads a device value on the host (no `.item()`, no
+`nonzero`); scalars that may change between steps (divisors, the Dr.GRPO constant) are 0-d tensors, never Python
+floats; outputs are read after replay, before the next one overwrites them.
+
+All buckets share one memory pool: replays never overlap (one stream, one microbatch at a time) and each graph's
+outputs are cloned by the caller, so one graph's temporaries can reuse another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+Body = Callable[[Hashable, dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]
+
+
+def accumulate_grads(
+    loss: torch.Tensor, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], accumulate: bool
+) -> None:
+    """Gradients of `loss` with respect to `params`, added into `buffers` (each param's persistent .grad) when
+    `accumulate`, else computed and dropped (a warm-up run that must leave the buffers alone).
+
+    The add is in the buffers' dtype, as autograd's own accumulation into .grad is, so gradients summed over
+    microbatches are the same bits as `loss.backward()` would leave."""
+    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    if not accumulate:
+        return
+    pairs = [(b, g) for b, g in zip(buffers, grads) if g is not None]
+    if pairs:
+        torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
+
+
+class _Entry:
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, static: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
+    ):
+        self.graph, self.static, self.out = graph, static, out
+
+
+class MicrobatchGraphs:
+    """Runs `body(key, inputs, accumulate)` for one microbatch, eagerly or as a CUDA graph captured per key.
+
+    body: reads its tensor inputs (whose shapes the key determines), runs forward + loss + backward, adds the gradients into persistent buffers
+    when `accumulate` (see `accumulate_grads`) and returns a dict of output tensors. `watched`: tensors whose
+    storage the graphs read in place (the parameters and the gradient buffers); if any of them moves (weights
+    replaced, buffers re-allocated) the graphs are dropped and captured again instead of reading stale memory.
+    """
+
+    def __init__(self, body: Body, *, enabled: bool, watched: Callable[[], Sequence[torch.Tensor]]):
+        self.body, self.enabled, self._watched = body, enabled, watched
+        self._graphs: dict[Hashable, _Entry] = {}
+        self._pool = None
+        self._side: torch.cuda.Stream | None = None
+        self._addresses: tuple[int, ...] = ()
+        self.captures = 0
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The body's outputs for `inputs`. With graphs on, these are the graph's static output tensors: valid
+        until the next `run`, so clone what must outlive it."""
+        if not self.enabled:
+            device = self._watched()[0].device
+            return self.body(key, {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, True)
+        addresses = tuple(t.data_ptr() for t in self._watched())
+        if addresses != self._addresses:
+            self._graphs.clear()
+            self._addresses = addresses
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, inputs)
+            self._graphs[key] = entry
+        for name, t in inputs.items():
+            dst = entry.static[name]
+            if dst.shape != t.shape or dst.dtype != t.dtype:
+                raise ValueError(
+                    f"graph input {name!r}: {tuple(t.shape)} {t.dtype} does not match the bucket's "
+                    f"{tuple(dst.shape)} {dst.dtype} (a bucket key must determine every input's shape)"
+                )
+            dst.copy_(t, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.out
+
+    def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> _Entry:
+        device = self._watched()[0].device
+        static = {k: v.to(device, copy=True) for k, v in inputs.items()}
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm up on a side stream, as capture requires: Triton compiles, cuBLAS picks its workspace, autograd
+        # builds its per-device state. Two runs: the first can take paths (compilation, lazy init) the second
+        # does not. The gradients of the warm-up are dropped.
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.body(key, static, False)
+        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up's activations sit in the caching allocator under the side stream, where nothing else can
+        # reuse them; hand them back before the capture takes its own pool.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.body(key, static, True)
+        self.captures += 1
+        return _Entry(graph, static, out)
