@@ -51,6 +51,8 @@ def _host_profile(step, top: int) -> None:
     pr.disable()
     print("\n== host: functions by own time over 2 steps (cProfile)")
     pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+    print("\n== host: functions by cumulative time over 2 steps (cProfile)")
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(top)
 
 
 def main() -> int:

@@ -80,7 +80,9 @@ class MicrobatchGraphs:
             return self.body(key, {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, True)
         addresses = tuple(t.data_ptr() for t in self._watched())
         if addresses != self._addresses:
+            # Dropping the graphs frees their shared pool; the next capture starts a new one.
             self._graphs.clear()
+            self._pool = None
             self._addresses = addresses
         entry = self._graphs.get(key)
         if entry is None:
