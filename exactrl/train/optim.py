@@ -84,30 +84,63 @@ class MasterAdamW:
     def clip_and_step(self, max_norm: float) -> float:
         """Clip the global grad norm to max_norm (0 = no clip), step, copy masters back. Returns the norm, or
         NaN without stepping when any gradient is not finite."""
+        norm = self.clip_and_step_async(max_norm)
+        if norm is None:
+            return 0.0
+        value = float(norm)
+        return value if math.isfinite(value) else float("nan")
+
+    def clip_and_step_async(self, max_norm: float, skip: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`clip_and_step` that does not wait for the device: returns the global grad norm as a 0-d float64
+        tensor (non-finite: the step was skipped), or None when no parameter has a gradient.
+
+        skip: an optional 0-d bool tensor; when true the step is skipped as for a non-finite norm (the trainer's
+        non-finite loss). On CUDA the decision stays on the device: the fused AdamW kernel takes `found_inf` (it
+        leaves weights, moments and step count alone) and the clip factor as its `grad_scale`, so no value is read
+        back before the update is queued. On the CPU, where reading is free, the norm is read and the update is
+        skipped or made by the host."""
         if self.has_master:
             self._masters_take_grads()
         grads = [m.grad for m in self.master if m.grad is not None]
         if not grads:
-            return 0.0
-        if self.on_cuda:  # fp32 per-tensor norms in a few launches (fixed-order, deterministic reductions)
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
-        else:
+            self.zero_grad()
+            return None
+        if not self.on_cuda:
             norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
             )
-        norm_f = float(norm)
-        if not math.isfinite(norm_f):
-            self.zero_grad()
-            return float("nan")
-        if max_norm > 0 and norm_f > max_norm:
-            scale = max_norm / (norm_f + 1e-6)
-            torch._foreach_mul_(grads, scale)
+            norm_f = float(norm)
+            if not math.isfinite(norm_f) or (skip is not None and bool(skip)):
+                self.zero_grad()
+                return torch.tensor(float("nan"), dtype=torch.float64)
+            if max_norm > 0 and norm_f > max_norm:
+                torch._foreach_mul_(grads, max_norm / (norm_f + 1e-6))
+            self._update()
+            return norm
+        # fp32 per-tensor norms in a few launches (fixed-order, deterministic reductions).
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+        ok = torch.isfinite(norm)
+        if skip is not None:
+            ok = ok & ~skip.to(ok.device)
+        one = torch.ones((), dtype=torch.float64, device=norm.device)
+        # The kernel divides each gradient by grad_scale: 1 (exactly no change) unless the norm is over max_norm.
+        scale = one
+        if max_norm > 0:
+            scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one)
+        self.opt.grad_scale = scale.float()  # type: ignore[attr-defined]
+        self.opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
+        try:
+            self._update()
+        finally:
+            del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
+        return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+
+    def _update(self) -> None:
         self.opt.step()
         if self.has_master:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         self.zero_grad()
-        return norm_f
 
     def state_dict(self) -> dict:
         return {

@@ -314,6 +314,7 @@ class PolicyTrainer:
         acc = _Acc()
         grad_norms, nan_skips, num_updates = [], 0, 0
         use_loss_kl = ref_lp is not None and not s.kl_in_reward
+        pending: list[tuple] = []  # per minibatch: its device-side results, read after the last one is queued
         for epoch in range(s.ppo_epochs):
             order = torch.arange(len(rollouts)) if epoch == 0 else torch.randperm(len(rollouts), generator=g)
             for mb_i, mb_idx in enumerate(torch.tensor_split(order, min(s.minibatches, len(rollouts)))):
@@ -372,48 +373,54 @@ class PolicyTrainer:
                         )
                         (s.vf_coef * vl).backward()
                         acc.add(vm, float(full_mask[ids].sum()))
-                values = torch.stack([d[2] for d in done]).tolist()
-                finite = True
-                mm_parts = []
-                for (ids, m, _, lp), vals in zip(done, values):
-                    pm = dict(zip(self._metric_names, vals))
-                    total = pm.pop("total")
-                    if not math.isfinite(total):
-                        finite = False
-                        break
-                    # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
-                    # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
-                    n_m = max(1, int(m.sum()))
-                    local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
-                    pm["entropy"] = pm.pop("entropy/sum") / n_m
-                    if use_loss_kl:
-                        pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
-                    pm["loss"] = total * divisor / local
-                    acc.add(pm, float(m.sum()))
-                    if lp is not None:
-                        lens = [lengths[i] for i in ids]
-                        Lm = max(lens)
-                        mm_parts.append((rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
+                # The optimizer step is queued without reading anything back: a non-finite loss in any
+                # microbatch, or a non-finite gradient norm, makes the device skip it. Results are read once,
+                # at the end of the step.
+                vecs = torch.stack([d[2] for d in done])
+                bad = ~torch.isfinite(vecs[:, self._metric_names.index("total")]).all()
+                norm = self.opt.clip_and_step_async(s.grad_clip, skip=bad)
+                critic_norm = (
+                    self.critic_opt.clip_and_step_async(s.grad_clip, skip=bad)
+                    if self.critic_opt is not None
+                    else None
+                )
                 acc.num_minibatches += 1
-                if check_mismatch and mm_parts:
-                    r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])
-                    t_all = torch.cat([_pad_to(p[1], L) for p in mm_parts])
-                    k_all = torch.cat([_pad_to(p[2], L) for p in mm_parts])
-                    metrics.update(mismatch_metrics(r_all, t_all, k_all))
-                if not finite:
-                    nan_skips += 1
-                    self.opt.zero_grad()
-                    if self.critic_opt is not None:
-                        self.critic_opt.zero_grad()
-                    continue
-                norm = self.opt.clip_and_step(s.grad_clip)
-                if self.critic_opt is not None:
-                    metrics["critic/grad_norm"] = self.critic_opt.clip_and_step(s.grad_clip)
-                if math.isnan(norm):
-                    nan_skips += 1
-                else:
-                    grad_norms.append(norm)
-                    num_updates += 1
+                pending.append((done, vecs, norm, critic_norm, check_mismatch, divisor))
+        for done, vecs, norm, critic_norm, check_mismatch, divisor in pending:
+            finite = True
+            mm_parts = []
+            for (ids, m, _, lp), vals in zip(done, vecs.tolist()):
+                pm = dict(zip(self._metric_names, vals))
+                total = pm.pop("total")
+                if not math.isfinite(total):
+                    finite = False
+                    break
+                # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
+                # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
+                n_m = max(1, int(m.sum()))
+                local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
+                pm["entropy"] = pm.pop("entropy/sum") / n_m
+                if use_loss_kl:
+                    pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
+                pm["loss"] = total * divisor / local
+                acc.add(pm, float(m.sum()))
+                if lp is not None:
+                    lens = [lengths[i] for i in ids]
+                    Lm = max(lens)
+                    mm_parts.append((rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
+            if check_mismatch and mm_parts:
+                r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])
+                t_all = torch.cat([_pad_to(p[1], L) for p in mm_parts])
+                k_all = torch.cat([_pad_to(p[2], L) for p in mm_parts])
+                metrics.update(mismatch_metrics(r_all, t_all, k_all))
+            if critic_norm is not None:
+                metrics["critic/grad_norm"] = float(critic_norm)
+            value = 0.0 if norm is None else float(norm)
+            if not finite or math.isnan(value):
+                nan_skips += 1
+            else:
+                grad_norms.append(value)
+                num_updates += 1
         self.steps_done += 1
         out = acc.result()
         n = out.get("num_tokens", 0.0)

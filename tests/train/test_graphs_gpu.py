@@ -92,3 +92,43 @@ def test_graphs_follow_reallocated_weights():
     for x, y in zip(ref[1][1], trainer.model.parameters()):
         assert torch.equal(x, y)
     assert metrics["optimizer_steps"] == 2
+
+
+def test_device_side_skip_and_clip():
+    """clip_and_step_async on CUDA: a skip flag or a non-finite gradient leaves weights, moments and the step
+    count alone without a host read; a large gradient is clipped to max_norm, a small one is not touched."""
+    model = build_model(preset("tiny", num_layers=1), device="cuda", dtype=torch.bfloat16, seed=0)
+    opt = MasterAdamW(model, lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def set_grads(value: float) -> None:
+        for p in opt.params:
+            p.grad = torch.full_like(p, value)
+
+    set_grads(1.0)
+    norm = opt.clip_and_step_async(1.0, skip=torch.tensor(True, device="cuda"))
+    assert norm is not None and torch.isnan(norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    set_grads(float("inf"))
+    assert torch.isnan(opt.clip_and_step_async(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(float(st["step"]) == 0 for st in opt.opt.state.values())
+    # A real step: the norm comes back, the weights move, the step count is 1.
+    set_grads(1.0)
+    n = sum(p.numel() for p in opt.params)
+    norm = opt.clip_and_step_async(1.0)
+    assert abs(float(norm) - n**0.5) < 1e-6 * n**0.5
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(float(st["step"]) == 1 for st in opt.opt.state.values())
+    # Clipped: AdamW normalises the gradient scale away on the first step, so check the moments instead:
+    # exp_avg = (1 - beta1) * clipped gradient.
+    opt2 = MasterAdamW(
+        build_model(preset("tiny", num_layers=1), device="cuda", dtype=torch.bfloat16), lr=1e-3
+    )
+    for p in opt2.params:
+        p.grad = torch.full_like(p, 2.0)
+    n2 = sum(p.numel() for p in opt2.params)
+    opt2.clip_and_step_async(1.0)
+    g = 2.0 / ((2.0 * n2**0.5 + 1e-6) / 1.0)
+    for st in opt2.opt.state.values():
+        assert torch.allclose(st["exp_avg"], torch.full_like(st["exp_avg"], 0.1 * g), rtol=1e-5)
