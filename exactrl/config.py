@@ -432,6 +432,9 @@ class TrainConfig:
     """Learning rate after warmup: "constant", or "cosine" / "linear" decay to 0 at the last step."""
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed forward/backward microbatch (gradients are accumulated across them)."""
+    cuda_graphs: bool = True
+    """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
+    then padded to a few bucket shapes; padding never reaches the loss."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
     keep_checkpoints: int = 2

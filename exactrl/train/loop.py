@@ -306,6 +306,7 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
         rollout_correction=a.rollout_correction,
         rollout_correction_threshold=a.rollout_correction_threshold,
         max_tokens_per_microbatch=tr.max_tokens_per_microbatch,
+        cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
         exact=exact,
         norm_constant=float(cfg.sampling.max_tokens),
