@@ -21,6 +21,7 @@ outputs are cloned by the caller, so one graph's temporaries can reuse another's
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -64,10 +65,10 @@ class MicrobatchGraphs:
         self.body, self.enabled, self._watched = body, enabled, watched
         self._graphs: dict[Hashable, _Entry] = {}
         self._pool = None
-        self._side: torch.cuda.Stream | None = None
         self._addresses: tuple[int, ...] = ()
         self.captures = 0
         self.replays = 0
+        self.capture_s = 0.0  # wall time spent warming up and capturing, over this object's life
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -101,27 +102,18 @@ class MicrobatchGraphs:
         return entry.out
 
     def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> _Entry:
+        t0 = time.perf_counter()
         device = self._watched()[0].device
         static = {k: v.to(device, copy=True) for k, v in inputs.items()}
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Warm up on a side stream, as capture requires: Triton compiles, cuBLAS picks its workspace, autograd
-        # builds its per-device state. Two runs: the first can take paths (compilation, lazy init) the second
-        # does not. The gradients of the warm-up are dropped.
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.body(key, static, False)
-        torch.cuda.current_stream().wait_stream(side)
-        # The warm-up's activations sit in the caching allocator under the side stream, where nothing else can
-        # reuse them; hand them back before the capture takes its own pool.
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        # One eager warm-up run first (Triton compiles for the bucket's shapes, side streams and lazy state are
+        # created), on the current stream so that its activations go back to the pool eager steps use. Its
+        # gradients are dropped.
+        self.body(key, static, False)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.body(key, static, True)
         self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return _Entry(graph, static, out)

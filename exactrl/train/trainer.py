@@ -431,6 +431,9 @@ class PolicyTrainer:
         out["nan_skipped"] = float(nan_skips)
         out["optimizer_steps"] = float(num_updates)
         out["lr"] = float(self.opt.param_groups[0]["lr"])
+        if self.graphs.enabled:
+            out["perf/train_graphs"] = float(len(self.graphs))
+            out["perf/train_graph_capture_s"] = self.graphs.capture_s
         return out
 
 

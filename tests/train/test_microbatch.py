@@ -15,6 +15,7 @@ from exactrl.train.packing import (
     PackedBatch,
     TrainMicrobatch,
     choose_bucket,
+    completion_logprobs,
     microbatch_logprobs,
     response_logprobs,
 )
@@ -91,8 +92,6 @@ def _rollouts(model, seed: int) -> list[Rollout]:
         p = torch.randint(1, 60, (3 + i,), generator=g).tolist()
         c = torch.randint(1, 60, (2 + (5 * i) % 7,), generator=g).tolist()
         out.append(Rollout(p, c, torch.zeros(len(c)), advantage=float(i % 3) - 1.0))
-    from exactrl.train.packing import completion_logprobs
-
     lps = completion_logprobs(
         model, [r.prompt_ids + r.completion_ids for r in out], [len(r.prompt_ids) for r in out]
     )
