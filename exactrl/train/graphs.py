@@ -55,14 +55,26 @@ class _Entry:
 class MicrobatchGraphs:
     """Runs `body(key, inputs, accumulate)` for one microbatch, eagerly or as a CUDA graph captured per key.
 
-    body: reads its tensor inputs (whose shapes the key determines), runs forward + loss + backward, adds the gradients into persistent buffers
-    when `accumulate` (see `accumulate_grads`) and returns a dict of output tensors. `watched`: tensors whose
-    storage the graphs read in place (the parameters and the gradient buffers); if any of them moves (weights
-    replaced, buffers re-allocated) the graphs are dropped and captured again instead of reading stale memory.
+    body: reads its tensor inputs (whose shapes the key determines), runs forward + loss + backward, adds the
+    gradients into persistent buffers when `accumulate` (see `accumulate_grads`) and returns a dict of output
+    tensors. `watched`: tensors whose storage the graphs read in place (the parameters and the gradient
+    buffers); if any of them moves (weights replaced, buffers re-allocated) the graphs are dropped and captured
+    again instead of reading stale memory.
+    `max_graphs`: at most this many buckets get a graph; microbatches of further buckets run eagerly (the same
+    body, so the same bits), which bounds the memory a run with very varied lengths can tie up.
     """
 
-    def __init__(self, body: Body, *, enabled: bool, watched: Callable[[], Sequence[torch.Tensor]]):
+    def __init__(
+        self,
+        body: Body,
+        *,
+        enabled: bool,
+        watched: Callable[[], Sequence[torch.Tensor]],
+        max_graphs: int = 64,
+    ):
         self.body, self.enabled, self._watched = body, enabled, watched
+        self.max_graphs = max_graphs
+        self.eager_runs = 0  # microbatches of buckets past max_graphs
         self._graphs: dict[Hashable, _Entry] = {}
         self._pool = None
         self._addresses: tuple[int, ...] = ()
@@ -77,8 +89,7 @@ class MicrobatchGraphs:
         """The body's outputs for `inputs`. With graphs on, these are the graph's static output tensors: valid
         until the next `run`, so clone what must outlive it."""
         if not self.enabled:
-            device = self._watched()[0].device
-            return self.body(key, {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, True)
+            return self._eager(key, inputs)
         addresses = tuple(t.data_ptr() for t in self._watched())
         if addresses != self._addresses:
             # Dropping the graphs frees their shared pool; the next capture starts a new one.
@@ -87,7 +98,16 @@ class MicrobatchGraphs:
             self._addresses = addresses
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(key, inputs)
+            if len(self._graphs) >= self.max_graphs:
+                self.eager_runs += 1
+                return self._eager(key, inputs)
+            try:
+                entry = self._capture(key, inputs)
+            except Exception as e:
+                raise RuntimeError(
+                    f"CUDA graph capture of a training microbatch failed ({type(e).__name__}: {e}); "
+                    "set train.cuda_graphs = false to train without graphs"
+                ) from e
             self._graphs[key] = entry
         for name, t in inputs.items():
             dst = entry.static[name]
@@ -100,6 +120,10 @@ class MicrobatchGraphs:
         entry.graph.replay()
         self.replays += 1
         return entry.out
+
+    def _eager(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        device = self._watched()[0].device
+        return self.body(key, {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, True)
 
     def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> _Entry:
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def _rollouts(model, seed: int, flip: bool = False) -> list[Rollout]:
     return out
 
 
-def _run(exact: bool, graphs: bool, flip: bool = False, steps: int = 3):
+def _run(exact: bool, graphs: bool, flip: bool = False, steps: int = 3, max_graphs: int = 64):
     from exactrl.ops import set_exact_environment
 
     set_exact_environment(exact)
@@ -49,6 +49,7 @@ def _run(exact: bool, graphs: bool, flip: bool = False, steps: int = 3):
         pad_microbatches=True,
     )
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-4))
+    trainer.graphs.max_graphs = max_graphs
     history = []
     for step in range(steps):
         metrics = trainer.step(_rollouts(model, seed=10 + step, flip=flip))
@@ -135,3 +136,12 @@ def test_device_side_skip_and_clip():
     g = 2.0 / ((2.0 * n2**0.5 + 1e-6) / 1.0)
     for st in opt2.opt.state.values():
         assert torch.allclose(st["exp_avg"], torch.full_like(st["exp_avg"], 0.1 * g), rtol=1e-5)
+
+
+def test_buckets_past_the_graph_cap_run_eagerly_with_the_same_bits():
+    _, ref = _run(True, graphs=False, steps=2)
+    trainer, got = _run(True, graphs=True, steps=2, max_graphs=1)
+    assert len(trainer.graphs) == 1 and trainer.graphs.eager_runs > 0 and trainer.graphs.replays > 0
+    for (_, wa), (_, wb) in zip(ref, got):
+        for x, y in zip(wa, wb):
+            assert torch.equal(x, y)
