@@ -30,11 +30,13 @@ class MasterAdamW:
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         else:
             self.master = self.params
-        # Both implementations are elementwise, deterministic and identical on resume. On CUDA the fused kernel
-        # (a few launches for all parameters instead of ~10 per parameter); on the CPU the plain loop. (A Triton
-        # pass per parameter that also read the 16-bit gradients and wrote the 16-bit weights saved GPU time but
-        # cost ~300 kernel launches per step, and the training step is bound by launches on the host.)
+        # Every implementation is elementwise, deterministic and identical on resume. On the CPU torch's plain
+        # loop. On CUDA with 16-bit weights, one Triton launch for all parameters that reads the 16-bit gradients
+        # and writes the 16-bit weights (exactrl/ops/triton/adamw.py: no fp32 gradient copies, no copy back);
+        # otherwise torch's fused kernel. torch's AdamW object holds the state either way, in its own format, so
+        # checkpoints do not depend on which kernel ran.
         self.on_cuda = all(p.is_cuda for p in self.master)
+        self._tables = None  # exactrl.ops.triton.adamw.AdamWTables, built on the first Triton step
         kw = {"fused": True} if self.on_cuda else {"foreach": False}
         self.opt = torch.optim.AdamW(
             self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **kw
@@ -99,6 +101,8 @@ class MasterAdamW:
         leaves weights, moments and step count alone) and the clip factor as its `grad_scale`, so no value is read
         back before the update is queued. On the CPU, where reading is free, the norm is read and the update is
         skipped or made by the host."""
+        if self._triton_ready():
+            return self._triton_step(max_norm, skip)
         if self.has_master:
             self._masters_take_grads()
         grads = [m.grad for m in self.master if m.grad is not None]
@@ -133,6 +137,65 @@ class MasterAdamW:
             self._update()
         finally:
             del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
+        return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+
+    def _triton_ready(self) -> bool:
+        """The one-launch Triton step applies: CUDA, 16-bit weights with fp32 masters, one weight dtype, every
+        parameter has a gradient of that dtype, one parameter group."""
+        if not (self.on_cuda and self.has_master) or len(self.opt.param_groups) != 1:
+            return False
+        dt = self.params[0].dtype
+        return all(p.dtype == dt and p.grad is not None and p.grad.dtype == dt for p in self.params)
+
+    def _triton_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor:
+        from exactrl.ops.triton.adamw import AdamWTables, adamw_step
+
+        grads = [p.grad for p in self.params]
+        # Per-tensor norms accumulate in fp32 from the 16-bit gradients (the values an fp32 copy would hold).
+        norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double()
+        )
+        ok = torch.isfinite(norm)
+        if skip is not None:
+            ok = ok & ~skip.to(ok.device)
+        one = torch.ones((), dtype=torch.float64, device=norm.device)
+        scale = one
+        if max_norm > 0:
+            scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one)
+        group = self.opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        state = self.opt.state
+        for m in self.master:  # torch's own state layout (fused AdamW: a float32 step on the device)
+            if m not in state or not state[m]:
+                state[m] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=m.device),
+                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+                }
+        steps = [state[m]["step"] for m in self.master]
+        torch._foreach_add_(steps, ok.float())  # skipped steps do not count, as with fused AdamW's found_inf
+        groups = (
+            self.master,
+            grads,
+            [state[m]["exp_avg"] for m in self.master],
+            [state[m]["exp_avg_sq"] for m in self.master],
+            self.params,
+        )
+        if self._tables is None:
+            self._tables = AdamWTables([m.numel() for m in self.master], self.master[0].device)
+        self._tables.point_at(*groups)
+        t = steps[0].double()
+        scalars = torch.stack([scale, 1 - beta1**t, 1 - beta2**t, (~ok).double()]).float()
+        adamw_step(
+            self._tables,
+            scalars,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+        self.zero_grad()
         return torch.where(ok, norm, torch.full_like(norm, float("nan")))
 
     def _update(self) -> None:

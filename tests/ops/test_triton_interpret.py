@@ -516,3 +516,45 @@ def test_logprobs_chunking_and_grad(dtype):
     rlp, rent = logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
     ((rlp * g_lp.double()).sum() + (rent * g_ent.double()).sum()).backward()
     assert rel_err(hl.grad, hr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AdamW (one launch for every parameter)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_adamw_kernel_matches_torch_and_skips_exactly():
+    from exactrl.ops.triton.adamw import BLOCK, AdamWTables, adamw_step
+
+    shapes = [(5,), (30, 7), (BLOCK + 3,)]  # the last crosses a program boundary
+    masters = [randn(*s, seed=40 + i) for i, s in enumerate(shapes)]
+    ref = [m.clone().cpu().requires_grad_(True) for m in masters]
+    weights = [m.to(torch.bfloat16) for m in masters]
+    exp_avgs = [torch.zeros_like(m) for m in masters]
+    exp_avg_sqs = [torch.zeros_like(m) for m in masters]
+    lr, betas, eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.1
+    torch_opt = torch.optim.AdamW(ref, lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    tables = AdamWTables([m.numel() for m in masters], masters[0].device)
+    for step in range(1, 4):
+        grads = [randn(*s, dtype=torch.bfloat16, seed=50 + 10 * step + i) for i, s in enumerate(shapes)]
+        scale = 2.0 if step == 2 else 1.0  # step 2 is clipped: every gradient divided by 2
+        tables.point_at(masters, grads, exp_avgs, exp_avg_sqs, weights)
+        scalars = torch.tensor([scale, 1 - betas[0] ** step, 1 - betas[1] ** step, 0.0], device=DEVICE)
+        adamw_step(tables, scalars, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd)
+        for r, g in zip(ref, grads):
+            r.grad = g.float().cpu() / scale
+        torch_opt.step()
+        for m, r, w in zip(masters, ref, weights):
+            assert torch.allclose(m.cpu(), r.detach(), rtol=1e-5, atol=1e-7)
+            assert torch.equal(w, round_as_kernels(m, torch.bfloat16)), "weights are not the rounded masters"
+        for m, r in zip(exp_avgs, ref):
+            # torch updates the moment with lerp, the kernel with beta1 * m + (1 - beta1) * g: the last bit may differ.
+            assert torch.allclose(m.cpu(), torch_opt.state[r]["exp_avg"], rtol=1e-5, atol=1e-7)
+    # A skipped step leaves every tensor bit for bit as it was; the same step unskipped does not.
+    before = [t.clone() for t in (*masters, *weights, *exp_avgs, *exp_avg_sqs)]
+    scalars = torch.tensor([1.0, 1 - betas[0] ** 4, 1 - betas[1] ** 4, 1.0], device=DEVICE)
+    adamw_step(tables, scalars, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*masters, *weights, *exp_avgs, *exp_avg_sqs)))
+    scalars[3] = 0.0
+    adamw_step(tables, scalars, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd)
+    assert not all(torch.equal(a, b) for a, b in zip(before, (*masters, *weights, *exp_avgs, *exp_avg_sqs)))
