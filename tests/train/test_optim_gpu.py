@@ -50,7 +50,9 @@ def test_triton_step_is_used_and_close_to_torch_fused():
         assert abs(na - nb) <= 1e-6 * nb
     assert a._tables is not None
     for x, y in zip(_snapshot(a), _snapshot(b)):
-        assert torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-6)
+        # fp32 state: close; bf16 weights: the rounding of two close masters may land one bf16 step apart.
+        rtol = 2**-7 if x.dtype == torch.bfloat16 else 1e-4
+        assert torch.allclose(x.float(), y.float(), rtol=rtol, atol=1e-6)
     # The weights moved at all (the comparison above is not between two untouched models).
     assert not torch.equal(a.params[0], _model().model.embed_tokens.weight)
 
