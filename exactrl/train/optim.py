@@ -121,16 +121,7 @@ class MasterAdamW:
                 torch._foreach_mul_(grads, max_norm / (norm_f + 1e-6))
             self._update()
             return norm
-        # fp32 per-tensor norms in a few launches (fixed-order, deterministic reductions).
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
-        ok = torch.isfinite(norm)
-        if skip is not None:
-            ok = ok & ~skip.to(ok.device)
-        one = torch.ones((), dtype=torch.float64, device=norm.device)
-        # The kernel divides each gradient by grad_scale: 1 (exactly no change) unless the norm is over max_norm.
-        scale = one
-        if max_norm > 0:
-            scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one)
+        norm, ok, scale = _device_clip(grads, max_norm, skip)
         self.opt.grad_scale = scale.float()  # type: ignore[attr-defined]
         self.opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
         try:
@@ -151,17 +142,7 @@ class MasterAdamW:
         from exactrl.ops.triton.adamw import AdamWTables, adamw_step
 
         grads = [p.grad for p in self.params]
-        # Per-tensor norms accumulate in fp32 from the 16-bit gradients (the values an fp32 copy would hold).
-        norm = torch.linalg.vector_norm(
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double()
-        )
-        ok = torch.isfinite(norm)
-        if skip is not None:
-            ok = ok & ~skip.to(ok.device)
-        one = torch.ones((), dtype=torch.float64, device=norm.device)
-        scale = one
-        if max_norm > 0:
-            scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one)
+        norm, ok, scale = _device_clip(grads, max_norm, skip)
         group = self.opt.param_groups[0]
         beta1, beta2 = group["betas"]
         state = self.opt.state
@@ -218,6 +199,24 @@ class MasterAdamW:
                 for m, saved, p in zip(self.master, state["master"], self.params):
                     m.copy_(saved)
                     p.copy_(m)
+
+
+def _device_clip(
+    grads: list[torch.Tensor], max_norm: float, skip: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(global L2 norm fp64, step-ok flag, gradient divisor), all on the device: the divisor is exactly 1 unless
+    the norm is over max_norm (0 = no clip); ok is false for a non-finite norm or when `skip` is set. Per-tensor
+    norms accumulate in fp32 (from 16-bit gradients too: the values an fp32 copy would hold), in a few
+    fixed-order, deterministic launches."""
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double())
+    ok = torch.isfinite(norm)
+    if skip is not None:
+        ok = ok & ~skip.to(ok.device)
+    one = torch.ones((), dtype=torch.float64, device=norm.device)
+    scale = one
+    if max_norm > 0:
+        scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one)
+    return norm, ok, scale
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
