@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 if want tests; then
   timeout 420 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/ops/test_triton_sampling.py \
-    tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+    tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py tests/train/test_optim_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
