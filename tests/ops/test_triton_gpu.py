@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from norm_invariance import norm_row_failures as _norm_row_failures
 
 pytestmark = [
     pytest.mark.gpu,
@@ -163,36 +164,16 @@ NORM_SHAPES = {"hidden": (HIDDEN, 8 * 1024 + 13), "head": (DH, 100_003)}
 
 
 def norm_row_failures(fn, inputs, seed=0):
-    """Where `fn` (rows -> a tuple of row outputs) gives some row other bits than it has in `fn(*inputs)`: the row
-    alone, in m-row prefixes (m in SWEEP), in windows at offsets that are no multiple of the kernel's ROWS, and
-    inside bigger calls with random rows before and after it. Empty: invariant."""
-    full = fn(*inputs)
-    R, D = inputs[0].shape
-    rows = norm_config(D)[1]
-    bad = []
-
-    def check(name, part, lo):
-        if not all(torch.equal(p, f[lo : lo + p.shape[0]]) for p, f in zip(part, full)):
-            bad.append(name)
-
-    for i in sorted({0, 1, rows - 1, rows, R // 2, R - 1}):
-        check(f"row {i} alone", fn(*(t[i : i + 1] for t in inputs)), i)
-    for m in SWEEP:
-        check(f"{m}-row prefix", fn(*(t[:m] for t in inputs)), 0)
-    for off in (1, rows // 2 + 3, R - 300):
-        check(f"300 rows at {off}", fn(*(t[off : off + 300] for t in inputs)), off)
-    for before, after in ((1, 0), (rows - 1, 5), (3 * rows + 5, 1000)):
-        pads = [
-            (
-                randn(before, D, dtype=t.dtype, seed=seed + 2 * j),
-                randn(after, D, dtype=t.dtype, seed=seed + 2 * j + 1),
-            )
-            for j, t in enumerate(inputs)
-        ]
-        big = fn(*(torch.cat((a, t, b)) for t, (a, b) in zip(inputs, pads)))
-        if not all(torch.equal(o[before : before + R], f) for o, f in zip(big, full)):
-            bad.append(f"inside a call of {before} + {R} + {after} rows")
-    return bad
+    """norm_invariance.norm_row_failures at the GPU sweep: m-row prefixes over SWEEP, 300-row windows."""
+    return _norm_row_failures(
+        fn,
+        inputs,
+        randn=randn,
+        prefixes=lambda rows, R: SWEEP,
+        window=300,
+        last_after=lambda rows: 1000,
+        seed=seed,
+    )
 
 
 def norm_inputs(shape, dtype, seed):

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from norm_invariance import norm_row_failures as _norm_row_failures
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
@@ -118,36 +119,16 @@ def test_rms_norm(dtype, dim):
 
 
 def norm_row_failures(fn, inputs: list[torch.Tensor], seed: int = 0) -> list[str]:
-    """Where `fn` (rows -> a tuple of row outputs) gives some row other bits than it has in `fn(*inputs)`: the row
-    alone, in m-row prefixes, in windows at offsets that are no multiple of the kernel's ROWS, and inside bigger
-    calls with random rows before and after it (so it sits at another place in another tile). Empty: invariant."""
-    full = fn(*inputs)
-    R, D = inputs[0].shape
-    rows = norm_config(D)[1]
-    bad = []
-
-    def check(name, part, lo):
-        if not all(torch.equal(p, f[lo : lo + p.shape[0]]) for p, f in zip(part, full)):
-            bad.append(name)
-
-    for i in sorted({0, 1, rows - 1, rows, R // 2, R - 1}):
-        check(f"row {i} alone", fn(*(t[i : i + 1] for t in inputs)), i)
-    for m in (2, 3, 17, rows + 1, R - 1):
-        check(f"{m}-row prefix", fn(*(t[:m] for t in inputs)), 0)
-    for off in (1, rows // 2 + 3, R - 37):
-        check(f"37 rows at {off}", fn(*(t[off : off + 37] for t in inputs)), off)
-    for before, after in ((1, 0), (rows - 1, 5), (3 * rows + 5, rows)):
-        pads = [
-            (
-                randn(before, D, dtype=t.dtype, seed=seed + 2 * j),
-                randn(after, D, dtype=t.dtype, seed=seed + 2 * j + 1),
-            )
-            for j, t in enumerate(inputs)
-        ]
-        big = fn(*(torch.cat((a, t, b)) for t, (a, b) in zip(inputs, pads)))
-        if not all(torch.equal(o[before : before + R], f) for o, f in zip(big, full)):
-            bad.append(f"inside a call of {before} + {R} + {after} rows")
-    return bad
+    """norm_invariance.norm_row_failures on tiny shapes: a few prefixes around the row tile, 37-row windows."""
+    return _norm_row_failures(
+        fn,
+        inputs,
+        randn=randn,
+        prefixes=lambda rows, R: (2, 3, 17, rows + 1, R - 1),
+        window=37,
+        last_after=lambda rows: rows,
+        seed=seed,
+    )
 
 
 def split_rms_norm_when_small(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor]:
