@@ -198,12 +198,17 @@ def bench_attention(rows: list[dict], out, quick: bool) -> None:
 
 
 ATTN_FWD_ALTERNATIVES = [
+    (64, 64, 4, 3),  # the default
     (64, 64, 4, 2),
+    (64, 64, 4, 4),
     (128, 64, 8, 2),
-    (128, 128, 8, 2),
-    (64, 64, 4, 3),
     (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
     (64, 128, 4, 2),
+    (64, 128, 4, 3),
+    (64, 32, 4, 4),
 ]
 
 
@@ -219,9 +224,9 @@ def _packed_attention_inputs(B: int, L: int):
     return q, k, v, torch.randn_like(q), AttentionBatch.packed([L] * B, device=DEVICE)
 
 
-def bench_attention_configs(rows: list[dict], out) -> None:
+def bench_attention_configs(rows: list[dict], out, backward: bool = True) -> None:
     """Forward tile configs (time for training and decode, and whether decode rows equal training rows under
-    each), then the backward's (bench_attention_bwd_configs), for the record."""
+    each), then the backward's (bench_attention_bwd_configs) unless `backward` is False, for the record."""
     from exactrl.ops.batch import AttentionBatch
     from exactrl.ops.triton.attention import attention_fwd
 
@@ -256,7 +261,8 @@ def bench_attention_configs(rows: list[dict], out) -> None:
             same = torch.equal(dec, full[rows_idx])
             emit(rows, {**rec, "train_ms": t, "tflops": flop_fwd / t * 1e-9, "decode_rows_ms": td,
                         "decode_equals_training": same}, out)  # fmt: skip
-    bench_attention_bwd_configs(rows, out)
+    if backward:
+        bench_attention_bwd_configs(rows, out)
 
 
 ATTN_BWD_ALTERNATIVES = {
@@ -451,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         "--configs", nargs="*", default=None, help="names of MATMUL_ALTERNATIVES to run (default all)"
     )
     ap.add_argument("--only-attention-configs", action="store_true", help="only the attention tile sweeps")
+    ap.add_argument(
+        "--forward-only", action="store_true", help="with --only-attention-configs: the forward's"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -465,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                       "triton": __import__("triton").__version__}))  # fmt: skip
     ms = [1, 16, 256, 1024, 4096, 8192] if not args.quick else [1, 256, 4096]
     if args.only_attention_configs:
-        bench_attention_configs(rows, out)
+        bench_attention_configs(rows, out, backward=not args.forward_only)
         print_table(rows)
         return 0
     if args.only_matmul_configs:

@@ -2,7 +2,7 @@
 # One bundled GPU session: tests marked gpu, end-to-end parity on qwen3-0.6b, rollout and train benchmarks.
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
-#     [attention-configs] [profile]
+#     [attention-configs] [attention-fwd-configs] [profile]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -55,6 +55,10 @@ fi
 if want attention-configs; then
   timeout 300 python3 benchmarks/bench_kernels.py --only-attention-configs --out "$OUT/attention_configs.jsonl" 2>&1 \
     | tail -40 | tee "$OUT/attention_configs.txt"
+fi
+if want attention-fwd-configs; then
+  timeout 300 python3 benchmarks/bench_kernels.py --only-attention-configs --forward-only \
+    --out "$OUT/attention_fwd_configs.jsonl" 2>&1 | tail -20 | tee "$OUT/attention_fwd_configs.txt"
 fi
 if want profile; then
   timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"

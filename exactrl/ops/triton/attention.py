@@ -81,12 +81,54 @@ _BWD_LAUNCH = {
 }
 
 
+@triton.jit
+def _fwd_tile(
+    j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh, stride_vt,
+    stride_vh, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+):  # fmt: skip
+    # One key tile [j * BLOCK_N, (j + 1) * BLOCK_N) into the online softmax. MASKED=False only for tiles whose
+    # every key exists and is visible to every row of the tile: then the masks are all true, and dropping them
+    # changes no bit (where(True, s, -inf) is s, a load with a true mask is the load).
+    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < key_len
+        slot = tl.load(slot_base + n, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        slot = tl.load(slot_base + n)
+        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :])
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+    else:
+        slot = tl.load(slot_base + n)
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=d_ok[None, :], other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=d_ok[None, :], other=0.0
+        )
+    s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32)) * qk_scale
+    if MASKED:
+        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Exactly 1 when the running max did not move (always so in a tile fully masked for this row), without
+    # relying on the hardware exp2 being exact at 0.
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+    p = tl.exp2(s - m_new[:, None])  # 0 exactly at masked keys
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = mma(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["tiles_per_seq"])
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, q_pos_ptr, key_lens_ptr, slots_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse,
     stride_slots, tiles_per_seq, head_dim, qk_scale,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,28 +154,25 @@ def _attn_fwd_kernel(
     )
     key_len = tl.load(key_lens_ptr + b)
     n_tiles = tl.max(pos, axis=0) // BLOCK_N + 1
+    # Tiles wholly at or before the earliest stored query's position (and within the keys) are visible in full to
+    # every stored row: no masks there. The rest are masked. Padding rows (never stored) load position 0 and see
+    # those tiles too; their results are discarded.
+    first_pos = tl.min(tl.where(row_ok, pos, 2147483647), axis=0)
+    n_full = tl.minimum(first_pos + 1, key_len) // BLOCK_N
     slot_base = slots_ptr + b * stride_slots
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for j in range(0, n_tiles):
-        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < key_len
-        slot = tl.load(slot_base + n, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32)) * qk_scale
-        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Exactly 1 when the running max did not move (always so in a tile fully masked for this row), without
-        # relying on the hardware exp2 being exact at 0.
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])  # 0 exactly at masked keys
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = mma(p.to(v.dtype), v, acc)
-        m_i = m_new
+    for j in range(0, n_full):
+        m_i, l_i, acc = _fwd_tile(
+            j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh,
+            stride_vt, stride_vh, qk_scale, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
+        )  # fmt: skip
+    for j in range(n_full, n_tiles):
+        m_i, l_i, acc = _fwd_tile(
+            j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh,
+            stride_vt, stride_vh, qk_scale, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + row[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :],
@@ -425,7 +464,8 @@ def attention_fwd(
         q, k_store, v_store, out, lse, batch.cu_seqlens_q, batch.q_pos, batch.key_lens, slots,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), slots.stride(0), tiles_per_seq, dh, sm_scale * _LOG2E,
-        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out, lse
 
