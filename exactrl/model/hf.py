@@ -75,7 +75,9 @@ def load_model(
     cfg = read_config(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    expected = {
+        name: tuple(t.shape) for name, t in model.state_dict().items()
+    }  # HF's names (packed q/k/v split)
     files = _tensor_files(model_dir)
     if cfg.tie_word_embeddings:
         files.pop("lm_head.weight", None)  # some exporters write the tied head too
@@ -120,7 +122,8 @@ def save_model(
     """Write `model` (and the tokenizer) as an HF checkpoint that transformers can load."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    # copy=True: the q/k/v and gate/up entries are views of one packed tensor, and safetensors wants owners.
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     cfg = model.config
     eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
     hf = cfg.to_hf(dtype_name(model.dtype))

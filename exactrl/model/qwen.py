@@ -3,8 +3,13 @@
 Single-device code over flat token streams (`[T, ...]`, packed sequences, no padding inside the model). The
 forward takes token ids, absolute positions and an `AttentionBatch` that says either "these are whole packed
 sequences" (training) or "this is a step against the paged KV cache" (rollout). Every numeric op goes through
-`self.ops`, so the engine and the trainer run the same arithmetic on the same module. Parameter names follow HF
-(`model.layers.3.self_attn.q_proj.weight`), so checkpoints map one to one.
+`self.ops`, so the engine and the trainer run the same arithmetic on the same module.
+
+The projections that read one input are packed into one weight (`qkv_proj`: q, k, v; `gate_up_proj`: gate, up),
+so each is one matmul forward and one dX matmul backward. A packed output column has the bits of the unpacked
+projection's: the matmul reduces every output element over K the same way whatever the width of N. The
+state dict speaks HF's names (`model.layers.3.self_attn.q_proj.weight`): `state_dict()` splits a packed weight
+into its parts and `load_state_dict()` packs them, so checkpoints map one to one.
 """
 
 from __future__ import annotations
@@ -32,15 +37,68 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
 
+class PackedLinear(Linear):
+    """Projections of one input stacked into one weight: `parts` names each part (its HF module name, in row
+    order) and its output width. The parent module registers `pack_state_dict` so its state dict holds the
+    parts under their own names."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), bias)
+        self.parts = dict(parts)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The packed output [T, sum] -> one view per part, in order."""
+        return y.split(list(self.parts.values()), dim=-1)
+
+
+def pack_state_dict(parent: nn.Module, packed_name: str) -> None:
+    """Make `parent`'s state dict name `parent.<packed_name>` by its parts (HF's names): split on `state_dict()`
+    (views of the packed tensor, no copy), concatenated on `load_state_dict()`."""
+    packed: PackedLinear = getattr(parent, packed_name)
+
+    def split_on_save(module, state_dict, prefix, local_metadata) -> None:
+        for kind in ("weight", "bias"):
+            t = state_dict.pop(f"{prefix}{packed_name}.{kind}", None)
+            if t is None:
+                continue
+            for part, piece in zip(packed.parts, t.split(list(packed.parts.values()), dim=0)):
+                state_dict[f"{prefix}{part}.{kind}"] = piece
+
+    def pack_on_load(
+        module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{part}.{kind}" for part in packed.parts]
+            present = [n for n in names if n in state_dict]
+            if not present:
+                continue
+            if len(present) < len(names):  # leave them for load_state_dict to report as missing / unexpected
+                missing_keys.extend(n for n in names if n not in state_dict)
+                continue
+            pieces = [state_dict.pop(n) for n in names]
+            rest = tuple(getattr(packed, kind).shape[1:])  # (in_features,) for the weight, () for the bias
+            bad = [
+                f"{n}: shape {tuple(t.shape)}, the model needs {(rows, *rest)}"
+                for n, t, rows in zip(names, pieces, packed.parts.values())
+                if tuple(t.shape) != (rows, *rest)
+            ]
+            if bad:  # the packed entry stays missing: load_state_dict reports both
+                errors.extend(bad)
+                continue
+            state_dict[f"{prefix}{packed_name}.{kind}"] = torch.cat(pieces, dim=0)
+
+    parent.register_state_dict_post_hook(split_on_save)
+    parent.register_load_state_dict_pre_hook(pack_on_load)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q, bias=cfg.qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
         self.o_proj = Linear(q, cfg.hidden_size)
+        pack_state_dict(self, "qkv_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -49,15 +107,17 @@ class Attention(nn.Module):
 
     def forward(self, ops: Ops, x, positions, cos_sin, batch: AttentionBatch, kv_cache=None):
         T = x.shape[0]
-        q, k, v = ops.linear_group(x, [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)])
+        p = self.qkv_proj
+        q, k, v = p.split(ops.linear(x, p.weight, p.bias))  # views with the packed row stride
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q = ops.rope(q, positions, cos_sin)
-        k = ops.rope(k, positions, cos_sin)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head, then RoPE (one op, one pass on the GPU)
+            q = ops.rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, cos_sin)
+            k = ops.rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, cos_sin)
+        else:
+            q = ops.rope(q, positions, cos_sin)
+            k = ops.rope(k, positions, cos_sin)
         o = ops.attention(q, k, v, batch, kv_cache)
         return ops.linear(o.reshape(T, -1), self.o_proj.weight)
 
@@ -65,12 +125,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter})
+        self.down_proj = Linear(inter, cfg.hidden_size)
+        pack_state_dict(self, "gate_up_proj")
 
     def forward(self, ops: Ops, x):
-        gate, up = ops.linear_group(x, [(self.gate_proj.weight, None), (self.up_proj.weight, None)])
+        gate, up = self.gate_up_proj.split(ops.linear(x, self.gate_up_proj.weight))
         h = ops.silu_mul(gate, up)
         return ops.linear(h, self.down_proj.weight)
 
@@ -136,13 +197,16 @@ class CausalLM(nn.Module):
     def init_weights(self, seed: int = 0, std: float = 0.02) -> CausalLM:
         """Random init as HF does for Qwen (normal(0, 0.02) for matrices, ones for norms, zeros for biases)."""
         g = torch.Generator().manual_seed(seed)
+        packed = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, PackedLinear)}
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+            else:  # a packed weight part by part, in HF's order: the draws of the unpacked model
+                rows = list(packed[name].parts.values()) if name in packed else [p.shape[0]]
+                for piece in p.split(rows, dim=0):
+                    piece.copy_(torch.randn(piece.shape, generator=g, dtype=torch.float32) * std)
         return self
 
     @property

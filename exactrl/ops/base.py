@@ -24,14 +24,6 @@ class Ops(Protocol):
         """x: [T, K], weight: [N, K], bias: [N] -> [T, N] in x.dtype (fp32 accumulation)."""
         ...
 
-    def linear_group(
-        self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> list[torch.Tensor]:
-        """[linear(x, w, b) for w, b in weights]: several projections of the same input (q/k/v, gate/up).
-
-        Each output has exactly the bits of its own `linear` call; a backend may run them concurrently."""
-        ...
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [..., D] -> [..., D]; normalise in fp32, cast to x.dtype, multiply by weight (HF order)."""
         ...
@@ -47,6 +39,18 @@ class Ops(Protocol):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, Dh], positions: [T] int64, cos_sin: [P, Dh] fp32 (cos in the first half, sin in the second)."""
+        ...
+
+    def rms_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [T, H, Dh] -> rope(rms_norm(x, weight, eps), positions, cos_sin) with exactly those bits (Qwen3's
+        per-head q/k norm before RoPE); a backend may fuse the two into one pass."""
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

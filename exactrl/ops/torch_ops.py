@@ -12,7 +12,6 @@ Why the exact ops look the way they do (facts measured on the CPU machines, guar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -267,45 +266,11 @@ def _check_temperature(temperature: float) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def linear_group(
-    linear: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    weights: list[tuple[torch.Tensor, torch.Tensor | None]],
-    side_streams: list,
-) -> list[torch.Tensor]:
-    """[linear(x, w, b) for w, b in weights]. While a CUDA graph is being captured, the calls after the first go
-    on side streams (forked from and joined back into the capturing stream), so the graph runs them
-    concurrently: a decode step's small-M projections each fill only a few SMs. The calls, their kernels and
-    their inputs are the same either way, so are the bits. `side_streams` is the backend's stream pool, grown
-    outside captures (creating a stream inside one is not allowed everywhere)."""
-    need = len(weights) - 1
-    if not x.is_cuda or need < 1:
-        return [linear(x, w, b) for w, b in weights]
-    if not torch.cuda.is_current_stream_capturing():
-        if len(side_streams) < need:
-            side_streams += [torch.cuda.Stream(x.device) for _ in range(need - len(side_streams))]
-        return [linear(x, w, b) for w, b in weights]
-    if len(side_streams) < need:
-        return [linear(x, w, b) for w, b in weights]
-    main = torch.cuda.current_stream(x.device)
-    out = [linear(x, *weights[0])]
-    for s, (w, b) in zip(side_streams, weights[1:]):
-        s.wait_stream(main)
-        with torch.cuda.stream(s):
-            out.append(linear(x, w, b))
-    for s in side_streams[:need]:
-        main.wait_stream(s)
-    return out
-
-
 class ExactTorchOps:
     """Batch-invariant ops in plain PyTorch: the exact backend on the CPU."""
 
     name = "exact-torch"
     exact = True
-
-    def __init__(self) -> None:
-        self._side_streams: list[torch.cuda.Stream] = []  # linear_group's pool (fast mode on CUDA)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
@@ -313,11 +278,6 @@ class ExactTorchOps:
         if mp != m:  # pad rows so the GEMM takes the same blocking path whatever the batch (see module doc)
             x = F.pad(x, (0, 0, 0, mp - m))
         return F.linear(x, weight, bias)[:m]
-
-    def linear_group(
-        self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> list[torch.Tensor]:
-        return linear_group(self.linear, x, weights, self._side_streams)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)
@@ -330,6 +290,16 @@ class ExactTorchOps:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         return rope_torch(x, positions, cos_sin)
+
+    def rms_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.rope(self.rms_norm(x, weight, eps), positions, cos_sin)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul_torch(gate, up)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from exactrl.ops.batch import AttentionBatch
-from exactrl.ops.torch_ops import linear_group
 from exactrl.ops.triton.attention import ATTN_BLOCK_N, ATTN_ROWS, attention
 from exactrl.ops.triton.elementwise import rope, silu_mul
 from exactrl.ops.triton.logprobs import (
@@ -33,7 +32,7 @@ from exactrl.ops.triton.logprobs import (
     scaled_logits,
 )
 from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear
-from exactrl.ops.triton.norm import add_rms_norm, rms_norm
+from exactrl.ops.triton.norm import add_rms_norm, rms_norm, rms_norm_rope
 
 __all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
 
@@ -45,16 +44,8 @@ class TritonOps:
     exact = True
     attn_block_n = ATTN_BLOCK_N
 
-    def __init__(self) -> None:
-        self._side_streams: list[torch.cuda.Stream] = []
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, weight, bias)
-
-    def linear_group(
-        self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> list[torch.Tensor]:
-        return linear_group(self.linear, x, weights, self._side_streams)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -66,6 +57,16 @@ class TritonOps:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         return rope(x, positions, cos_sin)
+
+    def rms_norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        return rms_norm_rope(x, weight, eps, positions, cos_sin)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate, up)

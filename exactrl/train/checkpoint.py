@@ -97,7 +97,7 @@ def save_checkpoint(
     save_model(model, tmp / "policy", tokenizer=tokenizer)
     if critic is not None:
         save_file(
-            {k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()},
+            {k: v.detach().to("cpu", copy=True).contiguous() for k, v in critic.state_dict().items()},
             str(tmp / "critic.safetensors"),
         )
     torch.save({k: v.state_dict() for k, v in optimizers.items()}, tmp / "optimizer.pt")
@@ -143,10 +143,8 @@ def load_checkpoint(
     """Load weights into `model` (and critic) in place, restore optimizer and RNG states; return state.json."""
     path = Path(path)
     loaded = load_model(path / "policy", device=model.device, dtype=model.dtype, exact=model.ops.exact)
-    with torch.no_grad():
-        for (n, p), (n2, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
-            assert n == n2, (n, n2)
-            p.copy_(q)
+    with torch.no_grad():  # in place: the parameters stay the optimizer's and the captured graphs' tensors
+        model.load_state_dict(loaded.state_dict(), strict=True)
     if critic is not None:
         sd = load_file(str(path / "critic.safetensors"), device=str(model.device))
         critic.load_state_dict(sd)

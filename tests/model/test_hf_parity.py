@@ -89,6 +89,30 @@ def test_what_we_save_transformers_loads(tmp_path):
     assert tok.decode(tok("12+7=19").input_ids) == "12+7=19"
 
 
+def test_packed_projections_keep_hf_names(tmp_path):
+    """q/k/v and gate/up live in one packed weight each, but the state dict holds HF's tensors: the same names and
+    values as transformers' model, and a state dict with a part missing or misshapen is refused by name."""
+    hf = _hf_model("qwen2", tied=False)  # qwen2: packed biases too
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in dict(ours.named_parameters())
+    theirs = hf.state_dict()
+    mine = ours.state_dict()
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    broken = dict(mine)
+    del broken["model.layers.1.self_attn.v_proj.bias"]
+    with pytest.raises(RuntimeError, match=r"model.layers.1.self_attn.v_proj.bias"):
+        ours.load_state_dict(broken)
+    broken = dict(mine)
+    broken["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(RuntimeError, match=r"model.layers.0.mlp.up_proj.weight: shape \(3, 64\)"):
+        ours.load_state_dict(broken)
+    # A round trip through load_state_dict changes nothing.
+    ours.load_state_dict({n: t.clone() for n, t in mine.items()})
+    assert all(torch.equal(ours.state_dict()[n], theirs[n]) for n in theirs)
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     _hf_model("qwen3", True).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -99,6 +99,19 @@ def test_linear_sweep(dtype, name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [(2048, 1024, 1024), (3072, 3072)], ids=["qkv", "gate_up"])
+def test_packed_linear_equals_parts(dtype, parts):
+    """The model's packed q/k/v and gate/up weights: each part's columns of the packed matmul have the bits of
+    the part's own matmul, at every M tried (the fixed tile reduces an element over K the same way for any N)."""
+    ws = [randn(n, HIDDEN, dtype=dtype, scale=HIDDEN**-0.5, seed=40 + i) for i, n in enumerate(parts)]
+    packed = torch.cat(ws)
+    x = randn(300, HIDDEN, dtype=dtype, seed=45)
+    for m in (1, 7, 256, 300):
+        outs = ops.linear(x[:m], packed).split(list(parts), dim=-1)
+        assert all(torch.equal(o, ops.linear(x[:m], w)) for o, w in zip(outs, ws)), f"M={m}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_bias_sweep(dtype):
     x, w, b = (
         randn(300, 1024, dtype=dtype, seed=5),
@@ -131,6 +144,37 @@ def test_rope_silu_sweep(dtype):
     g, u = randn(300, INTER, dtype=dtype, seed=14), randn(300, INTER, dtype=dtype, seed=15)
     full = assert_rows_invariant(ops.silu_mul, [g, u], {0, 1}, "silu_mul")
     assert rel_err(full, silu_mul_torch(g.double(), u.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rope_sweep(dtype):
+    """Qwen3's q/k norm + RoPE in one pass: row-invariant, the bits of rms_norm then rope (q: 16 heads, k: 8),
+    gradients against float64 and deterministic."""
+    ang = torch.arange(4096, device=DEV)[:, None] * (1e6 ** (-torch.arange(DH // 2, device=DEV) / (DH // 2)))
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float()
+    pos = torch.randint(0, 4096, (300,), generator=gen(16), device=DEV)
+    w = (1 + 0.1 * randn(DH, seed=17)).to(dtype)
+    for heads in (HQ, HKV):
+        x = randn(300, heads, DH, dtype=dtype, seed=18 + heads)
+        fn = lambda a, p: ops.rms_norm_rope(a, w, 1e-6, p, cos_sin)  # noqa: E731
+        full = assert_rows_invariant(fn, [x, pos], {0, 1}, f"rms_norm_rope ({heads} heads)")
+        unfused = ops.rope(ops.rms_norm(x, w, 1e-6), pos, cos_sin)
+        assert torch.equal(full, unfused), (
+            f"fused differs from rms_norm + rope: {(full - unfused).abs().max()}"
+        )
+    if dtype == torch.bfloat16:  # negative control: without the rounding between the two ops, other bits
+        skipped = ops.rope(ops.rms_norm(x.float(), w.float(), 1e-6), pos, cos_sin).to(dtype)
+        assert not torch.equal(skipped, full)
+    gy = randn(300, HKV, DH, dtype=dtype, seed=30)
+    grads = []
+    for _ in range(2):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ops.rms_norm_rope(xl, wl, 1e-6, pos, cos_sin).backward(gy)
+        grads.append((xl.grad, wl.grad))
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    rope_torch(rms_norm_torch(xr, wr, 1e-6), pos, cos_sin.double()).backward(gy.double())
+    assert rel_err(grads[0][0], xr.grad) < TOL[dtype] and rel_err(grads[0][1], wr.grad) < TOL[dtype]
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "backward is not deterministic"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

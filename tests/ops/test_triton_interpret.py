@@ -273,6 +273,39 @@ def test_rope(dtype):
     assert rel_err(xl.grad, xr.grad) < TOL[dtype]
 
 
+def _rope_table(n_pos: int, dh: int) -> torch.Tensor:
+    ang = torch.arange(n_pos)[:, None] * (1e-2 ** (torch.arange(dh // 2) / (dh // 2)))[None, :]
+    return torch.cat((ang.cos(), ang.sin()), dim=-1).float().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dh", [32, 40])
+def test_rms_norm_rope_equals_unfused(dtype, dh):
+    """Qwen3's q/k norm and RoPE in one pass: the bits of rms_norm then rope, any number of rows; gradients
+    against float64."""
+    T, H = 37, 3
+    pos = torch.randint(0, 64, (T,), generator=torch.Generator().manual_seed(40)).to(DEVICE)
+    cos_sin = _rope_table(64, dh)
+    x = randn(T, 2 * H * dh, dtype=dtype, seed=41)[:, : H * dh].view(T, H, dh)  # strided like a qkv slice
+    w = (1 + 0.3 * randn(dh, seed=42)).to(dtype)
+    fused = ops.rms_norm_rope(x, w, 1e-6, pos, cos_sin)
+    unfused = ops.rope(ops.rms_norm(x, w, 1e-6), pos, cos_sin)
+    assert torch.equal(fused, unfused), f"fused differs from rms_norm + rope: {(fused - unfused).abs().max()}"
+    for m in (1, 2, 5, 36):
+        assert torch.equal(ops.rms_norm_rope(x[:m], w, 1e-6, pos[:m], cos_sin), fused[:m]), f"{m} rows"
+    # Negative control: rotating the unrounded fp32 norm output (skipping the rounding `rms_norm` stores) gives
+    # other bits, so the equality above can fail.
+    if dtype == torch.bfloat16:
+        skipped = round_as_kernels(ops.rope(ops.rms_norm(x.float(), w.float(), 1e-6), pos, cos_sin), dtype)
+        assert not torch.equal(skipped, fused)
+    xl, wl = x.detach().clone().requires_grad_(True), w.clone().requires_grad_(True)
+    gy = randn(T, H, dh, dtype=dtype, seed=43)
+    ops.rms_norm_rope(xl, wl, 1e-6, pos, cos_sin).backward(gy)
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    rope_torch(rms_norm_torch(xr, wr, 1e-6), pos, cos_sin.double()).backward(gy.double())
+    assert rel_err(xl.grad, xr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # attention
 # ------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,11 @@ Fused add (`add_rms_norm`): the same kernel with HAS_RESIDUAL loads x and the re
 to x.dtype (torch's `x + residual`), stores it, and normalises that rounded value with the code `rms_norm` runs:
 `normed` has the bits of `rms_norm(summed)`, and the residual stream is read once instead of twice.
 
+Fused RoPE (`rms_norm_rope`, Qwen3's per-head q/k norm): the same kernel with ROPE normalises each row (one head
+of one token) as above, rounds it as `rms_norm` stores it, and rotates it with `rope`'s fp32 expressions, the
+partner column d +- D/2 normalised again from a second load of the same row: the bits of the two ops in turn, in
+one pass. Its backward rotates the incoming gradient back in fp32 before the norm's backward.
+
 Backward (training only: deterministic, not batch-invariant): a program walks a fixed run of consecutive tiles,
 writes dx, and accumulates its rows' weight-gradient terms in an fp32 register tile; it stores one partial row of
 a [programs, D] fp32 buffer, summed in a fixed order by torch. The number of programs depends on R and the SM
@@ -26,6 +31,8 @@ count only, so the same inputs on the same device give the same bits. No atomics
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,19 +66,31 @@ def _rms_norm_fwd_kernel(
     out_ptr,
     sum_ptr,
     rstd_ptr,
+    pos_ptr,
+    cs_ptr,
+    stride_cs,
+    n_heads,
+    stride_xt,
     R,
     D,
     eps,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < R
     ok = row_ok[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    if (
+        ROPE
+    ):  # x: [T, n_heads, D] with heads contiguous and a token stride of its own (a view of the packed qkv)
+        x_row = (rows // n_heads) * stride_xt + (rows % n_heads) * D
+        x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         # torch's `x + residual`: the sum in fp32, rounded once to x.dtype; then normalised like any input.
         res = tl.load(res_ptr + offs, mask=ok, other=0.0)
@@ -84,6 +103,25 @@ def _rms_norm_fwd_kernel(
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     # A product of two <=16-bit floats is exact in fp32, so one rounding to the output dtype matches torch.
     y = normed.to(tl.float32) * w[None, :]
+    if ROPE:
+        # rope(rms_norm(x)) with the bits of the two ops run one after the other: y is rounded to the output dtype
+        # as `rms_norm` stores it, then rotated with `rope`'s fp32 expressions. A row is one head of one token; the
+        # partner of column d is d +- D/2 in the same row (same rstd), normalised again from a second load.
+        half = D // 2
+        lo = cols < half
+        partner = tl.where(lo, cols + half, cols - half)
+        xp = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=ok, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
+        yp = (xp.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * wp[None, :]
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        yp = yp.to(out_ptr.dtype.element_ty).to(tl.float32)
+        pos = tl.load(pos_ptr + rows // n_heads, mask=row_ok, other=0)
+        freq = tl.where(lo, cols, cols - half)
+        cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
+        cos = tl.load(cs_row, mask=ok, other=0.0)
+        sin = tl.load(cs_row + half, mask=ok, other=0.0)
+        # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves).
+        y = tl.where(lo[None, :], y * cos - yp * sin, y * cos + yp * sin)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -97,12 +135,18 @@ def _rms_norm_bwd_kernel(
     gs_ptr,
     gx_ptr,
     gw_part_ptr,
+    pos_ptr,
+    cs_ptr,
+    stride_cs,
+    n_heads,
+    stride_xt,
     R,
     D,
     tiles_per_program,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_GRAD_SUM: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -115,8 +159,24 @@ def _rms_norm_bwd_kernel(
         row_ok = rows < R
         ok = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * D + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if ROPE:
+            x_row = (rows // n_heads) * stride_xt + (rows % n_heads) * D
+            x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         gy = tl.load(gy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if ROPE:
+            # Through the rotation first (its transpose: the rotation by -angle), kept in fp32.
+            half = D // 2
+            lo = cols < half
+            partner = tl.where(lo, cols + half, cols - half)
+            gyp = tl.load(gy_ptr + rows[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+            pos = tl.load(pos_ptr + rows // n_heads, mask=row_ok, other=0)
+            freq = tl.where(lo, cols, cols - half)
+            cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
+            cos = tl.load(cs_row, mask=ok, other=0.0)
+            sin = tl.load(cs_row + half, mask=ok, other=0.0)
+            gy = tl.where(lo[None, :], gy * cos + gyp * sin, gy * cos - gyp * sin)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]  # masked rows: all terms are 0
         n = x * rstd
         gn = gy * w[None, :]
@@ -139,12 +199,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
+class RopeArgs(NamedTuple):
+    """RoPE applied after the norm, rows being [token, head] pairs: positions [T] int64, the fp32 cos | sin table
+    [P, D], the number of heads per token (row r is token r // n_heads) and the input's token stride (its heads
+    are contiguous: a [T, H, D] view of the packed q/k/v projection)."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    n_heads: int
+    stride_xt: int
+
+
+def _rope_launch_args(rope: RopeArgs | None, x: torch.Tensor) -> tuple:
+    if rope is None:
+        return x, x, 0, 1, 0
+    return rope.positions, rope.cos_sin, rope.cos_sin.stride(0), rope.n_heads, rope.stride_xt
+
+
 def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    rope: RopeArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """x (and residual): [R, D] from `_rows` -> (y [R, D] in promote(x, weight) dtype, summed [R, D] in x.dtype
-    (None without a residual), rstd [R] fp32). With a residual, y normalises summed = x + residual."""
-    R, D = x.shape
+    (None without a residual), rstd [R] fp32). With a residual, y normalises summed = x + residual; with `rope`,
+    y is then rotated (RoPE) as `rope` would rotate the stored norm output."""
+    R, D = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1), x.shape[-1]
     out = torch.empty((R, D), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(R, dtype=torch.float32, device=x.device)
@@ -157,12 +239,14 @@ def rms_norm_fwd(
             out,
             out if summed is None else summed,
             rstd,
+            *_rope_launch_args(rope, x),
             R,
             D,
             float(eps),
             ROWS=rows,
             BLOCK_D=block_d,
             HAS_RESIDUAL=residual is not None,
+            ROPE=rope is not None,
             num_warps=num_warps,
         )
     return out, summed, rstd
@@ -174,11 +258,13 @@ def rms_norm_bwd(
     weight: torch.Tensor,
     rstd: torch.Tensor,
     grad_sum: torch.Tensor | None = None,
+    rope: RopeArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gy, x (and grad_sum): [R, D] from `_rows`, rstd: [R] -> (dx [R, D] in x.dtype, dweight [D] in
-    weight.dtype). grad_sum, if given, is added to dx in fp32 before its one rounding. Deterministic."""
-    R, D = x.shape
-    gx = torch.empty_like(x)
+    weight.dtype). grad_sum, if given, is added to dx in fp32 before its one rounding; with `rope`, gy is the
+    gradient of the rotated output and is rotated back in fp32 first. Deterministic."""
+    R, D = gy.shape
+    gx = torch.empty((R, D), dtype=x.dtype, device=x.device)
     block_d, rows, num_warps = norm_config(D, backward=True)
     tiles = triton.cdiv(R, rows)
     programs = min(tiles, NORM_BWD_PROGRAMS_PER_SM * num_programs_cap(x.device))
@@ -194,12 +280,14 @@ def rms_norm_bwd(
             gy if grad_sum is None else grad_sum,
             gx,
             gw_part,
+            *_rope_launch_args(rope, x),
             R,
             D,
             per_program,
             ROWS=rows,
             BLOCK_D=block_d,
             HAS_GRAD_SUM=grad_sum is not None,
+            ROPE=rope is not None,
             num_warps=num_warps,
         )
     return gx, gw_part.sum(0).to(weight.dtype)  # a few hundred partial rows, summed in a fixed order
@@ -217,6 +305,22 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         gx, gw = rms_norm_bwd(_rows(gy), x, weight, rstd)
         return gx, gw, None
+
+
+class _RMSNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, positions, cos_sin):  # type: ignore[override]
+        rope = RopeArgs(positions, cos_sin, x.shape[1], x.stride(0))
+        y, _, rstd = rms_norm_fwd(x, weight, eps, rope=rope)
+        ctx.save_for_backward(x, weight, rstd, positions, cos_sin)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # type: ignore[override]
+        x, weight, rstd, positions, cos_sin = ctx.saved_tensors
+        rope = RopeArgs(positions, cos_sin, x.shape[1], x.stride(0))
+        gx, gw = rms_norm_bwd(_rows(gy), x, weight, rstd, rope=rope)
+        return gx.view(x.shape), gw, None, None, None
 
 
 class _AddRMSNorm(torch.autograd.Function):
@@ -248,6 +352,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     else:
         y = rms_norm_fwd(x2, weight, eps)[0]
     return y.reshape(shape)
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> torch.Tensor:
+    """x: [T, H, Dh] -> rope(rms_norm(x, weight, eps), positions, cos_sin) in one pass (Qwen3's q/k norm), with
+    the bits of the two ops run one after the other. Differentiable in x and weight."""
+    T, H, D = x.shape
+    if D % 2 or cos_sin.shape[-1] != D or positions.shape != (T,):
+        raise ValueError(
+            f"rms_norm_rope needs x [T, H, Dh] with an even Dh equal to cos_sin's width and positions [T], got x "
+            f"{tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}, positions {tuple(positions.shape)}"
+        )
+    weight, cos_sin, positions = weight.contiguous(), cos_sin.contiguous(), positions.contiguous()
+    # Read in place when the heads of a token are contiguous and 16-byte aligned (the packed qkv's q and k views),
+    # else from a contiguous copy: either way the loads see the same alignment, so the same compiled layout.
+    esize = x.element_size()
+    if not (
+        x.stride(2) == 1 and x.stride(1) == D and (x.stride(0) * esize) % 16 == 0 and x.data_ptr() % 16 == 0
+    ):
+        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _RMSNormRope.apply(x, weight, float(eps), positions, cos_sin)
+    else:
+        y = rms_norm_fwd(x, weight, eps, rope=RopeArgs(positions, cos_sin, H, x.stride(0)))[0]
+    return y.view(T, H, D)
 
 
 def add_rms_norm(
