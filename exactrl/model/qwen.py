@@ -46,9 +46,9 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(parts.values()), bias)
         self.parts = dict(parts)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The packed output [T, sum] -> one view per part, in order."""
-        return y.split(list(self.parts.values()), dim=-1)
+    def forward(self, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, in] -> one [T, out] output per part, in order (`Ops.packed_linear`)."""
+        return ops.packed_linear(x, self.weight, self.bias, list(self.parts.values()))
 
 
 def pack_state_dict(parent: nn.Module, packed_name: str) -> None:
@@ -107,8 +107,7 @@ class Attention(nn.Module):
 
     def forward(self, ops: Ops, x, positions, cos_sin, batch: AttentionBatch, kv_cache=None):
         T = x.shape[0]
-        p = self.qkv_proj
-        q, k, v = p.split(ops.linear(x, p.weight, p.bias))  # views with the packed row stride
+        q, k, v = self.qkv_proj(ops, x)  # views with the packed row stride
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -131,7 +130,7 @@ class MLP(nn.Module):
         pack_state_dict(self, "gate_up_proj")
 
     def forward(self, ops: Ops, x):
-        gate, up = self.gate_up_proj.split(ops.linear(x, self.gate_up_proj.weight))
+        gate, up = self.gate_up_proj(ops, x)
         h = ops.silu_mul(gate, up)
         return ops.linear(h, self.down_proj.weight)
 

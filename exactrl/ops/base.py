@@ -24,6 +24,13 @@ class Ops(Protocol):
         """x: [T, K], weight: [N, K], bias: [N] -> [T, N] in x.dtype (fp32 accumulation)."""
         ...
 
+    def packed_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        """x: [T, K], weight: [sum(sizes), K] (projections of one input stacked, e.g. q/k/v) -> one [T, size]
+        output per part, each with the bits of `linear(x, weight_part, bias_part)` on the exact backends."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [..., D] -> [..., D]; normalise in fp32, cast to x.dtype, multiply by weight (HF order)."""
         ...

@@ -279,6 +279,11 @@ class ExactTorchOps:
             x = F.pad(x, (0, 0, 0, mp - m))
         return F.linear(x, weight, bias)[:m]
 
+    def packed_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        return self.linear(x, weight, bias).split(list(sizes), dim=-1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_torch(x, weight, eps)
 

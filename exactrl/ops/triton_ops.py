@@ -31,7 +31,7 @@ from exactrl.ops.triton.logprobs import (
     logprobs_from_logits,
     scaled_logits,
 )
-from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear
+from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear, packed_linear
 from exactrl.ops.triton.norm import add_rms_norm, rms_norm, rms_norm_rope
 
 __all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
@@ -46,6 +46,11 @@ class TritonOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, weight, bias)
+
+    def packed_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        return packed_linear(x, weight, bias, sizes)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

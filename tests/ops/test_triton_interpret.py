@@ -79,6 +79,28 @@ def test_linear_reference_and_row_invariance(dtype, kn):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear(dtype):
+    """Projections packed into one weight: each output has the bits of its part's own linear; gradients (one
+    part unused) against float64."""
+    sizes = [96, 32, 32]
+    x, w, b = randn(37, 64, dtype=dtype, seed=8), randn(160, 64, dtype=dtype, seed=9), randn(160, dtype=dtype)
+    outs = ops.packed_linear(x, w, b, sizes)
+    for out, ws, bs in zip(outs, w.split(sizes), b.split(sizes)):
+        assert torch.equal(out, ops.linear(x, ws, bs))
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    q, k, _ = ops.packed_linear(*leaves, sizes)
+    gq, gk = randn(37, 96, dtype=dtype, seed=10), randn(37, 32, dtype=dtype, seed=11)
+    torch.autograd.backward((q, k), (gq, gk))
+    refs = [t.double().requires_grad_(True) for t in (x, w, b)]
+    y = torch.nn.functional.linear(*refs)
+    y.backward(
+        torch.cat((gq.double(), gk.double(), torch.zeros(37, 32, dtype=torch.float64, device=DEVICE)), -1)
+    )
+    for got, ref in zip(leaves, refs):
+        assert rel_err(got.grad, ref.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_grad(dtype):
     x, w, b = (
         randn(37, 96, dtype=dtype, seed=4),

@@ -87,8 +87,9 @@ def _fwd_tile(
     stride_vh, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     # One key tile [j * BLOCK_N, (j + 1) * BLOCK_N) into the online softmax. MASKED=False only for tiles whose
-    # every key exists and is visible to every row of the tile: then the masks are all true, and dropping them
-    # changes no bit (where(True, s, -inf) is s, a load with a true mask is the load).
+    # every key exists and is visible to every stored row: their loads drop the masks (a load with a true mask is
+    # the load). The causal `where` stays in both: it also keeps the compiler from contracting the scale multiply
+    # into the `s - m` of exp2 (an FMA, other bits) in one path and not the other.
     n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < key_len
@@ -109,8 +110,7 @@ def _fwd_tile(
             v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=d_ok[None, :], other=0.0
         )
     s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32)) * qk_scale
-    if MASKED:
-        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+    s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Exactly 1 when the running max did not move (always so in a tile fully masked for this row), without
     # relying on the hardware exp2 being exact at 0.

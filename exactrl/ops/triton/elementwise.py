@@ -107,8 +107,9 @@ def _rope_kernel(
     base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
+    # Explicit FMAs, as rms_norm_rope writes them: left to the compiler, a * b - c * d contracts one way or another.
+    o1 = tl.fma(x1, cos, -(x2 * sin))
+    o2 = tl.fma(x2, cos, x1 * sin)
     obase = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(obase, o1.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(obase + half, o2.to(out_ptr.dtype.element_ty), mask=ok)

@@ -134,15 +134,32 @@ def _matmul_kernel(
         tl.store(out_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _tma_k_loop(acc, x_desc, w_desc, off_m, off_n, k_tiles, w_k0, BLOCK_K: tl.constexpr, W_KN: tl.constexpr):
+    # acc += x[off_m rows, k tiles 0 .. k_tiles) @ w[k rows from w_k0, off_n columns], k-tile after k-tile.
+    for kt in range(0, k_tiles):
+        a = x_desc.load([off_m, kt * BLOCK_K])
+        if W_KN:
+            b = w_desc.load([w_k0 + kt * BLOCK_K, off_n])
+        else:
+            b = w_desc.load([off_n, w_k0 + kt * BLOCK_K]).T
+        acc = mma(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
     x_desc,
+    x2_desc,
+    x3_desc,
     w_desc,
     bias_ptr,
     out_desc,
     M,
     N,
     K,
+    K2,
+    K3,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -152,10 +169,13 @@ def _matmul_tma_kernel(
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     W_KN: tl.constexpr,
+    SEGMENTS: tl.constexpr,
 ):
     """The same persistent GEMM with TMA tile loads/stores. Rows past M and k past K arrive as zeros (TMA
     zero fill), which add exactly 0; rows past M are clipped at the store. W_KN: w_desc describes w^T, a
-    row-major [K, N] tensor (the backward's dX = dY @ W reads W as it is stored, with no transposed copy)."""
+    row-major [K, N] tensor (the backward's dX = dY @ W reads W as it is stored, with no transposed copy).
+    SEGMENTS > 1 (the backward of packed projections only): x is the concatenation along K of x_desc [M, K],
+    x2_desc [M, K2] (and x3_desc [M, K3]), each a multiple of BLOCK_K, reduced one after the other."""
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -166,13 +186,11 @@ def _matmul_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(0, k_tiles):
-            a = x_desc.load([off_m, kt * BLOCK_K])
-            if W_KN:
-                b = w_desc.load([kt * BLOCK_K, off_n])
-            else:
-                b = w_desc.load([off_n, kt * BLOCK_K]).T
-            acc = mma(a, b, acc)
+        acc = _tma_k_loop(acc, x_desc, w_desc, off_m, off_n, k_tiles, 0, BLOCK_K, W_KN)
+        if SEGMENTS > 1:
+            acc = _tma_k_loop(acc, x2_desc, w_desc, off_m, off_n, K2 // BLOCK_K, K, BLOCK_K, W_KN)
+        if SEGMENTS > 2:
+            acc = _tma_k_loop(acc, x3_desc, w_desc, off_m, off_n, K3 // BLOCK_K, K + K2, BLOCK_K, W_KN)
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -245,15 +263,20 @@ def matmul(
         od = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
         _matmul_tma_kernel[(min(tiles, cap),)](
             xd,
+            xd,
+            xd,
             wd,
             bias if bias is not None else x,
             od,
             M,
             N,
             K,
+            0,
+            0,
             FLATTEN=cfg.flatten,
             WARP_SPECIALIZE=cfg.warp_specialize,
             W_KN=w_kn,
+            SEGMENTS=1,
             **common,
         )
         return out
@@ -295,6 +318,105 @@ class _Linear(torch.autograd.Function):
         gw = torch.matmul(grad_out.t(), x) if ctx.needs_input_grad[1] else None
         gb = grad_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
+
+
+def _segmented_dx(grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor | None:
+    """sum_i grads[i] @ weight[rows of part i] as one TMA GEMM over the parts' K segments in order, without
+    concatenating the gradients; None where that kernel does not apply (the caller concatenates instead)."""
+    cfg = MATMUL_CONFIGS[weight.dtype]
+    M, D = grads[0].shape[0], weight.shape[1]
+    if not (cfg.tma and weight.is_cuda and len(grads) <= 3 and M > 0):
+        return None
+    if any(g.shape[1] % cfg.block_k or not _tma_ok(g) or g.dtype != weight.dtype for g in grads):
+        return None
+    if (D * weight.element_size()) % 16 or not _tma_ok(weight):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = torch.empty((M, D), dtype=weight.dtype, device=weight.device)
+    descs = [TensorDescriptor.from_tensor(g, [cfg.block_m, cfg.block_k]) for g in grads]
+    ks = [g.shape[1] for g in grads] + [0, 0]
+    cap = num_programs_cap(weight.device)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(D, cfg.block_n)
+    _matmul_tma_kernel[(min(tiles, cap),)](
+        *(descs + [descs[0]] * (3 - len(descs))),
+        TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
+        weight,
+        TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]),
+        M,
+        D,
+        ks[0],
+        ks[1],
+        ks[2],
+        HAS_BIAS=False,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=cap,
+        FLATTEN=False,  # several K loops per tile: the persistent loop is not flattened
+        WARP_SPECIALIZE=False,
+        W_KN=True,
+        SEGMENTS=len(grads),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+class _PackedLinear(torch.autograd.Function):
+    """Projections packed into one weight: the forward is one invariant GEMM whose output is split into views
+    (a part's columns have the bits of its own GEMM: every output element is its own chain over K). The backward
+    takes the parts' gradients as they come: dX in one GEMM over their K segments (no concatenated copy of
+    the gradients), dW and dBias part by part into the packed gradient's rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sizes):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.sizes = bias is not None, sizes
+        return matmul(x, weight, bias).split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        sizes = ctx.sizes
+        grads = [
+            torch.zeros((x.shape[0], n), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            for g, n in zip(grads, sizes)
+        ]
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _segmented_dx(grads, weight)
+            if gx is None:
+                gx = matmul(torch.cat(grads, dim=-1), weight.t())
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        if ctx.needs_input_grad[1]:
+            gw = torch.empty_like(weight)
+            for g, a, b in zip(grads, starts, starts[1:]):
+                torch.matmul(g.t(), x, out=gw[a:b])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = torch.cat([g.sum(0) for g in grads])
+        return gx, gw, gb, None
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """x: [T, K], weight: [sum(sizes), K] -> one [T, size] output per part (views of one GEMM's output), each
+    with the bits of `linear(x, weight_part, bias_part)`; differentiable."""
+    if x.dim() != 2 or sum(sizes) != weight.shape[0]:
+        raise ValueError(f"packed_linear needs x [T, K] and weight [sum(sizes), K], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and sizes {sizes}")  # fmt: skip
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if needs_grad:
+        return _PackedLinear.apply(x2, weight, bias, list(sizes))
+    return matmul(x2, weight, bias).split(list(sizes), dim=-1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -120,8 +120,10 @@ def _rms_norm_fwd_kernel(
         cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
         cos = tl.load(cs_row, mask=ok, other=0.0)
         sin = tl.load(cs_row + half, mask=ok, other=0.0)
-        # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves).
-        y = tl.where(lo[None, :], y * cos - yp * sin, y * cos + yp * sin)
+        # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves), in
+        # the explicit FMAs of the rope kernel: fma(y, cos, -(yp * sin)) and fma(y, cos, yp * sin).
+        ys = yp * sin
+        y = tl.fma(y, cos, tl.where(lo[None, :], -ys, ys))
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -176,7 +178,8 @@ def _rms_norm_bwd_kernel(
             cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
             cos = tl.load(cs_row, mask=ok, other=0.0)
             sin = tl.load(cs_row + half, mask=ok, other=0.0)
-            gy = tl.where(lo[None, :], gy * cos + gyp * sin, gy * cos - gyp * sin)
+            gs = gyp * sin
+            gy = tl.fma(gy, cos, tl.where(lo[None, :], gs, -gs))
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]  # masked rows: all terms are 0
         n = x * rstd
         gn = gy * w[None, :]
