@@ -6,8 +6,9 @@ sequences" (training) or "this is a step against the paged KV cache" (rollout). 
 `self.ops`, so the engine and the trainer run the same arithmetic on the same module.
 
 The projections that read one input are packed into one weight (`qkv_proj`: q, k, v; `gate_up_proj`: gate, up),
-so each is one matmul forward and one dX matmul backward. A packed output column has the bits of the unpacked
-projection's: the matmul reduces every output element over K the same way whatever the width of N. The
+so each is one matmul forward and one dX matmul backward. With the Triton matmul a packed output column has the
+bits of the unpacked projection's, since the kernel reduces every output element over K the same way whatever
+the width of N (`tests/ops/test_triton_gpu.py` checks it); either way both paths use the packed weight. The
 state dict speaks HF's names (`model.layers.3.self_attn.q_proj.weight`): `state_dict()` splits a packed weight
 into its parts and `load_state_dict()` packs them, so checkpoints map one to one.
 """

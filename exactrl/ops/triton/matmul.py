@@ -15,6 +15,10 @@ computes a tile, never how.
 Backward: dX = dY @ W runs through the same kernel with W's transposed strides (deterministic, no atomics);
 dW = dY^T @ X uses torch.matmul (cuBLAS: deterministic for fixed shapes when CUBLAS_WORKSPACE_CONFIG is set,
 and the backward does not need batch invariance).
+
+Packed projections (`packed_linear`: q/k/v, gate/up in one weight): one forward GEMM, split into views. The
+backward gets the parts' gradients separately and reduces dX over them as consecutive K segments of one TMA
+GEMM (`_segmented_dx`), which has the bits of the GEMM over their concatenation without building it.
 """
 
 from __future__ import annotations

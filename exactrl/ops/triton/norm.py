@@ -58,6 +58,18 @@ def norm_config(D: int, backward: bool = False) -> tuple[int, int, int]:
     return block_d, rows, min(16, max(4, block_d * rows // (32 * per_thread)))
 
 
+@triton.jit
+def _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok):
+    # For a tile of [token, head] rows: whether a column is in the first half, its rotation partner (d +- D/2),
+    # and the cos and sin of its frequency at the row's token position.
+    half = D // 2
+    lo = cols < half
+    partner = tl.where(lo, cols + half, cols - half)
+    pos = tl.load(pos_ptr + rows // n_heads, mask=row_ok, other=0)
+    cs_row = cs_ptr + pos[:, None] * stride_cs + tl.where(lo, cols, cols - half)[None, :]
+    return lo, partner, tl.load(cs_row, mask=ok, other=0.0), tl.load(cs_row + half, mask=ok, other=0.0)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _rms_norm_fwd_kernel(
     x_ptr,
@@ -107,19 +119,12 @@ def _rms_norm_fwd_kernel(
         # rope(rms_norm(x)) with the bits of the two ops run one after the other: y is rounded to the output dtype
         # as `rms_norm` stores it, then rotated with `rope`'s fp32 expressions. A row is one head of one token; the
         # partner of column d is d +- D/2 in the same row (same rstd), normalised again from a second load.
-        half = D // 2
-        lo = cols < half
-        partner = tl.where(lo, cols + half, cols - half)
+        lo, partner, cos, sin = _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok)
         xp = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=ok, other=0.0)
         wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
         yp = (xp.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * wp[None, :]
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         yp = yp.to(out_ptr.dtype.element_ty).to(tl.float32)
-        pos = tl.load(pos_ptr + rows // n_heads, mask=row_ok, other=0)
-        freq = tl.where(lo, cols, cols - half)
-        cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
-        cos = tl.load(cs_row, mask=ok, other=0.0)
-        sin = tl.load(cs_row + half, mask=ok, other=0.0)
         # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves), in
         # the explicit FMAs of the rope kernel: fma(y, cos, -(yp * sin)) and fma(y, cos, yp * sin).
         ys = yp * sin
@@ -169,15 +174,8 @@ def _rms_norm_bwd_kernel(
         gy = tl.load(gy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         if ROPE:
             # Through the rotation first (its transpose: the rotation by -angle), kept in fp32.
-            half = D // 2
-            lo = cols < half
-            partner = tl.where(lo, cols + half, cols - half)
+            lo, partner, cos, sin = _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok)
             gyp = tl.load(gy_ptr + rows[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-            pos = tl.load(pos_ptr + rows // n_heads, mask=row_ok, other=0)
-            freq = tl.where(lo, cols, cols - half)
-            cs_row = cs_ptr + pos[:, None] * stride_cs + freq[None, :]
-            cos = tl.load(cs_row, mask=ok, other=0.0)
-            sin = tl.load(cs_row + half, mask=ok, other=0.0)
             gs = gyp * sin
             gy = tl.fma(gy, cos, tl.where(lo[None, :], gs, -gs))
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]  # masked rows: all terms are 0
