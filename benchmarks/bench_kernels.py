@@ -48,11 +48,11 @@ def emit(rows: list[dict], record: dict, out) -> None:
         out.flush()
 
 
+# (K, N) of qwen3-0.6b's matmuls as the model runs them: q/k/v and gate/up are packed weights.
 SHAPES = {
-    "q": (1024, 2048),
-    "k_v": (1024, 1024),
+    "qkv": (1024, 4096),
     "o": (2048, 1024),
-    "gate_up": (1024, 3072),
+    "gate_up": (1024, 6144),
     "down": (3072, 1024),
     "lm_head": (1024, 151936),
 }

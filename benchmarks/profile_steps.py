@@ -64,7 +64,9 @@ def main() -> int:
     ap.add_argument("--what", nargs="+", default=["rollout", "train"])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument(
-        "--host", action="store_true", help="train: also profile the host (cProfile, by own time) of 2 steps"
+        "--host",
+        action="store_true",
+        help="also profile the host (cProfile, by own time): rollout, 2 train steps",
     )
     ap.add_argument(
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
@@ -105,6 +107,17 @@ def main() -> int:
         st = eng.stats
         print(json.dumps({"rollout_wall_s": wall, **{k: v for k, v in st.items()}}))
         _table(prof, f"rollout {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
+        if args.host:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            eng.generate(prompts, params)
+            torch.cuda.synchronize()
+            pr.disable()
+            print(f"\n== host: rollout generate ({N} new tokens), functions by own time (cProfile)")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(args.top)
     if "train" in args.what:
         from exactrl.train.optim import MasterAdamW
         from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings

@@ -320,9 +320,13 @@ class _StaticDecode:
         ops = self.model.ops
         h, w = self.model.head_inputs(self._body(b))
         raw = ops.linear(h, w)
-        z = ops.scale_logits(raw, temperature)
+        # The kernel divides the raw logits by the temperature itself, as ops.scale_logits would (same bits).
         tok = gumbel_argmax(
-            z, None, self.greedy_mask[:b] if greedy else None, key_parts=self.key_parts[:, :b]
+            raw,
+            None,
+            self.greedy_mask[:b] if greedy else None,
+            key_parts=self.key_parts[:, :b],
+            temperature=temperature,
         )
         lp = ops.logprobs_from_logits(raw, tok, temperature)
         return torch.stack((tok.to(torch.float64), lp.to(torch.float64)))

@@ -139,6 +139,27 @@ def test_matches_sample(rows, vocab, block_v):
     assert torch.equal(got[greedy], logits[greedy].argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_raw_logits_with_temperature(dtype):
+    """Raw LM-head logits and a temperature (the decode graphs' form): the tokens of the pre-scaled fp32 path,
+    `scaled_logits` then gumbel_argmax, bit for bit; the temperature does change them."""
+    from exactrl.ops.triton.logprobs import scaled_logits
+
+    rows, vocab = 9, 3001
+    raw = random_logits(rows, vocab, seed=11, scale=0.5).to(dtype)
+    keys = random_keys(rows, seed=12)
+    greedy = torch.arange(rows, device=DEVICE) % 4 == 2
+    got = {}
+    for t in (0.7, 1.3):
+        got[t] = gumbel_argmax(raw, keys, greedy, temperature=t)
+        assert torch.equal(got[t], gumbel_argmax(scaled_logits(raw, t), keys, greedy)), t
+    assert not torch.equal(got[0.7], got[1.3])  # negative control: the kernel does divide by T
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        gumbel_argmax(raw, keys, temperature=0.0)
+    with pytest.raises(ValueError, match="logits must be torch.float32, got torch.float16"):
+        gumbel_argmax(raw.to(torch.float16), keys)  # pre-scaled logits (no temperature) must be fp32
+
+
 def test_many_keys_small_vocab():
     """Many rows with nearly flat logits: the token is decided by the noise, often by small differences."""
     rows, vocab = 64, 50

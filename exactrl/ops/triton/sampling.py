@@ -146,8 +146,8 @@ def _noise(cols, s1, s2):
 
 @triton.jit(do_not_specialize=["V"])
 def _gumbel_argmax_kernel(
-    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, stride_p, V,
-    HAS_GREEDY: tl.constexpr, KEY_PARTS: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, stride_p, V, temperature,
+    HAS_GREEDY: tl.constexpr, KEY_PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
@@ -164,6 +164,8 @@ def _gumbel_argmax_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         ok = cols < V
         y = tl.load(base + cols, mask=ok, other=0.0)
+        if SCALE:  # raw logits: z = logits.float() / T as `scaled_logits` computes it (IEEE division)
+            y = tl.math.div_rn(y.to(tl.float32), temperature)
         if add_noise:
             y = y + _noise(cols, s1, s2)
         # strictly larger (lanes see increasing indices: keeps the lowest), the lane's first element, or the
@@ -232,9 +234,14 @@ def gumbel_argmax(
     *,
     key_parts: torch.Tensor | None = None,
     block_v: int | None = None,
+    temperature: float | None = None,
 ) -> torch.Tensor:
     """logits: float32 [R, V] (already divided by temperature), keys: int64 [R] >= 0, greedy: bool [R] or None
     -> int64 [R]; equal to sampler.sample(logits, keys, greedy=greedy) bit for bit.
+
+    temperature (instead of pre-scaled logits): the raw LM-head logits in their own dtype (bf16, fp16 or fp32),
+    divided by `temperature` in the kernel exactly as `scaled_logits` divides them: the same tokens as
+    gumbel_argmax(scaled_logits(logits, temperature), ...), without writing and re-reading fp32 logits.
 
     key_parts (instead of keys): int64 [4, R] (last dim contiguous) holding each row's (seed, request_id,
     sample_index, position); the kernel derives noise_key(...) itself, with no extra launches and no check of
@@ -243,8 +250,14 @@ def gumbel_argmax(
     what = "gumbel_argmax"
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"{what}: logits must be a 2-D tensor [rows, vocab]")
-    if logits.dtype != torch.float32:
-        raise ValueError(f"{what}: logits must be float32, got {logits.dtype}")
+    allowed = (torch.float32,) if temperature is None else (torch.float32, torch.bfloat16, torch.float16)
+    if logits.dtype not in allowed:
+        raise ValueError(
+            f"{what}: logits must be {' or '.join(str(d) for d in allowed)}"
+            f"{' (raw logits with temperature=)' if temperature is not None else ''}, got {logits.dtype}"
+        )
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"{what}: temperature must be a finite number > 0, got {temperature}")
     _check_device(logits, what)
     rows, vocab = logits.shape
     if vocab == 0:
@@ -289,9 +302,11 @@ def gumbel_argmax(
             logits.stride(0),
             stride_p,
             vocab,
+            1.0 if temperature is None else float(temperature),
             HAS_GREEDY=greedy is not None,
             KEY_PARTS=key_parts is not None,
             BLOCK_V=block,
+            SCALE=temperature is not None,
             num_warps=8 if block >= 2048 else 4,
             **_LAUNCH_OPTS,
         )
