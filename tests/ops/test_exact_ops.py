@@ -41,6 +41,19 @@ def test_linear_large_call_matches_small_calls():
         assert torch.equal(ops.linear(x[s : s + 3], w), big[s : s + 3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,sizes", [(64, [64, 32, 32]), (1024, [2048, 1024, 1024]), (1024, [3072, 3072])])
+def test_packed_linear_equals_parts(dtype, k, sizes):
+    """The model's packed q/k/v and gate/up weights: each part of the packed call has the bits of the part's own
+    linear, at several row counts (an empirical fact of the CPU GEMM, guarded here)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(300, k, generator=g).to(dtype)
+    w = (torch.randn(sum(sizes), k, generator=g) * k**-0.5).to(dtype)
+    for m in (1, 3, 17, 300):
+        outs = ops.packed_linear(x[:m], w, None, sizes)
+        assert all(torch.equal(o, ops.linear(x[:m], ws)) for o, ws in zip(outs, w.split(sizes))), m
+
+
 def test_linear_negative_control_fp32():
     """The default fp32 GEMM changes a row's bits with the number of rows (measured on these machines)."""
     x = _rand(FULL, 1024)
