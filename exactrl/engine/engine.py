@@ -204,9 +204,10 @@ class RolloutEngine:
             out = None  # float64 [2, rows]: (token, logprob), when a graph produced them
             if is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows)):
                 # Static buffers / CUDA graph, one row per sequence.
+                seed = params.seed
                 drows = [
                     DecodeRow(
-                        e.token_ids[0], e.start, e.block_table, params.seed, r.request_id, r.sample_index
+                        e.seq.token_ids[e.start], e.start, e.block_table, seed, r.request_id, r.sample_index
                     )
                     for e, r in zip(batch.entries, rows)
                 ]

@@ -43,7 +43,7 @@ class StepEntry:
     block_table: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRow:
     """A decode step's sequence: its one new token, where it goes, and its sampling-noise key inputs."""
 

@@ -56,12 +56,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from exactrl.engine.block_manager import BlockManager
 from exactrl.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledEntry:
     """One sequence's part of a step (see the module docstring)."""
 
@@ -86,9 +87,9 @@ class ScheduledEntry:
         return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
 
 
-@dataclass(frozen=True)
-class SampleRow:
-    """One token to sample: from the logits row of batch.entries[entry_index], with these noise-key inputs."""
+class SampleRow(NamedTuple):
+    """One token to sample: from the logits row of batch.entries[entry_index], with these noise-key inputs.
+    (A named tuple: immutable, and built once per row per step, so cheap to make.)"""
 
     entry_index: int
     request_id: int
@@ -287,32 +288,39 @@ class Scheduler:
         k = 0
         for e in batch.entries:
             seq = e.seq
-            bm.mark_computed(seq, e.end)
+            bm.mark_computed(seq, e.start + e.num_new_tokens)
             if e.num_samples == 0:
                 continue
+            if e.num_samples == 1:  # the common case (every decode row): no group to fork
+                seq.append_token(token_ids[k], None if logprobs is None else logprobs[k])
+                receivers.append(seq)
+                k += 1
+                continue
             group = [seq]
-            if e.num_samples > 1:
-                seq.num_samples = 1
-                for j in range(1, e.num_samples):
-                    child = seq.new_sample(self.new_seq_id(), j)
-                    bm.fork(seq, child)
-                    group.append(child)
-                children[seq.seq_id] = group[1:]
+            seq.num_samples = 1
+            for j in range(1, e.num_samples):
+                child = seq.new_sample(self.new_seq_id(), j)
+                bm.fork(seq, child)
+                group.append(child)
+            children[seq.seq_id] = group[1:]
             for member in group:
                 member.append_token(token_ids[k], None if logprobs is None else logprobs[k])
                 receivers.append(member)
                 k += 1
 
-        running: list[Sequence] = []
-        for seq in self.running:
-            running.append(seq)
-            running.extend(children.get(seq.seq_id, ()))
-        self.running = running
+        if children:
+            running: list[Sequence] = []
+            for seq in self.running:
+                running.append(seq)
+                running.extend(children.get(seq.seq_id, ()))
+            self.running = running
+        any_finished = False
         for seq in receivers:
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)
-        if any(s.is_finished for s in receivers):
+                any_finished = True
+        if any_finished:
             self.running = [s for s in self.running if not s.is_finished]
         return receivers
 
@@ -338,9 +346,10 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(seq: Sequence) -> str | None:
-        if seq.last_token_id in seq.stop_token_ids:
+        tokens = seq.token_ids
+        if seq.stop_token_ids and tokens[-1] in seq.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens:
+        if len(tokens) - seq.num_prompt_tokens >= seq.max_tokens:
             return "length"
         return None
 
