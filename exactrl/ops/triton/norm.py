@@ -96,9 +96,8 @@ def _rms_norm_fwd_kernel(
     row_ok = rows < R
     ok = row_ok[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
-    if (
-        ROPE
-    ):  # x: [T, n_heads, D] with heads contiguous and a token stride of its own (a view of the packed qkv)
+    if ROPE:
+        # x: [T, n_heads, D] with heads contiguous and a token stride of its own (a view of the packed qkv)
         x_row = (rows // n_heads) * stride_xt + (rows % n_heads) * D
         x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0)
     else:
