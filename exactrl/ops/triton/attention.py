@@ -82,33 +82,43 @@ _BWD_LAUNCH = {
 
 
 @triton.jit
-def _fwd_tile(
-    j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh, stride_vt,
-    stride_vh, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+def _load_kv_tile(
+    k_base, v_base, slot_ptr, n, key_len, d, d_ok, stride_kt, stride_vt,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    # One key tile [j * BLOCK_N, (j + 1) * BLOCK_N) into the online softmax. MASKED=False only for tiles whose
-    # every key exists and is visible to every stored row: their loads drop the masks (a load with a true mask is
-    # the load). The causal `where` stays in both: it also keeps the compiler from contracting the scale multiply
-    # into the `s - m` of exp2 (an FMA, other bits) in one path and not the other.
-    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The K and V rows of key positions n (one tile), gathered through the slot table; k_base, v_base point at
+    # the KV head. MASKED: positions past key_len load as 0. Otherwise every position of the tile exists and the
+    # loads drop the masks (a load with a true mask is the load), keeping only the head-dim mask when Dh is padded.
     if MASKED:
         n_ok = n < key_len
-        slot = tl.load(slot_base + n, mask=n_ok, other=0)
+        slot = tl.load(slot_ptr + n, mask=n_ok, other=0)
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        slot = tl.load(slot_base + n)
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :])
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+        k = tl.load(k_base + slot[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
     else:
-        slot = tl.load(slot_base + n)
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=d_ok[None, :], other=0.0
-        )
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=d_ok[None, :], other=0.0
-        )
+        slot = tl.load(slot_ptr + n)
+        if EVEN_D:
+            k = tl.load(k_base + slot[:, None] * stride_kt + d[None, :])
+            v = tl.load(v_base + slot[:, None] * stride_vt + d[None, :])
+        else:
+            k = tl.load(k_base + slot[:, None] * stride_kt + d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + slot[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fwd_tile(
+    j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+):  # fmt: skip
+    # One key tile [j * BLOCK_N, (j + 1) * BLOCK_N) into the online softmax. MASKED=False only for tiles whose
+    # every key exists and is visible to every stored row: their loads drop the masks. The causal `where` stays
+    # in both: it also keeps the compiler from contracting the scale multiply into the `s - m` of exp2 (an FMA,
+    # other bits) in one path and not the other.
+    n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    k, v = _load_kv_tile(
+        k_base, v_base, slot_base, n, key_len, d, d_ok, stride_kt, stride_vt, MASKED=MASKED, EVEN_D=EVEN_D
+    )
     s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32)) * qk_scale
     s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -163,15 +173,17 @@ def _attn_fwd_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
     for j in range(0, n_full):
         m_i, l_i, acc = _fwd_tile(
-            j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh,
-            stride_vt, stride_vh, qk_scale, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
+            j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt,
+            qk_scale, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
         )  # fmt: skip
     for j in range(n_full, n_tiles):
         m_i, l_i, acc = _fwd_tile(
-            j, q, m_i, l_i, acc, k_ptr, v_ptr, slot_base, key_len, pos, kvh, d, d_ok, stride_kt, stride_kh,
-            stride_vt, stride_vh, qk_scale, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
+            j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt,
+            qk_scale, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
         )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -332,20 +344,9 @@ def _dq_step(
     # Key tile j into dQ of this query tile. CAUSAL: the tile is at the diagonal (mask n <= pos; keys past the
     # sequence load as 0). Otherwise every key of the tile is visible to every query of the tile.
     n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    if CAUSAL:
-        n_ok = n < key_len
-        slot = tl.load(slot_ptr + n, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
-    else:
-        slot = tl.load(slot_ptr + n)
-        if EVEN_D:
-            k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :])
-            v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :])
-        else:
-            k = tl.load(k_ptr + slot[:, None] * stride_kt + d[None, :], mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * stride_vt + d[None, :], mask=d_ok[None, :], other=0.0)
+    k, v = _load_kv_tile(
+        k_ptr, v_ptr, slot_ptr, n, key_len, d, d_ok, stride_kt, stride_vt, MASKED=CAUSAL, EVEN_D=EVEN_D
+    )
     zero = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
     p = tl.exp2(mma(q, tl.trans(k), zero) * qk_scale - lse[:, None])
     if CAUSAL:
