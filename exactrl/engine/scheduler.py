@@ -288,21 +288,17 @@ class Scheduler:
         k = 0
         for e in batch.entries:
             seq = e.seq
-            bm.mark_computed(seq, e.start + e.num_new_tokens)
+            bm.mark_computed(seq, e.end)
             if e.num_samples == 0:
                 continue
-            if e.num_samples == 1:  # the common case (every decode row): no group to fork
-                seq.append_token(token_ids[k], None if logprobs is None else logprobs[k])
-                receivers.append(seq)
-                k += 1
-                continue
             group = [seq]
-            seq.num_samples = 1
-            for j in range(1, e.num_samples):
-                child = seq.new_sample(self.new_seq_id(), j)
-                bm.fork(seq, child)
-                group.append(child)
-            children[seq.seq_id] = group[1:]
+            if e.num_samples > 1:
+                seq.num_samples = 1
+                for j in range(1, e.num_samples):
+                    child = seq.new_sample(self.new_seq_id(), j)
+                    bm.fork(seq, child)
+                    group.append(child)
+                children[seq.seq_id] = group[1:]
             for member in group:
                 member.append_token(token_ids[k], None if logprobs is None else logprobs[k])
                 receivers.append(member)
@@ -346,10 +342,9 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(seq: Sequence) -> str | None:
-        tokens = seq.token_ids
-        if seq.stop_token_ids and tokens[-1] in seq.stop_token_ids:
+        if seq.last_token_id in seq.stop_token_ids:
             return "stop"
-        if len(tokens) - seq.num_prompt_tokens >= seq.max_tokens:
+        if seq.num_completion_tokens >= seq.max_tokens:
             return "length"
         return None
 
