@@ -99,8 +99,8 @@ class MasterAdamW:
         skip: an optional 0-d bool tensor; when true the step is skipped as for a non-finite norm (the trainer's
         non-finite loss). On CUDA the decision stays on the device: the Triton AdamW (or torch's fused one, through
         `found_inf` and `grad_scale`) takes the skip flag and the clip factor as device scalars and leaves weights,
-        moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU, where reading is free, the norm is read and the update is
-        skipped or made by the host."""
+        moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
+        where reading is free, the norm is read and the update is skipped or made by the host."""
         if self._triton_ready():
             return self._triton_step(max_norm, skip)
         if self.has_master:
