@@ -2,7 +2,7 @@
 # One bundled GPU session: tests marked gpu, end-to-end parity on qwen3-0.6b, rollout and train benchmarks.
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
-#     [attention-configs] [attention-fwd-configs] [profile]
+#     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -14,6 +14,10 @@ want() { [[ " $SECTIONS " == *" $1 "* ]] || { [[ " $SECTIONS " == *" all "* ]] &
 SECTIONS=" ${*:-all} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+if want tests-engine; then  # the engine's GPU tests alone (a subset of "tests")
+  timeout 300 python3 -m pytest -q -m gpu tests/engine/test_sampler.py tests/engine/test_decode_graphs.py 2>&1 \
+    | tail -8 | tee "$OUT/tests_engine.txt"
+fi
 if want tests; then
   timeout 420 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/ops/test_triton_sampling.py \
     tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py tests/train/test_optim_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
@@ -26,8 +30,9 @@ if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 16 --max-tokens 128 \
     --samples-per-prompt 4 --kv-blocks 96 --prefill-chunk 32 --temperature 0.7 --json 2>&1 | tail -3 | tee -a "$OUT/parity.txt"
 fi
-if want rollout; then
-  for c in 256 1; do
+if want rollout || want rollout-256 || want rollout-1; then
+  cs="256 1"; want rollout || { cs=""; want rollout-256 && cs="256"; want rollout-1 && cs="$cs 1"; }
+  for c in $cs; do
     for mode in exact fast; do
       vs=""; [[ $mode == exact ]] && vs="--vs hf"
       timeout 300 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \

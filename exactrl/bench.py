@@ -163,6 +163,7 @@ def bench_rollout(args) -> dict:
         "cuda_graphs": bool(engine.stats.get("cuda_graph_steps", 0)),
         "cuda_graph_steps": engine.stats.get("cuda_graph_steps", 0),
         "decode_steps": engine.stats.get("static_decode_steps", 0),
+        "ahead_steps": engine.stats.get("ahead_steps", 0),
         "graph_capture_s": engine.runner.capture_seconds if engine.runner is not None else 0.0,
     }
     if decode_s > 0:

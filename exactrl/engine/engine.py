@@ -5,6 +5,12 @@ the paged KV cache (runner.py) -> LM head at the sampling temperature -> Gumbel-
 (seed, request, sample, position) (sampler.py) -> postprocess. The logprob recorded for a sampled token comes
 from the same `logits` the trainer's `logprobs` op normalises, with the same row-wise log-softmax, so it is
 bitwise equal to what the trainer computes in exact mode.
+
+Decode steps are pipelined: step t+1 is scheduled and launched while step t runs, with step t's tokens still on
+the device (the scheduler's commit/resolve split, runner.fetch), and step t is read back and resolved while
+step t+1 runs. The host's bookkeeping then hides behind the GPU instead of sitting between two steps. What is
+sampled does not change: the noise is keyed by (seed, request, sample, position), and no kernel depends on
+what else is in the batch.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.engine.block_manager import BlockManager
-from exactrl.engine.runner import DecodeRow, ModelRunner, StepEntry, auto_num_blocks
+from exactrl.engine.runner import DecodeRow, ModelRunner, StepEntry, StepOutput, auto_num_blocks
 from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys, sample
 from exactrl.engine.scheduler import Scheduler
 from exactrl.engine.sequence import Sequence
@@ -79,6 +85,7 @@ class RolloutEngine:
             "decode_s": 0.0,
             "cuda_graph_steps": 0,
             "static_decode_steps": 0,
+            "ahead_steps": 0,  # launched before the previous step was read back
             "prefix_cache_hit_tokens": 0,
         }
 
@@ -192,27 +199,71 @@ class RolloutEngine:
         lm_dev = self.model.device
         text_len: dict[int, int] = {}
         finished: list[Sequence] = []
-        while sched.has_unfinished():
-            batch = sched.schedule()
+        pending: _Pending | None = None  # the last step, committed, its tokens still on their way back
+        t_mark = time.perf_counter()
+
+        def settle(step: _Pending) -> None:
+            """Wait for a committed step's tokens, resolve them, check stop strings, collect the finished."""
+            nonlocal t_mark
+            tok_l, lp_l = step.output.result()
+            receivers = sched.resolve(step.receivers, tok_l, lp_l)
+            now = time.perf_counter()
+            self.stats["decode_s" if step.is_decode else "prefill_s"] += now - t_mark
+            t_mark = now
+            if params.stop and self.tokenizer is not None:
+                for seq in receivers:
+                    if seq.is_finished:
+                        continue
+                    text = self.tokenizer.decode(seq.completion_token_ids)
+                    if find_stop_string(text, params.stop, text_len.get(seq.seq_id, 0)) is not None:
+                        sched.finish(seq, "stop")
+                    text_len[seq.seq_id] = len(text)
+            done = sched.take_finished()
+            if done and progress is not None:
+                progress(len(done))
+            finished.extend(done)
+
+        while True:
+            batch = sched.schedule() if sched.has_unfinished() else None
             if batch is None:
-                break
-            t0 = time.perf_counter()
-            runner.copy_blocks(batch.block_copies)
+                if pending is None:
+                    break
+                settle(pending)
+                pending = None
+                continue
             rows = batch.sample_rows()
             ops = self.model.ops
             is_decode = all(e.is_decode for e in batch.entries)
-            out = None  # float64 [2, rows]: (token, logprob), when a graph produced them
-            if is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows)):
-                # Static buffers / CUDA graph, one row per sequence.
+            # Static buffers / CUDA graph: a pure decode step, one row per sequence.
+            static = is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows))
+            # Forward, LM head, sampler and recorded logprob in one replay (no top-k / top-p filtering).
+            fused = static and fused_sampling(params)
+            # Such a step can run before the previous one is read back when that one was fused too: its pending
+            # tokens are taken from the previous output on the device. Any other step needs them on the host.
+            ahead = fused and pending is not None and pending.fused
+            if pending is not None and not ahead:
+                settle(pending)  # may finish sequences of this batch: their rows are dropped at commit
+                pending = None
+            runner.copy_blocks(batch.block_copies)
+            out = None  # float64 [2, rows]: (token, logprob)
+            if static:
                 seed = params.seed
+                prev_row = {}
+                if ahead:
+                    prev_row = {id(seq): k for k, seq in enumerate(pending.receivers) if seq is not None}
                 drows = [
                     DecodeRow(
-                        e.seq.token_ids[e.start], e.start, e.block_table, seed, r.request_id, r.sample_index
+                        e.seq.token_ids[e.start],
+                        e.start,
+                        e.block_table,
+                        seed,
+                        r.request_id,
+                        r.sample_index,
+                        prev_row.get(id(e.seq), -1),
                     )
                     for e, r in zip(batch.entries, rows)
                 ]
-                if runner.decode_mode == "graph" and fused_sampling(params):
-                    # Forward, LM head, fused sampler and recorded logprob in one replay.
+                if fused:
                     out = runner.decode_sample(drows, temperature, greedy)
                 else:
                     hidden, key_parts = runner.decode(drows)
@@ -245,30 +296,15 @@ class RolloutEngine:
                 # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
                 lp = ops.logprobs_from_logits(raw, tok, temperature)
                 out = torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
-            if rows:
-                res = out.tolist()  # the step's one device sync
-                tok_l, lp_l = [int(t) for t in res[0]], res[1]
-            else:
-                tok_l, lp_l = [], []
-            dt = time.perf_counter() - t0
-            if is_decode:
-                self.stats["decode_s"] += dt
-            else:
-                self.stats["prefill_s"] += dt
             self.stats["steps"] += 1
-            receivers = sched.postprocess(batch, tok_l, lp_l)
-            if params.stop and self.tokenizer is not None:
-                for seq in receivers:
-                    if seq.is_finished:
-                        continue
-                    text = self.tokenizer.decode(seq.completion_token_ids)
-                    if find_stop_string(text, params.stop, text_len.get(seq.seq_id, 0)) is not None:
-                        sched.finish(seq, "stop")
-                    text_len[seq.seq_id] = len(text)
-            done = sched.take_finished()
-            if done and progress is not None:
-                progress(len(done))
-            finished += done
+            self.stats["ahead_steps"] += ahead
+            output = runner.fetch(out) if rows else None
+            if pending is not None:  # ran ahead: read the previous step back while this one runs
+                settle(pending)
+                pending = None
+            receivers = sched.commit(batch)
+            if output is not None:
+                pending = _Pending(receivers, output, is_decode, fused)
         finished += sched.take_finished()
         self.stats["preemptions"] += sched.num_preemptions
         for seq in sorted(finished, key=lambda s: (s.request_id, s.sample_index)):
@@ -293,6 +329,16 @@ class RolloutEngine:
                 )
             )
         return outputs
+
+
+@dataclass
+class _Pending:
+    """A committed step whose sampled tokens are still on their way back (runner.StepOutput)."""
+
+    receivers: list[Sequence | None]
+    output: StepOutput
+    is_decode: bool
+    fused: bool  # its tokens are also in the runner's last_tokens (decode_sample)
 
 
 def fused_sampling(params: SamplingParams) -> bool:

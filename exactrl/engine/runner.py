@@ -9,11 +9,16 @@ Two ways to run a step:
 
 * `forward` (any step: prefill chunks, recompute after preemption, decode): builds an `AttentionBatch` on the
   host and runs the model eagerly.
-* `decode` (a step where every sequence brings exactly one new token): fills *static* device buffers, padded to
-  a batch-size bucket, and replays the CUDA graph captured for that bucket (mode "graph"), or runs the same
-  code eagerly on the same buffers (mode "static": the CPU test of the padding logic). The graph covers the
-  model forward; the LM head and the sampler run after it, eagerly, because they take the call's temperature
-  and sampling options. The sampler reads the noise-key inputs from the same static buffer.
+* `decode` / `decode_sample` (a step where every sequence brings exactly one new token): fills *static* device
+  buffers, padded to a batch-size bucket, and replays the CUDA graph captured for that bucket (mode "graph"),
+  or runs the same code eagerly on the same buffers (mode "static": the CPU test of the padding logic).
+  `decode` graphs cover the model forward, and the engine's LM head and torch sampler run after them (top-k /
+  top-p); `decode_sample` graphs (one set per temperature and greedy flag) also hold the LM head, the fused
+  sampler and the recorded logprob. The sampler reads the noise-key inputs from the same static buffer.
+
+`fetch` queues a step's (token, logprob) rows for the host behind the step and returns at once, so the engine
+can schedule and launch the next `decode_sample` step before it reads them: that step takes the still-pending
+tokens from the previous one's output on the device (`DecodeRow.prev_row`, `last_tokens`).
 
 Why the graph changes no bit: replay runs the kernels the eager forward runs, with the same tile
 configurations (no kernel specialises on the number of rows, see exactrl/ops/triton). The bucket's padding rows
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from exactrl.engine.sampler import noise_keys, sample
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import BLOCK_N, AttentionBatch
 
@@ -45,7 +51,10 @@ class StepEntry:
 
 @dataclass(slots=True)
 class DecodeRow:
-    """A decode step's sequence: its one new token, where it goes, and its sampling-noise key inputs."""
+    """A decode step's sequence: its one new token, where it goes, and its sampling-noise key inputs.
+
+    prev_row >= 0: the token is still on the device (the engine has not read the previous step back yet): it
+    is row prev_row of the previous `decode_sample` output, and token_id is ignored."""
 
     token_id: int
     position: int
@@ -53,6 +62,23 @@ class DecodeRow:
     seed: int
     request_id: int
     sample_index: int
+    prev_row: int = -1
+
+
+class StepOutput:
+    """A step's sampled rows, (token, logprob) as float64 [2, rows], on their way to the host: `result()`
+    waits for them. The copy is queued behind the step, so the host can schedule and launch the next step
+    first."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None):
+        self._host = host
+        self._event = event
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tok, lp = self._host.tolist()
+        return [int(t) for t in tok], lp
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype | None = None) -> int:
@@ -122,6 +148,31 @@ class ModelRunner:
         ]
         self._static: _StaticDecode | None = None
         self.graph_capture_s = 0.0  # capture time of replaced graph sets (see capture_seconds)
+        # Pinned host buffers for StepOutput, used in turn: the engine resolves a step before it fetches the
+        # step after next, so two suffice (each one's last copy is waited for before it is reused anyway).
+        self._out_host: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._out_turn = 0
+
+    def fetch(self, out: torch.Tensor) -> StepOutput:
+        """Start copying a step's output (float64 [2, rows] on the model's device) to the host."""
+        if out.device.type != "cuda":
+            return StepOutput(out.clone(), None)
+        rows = out.shape[1]
+        i = self._out_turn
+        self._out_turn ^= 1
+        if len(self._out_host) < 2:
+            self._out_host.append((torch.empty(0, dtype=torch.float64), None))
+        host, event = self._out_host[i]
+        if event is not None:
+            event.synchronize()
+        if host.shape[-1] < rows:
+            host = torch.empty((2, max(rows, self.max_num_seqs)), dtype=torch.float64, pin_memory=True)
+        dst = host[:, :rows]
+        dst.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._out_host[i] = (host, event)
+        return StepOutput(dst, event)
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -168,11 +219,14 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode_sample(self, rows: list[DecodeRow], temperature: float, greedy: bool) -> torch.Tensor:
-        """One decode step with the LM head and the fused sampler inside the graph (CUDA, no top-k / top-p):
-        float64 [2, len(rows)], each row's (token, logprob at `temperature`), the same numbers as `decode`
-        followed by the engine's eager head and sampler."""
-        if not self.can_decode(len(rows)) or self.model.device.type != "cuda":
-            raise ValueError(f"decode_sample takes 1 .. {self.max_num_seqs} rows of a CUDA model")
+        """One decode step with the LM head and the sampler (no top-k / top-p) inside the graph: float64
+        [2, len(rows)], each row's (token, logprob at `temperature`), the same numbers as `decode` followed by
+        the engine's eager head and sampler. A row's token may be a row of the previous decode_sample call's
+        output, still on the device (DecodeRow.prev_row)."""
+        if not self.can_decode(len(rows)):
+            raise ValueError(
+                f"decode_sample takes 1 .. {self.max_num_seqs} rows in mode {self.decode_mode!r}"
+            )
         out = self._static_state().run(rows, (float(temperature), bool(greedy)))
         return out[:, : len(rows)]
 
@@ -215,22 +269,29 @@ class _StaticDecode:
         width = self.width_blocks * bs
         # Host-side staging (pinned on CUDA) and one device buffer: one copy per step. Sections, each a whole
         # number of 16-element rows so every view is as aligned as a fresh allocation: ids, positions, slot
-        # mapping, seed, request id, sample index, key lengths (= the sampled token's position), then the block
-        # tables [B, width_blocks]. Sections 3..6 are the sampler's key parts [4, B] with row stride `sec`.
+        # mapping, seed, request id, sample index, key lengths (= the sampled token's position), previous-output
+        # rows (DecodeRow.prev_row), then the block tables [B, width_blocks]. Sections 3..6 are the sampler's
+        # key parts [4, B] with row stride `sec`.
         self.B = B
         self.sec = -(-B // 16) * 16
         self.tw = -(-self.width_blocks // 16) * 16
-        n = 7 * self.sec + B * self.tw
+        n = 8 * self.sec + B * self.tw
         pin = dev.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self.host_np = self.host.numpy()
+        # Two staging buffers used in turn: the engine fills step t+1 while step t (and its copy) may still be
+        # queued; each one's last copy is waited for before it is rewritten.
+        self.staging = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.staged: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.dev_buf = torch.zeros(n, dtype=torch.int64, device=dev)
         s = self.sec
         view = lambda i: self.dev_buf[i * s : i * s + B]  # noqa: E731
         self.ids, self.pos, self.slots = view(0), view(1), view(2)
         self.seed, self.rid, self.sidx, self.key_lens = view(3), view(4), view(5), view(6)
+        self.prev_row = view(7)
         self.key_parts = self.dev_buf[3 * s : 7 * s].view(4, s)
-        self.tables = self.dev_buf[7 * s :].view(B, self.tw)
+        self.tables = self.dev_buf[8 * s :].view(B, self.tw)
+        # The tokens of the last decode_sample step, where the next step's pending rows take theirs from.
+        self.last_tokens = torch.zeros(B, dtype=torch.int64, device=dev)
         self.cu = torch.arange(B + 1, dtype=torch.int64, device=dev)
         self.q_seq = torch.arange(B, dtype=torch.int64, device=dev)
         self.n = torch.arange(width, dtype=torch.int64, device=dev)
@@ -252,8 +313,9 @@ class _StaticDecode:
             and self.params == _param_ptrs(model)
         )
 
-    def _body(self, b: int) -> torch.Tensor:
-        """What a decode step of bucket b computes from the static buffers (captured, or run eagerly)."""
+    def _body(self, b: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What a decode step of bucket b computes from the static buffers (captured, or run eagerly); ids: the
+        input tokens when not self.ids[:b]."""
         bs = self.runner.block_size
         tables = self.tables[:b, : self.width_blocks]
         n = self.n
@@ -271,11 +333,16 @@ class _StaticDecode:
             slot_mapping=self.slots[:b],
             block_size=bs,
         )
-        return self.model(self.ids[:b], self.pos[:b], batch, self.runner.kv_caches)
+        return self.model(self.ids[:b] if ids is None else ids, self.pos[:b], batch, self.runner.kv_caches)
 
     def _fill(self, rows: list[DecodeRow], b: int) -> None:
         """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""
-        h, s, bs, r, tw = self.host_np, self.sec, self.runner.block_size, len(rows), self.tw
+        i = self.turn
+        self.turn ^= 1
+        if self.staged[i] is not None:
+            self.staged[i].synchronize()
+        host = self.staging[i]
+        h, s, bs, r, tw = host.numpy(), self.sec, self.runner.block_size, len(rows), self.tw
         scratch = self.runner.scratch_block
         if r:
             a = np.array(
@@ -287,6 +354,7 @@ class _StaticDecode:
                         x.seed,
                         x.request_id,
                         x.sample_index,
+                        x.prev_row,
                     )
                     for x in rows
                 ],
@@ -298,36 +366,44 @@ class _StaticDecode:
             h[3 * s : 3 * s + r] = a[:, 3]
             h[4 * s : 4 * s + r] = a[:, 4]
             h[5 * s : 5 * s + r] = a[:, 5]
-            t0 = 7 * s
+            h[7 * s : 7 * s + r] = a[:, 6]
+            t0 = 8 * s
             for i, x in enumerate(rows):
                 h[t0 + i * tw : t0 + i * tw + len(x.block_table)] = x.block_table
         # Dummy rows r..b-1: token 0 at position 0 of a one-token sequence living in the scratch page.
         for k in (0, s, 3 * s, 4 * s, 5 * s):
             h[k + r : k + b] = 0
+        h[7 * s + r : 7 * s + b] = -1
         h[2 * s + r : 2 * s + b] = scratch * bs
-        h[7 * s + r * tw : 7 * s + b * tw : tw] = scratch
+        h[8 * s + r * tw : 8 * s + b * tw : tw] = scratch
         h[6 * s : 6 * s + b] = h[s : s + b] + 1  # key lengths
-        n = 7 * s + b * tw
-        # Asynchronous copy from pinned memory: the host buffer is rewritten only at the next step, after the
-        # engine has read this step's tokens back (a device sync).
-        self.dev_buf[:n].copy_(self.host[:n], non_blocking=True)
+        n = 8 * s + b * tw
+        # Asynchronous copy from pinned memory, queued behind the previous step; the event marks when this
+        # staging buffer may be rewritten.
+        self.dev_buf[:n].copy_(host[:n], non_blocking=True)
+        if host.is_pinned():
+            self.staged[i] = torch.cuda.Event()
+            self.staged[i].record()
 
     def _sample_body(self, b: int, temperature: float, greedy: bool) -> torch.Tensor:
         """The step plus what the engine does after it on the fused-sampler path: LM head, temperature, Gumbel-max
-        with the keys from the static buffer, the recorded logprob. -> float64 [2, b]: (token, logprob)."""
-        from exactrl.ops.triton.sampling import gumbel_argmax
-
+        with the keys from the static buffer, the recorded logprob. -> float64 [2, b]: (token, logprob). Rows
+        with prev_row >= 0 take their input token from the previous such step's tokens (`last_tokens`)."""
         ops = self.model.ops
-        h, w = self.model.head_inputs(self._body(b))
+        prev = self.prev_row[:b]
+        ids = torch.where(prev >= 0, self.last_tokens.index_select(0, prev.clamp(min=0)), self.ids[:b])
+        h, w = self.model.head_inputs(self._body(b, ids))
         raw = ops.linear(h, w)
-        # The kernel divides the raw logits by the temperature itself, as ops.scale_logits would (same bits).
-        tok = gumbel_argmax(
-            raw,
-            None,
-            self.greedy_mask[:b] if greedy else None,
-            key_parts=self.key_parts[:, :b],
-            temperature=temperature,
-        )
+        g = self.greedy_mask[:b] if greedy else None
+        if raw.is_cuda:
+            from exactrl.ops.triton.sampling import gumbel_argmax
+
+            # The kernel divides the raw logits by the temperature itself, as ops.scale_logits would (same bits).
+            tok = gumbel_argmax(raw, None, g, key_parts=self.key_parts[:, :b], temperature=temperature)
+        else:  # the static mode's CPU run: the torch sampler the engine's eager path uses
+            kp = self.key_parts[:, :b]
+            tok = sample(ops.scale_logits(raw, temperature), noise_keys(kp[0], kp[1], kp[2], kp[3]), greedy=g)
+        self.last_tokens[:b].copy_(tok)
         lp = ops.logprobs_from_logits(raw, tok, temperature)
         return torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
 
@@ -345,6 +421,8 @@ class _StaticDecode:
                     f"max_model_len {self.runner.max_model_len}"
                 )
         if self.pool is not None and kind not in self.kinds:
+            if any(row.prev_row >= 0 for row in rows):  # the capture's warm-up rewrites last_tokens
+                raise RuntimeError("a decode graph is captured while a step's tokens are still pending")
             t0 = time.perf_counter()
             self._capture(kind)
             self.capture_s += time.perf_counter() - t0

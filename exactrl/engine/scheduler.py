@@ -10,6 +10,7 @@ How the engine drives it (one step)::
     tokens, logprobs = <draw rows[k] from hidden[rows[k].entry_index], key = noise_key(seed of request,
                         rows[k].request_id, rows[k].sample_index, rows[k].position)>
     scheduler.postprocess(batch, tokens, logprobs)   # appends tokens, forks groups, finishes sequences
+                                                     # (= commit(batch) then resolve(...): see Pipelining)
     done = scheduler.take_finished()                 # also holds sequences rejected by add()/schedule()
 
 **Entries.** `batch.entries[i] = (seq, start, num_new_tokens, num_samples, block_table)`: write the KV of
@@ -44,6 +45,16 @@ sequence. A step that preempted admits no new sequence (unless it would otherwis
 **Rejection.** A sequence whose tokens need more blocks than the whole cache has is finished with
 `finish_reason = "error: ..."` (naming the lengths) instead of waiting forever: at `add()` for a prompt that can
 never fit, and at (re)admission for a sequence that has outgrown the cache while generating.
+
+**Pipelining.** `postprocess` is `commit(batch)` (everything that needs no token values: KV marked computed,
+forks, a `PENDING_TOKEN` appended to each receiver, max_tokens finishes) followed by `resolve(receivers, tokens,
+logprobs)` (the values, and stop-token finishes). The engine may call `schedule()` for step t+1 between
+commit(t) and resolve(t), while step t still runs on the GPU: step t+1 then feeds each pending token from step
+t's output on the device. The two orders make the same batches up to step t's stop tokens: a sequence that
+stopped at step t is still in step t+1, whose entry for it `commit` drops (resolve finished it). Its one extra
+KV write is the stop token's, at a position it owns. The placeholder is only ever a sequence's last token, so
+no prefix-cache hash covers it (hashes cover full blocks of computed tokens, and lookups stop before the last
+token); resolve(t) comes before commit(t+1), which is what may register the block holding it.
 
 **Order.** Running sequences are served in admission order (decodes and unfinished prefills alike), then
 waiting ones in queue order while budgets and blocks allow (first-come first-served: the head is never
@@ -178,9 +189,8 @@ class Scheduler:
         return done
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish a waiting or running sequence from outside (e.g. a stop string found by the detokenizer)."""
-        if self._in_flight is not None:
-            raise RuntimeError("finish() called between schedule() and postprocess()")
+        """Finish a waiting or running sequence from outside (e.g. a stop string found by the detokenizer). Also
+        between schedule() and commit(): the in-flight step's entry for it is then dropped."""
         if seq.is_finished:
             raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.finish_reason})")
         if seq.status is SequenceStatus.RUNNING:
@@ -269,10 +279,8 @@ class Scheduler:
     ) -> list[Sequence]:
         """Apply a step's results: token_ids[k] (and logprobs[k]) is the token drawn for batch.sample_rows()[k].
 
-        Marks the step's KV computed, forks group parents, appends tokens and finishes sequences that drew a
-        stop token or reached max_tokens (their blocks are freed; collect them with take_finished()).
-        Returns the sequence that received each token, aligned with token_ids (forked children included),
-        so the engine can check stop strings and call finish()."""
+        `commit(batch)` then `resolve(...)` (see "Pipelining"). Returns the sequences that received a token, in
+        row order (forked children included), so the engine can check stop strings and call finish()."""
         if batch is not self._in_flight:
             raise RuntimeError("postprocess() must get the batch returned by the last schedule()")
         if len(token_ids) != batch.num_sample_rows:
@@ -281,13 +289,27 @@ class Scheduler:
             )
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise ValueError(f"postprocess got {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        return self.resolve(self.commit(batch), token_ids, logprobs)
+
+    def commit(self, batch: ScheduledBatch) -> list[Sequence | None]:
+        """The part of a step's postprocessing that needs no token values.
+
+        Marks the step's KV computed, forks group parents, appends a PENDING_TOKEN to every sequence that
+        draws a token, and finishes those that reach max_tokens with it (their blocks are freed). Entries whose
+        sequence was finished while the step was in flight are skipped. Returns, for each of
+        batch.sample_rows(), the sequence its token goes to, or None where it is to be discarded: pass it to
+        `resolve` with the values."""
+        if batch is not self._in_flight:
+            raise RuntimeError("commit() must get the batch returned by the last schedule()")
         self._in_flight = None
         bm = self.block_manager
-        receivers: list[Sequence] = []
+        receivers: list[Sequence | None] = []
         children: dict[int, list[Sequence]] = {}
-        k = 0
         for e in batch.entries:
             seq = e.seq
+            if seq.is_finished:  # finished by finish() or a stop token while the step ran: drop its rows
+                receivers.extend([None] * e.num_samples)
+                continue
             bm.mark_computed(seq, e.end)
             if e.num_samples == 0:
                 continue
@@ -300,9 +322,8 @@ class Scheduler:
                     group.append(child)
                 children[seq.seq_id] = group[1:]
             for member in group:
-                member.append_token(token_ids[k], None if logprobs is None else logprobs[k])
+                member.append_pending()
                 receivers.append(member)
-                k += 1
 
         if children:
             running: list[Sequence] = []
@@ -312,13 +333,47 @@ class Scheduler:
             self.running = running
         any_finished = False
         for seq in receivers:
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason)
+            if seq is not None and seq.num_completion_tokens >= seq.max_tokens:
+                self._finish(seq, "length")
                 any_finished = True
         if any_finished:
             self.running = [s for s in self.running if not s.is_finished]
         return receivers
+
+    def resolve(
+        self,
+        receivers: list[Sequence | None],
+        token_ids: list[int],
+        logprobs: list[float] | None = None,
+    ) -> list[Sequence]:
+        """Give the pending tokens of a committed step their values (token_ids[k] for receivers[k]) and finish
+        the sequences that drew a stop token. May run while a later step is scheduled and in flight (its entries
+        of sequences finished here are dropped by its commit). Returns the sequences that received a value."""
+        if len(token_ids) != len(receivers):
+            raise ValueError(f"resolve got {len(token_ids)} tokens for {len(receivers)} rows")
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ValueError(f"resolve got {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        got: list[Sequence] = []
+        stopped: list[Sequence] = []
+        for k, seq in enumerate(receivers):
+            if seq is None:
+                continue
+            seq.resolve_token(token_ids[k], None if logprobs is None else logprobs[k])
+            got.append(seq)
+            if seq.token_ids[-1] in seq.stop_token_ids:
+                if seq.is_finished:
+                    # Finished since commit (max_tokens, or rejected by a schedule() that ran ahead): the stop
+                    # token came first, and names the reason, as it does when nothing runs ahead.
+                    seq.finish_reason = "stop"
+                else:
+                    stopped.append(seq)
+        if stopped:
+            for seq in stopped:
+                if seq.status is SequenceStatus.WAITING:  # preempted by a schedule() that ran ahead
+                    self.waiting.remove(seq)
+                self._finish(seq, "stop")
+            self.running = [s for s in self.running if not s.is_finished]
+        return got
 
     # -- internals -------------------------------------------------------------------------------------------
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledEntry:
@@ -339,14 +394,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._finished.append(seq)
-
-    @staticmethod
-    def _stop_reason(seq: Sequence) -> str | None:
-        if seq.last_token_id in seq.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens:
-            return "length"
-        return None
 
     def _never_fits(self, seq: Sequence) -> bool:
         return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks

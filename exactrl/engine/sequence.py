@@ -16,6 +16,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+# Stands for a sampled token whose value is still on the device (the engine schedules the next step before it
+# reads the last one back; see scheduler.py, "Pipelining"). Never a real token id: ids are >= 0.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -33,6 +37,7 @@ class Sequence:
             the request's seed it fixes the sampling noise, so results never depend on scheduling.
     Tokens:
         token_ids: prompt followed by generated tokens (a stop token, when produced, is kept as the last one).
+            The last one may be PENDING_TOKEN between the scheduler's commit() and resolve() of its step.
         num_prompt_tokens: length of the prompt part.
         max_tokens: most generated tokens; reaching it finishes the sequence with reason "length".
         stop_token_ids: generated tokens that finish the sequence with reason "stop".
@@ -122,6 +127,25 @@ class Sequence:
         self.token_ids.append(int(token_id))
         if logprob is not None:
             self.rollout_logprobs.append(float(logprob))
+
+    def append_pending(self) -> None:
+        """Append a sampled token whose value is not known yet (PENDING_TOKEN); `resolve_token` sets it."""
+        self.append_token(PENDING_TOKEN)
+
+    def resolve_token(self, token_id: int, logprob: float | None = None) -> None:
+        """Set the value of the pending last token (also when the sequence has finished since, e.g. by reaching
+        max_tokens) and record its rollout log-probability."""
+        if not self.token_ids or self.token_ids[-1] != PENDING_TOKEN:
+            raise ValueError(f"sequence {self.seq_id} has no pending token to resolve")
+        if token_id < 0:
+            raise ValueError(f"sequence {self.seq_id}: sampled token id {token_id} is negative")
+        self.token_ids[-1] = int(token_id)
+        if logprob is not None:
+            self.rollout_logprobs.append(float(logprob))
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING_TOKEN
 
     def new_sample(self, seq_id: int, sample_index: int) -> Sequence:
         """A sibling that has the same prompt and settings but no generated tokens and no KV blocks yet.

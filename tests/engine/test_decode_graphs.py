@@ -52,6 +52,7 @@ def test_static_decode_equals_eager_with_forks_and_preemption(dtype):
     eager, a = _generate(model, "eager", params, **cfg)
     static, b = _generate(model, "static", params, **cfg)
     assert static.stats["static_decode_steps"] > 0 and eager.stats["static_decode_steps"] == 0
+    assert static.stats["ahead_steps"] > 0 and eager.stats["ahead_steps"] == 0
     assert static.stats["preemptions"] > 0, "the small cache was meant to force preemption"
     _assert_same(_flat(a), _flat(b))
     # The padding rows wrote only into the scratch page: every page the block manager hands out is identical.
@@ -66,6 +67,26 @@ def test_static_decode_equals_eager_with_forks_and_preemption(dtype):
         assert torch.equal(rec, lp)
     # Negative control: the comparison sees a change of seed.
     _, c = _generate(model, "static", SamplingParams(temperature=1.0, max_tokens=30, n=3, seed=6), **cfg)
+    assert [t for t, _ in _flat(b)] != [t for t, _ in _flat(c)]
+
+
+def test_running_ahead_with_stop_tokens_equals_eager():
+    """Decode steps launched before the previous one is read back (static mode runs them on the CPU): sequences
+    that draw a stop token are still in the next step, whose row for them is discarded. Same samples, same
+    bits, same finish reasons as the eager engine, which reads every step back first."""
+    model = build_model(preset("tiny"), dtype=torch.float32, seed=2)
+    stops = list(range(3, 20))  # frequent enough that many samples stop early
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=9, stop_token_ids=stops)
+    cfg = dict(max_num_seqs=16, max_model_len=96, num_kv_blocks=14)
+    eager, a = _generate(model, "eager", params, **cfg)
+    static, b = _generate(model, "static", params, **cfg)
+    assert static.stats["ahead_steps"] > 0 and static.stats["preemptions"] > 0
+    _assert_same(_flat(a), _flat(b))
+    reasons = [s.finish_reason for o in b for s in o.samples]
+    assert reasons == [s.finish_reason for o in a for s in o.samples]
+    assert "stop" in reasons and "length" in reasons
+    # Negative control: without the stop tokens the samples differ.
+    _, c = _generate(model, "static", SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=9), **cfg)
     assert [t for t, _ in _flat(b)] != [t for t, _ in _flat(c)]
 
 
@@ -109,6 +130,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
     eager, a = _generate(model, "eager", params, **sizes)
     graph, b = _generate(model, "graph", params, **sizes)
     assert graph.stats["cuda_graph_steps"] > 0 and graph.runner.num_graphs == len(graph_buckets(24))
+    assert graph.stats["ahead_steps"] > 0
     assert graph.stats["preemptions"] > 0
     _assert_same(_flat(a), _flat(b))
     if exact:  # and the trainer agrees with what the graphs recorded
@@ -120,6 +142,8 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
     for other in (
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=0.8, top_k=50, max_tokens=20, seed=3),
+        # stop tokens: steps launched ahead hold sequences that have already stopped
+        SamplingParams(temperature=1.0, max_tokens=30, n=3, seed=4, stop_token_ids=list(range(3, 20))),
     ):
         _assert_same(
             _flat(graph.generate(PROMPTS, other)), _flat(_generate(model, "eager", other, **sizes)[1])

@@ -4,7 +4,7 @@ import pytest
 
 from exactrl.engine.block_manager import BlockManager
 from exactrl.engine.scheduler import ScheduledBatch, Scheduler
-from exactrl.engine.sequence import Sequence, SequenceStatus
+from exactrl.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 STOP = 0
 VOCAB = 24
@@ -50,7 +50,11 @@ def reference(prompt: list[int], request_id: int, n: int, max_tokens: int, stop:
 
 class FakeEngine:
     """Drives a Scheduler like the real engine, with a fake KV cache (one int per slot) and a fake model that
-    only reads the cache. Checks budgets and that no step reads or writes a slot it must not touch."""
+    only reads the cache. Checks budgets and that no step reads or writes a slot it must not touch.
+
+    pipelined: every step is scheduled and run before the previous one is resolved (commit, then resolve after
+    the next step has run), its pending tokens taken from `device`, the values the fake model drew. The real
+    engine runs ahead only for decode steps; this runs any step ahead, the harder case."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class FakeEngine:
         max_num_batched_tokens,
         prefill_chunk_size,
         prefix_caching=True,
+        pipelined=False,
     ):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(
@@ -73,6 +78,17 @@ class FakeEngine:
         self.trace: list[tuple] = []
         self.results: dict[tuple[int, int], tuple[list[int], str]] = {}
         self.finished: list[Sequence] = []
+        self.pipelined = pipelined
+        self.pending: tuple[list, list[int], list[float]] | None = None  # committed, not resolved
+        self.device: dict[int, int] = {}  # seq_id -> value of its pending token
+        self.dropped_rows = 0  # rows of sequences that finished while their step was in flight
+
+    def token(self, seq: Sequence, p: int) -> int:
+        t = seq.token_ids[p]
+        if t == PENDING_TOKEN:
+            assert self.pipelined and p == seq.num_tokens - 1, "only the last token may be pending"
+            return self.device[seq.seq_id]
+        return t
 
     def slot(self, table: list[int], p: int) -> int:
         bs = self.bm.block_size
@@ -96,6 +112,9 @@ class FakeEngine:
         s = self.sched
         batch = s.schedule()
         if batch is None:
+            if self.pending is not None:
+                self.resolve()
+                return self.step() if s.has_unfinished() else None
             return None
         assert batch.num_batched_tokens <= s.max_num_batched_tokens
         assert len(batch.entries) <= s.max_num_seqs
@@ -129,37 +148,66 @@ class FakeEngine:
                 assert self.slot(e.block_table, p) not in written, "a step overwrites keys another row reads"
             for p in range(e.start, e.end):
                 prev = self.cache[self.slot(e.block_table, p - 1)] if p else 0
-                self.cache[self.slot(e.block_table, p)] = fake_kv(prev, e.seq.token_ids[p], p)
+                self.cache[self.slot(e.block_table, p)] = fake_kv(prev, self.token(e.seq, p), p)
             kv = 0
             for p in range(e.end):  # the cache must hold exactly the sequence's own prefix
-                kv = fake_kv(kv, e.seq.token_ids[p], p)
+                kv = fake_kv(kv, self.token(e.seq, p), p)
                 assert self.cache[self.slot(e.block_table, p)] == kv, f"stale KV at {p} for {e.seq}"
-        tokens = []
+        tokens, logprobs = [], []
         for row in batch.sample_rows():
             e = batch.entries[row.entry_index]
             assert row.position == e.end == e.seq.num_tokens
             tokens.append(
                 fake_sample(self.cache[self.slot(e.block_table, e.end - 1)], row.request_id, row.sample_index)
             )
-        receivers = s.postprocess(batch, tokens, [-0.5] * len(tokens))
-        assert [r.last_token_id for r in receivers] == tokens
-        for seq in s.take_finished():
+            logprobs.append(-float(row.position))  # tells whether each logprob lands at its token
+        if not self.pipelined:
+            receivers = s.postprocess(batch, tokens, logprobs)
+            assert [r.last_token_id for r in receivers] == tokens
+            self.collect()
+            return batch
+        if self.pending is not None:  # the previous step is read back while this one "runs"
+            self.resolve()
+        receivers = s.commit(batch)
+        assert len(receivers) == len(tokens)
+        for r, t in zip(receivers, tokens):
+            if r is None:
+                self.dropped_rows += 1
+            else:
+                assert r.token_ids[-1] == PENDING_TOKEN
+                self.device[r.seq_id] = t
+        self.pending = (receivers, tokens, logprobs)
+        return batch
+
+    def resolve(self) -> None:
+        receivers, tokens, logprobs = self.pending
+        self.pending = None
+        got = self.sched.resolve(receivers, tokens, logprobs)
+        assert got == [r for r in receivers if r is not None]
+        assert [r.token_ids[-1] for r in got] == [t for r, t in zip(receivers, tokens) if r is not None]
+        self.collect()
+
+    def collect(self) -> None:
+        for seq in self.sched.take_finished():
             self.finished.append(seq)
             key = (seq.request_id, seq.sample_index)
             assert key not in self.results
+            assert PENDING_TOKEN not in seq.token_ids
+            n = seq.num_prompt_tokens
+            assert seq.rollout_logprobs == [-float(p) for p in range(n, seq.num_tokens)]
             self.results[key] = (seq.completion_token_ids, seq.finish_reason)
-        return batch
 
     def run(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
             if not self.sched.has_unfinished():
+                if self.pending is not None:
+                    self.resolve()
                 break
             if self.step() is None:  # what was left has just been rejected
                 assert not self.sched.has_unfinished()
         else:
             raise AssertionError("did not finish")
-        for seq in self.sched.take_finished():
-            self.results[(seq.request_id, seq.sample_index)] = (seq.completion_token_ids, seq.finish_reason)
+        self.collect()
         assert self.bm.num_free_blocks == self.bm.num_blocks, "KV blocks leaked"
         self.bm.check_consistency([])
 
@@ -175,8 +223,8 @@ def make_requests(seed: int, count: int):
     return reqs
 
 
-def run_all(reqs, **cfg) -> FakeEngine:
-    eng = FakeEngine(**cfg)
+def run_all(reqs, pipelined=False, **cfg) -> FakeEngine:
+    eng = FakeEngine(pipelined=pipelined, **cfg)
     for rid, (prompt, n, max_tokens) in enumerate(reqs):
         eng.add(rid, prompt, n, max_tokens)
     eng.run()
@@ -201,10 +249,11 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
-def test_results_do_not_depend_on_batching(cfg):
+def test_results_do_not_depend_on_batching(cfg, pipelined):
     reqs = make_requests(0, 30)
-    eng = run_all(reqs, **cfg)
+    eng = run_all(reqs, pipelined=pipelined, **cfg)
     expected = {}
     for rid, (prompt, n, max_tokens) in enumerate(reqs):
         for j, res in enumerate(reference(prompt, rid, n, max_tokens)):
@@ -216,6 +265,58 @@ def test_results_do_not_depend_on_batching(cfg):
         assert eng.sched.num_preemptions > 0  # the small caches really exercised preemption
     if cfg.get("prefix_caching", True) and cfg["max_num_seqs"] > 1:
         assert any(s.num_cached_tokens for s in eng.finished)
+    if pipelined and cfg["max_num_seqs"] > 1:
+        # Sequences stopped while the next step was already scheduled: that step's rows for them were dropped.
+        assert eng.dropped_rows > 0
+
+
+def test_pipelined_schedules_match_sync_without_stop_tokens():
+    """With no stop token, running ahead changes nothing: the same batches and block copies, step for step."""
+    rng = random.Random(3)
+    reqs = [
+        ([rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, 12))], rng.choice([1, 3]), 12)
+        for _ in range(9)
+    ]
+    traces = []
+    for pipelined in (False, True):
+        eng = FakeEngine(pipelined=pipelined, **CONFIGS[3])
+        for rid, (prompt, n, max_tokens) in enumerate(reqs):
+            eng.add(rid, prompt, n, max_tokens, stop=None)
+        eng.run()
+        assert eng.sched.num_preemptions > 0
+        traces.append(eng.trace)
+    assert traces[0] == traces[1]
+
+
+def test_resolve_rejects_misuse():
+    eng = FakeEngine(
+        num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=8
+    )
+    a = eng.add(0, [1, 2, 3], 1, 2)
+    batch = eng.sched.schedule()
+    receivers = eng.sched.commit(batch)
+    assert receivers == [a] and a.token_ids[-1] == PENDING_TOKEN and a.has_pending_token
+    with pytest.raises(RuntimeError, match="last schedule"):
+        eng.sched.commit(batch)
+    with pytest.raises(ValueError, match="resolve got 2 tokens for 1 rows"):
+        eng.sched.resolve(receivers, [5, 6])
+    with pytest.raises(ValueError, match="negative"):
+        eng.sched.resolve(receivers, [-3])
+    eng.sched.resolve(receivers, [5], [-1.0])
+    assert a.completion_token_ids == [5] and a.rollout_logprobs == [-1.0]
+    with pytest.raises(ValueError, match="no pending token"):
+        eng.sched.resolve(receivers, [5])
+
+
+def test_stop_token_names_the_reason_of_a_sequence_finished_at_commit():
+    eng = FakeEngine(
+        num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=8
+    )
+    a = eng.add(0, [1, 2, 3], 1, 1)
+    receivers = eng.sched.commit(eng.sched.schedule())
+    assert a.is_finished and a.finish_reason == "length" and a.block_table == []
+    eng.sched.resolve(receivers, [STOP])
+    assert a.finish_reason == "stop" and a.completion_token_ids == [STOP]
 
 
 def test_schedule_is_deterministic():
@@ -381,13 +482,15 @@ def test_finish_from_outside_and_misuse():
     batch = eng.sched.schedule()
     with pytest.raises(RuntimeError, match="twice"):
         eng.sched.schedule()
-    with pytest.raises(RuntimeError, match="between"):
-        eng.sched.finish(a, "stop")
     with pytest.raises(ValueError, match="expected 2 sampled tokens"):
         eng.sched.postprocess(batch, [1])
     eng.sched.postprocess(batch, [1, 1])
+    # Finished while its step is in flight: the step's row for it is dropped.
+    batch = eng.sched.schedule()
     eng.sched.finish(a, "stop")
     assert a.finish_reason == "stop" and a.block_table == [] and eng.sched.running == [b]
+    assert eng.sched.postprocess(batch, [7, 8]) == [b]
+    assert a.completion_token_ids == [1] and b.completion_token_ids == [1, 8]
     with pytest.raises(ValueError, match="already finished"):
         eng.sched.finish(a, "stop")
     with pytest.raises(ValueError, match="fresh waiting"):
