@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from exactrl.engine.block_manager import BlockManager
@@ -27,6 +28,7 @@ from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys,
 from exactrl.engine.scheduler import Scheduler
 from exactrl.engine.sequence import Sequence
 from exactrl.model.qwen import CausalLM
+from exactrl.ops.batch import upload_int64
 
 
 @dataclass
@@ -274,20 +276,21 @@ class RolloutEngine:
             elif rows:
                 entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
                 hidden = runner.forward(entries)
-                idx = torch.tensor([r.entry_index for r in rows], device=lm_dev)
                 # A fork row is computed once and sampled n times: one LM-head matmul per distinct row.
-                uniq, inv = torch.unique(idx, return_inverse=True)
-                h, w = self.model.head_inputs(hidden[uniq])
-                raw = ops.linear(h, w)[inv]
-                key_parts = torch.tensor(
+                uniq, inv = np.unique(np.array([r.entry_index for r in rows]), return_inverse=True)
+                parts = np.array(
                     [
                         [params.seed] * len(rows),
                         [r.request_id for r in rows],
                         [r.sample_index for r in rows],
                         [r.position for r in rows],
                     ],
-                    dtype=torch.int64,
-                ).to(lm_dev)
+                    dtype=np.int64,
+                )
+                # Built on the host, one asynchronous copy: nothing here waits for the GPU.
+                uniq_d, inv_d, key_parts = upload_int64([uniq, inv.reshape(-1), parts], lm_dev)
+                h, w = self.model.head_inputs(hidden[uniq_d])
+                raw = ops.linear(h, w)[inv_d]
             else:  # prefill chunks that sample nothing yet
                 runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
             if rows and out is None:

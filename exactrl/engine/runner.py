@@ -38,6 +38,7 @@ import torch
 from exactrl.engine.sampler import noise_keys, sample
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import BLOCK_N, AttentionBatch
+from exactrl.ops.batch import upload_int64
 
 
 @dataclass
@@ -179,9 +180,7 @@ class ModelRunner:
         """Copy-on-write: duplicate whole KV blocks src -> dst in every layer."""
         if not pairs:
             return
-        dev = self.model.device
-        src = torch.tensor([p[0] for p in pairs], device=dev)
-        dst = torch.tensor([p[1] for p in pairs], device=dev)
+        src, dst = upload_int64([np.array(pairs, dtype=np.int64).T.copy()], self.model.device)[0]
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
@@ -190,7 +189,7 @@ class ModelRunner:
     def forward(self, entries: list[StepEntry]) -> torch.Tensor:
         """Run one step; return the final hidden state of the last new row of every entry: [len(entries), D]."""
         dev = self.model.device
-        ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.int64, device=dev)
+        (ids,) = upload_int64([np.array([t for e in entries for t in e.token_ids], dtype=np.int64)], dev)
         batch = AttentionBatch.paged(
             [e.num_cached for e in entries],
             [len(e.token_ids) for e in entries],
@@ -337,11 +336,11 @@ class _StaticDecode:
 
     def _fill(self, rows: list[DecodeRow], b: int) -> None:
         """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""
-        i = self.turn
+        turn = self.turn
         self.turn ^= 1
-        if self.staged[i] is not None:
-            self.staged[i].synchronize()
-        host = self.staging[i]
+        if self.staged[turn] is not None:
+            self.staged[turn].synchronize()
+        host = self.staging[turn]
         h, s, bs, r, tw = host.numpy(), self.sec, self.runner.block_size, len(rows), self.tw
         scratch = self.runner.scratch_block
         if r:
@@ -382,8 +381,8 @@ class _StaticDecode:
         # staging buffer may be rewritten.
         self.dev_buf[:n].copy_(host[:n], non_blocking=True)
         if host.is_pinned():
-            self.staged[i] = torch.cuda.Event()
-            self.staged[i].record()
+            self.staged[turn] = torch.cuda.Event()
+            self.staged[turn].record()
 
     def _sample_body(self, b: int, temperature: float, greedy: bool) -> torch.Tensor:
         """The step plus what the engine does after it on the fused-sampler path: LM head, temperature, Gumbel-max

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Keys are processed in tiles of this many positions. Every backend uses the same tile, and the KV page size
@@ -115,49 +116,69 @@ class AttentionBatch:
             raise ValueError(f"KV block_size {block_size} must be a multiple of the attention tile {BLOCK_N}")
         if not (len(num_cached) == len(num_new) == len(block_tables)) or not num_new:
             raise ValueError("paged attention needs one (num_cached, num_new, block_table) per sequence")
-        cached = torch.tensor(num_cached, dtype=torch.int64)
-        new = torch.tensor(num_new, dtype=torch.int64)
+        cached = np.asarray(num_cached, dtype=np.int64)
+        new = np.asarray(num_new, dtype=np.int64)
         if int(new.min()) <= 0:
             raise ValueError(f"every sequence in a step needs at least one new token, got {num_new}")
         key_lens = cached + new
-        cu = torch.zeros(len(num_new) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(new, 0)
-        q_seq = torch.repeat_interleave(torch.arange(len(num_new)), new)
-        q_pos = cached[q_seq] + torch.arange(int(cu[-1])) - cu[:-1][q_seq]
+        nseq = len(num_new)
+        cu = np.zeros(nseq + 1, dtype=np.int64)
+        np.cumsum(new, out=cu[1:])
+        q_seq = np.repeat(np.arange(nseq, dtype=np.int64), new)
+        q_pos = cached[q_seq] + np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][q_seq]
         max_blocks = max(len(t) for t in block_tables)
         for b, (t, n) in enumerate(zip(block_tables, key_lens.tolist())):
             if len(t) * block_size < n:
                 raise ValueError(
                     f"sequence {b} needs {-(-n // block_size)} KV blocks for {n} tokens, has {len(t)}"
                 )
-        # One tensor from padded lists: this runs every decode step, so no per-sequence tensor creation.
-        tables = torch.tensor(
-            [list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64
-        )
+        tables = np.zeros((nseq, max_blocks), dtype=np.int64)
+        for b, t in enumerate(block_tables):
+            tables[b, : len(t)] = t
         max_key = int(key_lens.max())
         width = _round_up(max_key, BLOCK_N)
-        n = torch.arange(width)
-        blk = torch.gather(
-            tables, 1, (n // block_size).clamp(max=max_blocks - 1)[None, :].expand(len(num_new), -1)
-        )
-        slots = blk * block_size + n % block_size
-        key_slots = torch.where(n[None, :] < key_lens[:, None], slots, torch.zeros(()).long())
-        slot_mapping = (
-            torch.gather(tables[q_seq], 1, (q_pos // block_size)[:, None])[:, 0] * block_size
-            + q_pos % block_size
+        n = np.arange(width, dtype=np.int64)
+        blk = tables[:, np.minimum(n // block_size, max_blocks - 1)]
+        key_slots = np.where(n[None, :] < key_lens[:, None], blk * block_size + n % block_size, 0)
+        slot_mapping = tables[q_seq, q_pos // block_size] * block_size + q_pos % block_size
+        q_seq_d, q_pos_d, cu_d, key_lens_d, key_slots_d, slot_mapping_d, tables_d = upload_int64(
+            [q_seq, q_pos, cu, key_lens, key_slots, slot_mapping, tables], device
         )
         return AttentionBatch(
-            q_seq=q_seq.to(device),
-            q_pos=q_pos.to(device),
-            cu_seqlens_q=cu.to(device),
-            key_lens=key_lens.to(device),
-            key_slots=key_slots.to(device),
+            q_seq=q_seq_d,
+            q_pos=q_pos_d,
+            cu_seqlens_q=cu_d,
+            key_lens=key_lens_d,
+            key_slots=key_slots_d,
             max_seqlen_q=int(new.max()),
             max_key_len=max_key,
-            slot_mapping=slot_mapping.to(device),
-            block_tables=tables.to(torch.int32).to(device),
+            slot_mapping=slot_mapping_d,
+            block_tables=tables_d.to(torch.int32),
             block_size=block_size,
         )
+
+
+def upload_int64(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """int64 arrays -> tensors of the same shapes on `device`, through one host buffer and one copy.
+
+    On CUDA the buffer is pinned and the copy asynchronous (queued on the current stream; PyTorch's pinned
+    allocator keeps the buffer until it is done), so the host does not wait for the GPU to drain. Each array
+    starts at a multiple of 16 elements, as aligned as a fresh allocation."""
+    device = torch.device(device)
+    sizes = [int(a.size) for a in arrays]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 16) * 16
+    host = torch.empty(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+    h = host.numpy()
+    for a, o, n in zip(arrays, offsets, sizes):
+        h[o : o + n] = a.reshape(-1)
+    if device.type == "cpu":
+        flat = host
+    else:
+        flat = host.to(device, non_blocking=True)
+    return [flat[o : o + n].view(a.shape) for a, o, n in zip(arrays, offsets, sizes)]
 
 
 def _round_up(x: int, m: int) -> int:
