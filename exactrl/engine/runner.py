@@ -166,9 +166,11 @@ class ModelRunner:
         host, event = self._out_host[i]
         if event is not None:
             event.synchronize()
-        if host.shape[-1] < rows:
-            host = torch.empty((2, max(rows, self.max_num_seqs)), dtype=torch.float64, pin_memory=True)
-        dst = host[:, :rows]
+        if host.numel() < 2 * rows:
+            host = torch.empty(2 * max(rows, self.max_num_seqs), dtype=torch.float64, pin_memory=True)
+        # A contiguous destination: a strided one would make PyTorch copy through a pageable temporary, which
+        # waits for the step.
+        dst = host[: 2 * rows].view(2, rows)
         dst.copy_(out, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -161,3 +161,29 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
     again = _flat(graph.generate(PROMPTS, params))
     assert graph.runner._static is not old
     _assert_same(again, _flat(_generate(model, "eager", params, **sizes)[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fetch_and_upload_do_not_wait_for_the_gpu():
+    """The pipeline's host-device copies are queued behind the running step; none of them blocks the host."""
+    import numpy as np
+
+    from exactrl.ops.batch import upload_int64
+
+    model = build_model(preset("tiny"), device="cuda", dtype=torch.bfloat16, seed=0)
+    runner = ModelRunner(model, 8, 16, max_num_seqs=8, max_model_len=64, decode_mode="graph")
+    stream = torch.cuda.current_stream()
+    for rows in (8, 3):  # all of a bucket's rows, and a strided view of some of them
+        out = torch.arange(16, dtype=torch.float64, device="cuda").view(2, 8)[:, :rows]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)  # keeps the stream busy for ~0.2 s
+        res = runner.fetch(out)
+        (ids,) = upload_int64([np.arange(5, dtype=np.int64)], "cuda")
+        assert not stream.query(), "fetch() or upload_int64() waited for the GPU"
+        assert res.result() == (list(range(rows)), [float(8 + i) for i in range(rows)])
+        assert ids.tolist() == list(range(5))
+    # Negative control: a plain copy to pageable memory does wait, and the check sees it.
+    torch.cuda._sleep(300_000_000)
+    torch.empty(3, dtype=torch.float64).copy_(out[0])
+    assert stream.query()
