@@ -151,7 +151,9 @@ class ModelRunner:
         self.graph_capture_s = 0.0  # capture time of replaced graph sets (see capture_seconds)
         # Pinned host buffers for StepOutput, used in turn: the engine resolves a step before it fetches the
         # step after next, so two suffice (each one's last copy is waited for before it is reused anyway).
-        self._out_host: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._out_host: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
+            (torch.empty(0, dtype=torch.float64), None)
+        ] * 2
         self._out_turn = 0
 
     def fetch(self, out: torch.Tensor) -> StepOutput:
@@ -161,8 +163,6 @@ class ModelRunner:
         rows = out.shape[1]
         i = self._out_turn
         self._out_turn ^= 1
-        if len(self._out_host) < 2:
-            self._out_host.append((torch.empty(0, dtype=torch.float64), None))
         host, event = self._out_host[i]
         if event is not None:
             event.synchronize()
@@ -361,6 +361,8 @@ class _StaticDecode:
                 ],
                 dtype=np.int64,
             )
+            if ((a[:, 0] < 0) & (a[:, 6] < 0)).any():
+                raise RuntimeError("a decode row's token is still pending but names no previous output row")
             h[0:r] = a[:, 0]
             h[s : s + r] = a[:, 1]
             h[2 * s : 2 * s + r] = a[:, 2] * bs + a[:, 1] % bs  # slot of the new token's K/V

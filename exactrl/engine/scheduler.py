@@ -50,11 +50,14 @@ never fit, and at (re)admission for a sequence that has outgrown the cache while
 forks, a `PENDING_TOKEN` appended to each receiver, max_tokens finishes) followed by `resolve(receivers, tokens,
 logprobs)` (the values, and stop-token finishes). The engine may call `schedule()` for step t+1 between
 commit(t) and resolve(t), while step t still runs on the GPU: step t+1 then feeds each pending token from step
-t's output on the device. The two orders make the same batches up to step t's stop tokens: a sequence that
-stopped at step t is still in step t+1, whose entry for it `commit` drops (resolve finished it). Its one extra
-KV write is the stop token's, at a position it owns. The placeholder is only ever a sequence's last token, so
-no prefix-cache hash covers it (hashes cover full blocks of computed tokens, and lookups stop before the last
-token); resolve(t) comes before commit(t+1), which is what may register the block holding it.
+t's output on the device. Without stop tokens both orders make the same batches. A sequence that stopped at
+step t is still in step t+1, whose entry for it `commit` drops (resolve finished it); its one extra KV write is
+the stop token's, into a block it owned, and later batches may differ from the synchronous order's (never the
+tokens: the noise is keyed and the kernels batch-invariant). `resolve` also finishes a stopped sequence that
+schedule() preempted meanwhile (it waits with its pending token, which is only read once resolved). The
+placeholder is only ever a sequence's last token, so no prefix-cache hash covers it (hashes cover full blocks of
+computed tokens, and lookups stop before the last token); resolve(t) comes before commit(t+1), which is what may
+register the block holding it.
 
 **Order.** Running sequences are served in admission order (decodes and unfinished prefills alike), then
 waiting ones in queue order while budgets and blocks allow (first-come first-served: the head is never

@@ -112,6 +112,8 @@ def test_decode_rejects_rows_past_the_model_length():
         runner.decode([DecodeRow(5, 40, [0, 1, 2], 0, 0, 0)])
     with pytest.raises(ValueError, match="1 .. 4 rows"):
         runner.decode([DecodeRow(5, 1, [0], 0, i, 0) for i in range(5)])
+    with pytest.raises(RuntimeError, match="pending but names no previous output row"):
+        runner.decode([DecodeRow(-1, 1, [0], 0, 0, 0)])
     with pytest.raises(ValueError, match="needs a model on a CUDA device"):
         ModelRunner(model, 8, 16, decode_mode="graph")
 
