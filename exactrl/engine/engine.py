@@ -25,7 +25,7 @@ import torch
 from exactrl.engine.block_manager import BlockManager
 from exactrl.engine.runner import DecodeRow, ModelRunner, StepEntry, StepOutput, auto_num_blocks
 from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys, sample
-from exactrl.engine.scheduler import Scheduler
+from exactrl.engine.scheduler import SampleRow, ScheduledBatch, Scheduler
 from exactrl.engine.sequence import Sequence
 from exactrl.model.qwen import CausalLM
 from exactrl.ops.batch import upload_int64
@@ -141,6 +141,21 @@ class RolloutEngine:
         params.validate()
         if not prompts:
             return []
+        request_ids = self._check_request_ids(prompts, request_ids)
+        outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
+        valid = self._admissible(prompts, outputs)
+        if not valid:
+            return outputs
+        call = self._start(prompts, request_ids, valid, params, progress)
+        while call.step():
+            pass
+        self.stats["preemptions"] += call.sched.num_preemptions
+        call.collect(outputs)
+        return outputs
+
+    # -- the stages of a call ----------------------------------------------------------------------------
+    @staticmethod
+    def _check_request_ids(prompts: list[list[int]], request_ids: list[int] | None) -> list[int]:
         if request_ids is None:
             request_ids = list(range(len(prompts)))
         if len(request_ids) != len(prompts):
@@ -150,24 +165,36 @@ class RolloutEngine:
         for rid in request_ids:
             if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 2**63:
                 raise ValueError(f"request_ids must be ints in [0, 2**63), got {rid!r}")
-        cfg = self.config
-        vocab = self.model.config.vocab_size
-        outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
+        return list(request_ids)
+
+    def _admissible(self, prompts: list[list[int]], outputs: list[RequestOutput]) -> list[int]:
+        """Indices of the prompts the engine can run; the others get their output's `error` set."""
+        max_len, vocab = self.config.max_model_len, self.model.config.vocab_size
         valid: list[int] = []
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 outputs[i].error = "empty prompt"
-            elif len(p) + 1 > cfg.max_model_len:
+            elif len(p) + 1 > max_len:
                 outputs[i].error = (
                     f"prompt has {len(p)} tokens; with at least one new token that exceeds "
-                    f"max_model_len {cfg.max_model_len}"
+                    f"max_model_len {max_len}"
                 )
             elif min(p) < 0 or max(p) >= vocab:
                 outputs[i].error = f"prompt has token ids outside the vocabulary [0, {vocab})"
             else:
                 valid.append(i)
-        if not valid:
-            return outputs
+        return valid
+
+    def _start(
+        self,
+        prompts: list[list[int]],
+        request_ids: list[int],
+        valid: list[int],
+        params: SamplingParams,
+        progress: Callable[[int], object] | None,
+    ) -> _Generation:
+        """Size the KV cache for the call, and queue one sequence per valid prompt in a fresh scheduler."""
+        cfg = self.config
         max_new = lambda p: min(params.max_tokens, cfg.max_model_len - len(p))  # noqa: E731
         tokens_needed = sum(
             # the prompt once (its n samples share it), then n completions
@@ -183,8 +210,7 @@ class RolloutEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             prefill_chunk_size=min(cfg.prefill_chunk_size, cfg.max_num_batched_tokens),
         )
-        stop_ids = list(params.stop_token_ids)
-        by_req: dict[int, int] = {}
+        call = _Generation(self, runner, sched, params, progress)
         for i in valid:
             seq = Sequence(
                 sched.new_seq_id(),
@@ -192,136 +218,168 @@ class RolloutEngine:
                 prompts[i],
                 max_tokens=max_new(prompts[i]),
                 num_samples=params.n,
-                stop_token_ids=stop_ids,
+                stop_token_ids=list(params.stop_token_ids),
             )
-            by_req[request_ids[i]] = i
+            call.by_req[request_ids[i]] = i
             sched.add(seq)
-        temperature = params.temperature if params.temperature > 0 else 1.0
-        greedy = params.temperature == 0
-        lm_dev = self.model.device
-        text_len: dict[int, int] = {}
-        finished: list[Sequence] = []
-        pending: _Pending | None = None  # the last step, committed, its tokens still on their way back
-        t_mark = time.perf_counter()
+        return call
 
-        def settle(step: _Pending) -> None:
-            """Wait for a committed step's tokens, resolve them, check stop strings, collect the finished."""
-            nonlocal t_mark
-            tok_l, lp_l = step.output.result()
-            receivers = sched.resolve(step.receivers, tok_l, lp_l)
-            now = time.perf_counter()
-            self.stats["decode_s" if step.is_decode else "prefill_s"] += now - t_mark
-            t_mark = now
-            if params.stop and self.tokenizer is not None:
-                for seq in receivers:
-                    if seq.is_finished:
-                        continue
-                    text = self.tokenizer.decode(seq.completion_token_ids)
-                    if find_stop_string(text, params.stop, text_len.get(seq.seq_id, 0)) is not None:
-                        sched.finish(seq, "stop")
-                    text_len[seq.seq_id] = len(text)
-            done = sched.take_finished()
-            if done and progress is not None:
-                progress(len(done))
-            finished.extend(done)
 
-        while True:
-            batch = sched.schedule() if sched.has_unfinished() else None
-            if batch is None:
-                if pending is None:
-                    break
-                settle(pending)
-                pending = None
-                continue
-            rows = batch.sample_rows()
-            ops = self.model.ops
-            is_decode = all(e.is_decode for e in batch.entries)
-            # Static buffers / CUDA graph: a pure decode step, one row per sequence.
-            static = is_decode and len(rows) == len(batch.entries) and runner.can_decode(len(rows))
-            # Forward, LM head, sampler and recorded logprob in one replay (no top-k / top-p filtering).
-            fused = static and fused_sampling(params)
-            # Such a step can run before the previous one is read back when that one was fused too: its pending
-            # tokens are taken from the previous output on the device. Any other step needs them on the host.
-            ahead = fused and pending is not None and pending.fused
-            if pending is not None and not ahead:
-                settle(pending)  # may finish sequences of this batch: their rows are dropped at commit
-                pending = None
-            runner.copy_blocks(batch.block_copies)
-            out = None  # float64 [2, rows]: (token, logprob)
-            if static:
-                seed = params.seed
-                prev_row = {}
-                if ahead:
-                    prev_row = {id(seq): k for k, seq in enumerate(pending.receivers) if seq is not None}
-                drows = [
-                    DecodeRow(
-                        e.seq.token_ids[e.start],
-                        e.start,
-                        e.block_table,
-                        seed,
-                        r.request_id,
-                        r.sample_index,
-                        prev_row.get(id(e.seq), -1),
-                    )
-                    for e, r in zip(batch.entries, rows)
-                ]
-                if fused:
-                    out = runner.decode_sample(drows, temperature, greedy)
-                else:
-                    hidden, key_parts = runner.decode(drows)
-                    h, w = self.model.head_inputs(hidden)
-                    raw = ops.linear(h, w)
-                self.stats["static_decode_steps"] += 1
-                self.stats["cuda_graph_steps"] += runner.decode_mode == "graph"
-            elif rows:
-                entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
-                hidden = runner.forward(entries)
-                # A fork row is computed once and sampled n times: one LM-head matmul per distinct row.
-                uniq, inv = np.unique(np.array([r.entry_index for r in rows]), return_inverse=True)
-                parts = np.array(
-                    [
-                        [params.seed] * len(rows),
-                        [r.request_id for r in rows],
-                        [r.sample_index for r in rows],
-                        [r.position for r in rows],
-                    ],
-                    dtype=np.int64,
+class _Generation:
+    """The state of one `generate` call: its scheduler, the step in flight, the finished sequences.
+
+    `step()` is one engine step: schedule -> (settle the previous step unless this one can run ahead) ->
+    launch (copy-on-write, forward, LM head, sample, recorded logprob) -> settle the previous step -> commit."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        runner: ModelRunner,
+        sched: Scheduler,
+        params: SamplingParams,
+        progress: Callable[[int], object] | None,
+    ) -> None:
+        self.engine, self.runner, self.sched, self.params = engine, runner, sched, params
+        self.model = engine.model
+        self.stats = engine.stats
+        self.progress = progress
+        self.temperature = params.temperature if params.temperature > 0 else 1.0
+        self.greedy = params.temperature == 0
+        self.by_req: dict[int, int] = {}  # request id -> index of its prompt in the call
+        self.text_len: dict[int, int] = {}  # seq id -> length of its decoded text at the last stop check
+        self.finished: list[Sequence] = []
+        self.pending: _Pending | None = None  # the last step, committed, its tokens still on their way back
+        self.t_mark = time.perf_counter()
+
+    def step(self) -> bool:
+        """Run one step; False once every sequence has finished and nothing is in flight."""
+        sched = self.sched
+        batch = sched.schedule() if sched.has_unfinished() else None
+        if batch is None:
+            if self.pending is None:
+                self.finished += sched.take_finished()
+                return False
+            self.settle(self.pending)
+            self.pending = None
+            return True
+        rows = batch.sample_rows()
+        is_decode = all(e.is_decode for e in batch.entries)
+        # Static buffers / CUDA graph: a pure decode step, one row per sequence.
+        static = is_decode and len(rows) == len(batch.entries) and self.runner.can_decode(len(rows))
+        # Forward, LM head, sampler and recorded logprob in one replay (no top-k / top-p filtering).
+        fused = static and fused_sampling(self.params)
+        # Such a step can run before the previous one is read back when that one was fused too: its pending
+        # tokens are taken from the previous output on the device. Any other step needs them on the host.
+        ahead = fused and self.pending is not None and self.pending.fused
+        if self.pending is not None and not ahead:
+            self.settle(self.pending)  # may finish sequences of this batch: their rows are dropped at commit
+            self.pending = None
+        out = self.launch(batch, rows, static, fused, ahead)
+        self.stats["steps"] += 1
+        self.stats["ahead_steps"] += ahead
+        output = self.runner.fetch(out) if rows else None
+        if self.pending is not None:  # ran ahead: read the previous step back while this one runs
+            self.settle(self.pending)
+            self.pending = None
+        receivers = sched.commit(batch)
+        if output is not None:
+            self.pending = _Pending(receivers, output, is_decode, fused)
+        return True
+
+    def launch(
+        self, batch: ScheduledBatch, rows: list[SampleRow], static: bool, fused: bool, ahead: bool
+    ) -> torch.Tensor | None:
+        """Queue the step's work on the device: block copies, forward, and for sampled rows the token and its
+        recorded logprob. Returns float64 [2, rows] (token, logprob), or None when no row is sampled."""
+        runner, params, model = self.runner, self.params, self.model
+        ops = model.ops
+        runner.copy_blocks(batch.block_copies)
+        if static:
+            prev_row = {}
+            if ahead:
+                prev_row = {id(seq): k for k, seq in enumerate(self.pending.receivers) if seq is not None}
+            drows = [
+                DecodeRow(
+                    e.seq.token_ids[e.start],
+                    e.start,
+                    e.block_table,
+                    params.seed,
+                    r.request_id,
+                    r.sample_index,
+                    prev_row.get(id(e.seq), -1),
                 )
-                # Built on the host, one asynchronous copy: nothing here waits for the GPU.
-                uniq_d, inv_d, key_parts = upload_int64([uniq, inv.reshape(-1), parts], lm_dev)
-                h, w = self.model.head_inputs(hidden[uniq_d])
-                raw = ops.linear(h, w)[inv_d]
-            else:  # prefill chunks that sample nothing yet
-                runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
-            if rows and out is None:
-                z = ops.scale_logits(raw, temperature)
-                tok = sample_tokens(z, key_parts, params, greedy)
-                # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
-                lp = ops.logprobs_from_logits(raw, tok, temperature)
-                out = torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
-            self.stats["steps"] += 1
-            self.stats["ahead_steps"] += ahead
-            output = runner.fetch(out) if rows else None
-            if pending is not None:  # ran ahead: read the previous step back while this one runs
-                settle(pending)
-                pending = None
-            receivers = sched.commit(batch)
-            if output is not None:
-                pending = _Pending(receivers, output, is_decode, fused)
-        finished += sched.take_finished()
-        self.stats["preemptions"] += sched.num_preemptions
-        for seq in sorted(finished, key=lambda s: (s.request_id, s.sample_index)):
-            out = outputs[by_req[seq.request_id]]
+                for e, r in zip(batch.entries, rows)
+            ]
+            self.stats["static_decode_steps"] += 1
+            self.stats["cuda_graph_steps"] += runner.decode_mode == "graph"
+            if fused:
+                return runner.decode_sample(drows, self.temperature, self.greedy)
+            hidden, key_parts = runner.decode(drows)
+            h, w = model.head_inputs(hidden)
+            raw = ops.linear(h, w)
+        elif rows:
+            entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
+            hidden = runner.forward(entries)
+            # A fork row is computed once and sampled n times: one LM-head matmul per distinct row.
+            uniq, inv = np.unique(np.array([r.entry_index for r in rows]), return_inverse=True)
+            parts = np.array(
+                [
+                    [params.seed] * len(rows),
+                    [r.request_id for r in rows],
+                    [r.sample_index for r in rows],
+                    [r.position for r in rows],
+                ],
+                dtype=np.int64,
+            )
+            # Built on the host, one asynchronous copy: nothing here waits for the GPU.
+            uniq_d, inv_d, key_parts = upload_int64([uniq, inv.reshape(-1), parts], model.device)
+            h, w = model.head_inputs(hidden[uniq_d])
+            raw = ops.linear(h, w)[inv_d]
+        else:  # prefill chunks that sample nothing yet
+            runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
+            return None
+        z = ops.scale_logits(raw, self.temperature)
+        tok = sample_tokens(z, key_parts, params, self.greedy)
+        # The recorded logprob: the trainer's logprobs op on the same raw logits row (bitwise equal).
+        lp = ops.logprobs_from_logits(raw, tok, self.temperature)
+        return torch.stack((tok.to(torch.float64), lp.to(torch.float64)))
+
+    def settle(self, step: _Pending) -> None:
+        """Wait for a committed step's tokens, resolve them, check stop strings, collect the finished."""
+        tok_l, lp_l = step.output.result()
+        receivers = self.sched.resolve(step.receivers, tok_l, lp_l)
+        now = time.perf_counter()
+        self.stats["decode_s" if step.is_decode else "prefill_s"] += now - self.t_mark
+        self.t_mark = now
+        stop, tokenizer = self.params.stop, self.engine.tokenizer
+        if stop and tokenizer is not None:
+            for seq in receivers:
+                if seq.is_finished:
+                    continue
+                text = tokenizer.decode(seq.completion_token_ids)
+                if find_stop_string(text, stop, self.text_len.get(seq.seq_id, 0)) is not None:
+                    self.sched.finish(seq, "stop")
+                self.text_len[seq.seq_id] = len(text)
+        done = self.sched.take_finished()
+        if done and self.progress is not None:
+            self.progress(len(done))
+        self.finished.extend(done)
+
+    def collect(self, outputs: list[RequestOutput]) -> None:
+        """Put every finished sequence into its request's output, in (request, sample) order."""
+        stop, tokenizer = self.params.stop, self.engine.tokenizer
+        for seq in sorted(self.finished, key=lambda s: (s.request_id, s.sample_index)):
+            out = outputs[self.by_req[seq.request_id]]
             if seq.finish_reason and seq.finish_reason.startswith("error"):
                 out.error = seq.finish_reason
                 continue
             text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.completion_token_ids)
-                if params.stop:
-                    cut = find_stop_string(text, params.stop, 0)
+            if tokenizer is not None:
+                text = tokenizer.decode(seq.completion_token_ids)
+                if stop:
+                    cut = find_stop_string(text, stop, 0)
                     if cut is not None:
-                        ends = [cut + len(s) for s in params.stop if text.startswith(s, cut)]
+                        ends = [cut + len(s) for s in stop if text.startswith(s, cut)]
                         text = text[: max(ends)] if ends else text
             out.samples.append(
                 Sample(
@@ -331,7 +389,6 @@ class RolloutEngine:
                     text,
                 )
             )
-        return outputs
 
 
 @dataclass

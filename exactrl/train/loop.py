@@ -20,7 +20,7 @@ import torch
 
 from exactrl.algorithms import advantage_metrics, grpo_advantages, reward_metrics, rloo_advantages
 from exactrl.config import RunConfig, save_config
-from exactrl.engine.engine import EngineConfig, RolloutEngine
+from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.qwen import CausalLM
@@ -188,105 +188,455 @@ def run_sft(
 
 def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
     """Run the whole job described by cfg; returns the summary written to summary.json."""
-    t0 = time.perf_counter()
-    cfg.validate()
-    out_dir = Path(cfg.run.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.toml")
-    device = resolve_device(cfg.run.device)
-    exact = cfg.run.exact
-    set_exact_environment(exact)
-    torch.manual_seed(cfg.run.seed)
-    if exact:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    return RLRun(cfg, resume=resume, out=out).run()
 
-    model, tok = load_policy(
-        preset_name=cfg.model.preset,
-        path=cfg.model.path,
-        device=device,
-        dtype=cfg.model.dtype,
-        exact=exact,
-        fp32_lm_head=cfg.model.fp32_lm_head,
-        seed=cfg.run.seed,
-        tokenizer_path=cfg.model.tokenizer,
-    )
-    task = build_task(cfg)
-    encode = make_encoder(cfg, tok)
-    rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
-    # The [engine] section's fields are a subset of the engine's own config: passed through by name.
-    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
-    ckpt_root = out_dir / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
-    if resume and resume_from is None:
-        out(f"no checkpoint under {ckpt_root}: starting from scratch")
-    # With nothing to resume from the run starts over, and so does its metrics.jsonl.
-    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard, resume=resume_from is not None)
 
-    def fits(ids: list[int]) -> bool:
+@dataclass
+class StepRollouts:
+    """What one RL step sampled and scored: the rollouts (rewards and advantages set) and their metrics."""
+
+    rollouts: list[Rollout]
+    rewards: torch.Tensor  # [N] fp32
+    advantages: torch.Tensor  # [N] fp32, sequence-level
+    per_function: dict[str, list[float]]
+    reward_errors: int
+
+
+class RLRun:
+    """One `exactrl train` job, cut into the stages of the algorithm:
+
+    setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer -> restore (on --resume) ->
+    per step: prompts -> rollout -> score (rewards, advantages) -> update -> log -> checkpoint -> finish."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, out=print) -> None:
+        self.t0 = time.perf_counter()
+        cfg.validate()
+        self.cfg, self.resume, self.out = cfg, resume, out
+        self.out_dir = Path(cfg.run.output_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out_dir / "config.toml")
+        self.device = resolve_device(cfg.run.device)
+        self.exact = cfg.run.exact
+        set_exact_environment(self.exact)
+        torch.manual_seed(cfg.run.seed)
+        if self.exact:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+        self.model, self.tok = load_policy(
+            preset_name=cfg.model.preset,
+            path=cfg.model.path,
+            device=self.device,
+            dtype=cfg.model.dtype,
+            exact=self.exact,
+            fp32_lm_head=cfg.model.fp32_lm_head,
+            seed=cfg.run.seed,
+            tokenizer_path=cfg.model.tokenizer,
+        )
+        self.task = build_task(cfg)
+        self.encode = make_encoder(cfg, self.tok)
+        self.rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
+        # The [engine] section's fields are a subset of the engine's own config: passed through by name.
+        self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
+        if resume and self.resume_from is None:
+            out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
+        # With nothing to resume from the run starts over, and so does its metrics.jsonl.
+        self.logger = MetricsLogger(
+            self.out_dir, tensorboard=cfg.run.tensorboard, resume=self.resume_from is not None
+        )
+        self.eval_examples = self._eval_examples()
+        self.ev_kw = dict(
+            samples=cfg.task.eval_samples,
+            temperature=cfg.task.eval_temperature,
+            max_tokens=cfg.sampling.max_tokens,
+            seed=cfg.run.seed,
+            stop=cfg.sampling.stop,
+            stop_token_ids=cfg.sampling.stop_token_ids,
+        )
+        self.summary: dict[str, Any] = {}
+        self.totals = {
+            "compared": 0,
+            "mismatched": 0,
+            "skipped_prompts": 0,
+            "reward_errors": 0,
+            "nan_steps": 0,
+        }
+        self.step = 0
+        self.consecutive_nan = 0
+        self.stopped_early = False
+        self.stream: Any = None  # the task's training-example iterator, opened by run()
+
+    # -- setup stages ----------------------------------------------------------------------------------------
+    def fits(self, ids: list[int]) -> bool:
+        c = self.cfg
         return (
-            len(ids) <= cfg.task.max_prompt_tokens
-            and len(ids) + cfg.sampling.max_tokens <= cfg.engine.max_model_len
+            len(ids) <= c.task.max_prompt_tokens
+            and len(ids) + c.sampling.max_tokens <= c.engine.max_model_len
         )
 
-    # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
-    all_eval = task.eval_examples(cfg.task.num_eval)
-    eval_examples = [ex for ex in all_eval if fits(encode(ex))]
-    if len(eval_examples) < len(all_eval):
-        out(
-            f"{len(all_eval) - len(eval_examples)} held-out prompts are longer than task.max_prompt_tokens = "
-            f"{cfg.task.max_prompt_tokens} tokens: left out of the evaluation"
-        )
-    ev_kw = dict(
-        samples=cfg.task.eval_samples,
-        temperature=cfg.task.eval_temperature,
-        max_tokens=cfg.sampling.max_tokens,
-        seed=cfg.run.seed,
-        stop=cfg.sampling.stop,
-        stop_token_ids=cfg.sampling.stop_token_ids,
-    )
+    def _eval_examples(self) -> list[Example]:
+        # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
+        all_eval = self.task.eval_examples(self.cfg.task.num_eval)
+        kept = [ex for ex in all_eval if self.fits(self.encode(ex))]
+        if len(kept) < len(all_eval):
+            self.out(
+                f"{len(all_eval) - len(kept)} held-out prompts are longer than task.max_prompt_tokens = "
+                f"{self.cfg.task.max_prompt_tokens} tokens: left out of the evaluation"
+            )
+        return kept
 
-    # ---- SFT warm start (skipped on resume: the checkpoint holds the RL-trained weights) ------------------
-    summary: dict[str, Any] = {}
-    sft_dir = out_dir / "sft"
-    if resume_from is None:
-        if cfg.sft.checkpoint:
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
+
+    def warm_start(self) -> None:
+        """SFT warm start and the held-out accuracy before RL (skipped on resume: the checkpoint holds the
+        RL-trained weights, but the KL reference must still be the model RL started from)."""
+        cfg, model = self.cfg, self.model
+        sft_dir = self.out_dir / "sft"
+        if self.resume_from is None:
+            if cfg.sft.checkpoint:
+                from exactrl.model.hf import load_model
+
+                loaded = load_model(
+                    cfg.sft.checkpoint, device=self.device, dtype=model.dtype, exact=self.exact
+                )
+                model.load_state_dict(loaded.state_dict())
+            elif cfg.sft.steps > 0:
+                self.out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
+                last = run_sft(
+                    cfg, model, self.tok, self.encode, self.task, lambda r: self.logger.log({"step": 0, **r})
+                )
+                self.out(f"SFT done: loss {last.get('sft/loss', float('nan')):.4f}")
+                from exactrl.model.hf import save_model
+
+                save_model(model, sft_dir, tokenizer=self.tok)
+            before = self.evaluate()
+            self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
+            self.logger.log({"step": 0, **before, "phase": "before_rl"})
+            self.out(
+                f"held-out accuracy before RL: {before.get('eval/accuracy', float('nan')):.3f} "
+                f"on {len(self.eval_examples)} examples"
+            )
+        elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
+            # Resuming: put the post-SFT weights in place before the reference copy is taken in build_trainer;
+            # the checkpoint then overwrites the policy's weights.
             from exactrl.model.hf import load_model
 
-            loaded = load_model(cfg.sft.checkpoint, device=device, dtype=model.dtype, exact=exact)
+            loaded = load_model(
+                cfg.sft.checkpoint or sft_dir, device=self.device, dtype=model.dtype, exact=self.exact
+            )
             model.load_state_dict(loaded.state_dict())
-        elif cfg.sft.steps > 0:
-            out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
-            last = run_sft(cfg, model, tok, encode, task, lambda r: logger.log({"step": 0, **r}))
-            out(f"SFT done: loss {last.get('sft/loss', float('nan')):.4f}")
-            from exactrl.model.hf import save_model
 
-            save_model(model, sft_dir, tokenizer=tok)
-        before = evaluate(engine, tok, encode, eval_examples, rewards, **ev_kw)
-        summary["accuracy_before_rl"] = before.get("eval/accuracy")
-        logger.log({"step": 0, **before, "phase": "before_rl"})
-        out(
-            f"held-out accuracy before RL: {before.get('eval/accuracy', float('nan')):.3f} "
-            f"on {len(eval_examples)} examples"
+    def build_trainer(self) -> None:
+        """The reference model (KL), the critic (PPO), the optimizers and the policy trainer."""
+        cfg, model = self.cfg, self.model
+        a, tr = cfg.algorithm, cfg.train
+        ref_model = None
+        if a.kl_coef > 0:
+            ref_model = copy.deepcopy(model).requires_grad_(False)
+        self.critic = self.critic_opt = None
+        if a.name == "ppo":
+            self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
+            self.critic_opt = MasterAdamW(
+                self.critic, lr=tr.critic_lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay
+            )
+        self.opt = MasterAdamW(model, lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay)
+        settings = trainer_settings(cfg)
+        if a.rollout_correction and self.exact:
+            import warnings
+
+            warnings.warn(
+                "algorithm.rollout_correction is set in exact mode, where rollout and trainer logprobs are "
+                "bitwise equal: the correction is a no-op",
+                stacklevel=1,
+            )
+        self.trainer = PolicyTrainer(
+            model,
+            settings,
+            self.opt,
+            ref_model=ref_model,
+            critic=self.critic,
+            critic_optimizer=self.critic_opt,
         )
-    elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
-        # Resuming: the KL reference is the model RL started from (after SFT), not the initial weights. Put it in
-        # place before the reference copy is taken below; the checkpoint then overwrites the policy's weights.
-        from exactrl.model.hf import load_model
+        self.optimizers = {"policy": self.opt} | (
+            {"critic": self.critic_opt} if self.critic_opt is not None else {}
+        )
 
-        loaded = load_model(cfg.sft.checkpoint or sft_dir, device=device, dtype=model.dtype, exact=exact)
-        model.load_state_dict(loaded.state_dict())
+    def restore(self) -> None:
+        """Load the latest checkpoint on --resume: weights, optimizers, data position, totals."""
+        if self.resume_from is None:
+            return
+        state = load_checkpoint(
+            self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
+        )
+        self.step = state["step"]
+        self.task.load_state_dict(state["task"])
+        self.totals.update(state.get("totals", {}))
+        self.summary.update(state.get("summary", {}))
+        self.trainer.steps_done = self.step
+        self.logger.truncate_after(self.step)
+        self.out(f"resumed from {self.resume_from} at step {self.step}")
 
-    # ---- RL ------------------------------------------------------------------------------------------------
+    # -- the RL step -----------------------------------------------------------------------------------------
+    def set_lr(self, step: int) -> None:
+        tr = self.cfg.train
+        factor = lr_factor(step, warmup_steps=tr.warmup_steps, total_steps=tr.steps, schedule=tr.lr_schedule)
+        set_lr(self.opt, tr.lr * factor)
+        if self.critic_opt is not None:
+            set_lr(self.critic_opt, tr.critic_lr * factor)
+
+    def prompts(self) -> tuple[list[Example], list[list[int]]]:
+        """The step's prompts from the task stream; too-long ones are skipped and counted, not a crash."""
+        cfg = self.cfg
+        # Two passes over a finite training set with no prompt that fits means none ever will.
+        max_skips_in_a_row = 2 * getattr(self.task, "num_train", 5_000) + 1
+        examples, prompt_ids = [], []
+        skipped_in_a_row = 0
+        while len(examples) < cfg.algorithm.prompts_per_step:
+            ex = next(self.stream)
+            ids = self.encode(ex)
+            if not self.fits(ids):
+                self.totals["skipped_prompts"] += 1
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
+                    raise ValueError(
+                        f"{skipped_in_a_row} training prompts in a row are longer than task.max_prompt_tokens "
+                        f"= {cfg.task.max_prompt_tokens} tokens: raise it (and engine.max_model_len), or check "
+                        "task.prompt_field and the chat template"
+                    )
+                continue
+            skipped_in_a_row = 0
+            examples.append(ex)
+            prompt_ids.append(ids)
+        return examples, prompt_ids
+
+    def sampling_params(self) -> SamplingParams:
+        cfg = self.cfg
+        sp = cfg.sampling
+        return SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=sp.max_tokens,
+            n=cfg.algorithm.group_size,
+            seed=cfg.run.seed,
+            stop=list(sp.stop),
+            stop_token_ids=sorted(set(self.tok.stop_token_ids) | set(sp.stop_token_ids)),
+        )
+
+    def rollout(self, step: int, prompt_ids: list[list[int]]) -> list[RequestOutput]:
+        """Sample group_size completions per prompt from the current weights. Request ids are unique across
+        the run (they key the sampling noise)."""
+        from tqdm import tqdm
+
+        n = self.cfg.algorithm.group_size
+        base_id = step * self.cfg.algorithm.prompts_per_step
+        bar = tqdm(
+            total=len(prompt_ids) * n,
+            desc=f"step {step + 1} generate",
+            leave=False,
+            disable=not self.cfg.run.progress,
+        )
+        outs = self.engine.generate(
+            prompt_ids,
+            self.sampling_params(),
+            request_ids=[base_id + i for i in range(len(prompt_ids))],
+            progress=bar.update,
+        )
+        bar.close()
+        return outs
+
+    def score(
+        self, step: int, examples: list[Example], prompt_ids: list[list[int]], outs: list[RequestOutput]
+    ) -> StepRollouts:
+        """Rollouts with their rewards and sequence-level advantages; a prompt the engine refused is skipped."""
+        a = self.cfg.algorithm
+        rollouts: list[Rollout] = []
+        completions, answers, exs = [], [], []
+        for ex, ids, o in zip(examples, prompt_ids, outs):
+            if o.error is not None or len(o.samples) != a.group_size:
+                # The engine refused this prompt (e.g. it can never fit the KV cache): skip its group, count
+                # it, and train on the others.
+                self.totals["skipped_prompts"] += 1
+                self.out(f"step {step + 1}: prompt skipped by the engine: {o.error}")
+                continue
+            for smp in o.samples:
+                rollouts.append(
+                    Rollout(
+                        prompt_ids=ids,
+                        completion_ids=smp.token_ids,
+                        rollout_logprobs=smp.rollout_logprobs,
+                        truncated=smp.finish_reason == "length",
+                    )
+                )
+                completions.append(self.tok.decode(smp.token_ids))
+                answers.append(ex.answer)
+                exs.append(ex)
+        if not rollouts:
+            raise RuntimeError(
+                f"step {step + 1}: the engine refused every prompt of the step ({outs[0].error}); "
+                "check engine.num_kv_blocks / engine.max_model_len against the prompt lengths"
+            )
+        res = self.rewards(completions, answers, exs)
+        r = torch.tensor(res.rewards, dtype=torch.float32)
+        if a.name == "rloo":
+            adv = rloo_advantages(r, a.group_size)
+        else:
+            adv = grpo_advantages(r, a.group_size, scale="none" if a.name == "dr_grpo" else a.adv_scale)
+        for ro, rew, ad in zip(rollouts, r.tolist(), adv.tolist()):
+            ro.reward, ro.advantage = rew, ad
+        errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
+        return StepRollouts(rollouts, r, adv, res.per_function, errors)
+
+    def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
+        """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=1, desc=f"step {step + 1} train", leave=False, disable=not self.cfg.run.progress)
+        m = self.trainer.step(rollouts)
+        bar.update(1)
+        bar.close()
+        return m
+
+    def step_metrics(self, m: dict[str, float], sr: StepRollouts) -> dict[str, float]:
+        """The trainer's metrics plus rewards, advantages, lengths and the run's running totals."""
+        from exactrl.algorithms import response_length_metrics
+
+        a = self.cfg.algorithm
+        r = sr.rewards
+        lengths = torch.tensor([len(ro.completion_ids) for ro in sr.rollouts], dtype=torch.float32)
+        per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in sr.per_function.items()}
+        m.update(reward_metrics(r, a.group_size, per_fn))
+        if a.name != "ppo":  # PPO's token-level GAE advantages are logged by the trainer
+            m.update(advantage_metrics(sr.advantages[:, None], torch.ones(len(sr.advantages), 1)))
+        m.update(response_length_metrics(lengths, torch.tensor([ro.truncated for ro in sr.rollouts])))
+        m["train/accuracy"] = float((r > 0.5).float().mean())
+        self.totals["reward_errors"] += sr.reward_errors
+        m["reward/errors"] = float(sr.reward_errors)
+        m["prompts/skipped_total"] = float(self.totals["skipped_prompts"])
+        if "mismatch/num_tokens" in m:
+            self.totals["compared"] += int(m["mismatch/num_tokens"])
+            self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
+        return m
+
+    def checkpoint(self) -> None:
+        save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            model=self.model,
+            tokenizer=self.tok,
+            optimizers=self.optimizers,
+            critic=self.critic,
+            keep=self.cfg.train.keep_checkpoints,
+            state={"task": self.task.state_dict(), "totals": self.totals, "summary": self.summary},
+        )
+
+    def rl_step(self) -> dict[str, float]:
+        """prompts -> rollout -> score -> update; returns the step's metrics (self.step advanced by one)."""
+        step = self.step
+        t_step = time.perf_counter()
+        self.set_lr(step)
+        examples, prompt_ids = self.prompts()
+        t_gen = time.perf_counter()
+        outs = self.rollout(step, prompt_ids)
+        gen_s = time.perf_counter() - t_gen
+        sr = self.score(step, examples, prompt_ids, outs)
+        t_train = time.perf_counter()
+        m = self.update(step, sr.rollouts)
+        train_s = time.perf_counter() - t_train
+        self.step += 1
+        m = self.step_metrics(m, sr)
+        ntok = sum(len(ro.completion_ids) for ro in sr.rollouts)
+        m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
+        m["perf/step_s"] = time.perf_counter() - t_step
+        m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
+        m["step"] = self.step
+        return m
+
+    # -- the run ---------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg, tr = self.cfg, self.cfg.train
+        self.warm_start()
+        self.build_trainer()
+        self.restore()
+        self.stream = self.task.train_examples(seed=cfg.run.seed)
+        with _StopFlag() as flag:
+            while self.step < tr.steps:
+                m = self.rl_step()
+                self.log_step(m)
+                if (tr.save_every and self.step % tr.save_every == 0) or self.step == tr.steps or flag.stop:
+                    self.checkpoint()
+                if flag.stop:
+                    self.stopped_early = self.step < tr.steps
+                    self.out(f"stopped at step {self.step}; resume with --resume")
+                    break
+        return self.finish()
+
+    def log_step(self, m: dict[str, float]) -> None:
+        """Count a skipped (non-finite) update, evaluate when due, log and print; stop after too many skips."""
+        cfg = self.cfg
+        step = self.step
+        nan_skipped = m.get("nan_skipped", 0) > 0
+        if nan_skipped:
+            self.consecutive_nan += 1
+            self.totals["nan_steps"] += 1
+            self.out(
+                f"step {step}: non-finite loss or gradient, update skipped ({self.consecutive_nan} in a row)"
+            )
+        else:
+            self.consecutive_nan = 0
+        if cfg.task.eval_every and step % cfg.task.eval_every == 0 and step < cfg.train.steps:
+            m.update(self.evaluate())
+        self.logger.log(m)
+        if step % cfg.run.log_every == 0:
+            self.out(step_line(m))
+        tr = cfg.train
+        if tr.max_nan_steps and self.consecutive_nan >= tr.max_nan_steps:
+            raise RuntimeError(
+                f"{self.consecutive_nan} consecutive steps had a non-finite loss or gradient; stopping "
+                f"(train.max_nan_steps = {tr.max_nan_steps}). Lower train.lr or check the rewards."
+            )
+
+    def finish(self) -> dict[str, Any]:
+        """The held-out accuracy after RL, summary.json, report.png and the summary lines."""
+        after = self.evaluate()
+        self.logger.log({"step": self.step, **after, "phase": "after_rl"})
+        self.logger.close()
+        t = self.totals
+        self.summary.update(
+            {
+                "accuracy_after_rl": after.get("eval/accuracy"),
+                "rl_steps": self.step,
+                "minutes": (time.perf_counter() - self.t0) / 60.0,
+                "mismatched_tokens_total": t["mismatched"],
+                "compared_tokens_total": t["compared"],
+                "skipped_prompts_total": t["skipped_prompts"],
+                "reward_errors_total": t["reward_errors"],
+                "nan_steps_total": t["nan_steps"],
+                "exact": self.exact,
+                "algorithm": self.cfg.algorithm.name,
+                "stopped_early": self.stopped_early,
+            }
+        )
+        s = self.summary
+        if s.get("accuracy_before_rl") is not None and s.get("accuracy_after_rl") is not None:
+            s["accuracy_gain"] = s["accuracy_after_rl"] - s["accuracy_before_rl"]
+        (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        try:
+            from exactrl.report import draw_report
+
+            draw_report(self.out_dir)
+        except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway
+            self.out(f"report.png not drawn ({err})")
+        self.out(_summary_text(s, self.out_dir))
+        return s
+
+
+def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+    """The trainer's view of the [algorithm], [train] and [sampling] sections."""
     a, tr = cfg.algorithm, cfg.train
-    ref_model = None
-    if a.kl_coef > 0:
-        ref_model = copy.deepcopy(model).requires_grad_(False)
-    critic = critic_opt = None
-    if a.name == "ppo":
-        critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
-        critic_opt = MasterAdamW(critic, lr=tr.critic_lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay)
-    opt = MasterAdamW(model, lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay)
-    settings = TrainerSettings(
+    return TrainerSettings(
         algorithm=a.name,
         temperature=cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0,
         eps_low=a.eps_low,
@@ -308,235 +658,10 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
         max_tokens_per_microbatch=tr.max_tokens_per_microbatch,
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
-        exact=exact,
+        exact=cfg.run.exact,
         norm_constant=float(cfg.sampling.max_tokens),
         seed=cfg.run.seed,
     )
-    if a.rollout_correction and exact:
-        import warnings
-
-        warnings.warn(
-            "algorithm.rollout_correction is set in exact mode, where rollout and trainer logprobs are "
-            "bitwise equal: the correction is a no-op",
-            stacklevel=1,
-        )
-    trainer = PolicyTrainer(
-        model, settings, opt, ref_model=ref_model, critic=critic, critic_optimizer=critic_opt
-    )
-    optimizers = {"policy": opt} | ({"critic": critic_opt} if critic_opt is not None else {})
-
-    start_step = 0
-    totals = {"compared": 0, "mismatched": 0, "skipped_prompts": 0, "reward_errors": 0, "nan_steps": 0}
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizers=optimizers, critic=critic)
-        start_step = state["step"]
-        task.load_state_dict(state["task"])
-        totals.update(state.get("totals", {}))
-        summary.update(state.get("summary", {}))
-        trainer.steps_done = start_step
-        logger.truncate_after(start_step)
-        out(f"resumed from {resume_from} at step {start_step}")
-
-    stream = task.train_examples(seed=cfg.run.seed)
-    sampling = cfg.sampling
-    prompts_per_step = a.prompts_per_step
-    # Two passes over a finite training set with no prompt that fits means none ever will.
-    max_skips_in_a_row = 2 * getattr(task, "num_train", 5_000) + 1
-    consecutive_nan = 0
-    step = start_step
-    stopped_early = False
-    from tqdm import tqdm
-
-    with _StopFlag() as flag:
-        while step < tr.steps:
-            t_step = time.perf_counter()
-            set_lr(
-                opt,
-                tr.lr
-                * lr_factor(
-                    step, warmup_steps=tr.warmup_steps, total_steps=tr.steps, schedule=tr.lr_schedule
-                ),
-            )
-            if critic_opt is not None:
-                set_lr(
-                    critic_opt,
-                    tr.critic_lr
-                    * lr_factor(
-                        step, warmup_steps=tr.warmup_steps, total_steps=tr.steps, schedule=tr.lr_schedule
-                    ),
-                )
-            # -- prompts (too-long ones are skipped and counted, not a crash) ------------------------------
-            examples, prompt_ids = [], []
-            skipped_in_a_row = 0
-            while len(examples) < prompts_per_step:
-                ex = next(stream)
-                ids = encode(ex)
-                if not fits(ids):
-                    totals["skipped_prompts"] += 1
-                    skipped_in_a_row += 1
-                    if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
-                        raise ValueError(
-                            f"{skipped_in_a_row} training prompts in a row are longer than task.max_prompt_tokens "
-                            f"= {cfg.task.max_prompt_tokens} tokens: raise it (and engine.max_model_len), or check "
-                            "task.prompt_field and the chat template"
-                        )
-                    continue
-                skipped_in_a_row = 0
-                examples.append(ex)
-                prompt_ids.append(ids)
-            # -- rollout ------------------------------------------------------------------------------------
-            t_gen = time.perf_counter()
-            params = SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens,
-                n=a.group_size,
-                seed=cfg.run.seed,
-                stop=list(sampling.stop),
-                stop_token_ids=sorted(set(tok.stop_token_ids) | set(sampling.stop_token_ids)),
-            )
-            base_id = step * prompts_per_step
-            bar = tqdm(
-                total=len(prompt_ids) * a.group_size,
-                desc=f"step {step + 1} generate",
-                leave=False,
-                disable=not cfg.run.progress,
-            )
-            outs = engine.generate(
-                prompt_ids,
-                params,
-                request_ids=[base_id + i for i in range(len(prompt_ids))],
-                progress=bar.update,
-            )
-            bar.close()
-            gen_s = time.perf_counter() - t_gen
-            # -- rewards ------------------------------------------------------------------------------------
-            rollouts: list[Rollout] = []
-            completions, answers, exs = [], [], []
-            for ex, ids, o in zip(examples, prompt_ids, outs):
-                if o.error is not None or len(o.samples) != a.group_size:
-                    # The engine refused this prompt (e.g. it can never fit the KV cache): skip its group,
-                    # count it, and train on the others.
-                    totals["skipped_prompts"] += 1
-                    out(f"step {step + 1}: prompt skipped by the engine: {o.error}")
-                    continue
-                for smp in o.samples:
-                    rollouts.append(
-                        Rollout(
-                            prompt_ids=ids,
-                            completion_ids=smp.token_ids,
-                            rollout_logprobs=smp.rollout_logprobs,
-                            truncated=smp.finish_reason == "length",
-                        )
-                    )
-                    completions.append(tok.decode(smp.token_ids))
-                    answers.append(ex.answer)
-                    exs.append(ex)
-            if not rollouts:
-                raise RuntimeError(
-                    f"step {step + 1}: the engine refused every prompt of the step ({outs[0].error}); "
-                    "check engine.num_kv_blocks / engine.max_model_len against the prompt lengths"
-                )
-            res = rewards(completions, answers, exs)
-            r = torch.tensor(res.rewards, dtype=torch.float32)
-            if a.name == "rloo":
-                adv = rloo_advantages(r, a.group_size)
-            else:
-                adv = grpo_advantages(r, a.group_size, scale="none" if a.name == "dr_grpo" else a.adv_scale)
-            for ro, rew, ad in zip(rollouts, r.tolist(), adv.tolist()):
-                ro.reward, ro.advantage = rew, ad
-            # -- train --------------------------------------------------------------------------------------
-            t_train = time.perf_counter()
-            bar = tqdm(total=1, desc=f"step {step + 1} train", leave=False, disable=not cfg.run.progress)
-            m = trainer.step(rollouts)
-            bar.update(1)
-            bar.close()
-            train_s = time.perf_counter() - t_train
-            step += 1
-            # -- metrics ------------------------------------------------------------------------------------
-            lengths = torch.tensor([len(ro.completion_ids) for ro in rollouts], dtype=torch.float32)
-            per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in res.per_function.items()}
-            m.update(reward_metrics(r, a.group_size, per_fn))
-            if a.name != "ppo":  # PPO's token-level GAE advantages are logged by the trainer
-                m.update(advantage_metrics(adv[:, None], torch.ones(len(adv), 1)))
-            from exactrl.algorithms import response_length_metrics
-
-            m.update(response_length_metrics(lengths, torch.tensor([ro.truncated for ro in rollouts])))
-            m["train/accuracy"] = float((r > 0.5).float().mean())
-            errs = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
-            totals["reward_errors"] += errs
-            m["reward/errors"] = float(errs)
-            m["prompts/skipped_total"] = float(totals["skipped_prompts"])
-            ntok = float(lengths.sum())
-            m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
-            m["perf/step_s"] = time.perf_counter() - t_step
-            m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
-            m["step"] = step
-            if "mismatch/num_tokens" in m:
-                totals["compared"] += int(m["mismatch/num_tokens"])
-                totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
-            if m.get("nan_skipped", 0) > 0:
-                consecutive_nan += 1
-                totals["nan_steps"] += 1
-                out(f"step {step}: non-finite loss or gradient, update skipped ({consecutive_nan} in a row)")
-            else:
-                consecutive_nan = 0
-            if cfg.task.eval_every and step % cfg.task.eval_every == 0 and step < tr.steps:
-                m.update(evaluate(engine, tok, encode, eval_examples, rewards, **ev_kw))
-            logger.log(m)
-            if step % cfg.run.log_every == 0:
-                out(step_line(m))
-            if tr.max_nan_steps and consecutive_nan >= tr.max_nan_steps:
-                raise RuntimeError(
-                    f"{consecutive_nan} consecutive steps had a non-finite loss or gradient; stopping "
-                    f"(train.max_nan_steps = {tr.max_nan_steps}). Lower train.lr or check the rewards."
-                )
-            if (tr.save_every and step % tr.save_every == 0) or step == tr.steps or flag.stop:
-                save_checkpoint(
-                    ckpt_root,
-                    step,
-                    model=model,
-                    tokenizer=tok,
-                    optimizers=optimizers,
-                    critic=critic,
-                    keep=tr.keep_checkpoints,
-                    state={"task": task.state_dict(), "totals": totals, "summary": summary},
-                )
-            if flag.stop:
-                stopped_early = step < tr.steps
-                out(f"stopped at step {step}; resume with --resume")
-                break
-
-    after = evaluate(engine, tok, encode, eval_examples, rewards, **ev_kw)
-    logger.log({"step": step, **after, "phase": "after_rl"})
-    logger.close()
-    summary.update(
-        {
-            "accuracy_after_rl": after.get("eval/accuracy"),
-            "rl_steps": step,
-            "minutes": (time.perf_counter() - t0) / 60.0,
-            "mismatched_tokens_total": totals["mismatched"],
-            "compared_tokens_total": totals["compared"],
-            "skipped_prompts_total": totals["skipped_prompts"],
-            "reward_errors_total": totals["reward_errors"],
-            "nan_steps_total": totals["nan_steps"],
-            "exact": exact,
-            "algorithm": a.name,
-            "stopped_early": stopped_early,
-        }
-    )
-    if summary.get("accuracy_before_rl") is not None and summary.get("accuracy_after_rl") is not None:
-        summary["accuracy_gain"] = summary["accuracy_after_rl"] - summary["accuracy_before_rl"]
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    try:
-        from exactrl.report import draw_report
-
-        draw_report(out_dir)
-    except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway
-        out(f"report.png not drawn ({err})")
-    out(_summary_text(summary, out_dir))
-    return summary
 
 
 def _summary_text(s: dict[str, Any], out_dir: Path) -> str:

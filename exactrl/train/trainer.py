@@ -254,142 +254,188 @@ class PolicyTrainer:
 
     # -- the step ----------------------------------------------------------------------------------------
     def step(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """One RL update: prepare the step's tensors, queue every minibatch's update, then read the results."""
+        batch = self.prepare(rollouts)
+        if not self._grads:  # before any graph is captured: the graphs add into these buffers in place
+            self._grads = self.opt.persistent_grads(self.opt.params)
+        acc = _Acc()
+        pending = []  # per minibatch: its device-side results, read after the last one is queued
+        for epoch, mb_i, mb_idx in self.minibatch_plan(len(rollouts)):
+            queued = self.queue_minibatch(batch, mb_idx, check_mismatch=epoch == 0 and mb_i == 0, acc=acc)
+            if queued is not None:
+                pending.append(queued)
+        self.steps_done += 1
+        return self.read_results(batch, pending, acc)
+
+    def prepare(self, rollouts: list[Rollout]) -> StepBatch:
+        """Padded [N, L] step tensors: mask, rollout / reference / old logprobs, IS weights, advantages."""
         s = self.s
-        dev = self.model.device
         if not rollouts:
             raise ValueError("a training step needs at least one rollout")
         lengths = [len(r.completion_ids) for r in rollouts]
         if min(lengths) < 1:
             raise ValueError("every rollout needs at least one completion token")
         L = max(lengths)
-        full_mask = _mask(lengths, "cpu")
-        rollout_lp = _padded_list([r.rollout_logprobs for r in rollouts], L, "cpu")
-        metrics: dict[str, float] = {}
-
-        ref_lp = None
+        b = StepBatch(
+            lengths=lengths,
+            full_mask=_mask(lengths, "cpu"),
+            rollout_lp=_padded_list([r.rollout_logprobs for r in rollouts], L, "cpu"),
+            seqs=[r.prompt_ids + r.completion_ids for r in rollouts],
+            plens=[len(r.prompt_ids) for r in rollouts],
+            norm_constant=s.norm_constant or float(L),
+        )
         if self.ref_model is not None and s.kl_coef > 0:
-            ref_lp = _padded_list(self._score(self.ref_model, rollouts), L, "cpu")
+            b.ref_lp = _padded_list(self._score(self.ref_model, rollouts), L, "cpu")
+        b.use_loss_kl = b.ref_lp is not None and not s.kl_in_reward
+        self._old_logprobs(b, rollouts)
+        self._advantages(b, rollouts)
+        return b
 
-        # Old logprobs: in exact mode they are the rollout's, bit for bit (checked below on the first minibatch).
-        weights = None
+    def _old_logprobs(self, b: StepBatch, rollouts: list[Rollout]) -> None:
+        """In exact mode the rollout's logprobs, bit for bit (checked on the first minibatch); in fast mode a
+        recompute pass, with the mismatch metrics and optional rollout correction (TIS / MIS)."""
+        s = self.s
         if s.exact:
-            old_lp = rollout_lp
-        else:
-            old_lp = _padded_list(self._score(self.model, rollouts), L, "cpu")
-            metrics.update(mismatch_metrics(rollout_lp, old_lp, full_mask))
-            if s.rollout_correction:
-                weights, full_mask, corr = rollout_correction(
-                    old_lp,
-                    rollout_lp,
-                    full_mask,
-                    mode=s.rollout_correction,
-                    threshold=s.rollout_correction_threshold,
-                )
-                metrics.update(corr)
+            b.old_lp = b.rollout_lp
+            return
+        b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
+        b.metrics.update(mismatch_metrics(b.rollout_lp, b.old_lp, b.full_mask))
+        if s.rollout_correction:
+            b.weights, b.full_mask, corr = rollout_correction(
+                b.old_lp,
+                b.rollout_lp,
+                b.full_mask,
+                mode=s.rollout_correction,
+                threshold=s.rollout_correction_threshold,
+            )
+            b.metrics.update(corr)
 
-        # Advantages: sequence-level from the caller, or GAE over token rewards with the critic.
+    def _advantages(self, b: StepBatch, rollouts: list[Rollout]) -> None:
+        """Sequence-level advantages from the caller, or GAE over token rewards with the critic."""
+        s, L = self.s, b.L
         if s.algorithm == "ppo":
-            old_values = _padded_list(self._values(rollouts), L, "cpu")
+            b.old_values = _padded_list(self._values(rollouts), L, "cpu")
             token_rewards = torch.zeros(len(rollouts), L)
             for i, r in enumerate(rollouts):
-                token_rewards[i, lengths[i] - 1] = r.reward
-            if ref_lp is not None and s.kl_in_reward:
-                token_rewards = token_rewards - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind) * full_mask
-            advantages, returns = gae(token_rewards, old_values, full_mask, s.gamma, s.lam)
-            metrics.update(advantage_metrics(advantages, full_mask))  # the GAE advantages the loss uses
-        else:
-            advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(
-                -1, L
-            )
-            if ref_lp is not None and s.kl_in_reward:
-                advantages = advantages - s.kl_coef * kl_estimate(old_lp, ref_lp, s.kl_kind)
-            old_values = returns = None
-
-        norm_constant = s.norm_constant or float(L)
-        seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
-        plens = [len(r.prompt_ids) for r in rollouts]
-        if not self._grads:  # before any graph is captured: the graphs add into these buffers in place
-            self._grads = self.opt.persistent_grads(self.opt.params)
-        g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
-        acc = _Acc()
-        grad_norms, nan_skips, num_updates = [], 0, 0
-        use_loss_kl = ref_lp is not None and not s.kl_in_reward
-        pending: list[tuple] = []  # per minibatch: its device-side results, read after the last one is queued
-        for epoch in range(s.ppo_epochs):
-            order = torch.arange(len(rollouts)) if epoch == 0 else torch.randperm(len(rollouts), generator=g)
-            for mb_i, mb_idx in enumerate(torch.tensor_split(order, min(s.minibatches, len(rollouts)))):
-                mb_idx = mb_idx.tolist()
-                if not mb_idx:
-                    continue
-                check_mismatch = epoch == 0 and mb_i == 0 and s.exact
-                n_tok = int(full_mask[mb_idx].sum())
-                divisor = n_tok if s.aggregation == "token-mean" else len(mb_idx)
-                if divisor == 0:
-                    continue
-                # Every microbatch is queued before any result is read: one device sync per minibatch.
-                done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-                for micro in pack_by_tokens([len(seqs[i]) - 1 for i in mb_idx], s.max_tokens_per_microbatch):
-                    ids = [mb_idx[j] for j in micro]
-                    tm = TrainMicrobatch.build(
-                        [seqs[i] for i in ids],
-                        [plens[i] for i in ids],
-                        max_tokens=s.max_tokens_per_microbatch,
-                        max_positions=self.model.config.max_position_embeddings,
-                        padded=self.padded,
-                    )
-                    B, C = tm.bucket.batch, tm.bucket.cols
-                    m = _rows(full_mask, ids, B, C)
-                    x = dict(
-                        tm.inputs,
-                        old_lp=_rows(old_lp, ids, B, C),
-                        adv=_rows(advantages, ids, B, C),
-                        mask=m,
-                        divisor=torch.tensor(float(divisor)),
-                        norm_constant=torch.tensor(norm_constant),
-                    )
-                    if weights is not None:
-                        x["is_weights"] = _rows(weights, ids, B, C)
-                    if use_loss_kl:
-                        assert ref_lp is not None
-                        x["ref_lp"] = _rows(ref_lp, ids, B, C)
-                    out = self.graphs.run((tm.bucket, weights is not None, use_loss_kl), x)
-                    lp = out["lp"][: len(ids)].clone() if check_mismatch else None
-                    done.append((ids, m, out["metrics"].clone(), lp))
-                    if self.critic is not None:
-                        pb = PackedBatch.build([seqs[i] for i in ids], [plens[i] for i in ids], dev)
-                        lens = [lengths[i] for i in ids]
-                        Lm = max(lens)
-                        v_flat = self.critic(pb)
-                        v = _pad(v_flat[pb.response_mask], pb.seq_index[pb.response_mask], lens)
-                        vl, vm = value_loss(
-                            v,
-                            old_values[ids, :Lm].to(dev),
-                            returns[ids, :Lm].to(dev),
-                            full_mask[ids, :Lm].to(dev),
-                            clip=s.value_clip,
-                            aggregation=s.aggregation,
-                            loss_divisor=divisor,
-                            norm_constant=norm_constant,
-                        )
-                        (s.vf_coef * vl).backward()
-                        acc.add(vm, float(full_mask[ids].sum()))
-                # The optimizer step is queued without reading anything back: a non-finite loss in any
-                # microbatch, or a non-finite gradient norm, makes the device skip it. Results are read once,
-                # at the end of the step.
-                vecs = torch.stack([d[2] for d in done])
-                bad = ~torch.isfinite(vecs[:, self._metric_names.index("total")]).all()
-                norm = self.opt.clip_and_step_async(s.grad_clip, skip=bad)
-                critic_norm = (
-                    self.critic_opt.clip_and_step_async(s.grad_clip, skip=bad)
-                    if self.critic_opt is not None
-                    else None
+                token_rewards[i, b.lengths[i] - 1] = r.reward
+            if b.ref_lp is not None and s.kl_in_reward:
+                token_rewards = (
+                    token_rewards - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind) * b.full_mask
                 )
-                acc.num_minibatches += 1
-                pending.append((done, vecs, norm, critic_norm, check_mismatch, divisor))
-        for done, vecs, norm, critic_norm, check_mismatch, divisor in pending:
+            b.advantages, b.returns = gae(token_rewards, b.old_values, b.full_mask, s.gamma, s.lam)
+            b.metrics.update(advantage_metrics(b.advantages, b.full_mask))  # the GAE advantages the loss uses
+        else:
+            adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(-1, L)
+            if b.ref_lp is not None and s.kl_in_reward:
+                adv = adv - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind)
+            b.advantages = adv
+
+    def minibatch_plan(self, n: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(epoch, minibatch index, rollout indices) of every update of the step, in order: the first epoch in
+        rollout order, later ones shuffled by a generator seeded from (seed, step)."""
+        s = self.s
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
+        for epoch in range(s.ppo_epochs):
+            order = torch.arange(n) if epoch == 0 else torch.randperm(n, generator=g)
+            for mb_i, mb_idx in enumerate(torch.tensor_split(order, min(s.minibatches, n))):
+                if mb_idx.numel():
+                    yield epoch, mb_i, mb_idx.tolist()
+
+    def queue_minibatch(
+        self, b: StepBatch, mb_idx: list[int], *, check_mismatch: bool, acc: _Acc
+    ) -> _QueuedMinibatch | None:
+        """Queue one minibatch's forward, loss and backward (microbatch by microbatch) and its optimizer step,
+        without reading anything back; None when it holds no loss token."""
+        s = self.s
+        check_mismatch = check_mismatch and s.exact
+        n_tok = int(b.full_mask[mb_idx].sum())
+        divisor = n_tok if s.aggregation == "token-mean" else len(mb_idx)
+        if divisor == 0:
+            return None
+        # Every microbatch is queued before any result is read: one device sync per minibatch.
+        done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        for micro in pack_by_tokens([len(b.seqs[i]) - 1 for i in mb_idx], s.max_tokens_per_microbatch):
+            ids = [mb_idx[j] for j in micro]
+            lp, m, metric_vec = self._policy_microbatch(b, ids, divisor)
+            done.append((ids, m, metric_vec, lp[: len(ids)].clone() if check_mismatch else None))
+            if self.critic is not None:
+                acc.add(self._value_microbatch(b, ids, divisor), float(b.full_mask[ids].sum()))
+        # The optimizer step is queued without reading anything back: a non-finite loss in any microbatch, or
+        # a non-finite gradient norm, makes the device skip it. Results are read once, at the end of the step.
+        vecs = torch.stack([d[2] for d in done])
+        bad = ~torch.isfinite(vecs[:, self._metric_names.index("total")]).all()
+        norm = self.opt.clip_and_step_async(s.grad_clip, skip=bad)
+        critic_norm = (
+            self.critic_opt.clip_and_step_async(s.grad_clip, skip=bad)
+            if self.critic_opt is not None
+            else None
+        )
+        acc.num_minibatches += 1
+        return _QueuedMinibatch(done, vecs, norm, critic_norm, check_mismatch, divisor)
+
+    def _policy_microbatch(
+        self, b: StepBatch, ids: list[int], divisor: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward, loss and backward of the policy on rollouts `ids` (eager or a CUDA graph replay).
+        Returns (the trainer's logprobs [B, C], the loss mask [B, C], the metric vector)."""
+        s = self.s
+        tm = TrainMicrobatch.build(
+            [b.seqs[i] for i in ids],
+            [b.plens[i] for i in ids],
+            max_tokens=s.max_tokens_per_microbatch,
+            max_positions=self.model.config.max_position_embeddings,
+            padded=self.padded,
+        )
+        B, C = tm.bucket.batch, tm.bucket.cols
+        m = _rows(b.full_mask, ids, B, C)
+        x = dict(
+            tm.inputs,
+            old_lp=_rows(b.old_lp, ids, B, C),
+            adv=_rows(b.advantages, ids, B, C),
+            mask=m,
+            divisor=torch.tensor(float(divisor)),
+            norm_constant=torch.tensor(b.norm_constant),
+        )
+        if b.weights is not None:
+            x["is_weights"] = _rows(b.weights, ids, B, C)
+        if b.use_loss_kl:
+            assert b.ref_lp is not None
+            x["ref_lp"] = _rows(b.ref_lp, ids, B, C)
+        out = self.graphs.run((tm.bucket, b.weights is not None, b.use_loss_kl), x)
+        return out["lp"], m, out["metrics"].clone()
+
+    def _value_microbatch(self, b: StepBatch, ids: list[int], divisor: int) -> dict[str, float]:
+        """The critic's clipped value loss on rollouts `ids`, backward into its gradients."""
+        s = self.s
+        assert self.critic is not None and b.old_values is not None and b.returns is not None
+        dev = self.model.device
+        pb = PackedBatch.build([b.seqs[i] for i in ids], [b.plens[i] for i in ids], dev)
+        lens = [b.lengths[i] for i in ids]
+        Lm = max(lens)
+        v_flat = self.critic(pb)
+        v = _pad(v_flat[pb.response_mask], pb.seq_index[pb.response_mask], lens)
+        vl, vm = value_loss(
+            v,
+            b.old_values[ids, :Lm].to(dev),
+            b.returns[ids, :Lm].to(dev),
+            b.full_mask[ids, :Lm].to(dev),
+            clip=s.value_clip,
+            aggregation=s.aggregation,
+            loss_divisor=divisor,
+            norm_constant=b.norm_constant,
+        )
+        (s.vf_coef * vl).backward()
+        return vm
+
+    def read_results(self, b: StepBatch, pending: list[_QueuedMinibatch], acc: _Acc) -> dict[str, float]:
+        """Read every queued minibatch's metrics back (the step's one wait for the device) and fold them."""
+        s = self.s
+        metrics = b.metrics
+        grad_norms, nan_skips, num_updates = [], 0, 0
+        for q in pending:
             finite = True
             mm_parts = []
-            for (ids, m, _, lp), vals in zip(done, vecs.tolist()):
+            for (ids, m, _, lp), vals in zip(q.done, q.vecs.tolist()):
                 pm = dict(zip(self._metric_names, vals))
                 total = pm.pop("total")
                 if not math.isfinite(total):
@@ -400,28 +446,27 @@ class PolicyTrainer:
                 n_m = max(1, int(m.sum()))
                 local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
                 pm["entropy"] = pm.pop("entropy/sum") / n_m
-                if use_loss_kl:
+                if b.use_loss_kl:
                     pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
-                pm["loss"] = total * divisor / local
+                pm["loss"] = total * q.divisor / local
                 acc.add(pm, float(m.sum()))
                 if lp is not None:
-                    lens = [lengths[i] for i in ids]
+                    lens = [b.lengths[i] for i in ids]
                     Lm = max(lens)
-                    mm_parts.append((rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
-            if check_mismatch and mm_parts:
-                r_all = torch.cat([_pad_to(p[0], L) for p in mm_parts])
-                t_all = torch.cat([_pad_to(p[1], L) for p in mm_parts])
-                k_all = torch.cat([_pad_to(p[2], L) for p in mm_parts])
+                    mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
+            if q.check_mismatch and mm_parts:
+                r_all = torch.cat([_pad_to(p[0], b.L) for p in mm_parts])
+                t_all = torch.cat([_pad_to(p[1], b.L) for p in mm_parts])
+                k_all = torch.cat([_pad_to(p[2], b.L) for p in mm_parts])
                 metrics.update(mismatch_metrics(r_all, t_all, k_all))
-            if critic_norm is not None:
-                metrics["critic/grad_norm"] = float(critic_norm)
-            value = 0.0 if norm is None else float(norm)
+            if q.critic_norm is not None:
+                metrics["critic/grad_norm"] = float(q.critic_norm)
+            value = 0.0 if q.norm is None else float(q.norm)
             if not finite or math.isnan(value):
                 nan_skips += 1
             else:
                 grad_norms.append(value)
                 num_updates += 1
-        self.steps_done += 1
         out = acc.result()
         n = out.get("num_tokens", 0.0)
         if n and "ratio/sum" in out:
@@ -435,6 +480,43 @@ class PolicyTrainer:
             out["perf/train_graphs"] = float(len(self.graphs))
             out["perf/train_graph_capture_s"] = self.graphs.capture_s
         return out
+
+
+@dataclass
+class StepBatch:
+    """The step-level tensors of one RL update, [N, L] padded over the N rollouts' completions (CPU)."""
+
+    lengths: list[int]  # completion lengths
+    full_mask: torch.Tensor  # [N, L] bool; rollout correction may clear tokens (MIS)
+    rollout_lp: torch.Tensor  # [N, L] fp32, recorded by the engine
+    seqs: list[list[int]]  # prompt + completion token ids
+    plens: list[int]  # prompt lengths
+    norm_constant: float  # Dr.GRPO's constant
+    old_lp: torch.Tensor | None = None  # [N, L] fp32; == rollout_lp in exact mode
+    ref_lp: torch.Tensor | None = None  # [N, L] fp32, the reference policy's (KL)
+    use_loss_kl: bool = False  # KL enters the loss (not the reward)
+    weights: torch.Tensor | None = None  # [N, L] importance-sampling weights (rollout correction)
+    advantages: torch.Tensor | None = None  # [N, L]
+    old_values: torch.Tensor | None = None  # [N, L] critic values before the update (PPO)
+    returns: torch.Tensor | None = None  # [N, L] GAE returns (PPO)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def L(self) -> int:
+        return max(self.lengths)
+
+
+@dataclass
+class _QueuedMinibatch:
+    """A minibatch whose update is queued: per microbatch (rollout ids, loss mask, metric vector, trainer
+    logprobs when checked), the metric vectors stacked, the device-side gradient norms."""
+
+    done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    vecs: torch.Tensor
+    norm: torch.Tensor | None
+    critic_norm: torch.Tensor | None
+    check_mismatch: bool
+    divisor: int
 
 
 def _pad_to(x: torch.Tensor, L: int) -> torch.Tensor:
