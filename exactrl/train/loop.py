@@ -20,6 +20,13 @@ import torch
 
 from exactrl.algorithms import advantage_metrics, grpo_advantages, reward_metrics, rloo_advantages
 from exactrl.config import RunConfig, save_config
+from exactrl.distributed.checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+from exactrl.distributed.env import init_from_env, rank_device
+from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.loading import load_policy, resolve_device
@@ -195,11 +202,13 @@ def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
 class StepRollouts:
     """What one RL step sampled and scored: the rollouts (rewards and advantages set) and their metrics."""
 
-    rollouts: list[Rollout]
-    rewards: torch.Tensor  # [N] fp32
-    advantages: torch.Tensor  # [N] fp32, sequence-level
+    rollouts: list[Rollout]  # this rank's
+    rewards: torch.Tensor  # [N] fp32, the whole step's (every rank's, in rank order)
+    advantages: torch.Tensor  # [N] fp32, sequence-level, the whole step's
     per_function: dict[str, list[float]]
     reward_errors: int
+    lengths: list[int]  # completion lengths of the whole step (every rank's)
+    truncated: list[bool]
 
 
 class RLRun:
@@ -211,11 +220,17 @@ class RLRun:
     def __init__(self, cfg: RunConfig, resume: bool = False, out=print) -> None:
         self.t0 = time.perf_counter()
         cfg.validate()
-        self.cfg, self.resume, self.out = cfg, resume, out
+        # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
+        self.dist = init_from_env(resolve_device(cfg.run.device))
+        self.parallel = Parallelism(self.dist)
+        self.cfg, self.resume = cfg, resume
+        self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out_dir / "config.toml")
-        self.device = resolve_device(cfg.run.device)
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.toml")
+        self.dist.barrier()
+        self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -240,10 +255,12 @@ class RLRun:
         self.ckpt_root = self.out_dir / "checkpoints"
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
         if resume and self.resume_from is None:
-            out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
+            self.out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
         # With nothing to resume from the run starts over, and so does its metrics.jsonl.
-        self.logger = MetricsLogger(
-            self.out_dir, tensorboard=cfg.run.tensorboard, resume=self.resume_from is not None
+        self.logger: MetricsLogger | _NoLogger = (
+            MetricsLogger(self.out_dir, tensorboard=cfg.run.tensorboard, resume=self.resume_from is not None)
+            if self.dist.is_main
+            else _NoLogger()
         )
         self.eval_examples = self._eval_examples()
         self.ev_kw = dict(
@@ -287,6 +304,9 @@ class RLRun:
         return kept
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective)."""
+        if not self.dist.is_main:
+            return {}
         return evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
 
     def warm_start(self) -> None:
@@ -329,7 +349,8 @@ class RLRun:
             model.load_state_dict(loaded.state_dict())
 
     def build_trainer(self) -> None:
-        """The reference model (KL), the critic (PPO), the optimizers and the policy trainer."""
+        """The reference model (KL), the critic (PPO), the layout over the ranks, the optimizers and the
+        policy trainer."""
         cfg, model = self.cfg, self.model
         a, tr = cfg.algorithm, cfg.train
         ref_model = None
@@ -338,10 +359,21 @@ class RLRun:
         self.critic = self.critic_opt = None
         if a.name == "ppo":
             self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
-            self.critic_opt = MasterAdamW(
-                self.critic, lr=tr.critic_lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay
-            )
-        self.opt = MasterAdamW(model, lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay)
+        # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
+        # taken now (after the warm start), and the trainer's models are sharded.
+        engine_model = self.parallel.engine_model(model)
+        self.parallel.parallelize(model)
+        if ref_model is not None:
+            self.parallel.parallelize(ref_model, trainable=False)
+        if self.critic is not None:
+            self.parallel.parallelize(self.critic)
+        self.parallel.bind(model, engine_model)
+        if engine_model is not model:
+            self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+        opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist)
+        if self.critic is not None:
+            self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
+        self.opt = MasterAdamW(model, lr=tr.lr, **opt_kw)
         settings = trainer_settings(cfg)
         if a.rollout_correction and self.exact:
             import warnings
@@ -358,6 +390,7 @@ class RLRun:
             ref_model=ref_model,
             critic=self.critic,
             critic_optimizer=self.critic_opt,
+            dist=self.dist,
         )
         self.optimizers = {"policy": self.opt} | (
             {"critic": self.critic_opt} if self.critic_opt is not None else {}
@@ -367,9 +400,16 @@ class RLRun:
         """Load the latest checkpoint on --resume: weights, optimizers, data position, totals."""
         if self.resume_from is None:
             return
-        state = load_checkpoint(
-            self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
-        )
+        if self.parallel.sharded or is_sharded_checkpoint(self.resume_from):
+            # A checkpoint of a torchrun run, at any world size (DCP reshards), or this run is one.
+            state = load_sharded_checkpoint(
+                self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
+            )
+            self.parallel.sync_weights()
+        else:
+            state = load_checkpoint(
+                self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
+            )
         self.step = state["step"]
         self.task.load_state_dict(state["task"])
         self.totals.update(state.get("totals", {}))
@@ -386,8 +426,10 @@ class RLRun:
         if self.critic_opt is not None:
             set_lr(self.critic_opt, tr.critic_lr * factor)
 
-    def prompts(self) -> tuple[list[Example], list[list[int]]]:
-        """The step's prompts from the task stream; too-long ones are skipped and counted, not a crash."""
+    def prompts(self) -> tuple[list[Example], list[list[int]], list[int]]:
+        """This rank's share of the step's prompts, with their indices in the step (which key the sampling
+        noise, so a prompt gets the same completions at every world size). Every rank reads the same stream;
+        too-long prompts are skipped and counted, not a crash."""
         cfg = self.cfg
         # Two passes over a finite training set with no prompt that fits means none ever will.
         max_skips_in_a_row = 2 * getattr(self.task, "num_train", 5_000) + 1
@@ -409,7 +451,8 @@ class RLRun:
             skipped_in_a_row = 0
             examples.append(ex)
             prompt_ids.append(ids)
-        return examples, prompt_ids
+        mine = list(self.dist.shard(len(examples)))
+        return [examples[i] for i in mine], [prompt_ids[i] for i in mine], mine
 
     def sampling_params(self) -> SamplingParams:
         cfg = self.cfg
@@ -425,9 +468,9 @@ class RLRun:
             stop_token_ids=sorted(set(self.tok.stop_token_ids) | set(sp.stop_token_ids)),
         )
 
-    def rollout(self, step: int, prompt_ids: list[list[int]]) -> list[RequestOutput]:
-        """Sample group_size completions per prompt from the current weights. Request ids are unique across
-        the run (they key the sampling noise)."""
+    def rollout(self, step: int, prompt_ids: list[list[int]], index: list[int]) -> list[RequestOutput]:
+        """Sample group_size completions per prompt from the current weights. Request ids (the prompt's index
+        in the step, offset by the step) are unique across the run: they key the sampling noise."""
         from tqdm import tqdm
 
         n = self.cfg.algorithm.group_size
@@ -441,7 +484,7 @@ class RLRun:
         outs = self.engine.generate(
             prompt_ids,
             self.sampling_params(),
-            request_ids=[base_id + i for i in range(len(prompt_ids))],
+            request_ids=[base_id + i for i in index],
             progress=bar.update,
         )
         bar.close()
@@ -479,15 +522,30 @@ class RLRun:
                 "check engine.num_kv_blocks / engine.max_model_len against the prompt lengths"
             )
         res = self.rewards(completions, answers, exs)
-        r = torch.tensor(res.rewards, dtype=torch.float32)
+        errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
+        # Advantages (and every statistic logged) over the whole step: every rank's rewards, in rank order.
+        lens = [len(x.completion_ids) for x in rollouts]
+        parts = self.dist.all_gather_object(
+            (res.rewards, res.per_function, errors, lens, [x.truncated for x in rollouts])
+        )
+        r = torch.tensor([v for p in parts for v in p[0]], dtype=torch.float32)
         if a.name == "rloo":
             adv = rloo_advantages(r, a.group_size)
         else:
             adv = grpo_advantages(r, a.group_size, scale="none" if a.name == "dr_grpo" else a.adv_scale)
-        for ro, rew, ad in zip(rollouts, r.tolist(), adv.tolist()):
+        start = sum(len(p[0]) for p in parts[: self.dist.rank])
+        for ro, rew, ad in zip(rollouts, r[start:].tolist(), adv[start:].tolist()):
             ro.reward, ro.advantage = rew, ad
-        errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
-        return StepRollouts(rollouts, r, adv, res.per_function, errors)
+        per_function = {k: [v for p in parts for v in p[1][k]] for k in res.per_function}
+        return StepRollouts(
+            rollouts,
+            r,
+            adv,
+            per_function,
+            sum(p[2] for p in parts),
+            [n for p in parts for n in p[3]],
+            [t for p in parts for t in p[4]],
+        )
 
     def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
         """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
@@ -505,12 +563,12 @@ class RLRun:
 
         a = self.cfg.algorithm
         r = sr.rewards
-        lengths = torch.tensor([len(ro.completion_ids) for ro in sr.rollouts], dtype=torch.float32)
+        lengths = torch.tensor(sr.lengths, dtype=torch.float32)
         per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in sr.per_function.items()}
         m.update(reward_metrics(r, a.group_size, per_fn))
         if a.name != "ppo":  # PPO's token-level GAE advantages are logged by the trainer
             m.update(advantage_metrics(sr.advantages[:, None], torch.ones(len(sr.advantages), 1)))
-        m.update(response_length_metrics(lengths, torch.tensor([ro.truncated for ro in sr.rollouts])))
+        m.update(response_length_metrics(lengths, torch.tensor(sr.truncated)))
         m["train/accuracy"] = float((r > 0.5).float().mean())
         self.totals["reward_errors"] += sr.reward_errors
         m["reward/errors"] = float(sr.reward_errors)
@@ -521,6 +579,21 @@ class RLRun:
         return m
 
     def checkpoint(self) -> None:
+        state = {"task": self.task.state_dict(), "totals": self.totals, "summary": self.summary}
+        if self.parallel.sharded:
+            save_sharded_checkpoint(
+                self.dist,
+                self.ckpt_root,
+                self.step,
+                model=self.model,
+                engine_model=self.engine.model,
+                tokenizer=self.tok,
+                optimizers=self.optimizers,
+                critic=self.critic,
+                keep=self.cfg.train.keep_checkpoints,
+                state=state,
+            )
+            return
         save_checkpoint(
             self.ckpt_root,
             self.step,
@@ -529,7 +602,7 @@ class RLRun:
             optimizers=self.optimizers,
             critic=self.critic,
             keep=self.cfg.train.keep_checkpoints,
-            state={"task": self.task.state_dict(), "totals": self.totals, "summary": self.summary},
+            state=state,
         )
 
     def rl_step(self) -> dict[str, float]:
@@ -537,17 +610,18 @@ class RLRun:
         step = self.step
         t_step = time.perf_counter()
         self.set_lr(step)
-        examples, prompt_ids = self.prompts()
+        examples, prompt_ids, index = self.prompts()
         t_gen = time.perf_counter()
-        outs = self.rollout(step, prompt_ids)
+        outs = self.rollout(step, prompt_ids, index)
         gen_s = time.perf_counter() - t_gen
         sr = self.score(step, examples, prompt_ids, outs)
         t_train = time.perf_counter()
         m = self.update(step, sr.rollouts)
         train_s = time.perf_counter() - t_train
+        m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
         self.step += 1
         m = self.step_metrics(m, sr)
-        ntok = sum(len(ro.completion_ids) for ro in sr.rollouts)
+        ntok = sum(sr.lengths)
         m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
@@ -622,15 +696,31 @@ class RLRun:
         s = self.summary
         if s.get("accuracy_before_rl") is not None and s.get("accuracy_after_rl") is not None:
             s["accuracy_gain"] = s["accuracy_after_rl"] - s["accuracy_before_rl"]
-        (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-        try:
-            from exactrl.report import draw_report
+        s["world_size"] = self.dist.world_size
+        if self.dist.is_main:
+            (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+            try:
+                from exactrl.report import draw_report
 
-            draw_report(self.out_dir)
-        except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway
-            self.out(f"report.png not drawn ({err})")
+                draw_report(self.out_dir)
+            except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway
+                self.out(f"report.png not drawn ({err})")
         self.out(_summary_text(s, self.out_dir))
+        self.dist.barrier()
         return s
+
+
+class _NoLogger:
+    """The logger of ranks other than 0: they compute the same global metrics and write nothing."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:

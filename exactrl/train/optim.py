@@ -10,6 +10,9 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from exactrl.distributed.env import DistContext
 
 
 class MasterAdamW:
@@ -22,12 +25,23 @@ class MasterAdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         eps: float = 1e-8,
+        dist: DistContext | None = None,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.has_master = any(p.dtype != torch.float32 for p in self.params)
+        self.dist = dist or DistContext.single()
+        # FSDP2: the parameters are fp32 DTensor shards, the masters themselves. The update runs on the local
+        # shards as plain tensors (the same kernels as on one device), and only the gradient norm and the skip
+        # decision cross ranks, in one all-reduce, so every rank clips by the same factor and skips together.
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        if self.sharded and not self.dist.distributed:
+            raise ValueError("sharded (DTensor) parameters need the run's DistContext")
+        self.has_master = not self.sharded and any(p.dtype != torch.float32 for p in self.params)
         self._persistent: set[int] = set()  # ids of params whose .grad buffer is kept (see persistent_grads)
         if self.has_master:
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        elif self.sharded:
+            with torch.no_grad():
+                self.master = [p.to_local() for p in self.params]
         else:
             self.master = self.params
         # Every implementation is elementwise, deterministic and identical on resume. On the CPU torch's plain
@@ -68,7 +82,7 @@ class MasterAdamW:
         for p in self.params:
             if id(p) not in self._persistent:
                 p.grad = None
-        if self.has_master:
+        if self.has_master or self.sharded:
             for m in self.master:
                 m.grad = None
 
@@ -101,6 +115,8 @@ class MasterAdamW:
         `found_inf` and `grad_scale`) takes the skip flag and the clip factor as device scalars and leaves weights,
         moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
         where reading is free, the norm is read and the update is skipped or made by the host."""
+        if self.sharded:
+            return self._sharded_step(max_norm, skip)
         if self._triton_ready():
             return self._triton_step(max_norm, skip)
         if self.has_master:
@@ -122,6 +138,45 @@ class MasterAdamW:
             self._update()
             return norm
         norm, ok, scale = _device_clip(grads, max_norm, skip)
+        self.opt.grad_scale = scale.float()  # type: ignore[attr-defined]
+        self.opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
+        try:
+            self._update()
+        finally:
+            del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
+        return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+
+    def _sharded_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
+        """The step on FSDP2 shards: the global norm from every rank's local sum of squares (one all-reduce that
+        also carries the skip flags), the clip factor from it, AdamW on the local shards in place."""
+        import torch.distributed as dist
+
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.to_local()
+        grads = [m.grad for m in self.master if m.grad is not None]
+        dev = self.master[0].device
+        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()
+        flag = torch.zeros((), dtype=torch.float64, device=dev) if skip is None else skip.to(dev).double()
+        both = torch.stack((sq, flag))
+        if self.dist.backend == "gloo" and both.is_cuda:  # pragma: no cover - gloo reduces host tensors
+            both = both.cpu()
+        dist.all_reduce(both)
+        both = both.to(dev)
+        norm = both[0].sqrt()
+        ok = torch.isfinite(norm) & (both[1] == 0)
+        if not self.on_cuda:  # reading is free on the CPU: decide on the host, as the unsharded CPU path does
+            norm_f = float(norm)
+            if not bool(ok):
+                self.zero_grad()
+                return torch.tensor(float("nan"), dtype=torch.float64)
+            if max_norm > 0 and norm_f > max_norm:
+                torch._foreach_mul_(grads, max_norm / (norm_f + 1e-6))
+            self._update()
+            return norm
+        one = torch.ones((), dtype=torch.float64, device=dev)
+        scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one) if max_norm > 0 else one
         self.opt.grad_scale = scale.float()  # type: ignore[attr-defined]
         self.opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
         try:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from exactrl.algorithms import (
     advantage_metrics,
@@ -25,6 +26,7 @@ from exactrl.algorithms import (
     rollout_correction,
     value_loss,
 )
+from exactrl.distributed.env import DistContext
 from exactrl.model.qwen import CausalLM
 from exactrl.train.critic import ValueModel
 from exactrl.train.graphs import MicrobatchGraphs, accumulate_grads
@@ -149,6 +151,25 @@ class _Acc:
                 self.weighted[k] = self.weighted.get(k, 0.0) + v * weight
                 self.weights[k] = self.weights.get(k, 0.0) + weight
 
+    def reduce(self, dist: DistContext) -> None:
+        """Fold every rank's accumulators into global ones (the same on every rank)."""
+        if not dist.distributed:
+            return
+        merged = dist.all_gather_object(
+            (self.sums, self.weighted, self.weights, self.mins, self.maxs, self.shares)
+        )
+        self.sums, self.weighted, self.weights, self.mins, self.maxs, self.shares = {}, {}, {}, {}, {}, {}
+        for sums, weighted, weights, mins, maxs, shares in merged:
+            for mine, theirs in ((self.sums, sums), (self.weighted, weighted), (self.weights, weights)):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0.0) + v
+            for k, v in shares.items():
+                self.shares[k] = self.shares.get(k, 0.0) + v
+            for k, v in mins.items():
+                self.mins[k] = min(self.mins.get(k, math.inf), v)
+            for k, v in maxs.items():
+                self.maxs[k] = max(self.maxs.get(k, -math.inf), v)
+
     def result(self) -> dict[str, float]:
         out = dict(self.sums)
         out.update(self.mins)
@@ -169,6 +190,7 @@ class PolicyTrainer:
         ref_model: CausalLM | None = None,
         critic: ValueModel | None = None,
         critic_optimizer: MasterAdamW | None = None,
+        dist: DistContext | None = None,
     ):
         if settings.algorithm not in POLICY_KIND:
             raise ValueError(f"unknown algorithm {settings.algorithm!r}; use one of {sorted(POLICY_KIND)}")
@@ -179,8 +201,14 @@ class PolicyTrainer:
         self.model, self.s, self.opt = model, settings, optimizer
         self.ref_model, self.critic, self.critic_opt = ref_model, critic, critic_optimizer
         self.steps_done = 0
+        # Under torchrun every count that normalises the loss and every metric is global; on one process these
+        # collectives are the identity.
+        self.dist = dist or DistContext.single()
+        # FSDP2-sharded parameters get their gradients from autograd's backward (its hooks reduce-scatter them),
+        # not from `torch.autograd.grad` into persistent buffers, and its collectives are not captured in graphs.
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         on_cuda = model.device.type == "cuda"
-        graphs = settings.cuda_graphs and on_cuda
+        graphs = settings.cuda_graphs and on_cuda and not self.sharded
         self.padded = graphs if settings.pad_microbatches is None else settings.pad_microbatches
         self._grads: list[torch.Tensor] = []
         self._metric_names: list[str] = []
@@ -222,7 +250,10 @@ class PolicyTrainer:
             )
             pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
         pm["total"] = total.detach()
-        accumulate_grads(total, self.opt.params, self._grads, accumulate)
+        if self.sharded:
+            total.backward()
+        else:
+            accumulate_grads(total, self.opt.params, self._grads, accumulate)
         self._metric_names = list(pm)
         return {
             "metrics": torch.stack([v.detach().reshape(()).to(torch.float64) for v in pm.values()]),
@@ -235,11 +266,20 @@ class PolicyTrainer:
         plens = [len(r.prompt_ids) for r in rollouts]
         return packed_microbatches(seqs, plens, self.s.max_tokens_per_microbatch, self.model.device)
 
+    def _even_batches(self, rollouts: list[Rollout]) -> Iterator[tuple[list[int], PackedBatch]]:
+        """`_rollout_batches`, then empty-index padding batches until every rank has run as many forwards as
+        the rank with the most (a sharded model all-gathers in every forward: the counts must agree)."""
+        batches = list(self._rollout_batches(rollouts))
+        extra = int(self.dist.max(len(batches))) - len(batches)  # agreed before any forward runs
+        yield from batches
+        for _ in range(extra):
+            yield [], PackedBatch.build([[0, 0]], [1], self.model.device)
+
     @torch.no_grad()
     def _score(self, model: CausalLM, rollouts: list[Rollout]) -> list[torch.Tensor]:
         """Per-sequence completion logprobs without grad (old or reference policy)."""
         out: list[torch.Tensor] = []
-        for mb, pb in self._rollout_batches(rollouts):
+        for mb, pb in self._even_batches(rollouts):
             lp, _, sidx = response_logprobs(model, pb, self.s.temperature)
             out += [lp[sidx == j].float().cpu() for j in range(len(mb))]
         return out
@@ -247,7 +287,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        for mb, pb in self._rollout_batches(rollouts):
+        for mb, pb in self._even_batches(rollouts):
             v = self.critic(pb)
             out += [v[(pb.seq_index == j) & pb.response_mask].cpu() for j in range(len(mb))]
         return out
@@ -256,7 +296,7 @@ class PolicyTrainer:
     def step(self, rollouts: list[Rollout]) -> dict[str, float]:
         """One RL update: prepare the step's tensors, queue every minibatch's update, then read the results."""
         batch = self.prepare(rollouts)
-        if not self._grads:  # before any graph is captured: the graphs add into these buffers in place
+        if not self._grads and not self.sharded:  # the graphs add into these buffers in place
             self._grads = self.opt.persistent_grads(self.opt.params)
         acc = _Acc()
         pending = []  # per minibatch: its device-side results, read after the last one is queued
@@ -299,7 +339,7 @@ class PolicyTrainer:
             b.old_lp = b.rollout_lp
             return
         b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
-        b.metrics.update(mismatch_metrics(b.rollout_lp, b.old_lp, b.full_mask))
+        b.metrics.update(mismatch_metrics(*self.dist.gather_rows(b.rollout_lp, b.old_lp, b.full_mask)))
         if s.rollout_correction:
             b.weights, b.full_mask, corr = rollout_correction(
                 b.old_lp,
@@ -323,7 +363,8 @@ class PolicyTrainer:
                     token_rewards - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind) * b.full_mask
                 )
             b.advantages, b.returns = gae(token_rewards, b.old_values, b.full_mask, s.gamma, s.lam)
-            b.metrics.update(advantage_metrics(b.advantages, b.full_mask))  # the GAE advantages the loss uses
+            # The GAE advantages the loss uses, over every rank's rollouts.
+            b.metrics.update(advantage_metrics(*self.dist.gather_rows(b.advantages, b.full_mask)))
         else:
             adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(-1, L)
             if b.ref_lp is not None and s.kl_in_reward:
@@ -335,10 +376,13 @@ class PolicyTrainer:
         rollout order, later ones shuffled by a generator seeded from (seed, step)."""
         s = self.s
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
+        # Every rank takes the same number of optimizer steps: its own rollouts split in as many parts as the
+        # rank with the most rollouts would make (an empty part still joins the collectives).
+        parts = min(s.minibatches, int(self.dist.max(n)))
         for epoch in range(s.ppo_epochs):
             order = torch.arange(n) if epoch == 0 else torch.randperm(n, generator=g)
-            for mb_i, mb_idx in enumerate(torch.tensor_split(order, min(s.minibatches, n))):
-                if mb_idx.numel():
+            for mb_i, mb_idx in enumerate(torch.tensor_split(order, parts)):
+                if mb_idx.numel() or self.dist.distributed:
                     yield epoch, mb_i, mb_idx.tolist()
 
     def queue_minibatch(
@@ -349,16 +393,26 @@ class PolicyTrainer:
         s = self.s
         check_mismatch = check_mismatch and s.exact
         n_tok = int(b.full_mask[mb_idx].sum())
-        divisor = n_tok if s.aggregation == "token-mean" else len(mb_idx)
+        # The loss is divided by the count over every rank's part of the minibatch (sharded gradients are then
+        # summed, not averaged): the same objective at every world size.
+        divisor = int(self.dist.sum(n_tok if s.aggregation == "token-mean" else len(mb_idx)))
         if divisor == 0:
             return None
+        micros = [
+            [mb_idx[j] for j in micro]
+            for micro in pack_by_tokens([len(b.seqs[i]) - 1 for i in mb_idx], s.max_tokens_per_microbatch)
+        ]
+        # Every rank runs as many microbatches as the rank with the most; the extra ones carry no loss token.
+        num_micro = int(self.dist.max(len(micros)))
+        micros += [[]] * (num_micro - len(micros))
         # Every microbatch is queued before any result is read: one device sync per minibatch.
         done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        for micro in pack_by_tokens([len(b.seqs[i]) - 1 for i in mb_idx], s.max_tokens_per_microbatch):
-            ids = [mb_idx[j] for j in micro]
+        for k, ids in enumerate(micros):
+            _set_gradient_sync(self.model, k == num_micro - 1)  # sharded: one reduce-scatter per minibatch
             lp, m, metric_vec = self._policy_microbatch(b, ids, divisor)
-            done.append((ids, m, metric_vec, lp[: len(ids)].clone() if check_mismatch else None))
+            done.append((ids, m, metric_vec, lp[: len(ids)].clone() if check_mismatch and ids else None))
             if self.critic is not None:
+                _set_gradient_sync(self.critic, k == num_micro - 1)
                 acc.add(self._value_microbatch(b, ids, divisor), float(b.full_mask[ids].sum()))
         # The optimizer step is queued without reading anything back: a non-finite loss in any microbatch, or
         # a non-finite gradient norm, makes the device skip it. Results are read once, at the end of the step.
@@ -379,9 +433,10 @@ class PolicyTrainer:
         """Forward, loss and backward of the policy on rollouts `ids` (eager or a CUDA graph replay).
         Returns (the trainer's logprobs [B, C], the loss mask [B, C], the metric vector)."""
         s = self.s
+        # No ids: a microbatch that only joins the other ranks' collectives (one 2-token sequence, no loss token).
         tm = TrainMicrobatch.build(
-            [b.seqs[i] for i in ids],
-            [b.plens[i] for i in ids],
+            [b.seqs[i] for i in ids] or [[0, 0]],
+            [b.plens[i] for i in ids] or [1],
             max_tokens=s.max_tokens_per_microbatch,
             max_positions=self.model.config.max_position_embeddings,
             padded=self.padded,
@@ -409,6 +464,10 @@ class PolicyTrainer:
         s = self.s
         assert self.critic is not None and b.old_values is not None and b.returns is not None
         dev = self.model.device
+        if not ids:  # joins the other ranks' collectives with a zero loss
+            pb = PackedBatch.build([[0, 0]], [1], dev)
+            (self.critic(pb).sum() * 0.0).backward()
+            return {}
         pb = PackedBatch.build([b.seqs[i] for i in ids], [b.plens[i] for i in ids], dev)
         lens = [b.lengths[i] for i in ids]
         Lm = max(lens)
@@ -454,11 +513,13 @@ class PolicyTrainer:
                     lens = [b.lengths[i] for i in ids]
                     Lm = max(lens)
                     mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
-            if q.check_mismatch and mm_parts:
-                r_all = torch.cat([_pad_to(p[0], b.L) for p in mm_parts])
-                t_all = torch.cat([_pad_to(p[1], b.L) for p in mm_parts])
-                k_all = torch.cat([_pad_to(p[2], b.L) for p in mm_parts])
-                metrics.update(mismatch_metrics(r_all, t_all, k_all))
+            if q.check_mismatch:
+                r_all = torch.cat([_pad_to(p[0], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])
+                t_all = torch.cat([_pad_to(p[1], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])
+                k_all = torch.cat(
+                    [_pad_to(p[2], b.L) for p in mm_parts] or [torch.zeros(0, b.L, dtype=torch.bool)]
+                )
+                metrics.update(mismatch_metrics(*self.dist.gather_rows(r_all, t_all, k_all)))
             if q.critic_norm is not None:
                 metrics["critic/grad_norm"] = float(q.critic_norm)
             value = 0.0 if q.norm is None else float(q.norm)
@@ -467,6 +528,7 @@ class PolicyTrainer:
             else:
                 grad_norms.append(value)
                 num_updates += 1
+        acc.reduce(self.dist)
         out = acc.result()
         n = out.get("num_tokens", 0.0)
         if n and "ratio/sum" in out:
@@ -517,6 +579,13 @@ class _QueuedMinibatch:
     critic_norm: torch.Tensor | None
     check_mismatch: bool
     divisor: int
+
+
+def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """FSDP2: reduce-scatter gradients in this backward only when `sync` (the minibatch's last microbatch);
+    before that they accumulate unsharded, in fp32. Nothing to do for an unsharded model."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
 
 
 def _pad_to(x: torch.Tensor, L: int) -> torch.Tensor:

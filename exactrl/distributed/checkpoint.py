@@ -1,0 +1,152 @@
+"""Sharded checkpoints of an FSDP2 run with torch.distributed.checkpoint (DCP), resumable at any world size.
+
+A checkpoint directory `step-NNNNNN/` holds:
+  dcp/         the fp32 master weights (policy, critic) and AdamW moments as DTensors, written by every rank
+               for its own shards; DCP reshards them on load, so a run saved on 2 ranks resumes on 1 or 4
+  policy/      an HF checkpoint (safetensors + tokenizer) of the full weights in the model dtype, written by
+               rank 0 from the engine replica (the gathered weights), loadable by transformers
+  state.json   step, data position, totals (rank 0; every rank runs the same data stream)
+
+As on one device, the directory is assembled under a temporary name and renamed into place, and `latest` is
+written last: a crash mid-save leaves the previous checkpoint current.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from exactrl.distributed.env import DistContext
+from exactrl.train.checkpoint import _prune, fsync_dir, rng_state, set_rng_state
+from exactrl.train.optim import MasterAdamW
+
+
+def _as_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A local state tensor with the layout of its (sharded) parameter, so DCP can reshard it."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _optimizer_tree(opt: MasterAdamW, module: nn.Module) -> dict[str, Any]:
+    """{parameter name: {exp_avg, exp_avg_sq, step}} over `opt`'s parameters, as tensors DCP reads and writes
+    in place (state is created, zeroed, where the optimizer has not stepped yet)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    tree: dict[str, Any] = {}
+    for p, m in zip(opt.params, opt.master):
+        st = opt.opt.state[m]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=m.device if opt.on_cuda else "cpu")
+            st["exp_avg"] = torch.zeros_like(m)
+            st["exp_avg_sq"] = torch.zeros_like(m)
+        tree[names[id(p)]] = {
+            "exp_avg": _as_dtensor(st["exp_avg"], p),
+            "exp_avg_sq": _as_dtensor(st["exp_avg_sq"], p),
+            "step": st["step"],
+        }
+    return tree
+
+
+def _weights(module: nn.Module, opt: MasterAdamW | None) -> dict[str, torch.Tensor]:
+    """The fp32 weights by name: the parameters (sharded or fp32), or the optimizer's fp32 masters of a 16-bit
+    model on one device (so a sharded checkpoint resumes without torchrun, and the other way round)."""
+    out = dict(module.named_parameters())
+    if opt is not None and opt.has_master:
+        names = {id(p): n for n, p in module.named_parameters()}
+        out.update({names[id(p)]: m for p, m in zip(opt.params, opt.master)})
+    return out
+
+
+def _tree(model: nn.Module, optimizers: dict[str, MasterAdamW], critic: nn.Module | None) -> dict[str, Any]:
+    tree: dict[str, Any] = {"policy": _weights(model, optimizers.get("policy"))}
+    if critic is not None:
+        tree["critic"] = _weights(critic, optimizers.get("critic"))
+    for key, opt in optimizers.items():
+        tree[f"optim/{key}"] = _optimizer_tree(opt, critic if key == "critic" else model)
+    return tree
+
+
+def save_sharded_checkpoint(
+    ctx: DistContext,
+    ckpt_root: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    engine_model: nn.Module,
+    tokenizer: Any,
+    optimizers: dict[str, MasterAdamW],
+    state: dict[str, Any],
+    critic: nn.Module | None = None,
+    keep: int = 2,
+) -> Path:
+    """Every rank calls this at the same step; returns the checkpoint's directory."""
+    from exactrl.model.hf import save_model
+
+    root = Path(ckpt_root)
+    name = f"step-{step:06d}"
+    final, tmp = root / name, root / f".tmp-{name}"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    ctx.barrier()
+    with torch.no_grad():
+        dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"))
+    if ctx.is_main:
+        save_model(engine_model, tmp / "policy", tokenizer=tokenizer)
+        meta = {"step": step, **state, "rng": rng_state(), "world_size": ctx.world_size}
+        (tmp / "state.json").write_text(json.dumps(meta) + "\n")
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name + "\n")
+        with open(latest_tmp) as f:
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, root / "latest")
+        _prune(root, keep, name)
+    ctx.barrier()
+    return final
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "dcp").is_dir()
+
+
+def load_sharded_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizers: dict[str, MasterAdamW],
+    critic: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint into this run's (sharded) model and optimizers in place, at whatever world
+    size this run has; returns state.json."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{path} is a single-device checkpoint (no dcp/ folder): a torchrun run resumes from checkpoints "
+            "written under torchrun; resume it without torchrun, or start this run from its policy/ folder "
+            "with model.path"
+        )
+    tree = _tree(model, optimizers, critic)
+    with torch.no_grad():
+        dcp.load(tree, checkpoint_id=str(path / "dcp"))
+        for opt in optimizers.values():
+            if opt.has_master:  # one device, bf16 model: the fp32 masters were loaded; refresh the weights
+                torch._foreach_copy_(opt.params, opt.master)
+    state = json.loads((path / "state.json").read_text())
+    set_rng_state(state["rng"])
+    return state

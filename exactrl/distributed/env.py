@@ -1,0 +1,133 @@
+"""The process group of a run under torchrun, and the few collectives the RL loop needs.
+
+World size 1 without torchrun is `DistContext.single()`: no process group, every collective the identity, so
+the single-device path runs exactly as before. Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the
+environment) `init_from_env` starts the process group: gloo on the CPU, NCCL on CUDA, with a timeout on every
+collective so that a rank that died or hangs stops the others with an error instead of a hang (torchrun's agent
+also terminates the surviving ranks as soon as one exits with an error).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    """Who this process is in the run. Collectives go through the default process group (if any)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # None: no process group (world size 1 without torchrun)
+
+    @staticmethod
+    def single() -> DistContext:
+        return DistContext()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    # -- collectives (identity without a process group) ----------------------------------------------------
+    def _device(self) -> torch.device:
+        # NCCL reduces device tensors; gloo host tensors.
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Element-wise reduction of a short vector of floats over the ranks (float64)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._device())
+        dist.all_reduce(
+            t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        )
+        return t.tolist()
+
+    def sum(self, x: float) -> float:
+        return self.all_reduce([x], "sum")[0]
+
+    def max(self, x: float) -> float:
+        return self.all_reduce([x], "max")[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (pickled between the ranks of this run only)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each [N_r, L_r] CPU tensor concatenated over the ranks along dim 0 (right-padded with zeros to the
+        widest L): a step-level view of per-rank rows, for metrics that must be global."""
+        if not self.distributed:
+            return tensors
+        parts = self.all_gather_object([t.cpu() for t in tensors])
+        out = []
+        for k in range(len(tensors)):
+            rows = [p[k] for p in parts]
+            width = max(r.shape[1] for r in rows)
+            rows = [torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows]
+            out.append(torch.cat(rows))
+        return tuple(out)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def shard(self, n: int) -> range:
+        """The indices [0, n) that this rank owns: a contiguous share, the first `n % world_size` ranks one
+        more (n = 5 on 2 ranks: 0..2 and 3..4)."""
+        base, extra = divmod(n, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_from_env(device: str, timeout_s: float = 600.0) -> DistContext:
+    """Start the process group when launched by torchrun, else the single-process context.
+
+    device: the run's resolved device ("cpu", "cuda", "cuda:N"): gloo on the CPU, NCCL on CUDA, where each rank
+    takes the GPU of its LOCAL_RANK."""
+    if not under_torchrun():
+        return DistContext.single()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **({"device_id": torch.device("cuda", local)} if backend == "nccl" else {}),
+        )
+    return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
+
+
+def rank_device(ctx: DistContext, device: str) -> str:
+    """The device this rank computes on: its own GPU under torchrun on CUDA."""
+    if ctx.backend == "nccl":
+        return f"cuda:{ctx.local_rank}"
+    return device
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""FSDP2 applied from outside the single-device model code, and the engine's weight replica.
+
+`Parallelism` is what the RL loop asks about layout; the model, the trainer and the engine stay single-device
+code. On one device without torchrun (`Parallelism(DistContext.single())`) the trainer and the engine share one
+model and nothing here does anything. Under torchrun:
+
+- Trainer: the policy (and the reference model, and the critic) are `fully_shard`ed per decoder layer and at the
+  root, with parameters kept in fp32 (the sharded parameters *are* the master weights) and
+  `MixedPrecisionPolicy(param_dtype=<model dtype>, reduce_dtype=float32)`: the forward computes with the
+  all-gathered parameters cast to the model dtype, gradients are reduce-scattered in fp32.
+- Engine: one per rank, on a full-weight replica in the model dtype, refreshed in place after every optimizer
+  step from the shards (`sync_weights`: cast each shard to the model dtype, all-gather, copy into the replica's
+  own tensors, so captured CUDA graphs stay valid). A cast is elementwise, so casting then gathering gives the
+  bits FSDP's own cast-then-gather gives the trainer's forward: the engine samples with the very weights the
+  trainer computes with (tests/distributed checks it with `torch.equal` on every rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from exactrl.distributed.env import DistContext
+from exactrl.model.qwen import CausalLM
+
+
+class Parallelism:
+    """The layout of one run's models over its ranks (see the module docstring)."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.sharded = ctx.distributed
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.mesh = None
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh("cuda" if ctx.backend == "nccl" else "cpu", (ctx.world_size,))
+
+    def engine_model(self, model: CausalLM) -> CausalLM:
+        """The model the rollout engine samples from: the policy itself on one device; a full replica in the
+        model dtype under FSDP (taken before the policy is sharded)."""
+        if not self.sharded:
+            return model
+        replica = copy.deepcopy(model).requires_grad_(False)
+        return replica
+
+    def parallelize(self, model: nn.Module, *, trainable: bool = True) -> None:
+        """Shard `model` (a CausalLM or a ValueModel around one) in place; no-op on one device."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        lm = model if isinstance(model, CausalLM) else model.backbone
+        compute_dtype = lm.dtype
+        model.float()  # the sharded fp32 parameters are the masters
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for layer in lm.model.layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
+        if lm is not model:  # a ValueModel: its value head stays fp32, as on one device
+            fully_shard(lm, mesh=self.mesh, mp_policy=mp)
+            mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                # The loss is already divided by the global token (or sequence) count: sum, never average
+                # (and a plain SUM, which gloo has, not a pre-multiplied one, which it lacks).
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        if not trainable:
+            model.requires_grad_(False)
+
+    def bind(self, trainer_model: CausalLM, engine_model: CausalLM) -> None:
+        """Pair each trainer parameter with the engine replica's tensor of the same name."""
+        if not self.sharded:
+            return
+        mine = dict(engine_model.named_parameters())
+        self._pairs = []
+        for name, p in trainer_model.named_parameters():
+            if name not in mine:
+                raise RuntimeError(f"engine replica has no parameter {name!r}")
+            self._pairs.append((p, mine[name]))
+
+    @torch.no_grad()
+    def sync_weights(self) -> dict[str, float]:
+        """Refresh the engine replica from the trainer's shards, in place; returns time and bytes moved."""
+        if not self.sharded:
+            return {}
+        t0 = time.perf_counter()
+        moved = 0
+        for p, e in self._pairs:
+            full = p.detach().to(e.dtype).full_tensor()
+            e.copy_(full)
+            moved += full.numel() * full.element_size()
+        if e.is_cuda:
+            torch.cuda.synchronize(e.device)
+        return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": float(moved)}
