@@ -376,8 +376,15 @@ class AlgorithmConfig:
 
     def validate(self) -> None:
         _check_at_least(self.group_size, 1, "algorithm.group_size")
-        if self.name == "rloo" and self.group_size < 2:
-            _fail("algorithm.group_size", f'must be >= 2 for "rloo", got {self.group_size}')
+        if self.name != "ppo" and self.group_size < 2:
+            # grpo/dr_grpo/gspo subtract the group mean, rloo the mean of the others: a group of one gets an
+            # advantage of exactly zero on every sample, and the run would train on nothing.
+            _fail(
+                "algorithm.group_size",
+                f'must be >= 2 for "{self.name}" (a group of one makes every advantage zero); '
+                'sample several completions per prompt (e.g. group_size = 8) or use algorithm.name = "ppo", '
+                "whose critic needs no group",
+            )
         _check_at_least(self.rollouts_per_step, 1, "algorithm.rollouts_per_step")
         if self.rollouts_per_step % self.group_size:
             _fail(

@@ -603,6 +603,13 @@ def test_defaults_with_model_are_valid() -> None:
         ),
         (["algorithm.minibatches_per_rollout=3"], "algorithm.rollouts_per_step", "minibatches_per_rollout"),
         (["algorithm.name=rloo", "algorithm.group_size=1"], "algorithm.group_size", ">= 2"),
+        (["algorithm.name=grpo", "algorithm.group_size=1"], "algorithm.group_size", "every advantage zero"),
+        (
+            ["algorithm.name=dr_grpo", "algorithm.group_size=1"],
+            "algorithm.group_size",
+            'algorithm.name = "ppo"',
+        ),
+        (["algorithm.name=gspo", "algorithm.group_size=1"], "algorithm.group_size", ">= 2"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "> 1"),
         (["algorithm.eps_low=1"], "algorithm.eps_low", "[0, 1)"),
         (["algorithm.gamma=1.1"], "algorithm.gamma", "[0, 1]"),

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from exactrl.model.config import ModelConfig
+from exactrl.model.files import CheckpointError, read_json
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import get_ops
@@ -38,25 +39,61 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF checkpoint directory)")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    d = read_json(path)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
     return ModelConfig.from_hf(d, where=str(path))
+
+
+def _inside(model_dir: Path, fname: object, index: Path) -> Path:
+    """The file `fname` an index names, refused unless it resolves (symlinks followed) inside model_dir: an index
+    is data from a stranger and must not make us read /etc/... or ../other-model/..."""
+    if not isinstance(fname, str) or not fname:
+        raise CheckpointError(f"{index}: weight_map entry {fname!r} is not a file name")
+    if Path(fname).is_absolute():
+        raise CheckpointError(
+            f"{index}: weight_map names an absolute path {fname!r}; files must be inside {model_dir}"
+        )
+    root = model_dir.resolve()
+    path = (model_dir / fname).resolve()
+    if not path.is_relative_to(root):
+        raise CheckpointError(
+            f"{index}: weight_map file {fname!r} resolves outside the checkpoint directory {model_dir}"
+        )
+    if not path.is_file():
+        raise CheckpointError(f"{index}: weight_map names {fname!r}, which is not a file in {model_dir}")
+    return path
+
+
+def _open_safetensors(f: Path):
+    """safe_open with a one-line error naming the file when its header is truncated or corrupt."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError): both mean a bad file
+        raise CheckpointError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """Map tensor name -> safetensors file, from the index when there is one."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        doc = read_json(index)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map object")
+        resolved: dict[str, Path] = {}
+        return {name: resolved.setdefault(f, _inside(model_dir, f, index)) for name, f in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files (pickle checkpoints are not loaded)")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with _open_safetensors(f) as sf:
             for name in sf.keys():
                 out[name] = f
     return out
@@ -69,7 +106,7 @@ def load_model(
     exact: bool = True,
     fp32_lm_head: bool = False,
 ) -> CausalLM:
-    """Load an HF Qwen2/Qwen3 checkpoint directory into a `CausalLM` on `device` (dtype: the checkpoint's
+    """Load an HF Qwen2/Qwen3/Llama checkpoint directory into a `CausalLM` on `device` (dtype: the checkpoint's
     own when None)."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
@@ -99,9 +136,15 @@ def load_model(
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as sf:
+        with _open_safetensors(f) as sf:
+            present = set(sf.keys())
             for name in names:
-                t = sf.get_tensor(name)
+                if name not in present:
+                    raise CheckpointError(f"{f}: has no tensor {name}, which the index puts there")
+                try:
+                    t = sf.get_tensor(name)
+                except Exception as e:  # a tensor whose bytes run past the end of a truncated file
+                    raise CheckpointError(f"{f}: tensor {name} is unreadable ({_first_line(e)})") from None
                 if tuple(t.shape) != expected[name]:
                     raise ValueError(
                         f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}"

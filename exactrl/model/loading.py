@@ -44,16 +44,21 @@ def load_policy(
     else:
         tok = Tokenizer.load(tokenizer_path) if tokenizer_path else byte_tokenizer()
         cfg = preset(preset_name)
-        if tok.vocab_size > cfg.vocab_size:
-            raise ValueError(
-                f"tokenizer has {tok.vocab_size} tokens, more than preset {preset_name}'s vocab {cfg.vocab_size}"
-            )
+        check_vocab(tok, cfg.vocab_size, tokenizer_path, f"preset {preset_name}")
         cfg = preset(preset_name, eos_token_id=tok.eos_token_id)
         model = build_model(
             cfg, device=device, dtype=torch_dtype, exact=exact, seed=seed, fp32_lm_head=fp32_lm_head
         )
-    if tok.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}"
-        )
+    check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
     return model, tok
+
+
+def check_vocab(tok: Tokenizer, model_vocab: int, tok_source: object, model_source: object) -> None:
+    """Refuse a tokenizer whose ids the model cannot embed. A model vocabulary larger than the tokenizer's is
+    normal (Qwen pads it to a multiple of 128); a smaller one would index past the embedding. Special and stop
+    ids are checked against the tokenizer's own vocabulary when it loads, so they fit too."""
+    if tok.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer vocab/model vocab mismatch: the tokenizer ({tok_source or 'built-in byte tokenizer'}) has "
+            f"{tok.vocab_size} tokens but the model ({model_source}) has vocab_size {model_vocab}"
+        )

@@ -1,4 +1,7 @@
-"""The Qwen2/Qwen3 dense decoder, written once for both paths.
+"""The dense decoder of Qwen2, Qwen3 and Llama, written once for both paths.
+
+The three families are one decoder with options (`ModelConfig`): Qwen3 adds a per-head q/k RMSNorm, Qwen2 has
+q/k/v biases, Llama may have attention (q/k/v/o) and MLP biases; each may scale its RoPE (`exactrl.model.rope`).
 
 Single-device code over flat token streams (`[T, ...]`, packed sequences, no padding inside the model). The
 forward takes token ids, absolute positions and an `AttentionBatch` that says either "these are whole packed
@@ -98,7 +101,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
-        self.o_proj = Linear(q, cfg.hidden_size)
+        self.o_proj = Linear(q, cfg.hidden_size, cfg.o_bias)
         pack_state_dict(self, "qkv_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -119,21 +122,23 @@ class Attention(nn.Module):
             q = ops.rope(q, positions, cos_sin)
             k = ops.rope(k, positions, cos_sin)
         o = ops.attention(q, k, v, batch, kv_cache)
-        return ops.linear(o.reshape(T, -1), self.o_proj.weight)
+        return ops.linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter})
-        self.down_proj = Linear(inter, cfg.hidden_size)
+        self.gate_up_proj = PackedLinear(
+            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
+        )
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias)
         pack_state_dict(self, "gate_up_proj")
 
     def forward(self, ops: Ops, x):
         gate, up = self.gate_up_proj(ops, x)
         h = ops.silu_mul(gate, up)
-        return ops.linear(h, self.down_proj.weight)
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -179,7 +184,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen2/Qwen3 causal LM. `forward` returns final hidden states; `logprobs`/`logits` apply the LM head
+    """Qwen2/Qwen3/Llama causal LM. `forward` returns final hidden states; `logprobs`/`logits` apply the LM head
     through the ops backend (fp32 log-softmax, temperature inside the op)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, fp32_lm_head: bool = False):
@@ -221,18 +226,13 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def rope_table(self, device: torch.device) -> torch.Tensor:
-        """fp32 [max_pos, head_dim] table: cos of each frequency in the first half, sin in the second.
+        """fp32 [max_pos, head_dim] table: cos of each frequency in the first half, sin in the second (both
+        times the RoPE scaling's attention factor, 1 but for YaRN).
 
-        Built once per device in float64 then rounded, and indexed by absolute position on both paths."""
+        Built once per device in float64 then rounded, whatever the model dtype, and indexed by absolute
+        position on both paths."""
         if self._cos_sin is None or self._cos_sin.device != device:
-            cfg = self.config
-            inv_freq = 1.0 / (
-                cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-            )
-            freqs = (
-                torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq[None, :]
-            )
-            self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+            self._cos_sin = self.config.rope_table().to(device)
         return self._cos_sin
 
     # -- forward -----------------------------------------------------------------------------------------

@@ -103,6 +103,30 @@ def render_messages(
         raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
 
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of `messages` with the tokenizer's chat template, as transformers'
+    `apply_chat_template(..., tokenize=True)` makes them: the tokenizer's named special tokens (`bos_token`,
+    `eos_token`, ...: `exactrl.model.tokenizer.Tokenizer.special_tokens`) are template variables, since a Llama 3
+    template opens with `{{ bos_token }}`, and the text is encoded without adding special tokens again."""
+    if tokenizer.chat_template is None:
+        raise ChatTemplateError(
+            "the tokenizer has no chat template (tokenizer_config.json / chat_template.jinja)"
+        )
+    text = render_messages(
+        messages,
+        chat_template=tokenizer.chat_template,
+        add_generation_prompt=add_generation_prompt,
+        **{**tokenizer.special_tokens, **template_kwargs},
+    )
+    return tokenizer.encode(text)
+
+
 def render_prompt(
     prompt: str,
     *,

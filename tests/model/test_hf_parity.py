@@ -9,33 +9,42 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from exactrl.model.hf import load_model, save_model  # noqa: E402
+from exactrl.model.rope import RopeScaling  # noqa: E402
 from exactrl.model.tokenizer import byte_tokenizer  # noqa: E402
 from exactrl.ops import AttentionBatch  # noqa: E402
 
+_COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    # Larger than HF's 0.02 so the logprobs spread over several nats and a wrong detail shows far above 1e-4.
+    initializer_range=0.15,
+)
 
-def _hf_model(arch: str, tied: bool):
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tied,
-        rope_theta=10000.0,
-    )
+
+def _hf_model(arch: str, tied: bool = True, **overrides):
+    """A transformers model of `arch` ("qwen3", "qwen2", "llama") with random weights, every bias and norm weight
+    random too (HF initialises them to 0 and 1, which would hide a bias or a norm we forgot)."""
+    kw = {**_COMMON, "tie_word_embeddings": tied, **overrides}
     torch.manual_seed(0)
     if arch == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=16, **common)
-        model = transformers.Qwen3ForCausalLM(cfg)
+        kw.setdefault("head_dim", 16)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
     else:
-        cfg = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # HF inits biases to zero; make them matter
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.1)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
     return model.float().eval()
 
 
@@ -63,15 +72,142 @@ def _our_logprobs(model, seqs):
     return lp[keep]
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen3", True), ("qwen3", False), ("qwen2", True)])
-def test_hf_checkpoint_logprobs_match(tmp_path, arch, tied):
-    hf = _hf_model(arch, tied)
+def _max_diff(hf, ours, lengths=(7, 33, 64, 18), seed=1) -> float:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lengths]
+    return (_hf_logprobs(hf, seqs) - _our_logprobs(ours, seqs)).abs().max().item()
+
+
+# (id, arch, tied, config overrides, sequence lengths): every option of the three families that exactrl serves.
+# The long sequences run past the original context of the scaled RoPE types (64 positions here).
+_LONG = (300, 97, 7)
+_CASES = [
+    ("qwen3-tied-headdim16", "qwen3", True, {}, (7, 33, 64, 18)),
+    ("qwen3-untied", "qwen3", False, {}, (7, 33, 64, 18)),
+    ("qwen3-attention-bias", "qwen3", True, {"attention_bias": True}, (7, 33, 64, 18)),
+    ("qwen3-mqa", "qwen3", True, {"num_key_value_heads": 1}, (7, 33, 64, 18)),
+    ("qwen2-tied-qkv-bias", "qwen2", True, {}, (7, 33, 64, 18)),
+    ("qwen2-mha-untied", "qwen2", False, {"num_key_value_heads": 4}, (7, 33, 64, 18)),
+    ("llama-untied", "llama", False, {}, (7, 33, 64, 18)),
+    ("llama-tied-biases", "llama", True, {"attention_bias": True, "mlp_bias": True}, (7, 33, 64, 18)),
+    ("llama-headdim24-mqa", "llama", False, {"head_dim": 24, "num_key_value_heads": 1}, (7, 33, 64, 18)),
+    ("qwen3-long-default", "qwen3", True, {}, _LONG),
+    (
+        "qwen3-rope-linear",
+        "qwen3",
+        True,
+        {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+        _LONG,
+    ),
+    (
+        "qwen2-rope-dynamic",
+        "qwen2",
+        True,
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+        _LONG,
+    ),
+    (
+        "qwen3-rope-yarn",
+        "qwen3",
+        True,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            }
+        },
+        _LONG,
+    ),
+    (
+        "llama-rope-yarn-explicit",
+        "llama",
+        False,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.3,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "truncate": False,
+                "rope_theta": 10000.0,
+            }
+        },
+        _LONG,
+    ),
+    (
+        "qwen2-rope-yarn-mscale",
+        "qwen2",
+        False,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+                "rope_theta": 10000.0,
+            }
+        },
+        _LONG,
+    ),
+    (
+        "llama-rope-llama3",
+        "llama",
+        True,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            }
+        },
+        _LONG,
+    ),
+]
+
+
+@pytest.mark.parametrize("arch,tied,overrides,lengths", [c[1:] for c in _CASES], ids=[c[0] for c in _CASES])
+def test_hf_checkpoint_logprobs_match(tmp_path, arch, tied, overrides, lengths):
+    hf = _hf_model(arch, tied, **overrides)
     hf.save_pretrained(tmp_path)
     ours = load_model(tmp_path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 33, 64, 1 + 17)]
-    diff = (_hf_logprobs(hf, seqs) - _our_logprobs(ours, seqs)).abs().max().item()
+    diff = _max_diff(hf, ours, lengths)
+    print(f"max |logprob diff| vs transformers (fp32, CPU): {diff:.2e}")
     assert diff <= 1e-4, diff
+
+
+def test_rope_scaling_is_not_ignored(tmp_path):
+    """Negative control: the YaRN checkpoint read as if it had default RoPE is far off transformers (the bug
+    issue 17 found: scaling silently dropped)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    hf = _hf_model("qwen3", True, rope_parameters=rope)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    ours.config.__dict__["rope_scaling"] = RopeScaling()  # plant: drop the scaling
+    ours._cos_sin = None
+    assert _max_diff(hf, ours, _LONG) > 1e-3
+
+
+def test_legacy_rope_scaling_key(tmp_path):
+    """A 4.x config.json (`rope_scaling` with the old `type` key, top-level rope_theta) means the same."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    hf = _hf_model("llama", False, rope_parameters=rope)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    cfg["rope_theta"] = 10000.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = load_model(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_scaling.rope_type == "linear" and ours.config.rope_scaling.factor == 2.0
+    assert _max_diff(hf, ours, _LONG) <= 1e-4
 
 
 def test_what_we_save_transformers_loads(tmp_path):
@@ -116,10 +252,10 @@ def test_packed_projections_keep_hf_names(tmp_path):
 def test_unsupported_architecture_is_refused(tmp_path):
     _hf_model("qwen3", True).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["model_type"] = "llama"
+    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["model_type"] = "mistral"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*MistralForCausalLM"):
         load_model(tmp_path)
 
 
