@@ -81,6 +81,28 @@ class ConfigError(ValueError):
 Dtype = Literal["float32", "bfloat16"]
 TaskName = Literal["arithmetic", "jsonl"]
 AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "gspo", "ppo"]
+AdvantageName = Literal[
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "gae",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "gpg",
+    "opo",
+]
+PolicyLossName = Literal["ppo_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "gmpo"]
+KLControllerKind = Literal["fixed", "adaptive"]
+# algorithm.name is a preset: the (advantage, policy_loss) pair it stands for. These are exactly what each name
+# meant before the two keys existed; tests/algorithms/test_menu_config.py holds that table too and compares.
+ALGORITHM_PRESETS: dict[str, tuple[str, str]] = {
+    "grpo": ("grpo", "ppo_clip"),
+    "dr_grpo": ("dr_grpo", "ppo_clip"),
+    "rloo": ("rloo", "ppo_clip"),
+    "gspo": ("grpo", "gspo"),
+    "ppo": ("gae", "ppo_clip"),
+}
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AdvScale = Literal["group", "batch", "none"]
 KLKind = Literal["k1", "k2", "k3"]
@@ -324,12 +346,22 @@ class RewardConfig:
         _check_positive(self.timeout_s, "reward.timeout_s")
 
 
+# Advantage estimators whose baseline is the sample's own group.
+GROUP_BASELINE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo")
+
+
 @dataclass
 class AlgorithmConfig:
     """The RL objective: advantages, clipping, loss aggregation, KL, value function, rollout correction."""
 
     name: AlgorithmName = "grpo"
-    """Algorithm: "grpo", "dr_grpo", "rloo", "gspo" (sequence-level ratio) or "ppo" (learned critic, GAE)."""
+    """Preset for a common (advantage, policy_loss) pair: "grpo" = (grpo, ppo_clip), "dr_grpo" = (dr_grpo, ppo_clip), "rloo" = (rloo, ppo_clip), "gspo" = (grpo, gspo), "ppo" = (gae, ppo_clip). algorithm.advantage / algorithm.policy_loss, when set, override its half."""
+    advantage: AdvantageName | None = None
+    """Advantage estimator (names as in verl): "grpo", "dr_grpo", "rloo", "gae" (learned critic), "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax" (greedy-rollout baseline), "gpg", "opo"; unset = the preset's. See docs/algorithms.md."""
+    policy_loss: PolicyLossName | None = None
+    """Policy loss (names as in verl): "ppo_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "gmpo"; unset = the preset's. See docs/algorithms.md."""
+    whiten_advantages: bool | None = None
+    """Normalise advantages to zero mean and unit variance over the step's tokens; unset = on for "gae", off for the group estimators (as verl). The reinforce_plus_plus estimators normalise by definition."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are computed within each group."""
     rollouts_per_step: int = 64
@@ -343,7 +375,25 @@ class AlgorithmConfig:
     eps_high: float = 0.2
     """Upper clip range: the ratio is clipped at 1 + eps_high (raise it for DAPO-style clip-higher)."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1 bounding the loss for negative advantages; unset = off."""
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (ppo_clip and gspo only); unset = off."""
+    cispo_eps_high: float = 0.28
+    """cispo: the detached importance weight is capped at 1 + cispo_eps_high."""
+    cispo_eps_low: float | None = None
+    """cispo: the weight is floored at 1 - cispo_eps_low; unset = no floor (as the paper)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature for tokens with a positive advantage."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature for tokens with a zero or negative advantage (larger = damped faster)."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: fraction of a microbatch's tokens whose gradient is detached, in (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance term above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens with covariance term below this are candidates."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: fraction of a microbatch's tokens (largest covariance term) that get the KL penalty, in (0, 1]."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of the |log ratio| penalty on the selected tokens."""
     aggregation: Aggregation = "token-mean"
     """How per-token losses are reduced to a scalar: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"."""
     adv_scale: AdvScale = "group"
@@ -354,6 +404,12 @@ class AlgorithmConfig:
     """KL estimator: "k1" (log ratio), "k2" (squared log ratio / 2) or "k3" (unbiased, non-negative)."""
     kl_in_reward: bool = False
     """Subtract the KL penalty from the reward instead of adding it to the loss."""
+    kl_controller: KLControllerKind = "fixed"
+    """"fixed" keeps kl_coef; "adaptive" steers the measured KL to kl_target (Ziegler et al. 2019), starting from kl_coef."""
+    kl_target: float = 0.1
+    """Adaptive KL: target per-token KL to the reference policy."""
+    kl_horizon: int = 10000
+    """Adaptive KL: horizon in sequences; the coefficient moves by at most 20% per kl_horizon sequences trained."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus in the loss; 0 = off."""
     gamma: float = 1.0
@@ -374,17 +430,92 @@ class AlgorithmConfig:
         """Distinct prompts per optimizer step (rollouts_per_step / group_size)."""
         return self.rollouts_per_step // self.group_size
 
+    @property
+    def resolved_advantage(self) -> str:
+        """The advantage estimator this section selects: algorithm.advantage, else the preset's."""
+        return self.advantage or ALGORITHM_PRESETS[self.name][0]
+
+    @property
+    def resolved_policy_loss(self) -> str:
+        """The policy loss this section selects: algorithm.policy_loss, else the preset's."""
+        return self.policy_loss or ALGORITHM_PRESETS[self.name][1]
+
+    @property
+    def resolved_whiten_advantages(self) -> bool:
+        """algorithm.whiten_advantages, else on for "gae" only."""
+        if self.whiten_advantages is not None:
+            return self.whiten_advantages
+        return self.resolved_advantage == "gae"
+
+    @property
+    def needs_critic(self) -> bool:
+        """A learned value model is trained iff the advantages are GAE's."""
+        return self.resolved_advantage == "gae"
+
+    def policy_loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `exactrl.algorithms.policy_loss_terms` that this section fixes (kind and the loss's
+        own constants; aggregation and the divisors are the trainer's)."""
+        return {
+            "kind": self.resolved_policy_loss,
+            "eps_low": self.eps_low,
+            "eps_high": self.eps_high,
+            "dual_clip": self.dual_clip,
+            "cispo_eps_high": self.cispo_eps_high,
+            "cispo_eps_low": self.cispo_eps_low,
+            "sapo_tau_pos": self.sapo_tau_pos,
+            "sapo_tau_neg": self.sapo_tau_neg,
+            "clip_cov_ratio": self.clip_cov_ratio,
+            "clip_cov_lb": self.clip_cov_lb,
+            "clip_cov_ub": self.clip_cov_ub,
+            "kl_cov_ratio": self.kl_cov_ratio,
+            "kl_cov_coef": self.kl_cov_coef,
+        }
+
     def validate(self) -> None:
         _check_at_least(self.group_size, 1, "algorithm.group_size")
-        if self.name != "ppo" and self.group_size < 2:
-            # grpo/dr_grpo/gspo subtract the group mean, rloo the mean of the others: a group of one gets an
-            # advantage of exactly zero on every sample, and the run would train on nothing.
+        adv, loss = self.resolved_advantage, self.resolved_policy_loss
+        if adv in GROUP_BASELINE_ADVANTAGES and self.group_size < 2:
+            # These subtract the group's mean (rloo the others'): a group of one gets an advantage of exactly
+            # zero on every sample, and the run would train on nothing.
             _fail(
                 "algorithm.group_size",
-                f'must be >= 2 for "{self.name}" (a group of one makes every advantage zero); '
+                f'must be >= 2 for advantage "{adv}" (a group of one makes every advantage zero); '
                 'sample several completions per prompt (e.g. group_size = 8) or use algorithm.name = "ppo", '
                 "whose critic needs no group",
             )
+        if adv == "reinforce_plus_plus" and self.gamma != 1:
+            _fail(
+                "algorithm.gamma",
+                f"must be 1 with advantage reinforce_plus_plus (outcome rewards, undiscounted: a discounted "
+                f"token-level return is not implemented), got {self.gamma!r}",
+            )
+        if self.dual_clip is not None and loss not in ("ppo_clip", "gspo"):
+            _fail("algorithm.dual_clip", f'applies to policy_loss "ppo_clip" and "gspo" only, not "{loss}"')
+        _check_nonneg(self.cispo_eps_high, "algorithm.cispo_eps_high")
+        if self.cispo_eps_low is not None:
+            _check_nonneg(self.cispo_eps_low, "algorithm.cispo_eps_low")
+        _check_positive(self.sapo_tau_pos, "algorithm.sapo_tau_pos")
+        _check_positive(self.sapo_tau_neg, "algorithm.sapo_tau_neg")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and 0 < value <= 1):
+                _fail(f"algorithm.{key}", f"must be in (0, 1], got {value!r}")
+        if not (math.isfinite(self.clip_cov_lb) and math.isfinite(self.clip_cov_ub)) or not (
+            self.clip_cov_lb < self.clip_cov_ub
+        ):
+            _fail(
+                "algorithm.clip_cov_lb",
+                f"({self.clip_cov_lb!r}) must be < algorithm.clip_cov_ub ({self.clip_cov_ub!r})",
+            )
+        _check_nonneg(self.kl_cov_coef, "algorithm.kl_cov_coef")
+        if self.kl_controller == "adaptive":
+            if not self.kl_coef > 0:
+                _fail(
+                    "algorithm.kl_controller",
+                    f'"adaptive" needs algorithm.kl_coef > 0 (its starting value; it scales it), got {self.kl_coef!r}',
+                )
+            _check_positive(self.kl_target, "algorithm.kl_target")
+        _check_at_least(self.kl_horizon, 1, "algorithm.kl_horizon")
         _check_at_least(self.rollouts_per_step, 1, "algorithm.rollouts_per_step")
         if self.rollouts_per_step % self.group_size:
             _fail(

@@ -1,12 +1,35 @@
 """The pure math of policy-gradient post-training: advantages, losses, KL estimators, rollout correction, metrics.
 
-Every function here is pure: tensors in, tensors (and a `dict[str, float]` of metrics) out, no hidden state.
+Every function here is pure: tensors in, tensors (and a `dict[str, float]` of metrics) out, no hidden state. The
+one object with state, `KLController` (the adaptive KL coefficient), shows it through `state_dict`.
+The RL loop calls `compute_advantages` (by `algorithm.advantage`) and the trainer `policy_loss_terms` (by
+`algorithm.policy_loss`); docs/algorithms.md lists the menu.
 Token tensors are padded `[B, T]` with a `mask` whose nonzero entries mark the response tokens that count.
 """
 
-from exactrl.algorithms.advantages import gae, grpo_advantages, rloo_advantages
+from exactrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    SEQUENCE_ESTIMATORS,
+    compute_advantages,
+    gae,
+    gae_advantages,
+    gpg_advantages,
+    grpo_advantages,
+    opo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+    weighted_whiten,
+)
 from exactrl.algorithms.correction import CORRECTION_MODES, mismatch_metrics, rollout_correction
-from exactrl.algorithms.kl import K3_LOG_RATIO_CLAMP, K3_OUTPUT_CLAMP, kl_estimate
+from exactrl.algorithms.kl import (
+    K3_LOG_RATIO_CLAMP,
+    K3_OUTPUT_CLAMP,
+    KL_CONTROLLERS,
+    KLController,
+    kl_estimate,
+)
 from exactrl.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSS_KINDS,
@@ -28,7 +51,19 @@ from exactrl.algorithms.metrics import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "KL_CONTROLLERS",
+    "KLController",
+    "SEQUENCE_ESTIMATORS",
+    "compute_advantages",
+    "gae_advantages",
+    "gpg_advantages",
+    "opo_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "remax_advantages",
+    "weighted_whiten",
     "CORRECTION_MODES",
     "K3_LOG_RATIO_CLAMP",
     "K3_OUTPUT_CLAMP",

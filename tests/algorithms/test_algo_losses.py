@@ -120,6 +120,7 @@ def ref_policy(
         "clip_frac/low": low / n if n else 0.0,
         "clip_frac/high": high / n if n else 0.0,
         "dual_clip_frac": dual / n if n else 0.0,
+        "cov_select_frac": 0.0,
         "kl_new_old": sum(kls) / n if n else 0.0,
         "num_tokens": float(n),
         "num_seqs": float(sum(1 for row in mask if any(row))),
