@@ -300,11 +300,11 @@ class RewardConfig:
     """Reward functions applied to each completion; the reward is their weighted sum."""
 
     functions: list[str] = field(default_factory=lambda: ["numeric_match"])
-    """Reward functions: built-in names (e.g. "numeric_match") or "module:function" import paths."""
+    """Reward functions: built-in names (e.g. "numeric_match"), "path/to/file.py:function" (relative to the config file's directory, then the current one) or "module:function"; user functions run in worker processes."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty = all 1.0."""
     timeout_s: float = 5.0
-    """Seconds a reward function may run on one completion before it scores 0."""
+    """Seconds a reward call may run (one completion; a batched function's whole batch) before its worker is killed and the call scores 0."""
 
     def validate(self) -> None:
         if not self.functions:
