@@ -34,7 +34,10 @@ def main() -> None:
     n = args.rollouts
     answers = [str(rng.randint(-9, 27)) for _ in range(n)]
     completions = [a if rng.random() < 0.5 else str(rng.randint(-9, 27)) for a in answers]
-    examples = [Example(prompt=f"{rng.randint(0, 9)}+{rng.randint(0, 9)}-{rng.randint(0, 9)}=", answer=a) for a in answers]
+    examples = [
+        Example(prompt=f"{rng.randint(0, 9)}+{rng.randint(0, 9)}-{rng.randint(0, 9)}=", answer=a)
+        for a in answers
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "user_rewards.py").write_text(PLUGIN)

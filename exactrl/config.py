@@ -79,7 +79,7 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------------------
 
 Dtype = Literal["float32", "bfloat16"]
-TaskName = Literal["arithmetic", "jsonl"]
+TaskName = Literal["arithmetic", "jsonl", "parquet"]
 AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "gspo", "ppo"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AdvScale = Literal["group", "batch", "none"]
@@ -239,20 +239,22 @@ class SamplingConfig:
 
 @dataclass
 class TaskConfig:
-    """The prompts to train and evaluate on: the built-in arithmetic task or a JSONL dataset."""
+    """The prompts to train and evaluate on: the built-in arithmetic task or a dataset file (JSONL or parquet)."""
 
     name: TaskName = "arithmetic"
-    """Task: "arithmetic" (generated sums, no data needed) or "jsonl" (prompts and answers from path)."""
+    """Task: "arithmetic" (generated sums, no data needed), "jsonl" or "parquet" (records from path; parquet needs pyarrow)."""
     path: str | None = None
-    """Training JSONL file, one object per line with prompt_field and answer_field (required for "jsonl")."""
+    """Training file: one record (JSON object / parquet row) per prompt with prompt_field and answer_field; bad records are skipped and logged with file:line."""
     eval_path: str | None = None
-    """Evaluation JSONL file; unset = a held-out split (arithmetic: fresh problems with another seed)."""
+    """Evaluation file (same format); unset = a held-out split (arithmetic: fresh problems with another seed)."""
     prompt_field: str = "prompt"
-    """JSONL field holding the prompt text."""
+    """Field holding the prompt: a string or a chat (a list of {role, content} messages, e.g. "messages"); a dotted path reaches nested fields."""
     answer_field: str = "answer"
-    """JSONL field holding the reference answer passed to the reward functions."""
+    """Field holding the reference answer passed to the reward functions; a dotted path reaches nested fields (verl: "reward_model.ground_truth")."""
     use_chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template (when it has one)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3."""
     system_prompt: str | None = None
     """System message prepended when the chat template is used; unset = none."""
     num_eval: int = 200
@@ -264,7 +266,7 @@ class TaskConfig:
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 = greedy."""
     max_prompt_tokens: int = 256
-    """Prompts longer than this many tokens are dropped."""
+    """Prompts longer than this many tokens are skipped, in RL and SFT alike, each logged with its file:line."""
     arithmetic_max_operand: int = 20
     """Arithmetic task: operands are drawn uniformly from 0..arithmetic_max_operand."""
     arithmetic_ops: list[str] = field(default_factory=lambda: ["+", "-"])
@@ -273,8 +275,11 @@ class TaskConfig:
     """Arithmetic task: number of operands in each expression."""
 
     def validate(self) -> None:
-        if self.name == "jsonl" and not self.path:
-            _fail("task.path", 'is required when task.name = "jsonl"')
+        if self.name in ("jsonl", "parquet") and not self.path:
+            _fail("task.path", f'is required when task.name = "{self.name}"')
+        for key in self.chat_template_kwargs:
+            if key in ("messages", "add_generation_prompt"):
+                _fail(f"task.chat_template_kwargs.{key}", "is set by exactrl itself; remove it")
         if not self.prompt_field:
             _fail("task.prompt_field", "must not be empty")
         if not self.answer_field:
