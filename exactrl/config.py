@@ -310,10 +310,22 @@ class RewardConfig:
     """One weight per function; empty = all 1.0."""
     timeout_s: float = 5.0
     """Seconds a reward call may run (one completion; a batched function's whole batch) before its worker is killed and the call scores 0."""
+    model: str | None = None
+    """A learned reward: a local Hugging Face *ForSequenceClassification checkpoint (Qwen2/Qwen3/Llama) scoring prompt + completion on the run's device; its score is added with model_weight."""
+    model_label: int = 0
+    """Which logit of the reward model is the score."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the reward."""
+    model_batch_size: int = 16
+    """Completions scored per reward-model forward pass."""
+    model_max_tokens: int = 4096
+    """Longest reward-model input in tokens; longer ones keep their end (where the score is read)."""
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Reward model weights' dtype."""
 
     def validate(self) -> None:
-        if not self.functions:
-            _fail("reward.functions", "must name at least one reward function")
+        if not self.functions and not self.model:
+            _fail("reward.functions", "must name at least one reward function (or set reward.model)")
         for i, name in enumerate(self.functions):
             if not name.strip():
                 _fail(f"reward.functions[{i}]", "must not be empty")
@@ -327,6 +339,12 @@ class RewardConfig:
             if not math.isfinite(w):
                 _fail(f"reward.weights[{i}]", f"must be finite, got {w!r}")
         _check_positive(self.timeout_s, "reward.timeout_s")
+        if self.model is not None:
+            _check_at_least(self.model_label, 0, "reward.model_label")
+            _check_at_least(self.model_batch_size, 1, "reward.model_batch_size")
+            _check_at_least(self.model_max_tokens, 2, "reward.model_max_tokens")
+            if not math.isfinite(self.model_weight):
+                _fail("reward.model_weight", f"must be finite, got {self.model_weight!r}")
 
 
 @dataclass

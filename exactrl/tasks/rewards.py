@@ -431,6 +431,38 @@ class RewardComputer:
                     raise ValueError(_plugin_error(term.name, info))
                 term.batched, term.is_async = info
 
+    @classmethod
+    def from_config(
+        cls, reward: Any, *, device: str = "cpu", base_dir: str | Path | None = None
+    ) -> RewardComputer:
+        """The computer a `[reward]` config section describes (`exactrl.config.RewardConfig`, read by attribute):
+        its functions and, with `reward.model`, the learned reward model on `device`, weighted by model_weight.
+        `base_dir` is the config file's directory, where relative reward files are looked up first."""
+        functions: list[Any] = list(reward.functions)
+        weights = list(reward.weights) if reward.weights else [1.0] * len(functions)
+        if reward.model:
+            from exactrl.tasks.reward_model import RewardModel
+
+            model_path = Path(reward.model).expanduser()
+            if (
+                not model_path.is_absolute()
+                and base_dir is not None
+                and (Path(base_dir) / model_path).exists()
+            ):
+                model_path = Path(base_dir) / model_path
+            functions.append(
+                RewardModel(
+                    model_path,
+                    device=device,
+                    dtype=reward.model_dtype,
+                    label=reward.model_label,
+                    batch_size=reward.model_batch_size,
+                    max_tokens=reward.model_max_tokens,
+                )
+            )
+            weights.append(reward.model_weight)
+        return cls(functions, weights, reward.timeout_s, base_dir=base_dir)
+
     @property
     def num_killed_workers(self) -> int:
         """Worker processes killed because a call ran past the timeout."""

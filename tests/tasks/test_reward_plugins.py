@@ -4,6 +4,7 @@ worker processes that are killed on timeout, and the "every call failed" verdict
 from __future__ import annotations
 
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ EX = Example(prompt="2+2=", answer="4", meta={"source": "t"})
 REWARD_FILE = """
 import asyncio
 import os
+import textwrap
 
 def length(completion, answer, example):
     return float(len(completion))
@@ -187,3 +189,38 @@ def test_every_call_failed(plugin_dir: Path) -> None:
         assert not rc.all_calls_failed()  # no calls yet
         rc(["4"], ["4"], [EX])
         assert not rc.all_calls_failed() and rc.failure_summary() is None
+
+
+def test_readme_signature_example(tmp_path: Path) -> None:
+    """The reward file of the README's "Bring your own data and reward" section, as written there."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Bring your own data and reward") :]
+    code = section[
+        section.index("```python") + len("```python") : section.index("```", section.index("```python") + 3)
+    ]
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(code))
+    ex = Example(prompt="What is 2+2?", answer="4", meta={})
+    with RewardComputer(["my_rewards.py:correct"], base_dir=tmp_path) as rc:
+        assert rc(["The answer is 4.", "5"], ["4", "4"], [ex, ex]).rewards == [1.0, 0.0]
+
+
+def test_readme_record_loads_with_the_readme_config(tmp_path: Path) -> None:
+    import json
+    import tomllib
+
+    from exactrl.tasks import make_task
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Bring your own data and reward") :]
+
+    def block(lang: str) -> str:
+        start = section.index(f"```{lang}\n") + len(lang) + 4
+        return section[start : section.index("```", start)]
+
+    record = json.loads(block("json"))
+    task_cfg = tomllib.loads(block("toml"))["task"]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps(record | {"data_source": "again"}) + "\n")
+    task = make_task("jsonl", path=path, answer_field=task_cfg["answer_field"], num_eval=0)
+    ex = next(task.train_examples())
+    assert ex.answer == "4" and ex.prompt == record["prompt"] and task.num_skipped == 0
