@@ -134,7 +134,7 @@ def test_chat_template_kwargs_config_key(tmp_path: Path) -> None:
     toml.write_text(toml.read_text() + '[model]\npreset = "tiny"\n')
     cfg = load_config(toml)
     assert cfg.task.chat_template_kwargs == {"enable_thinking": False}
-    import tomllib
+    from exactrl.config import tomllib  # the stdlib's, or the tomli backport on Python 3.10
 
     assert config_from_dict(tomllib.loads(dump_toml(cfg))) == cfg
     with pytest.raises(ConfigError, match="task.path"):

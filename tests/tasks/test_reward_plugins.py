@@ -206,8 +206,8 @@ def test_readme_signature_example(tmp_path: Path) -> None:
 
 def test_readme_record_loads_with_the_readme_config(tmp_path: Path) -> None:
     import json
-    import tomllib
 
+    from exactrl.config import tomllib  # the stdlib's, or the tomli backport on Python 3.10
     from exactrl.tasks import make_task
 
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
