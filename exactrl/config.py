@@ -79,7 +79,7 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------------------
 
 Dtype = Literal["float32", "bfloat16"]
-TaskName = Literal["arithmetic", "jsonl"]
+TaskName = Literal["arithmetic", "jsonl", "parquet"]
 AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "gspo", "ppo"]
 AdvantageName = Literal[
     "grpo",
@@ -261,20 +261,22 @@ class SamplingConfig:
 
 @dataclass
 class TaskConfig:
-    """The prompts to train and evaluate on: the built-in arithmetic task or a JSONL dataset."""
+    """The prompts to train and evaluate on: the built-in arithmetic task or a dataset file (JSONL or parquet)."""
 
     name: TaskName = "arithmetic"
-    """Task: "arithmetic" (generated sums, no data needed) or "jsonl" (prompts and answers from path)."""
+    """Task: "arithmetic" (generated sums, no data needed), "jsonl" or "parquet" (records from path; parquet needs pyarrow)."""
     path: str | None = None
-    """Training JSONL file, one object per line with prompt_field and answer_field (required for "jsonl")."""
+    """Training file: one record (JSON object / parquet row) per prompt with prompt_field and answer_field; bad records are skipped and logged with file:line."""
     eval_path: str | None = None
-    """Evaluation JSONL file; unset = a held-out split (arithmetic: fresh problems with another seed)."""
+    """Evaluation file (same format); unset = a held-out split (arithmetic: fresh problems with another seed)."""
     prompt_field: str = "prompt"
-    """JSONL field holding the prompt text."""
+    """Field holding the prompt: a string or a chat (a list of {role, content} messages, e.g. "messages"); a dotted path reaches nested fields."""
     answer_field: str = "answer"
-    """JSONL field holding the reference answer passed to the reward functions."""
+    """Field holding the reference answer passed to the reward functions; a dotted path reaches nested fields (verl: "reward_model.ground_truth")."""
     use_chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template (when it has one)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking = false} for Qwen3."""
     system_prompt: str | None = None
     """System message prepended when the chat template is used; unset = none."""
     num_eval: int = 200
@@ -286,7 +288,7 @@ class TaskConfig:
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 = greedy."""
     max_prompt_tokens: int = 256
-    """Prompts longer than this many tokens are dropped."""
+    """Prompts longer than this many tokens are skipped, in RL and SFT alike, each logged with its file:line."""
     arithmetic_max_operand: int = 20
     """Arithmetic task: operands are drawn uniformly from 0..arithmetic_max_operand."""
     arithmetic_ops: list[str] = field(default_factory=lambda: ["+", "-"])
@@ -295,8 +297,11 @@ class TaskConfig:
     """Arithmetic task: number of operands in each expression."""
 
     def validate(self) -> None:
-        if self.name == "jsonl" and not self.path:
-            _fail("task.path", 'is required when task.name = "jsonl"')
+        if self.name in ("jsonl", "parquet") and not self.path:
+            _fail("task.path", f'is required when task.name = "{self.name}"')
+        for key in self.chat_template_kwargs:
+            if key in ("messages", "add_generation_prompt"):
+                _fail(f"task.chat_template_kwargs.{key}", "is set by exactrl itself; remove it")
         if not self.prompt_field:
             _fail("task.prompt_field", "must not be empty")
         if not self.answer_field:
@@ -322,15 +327,27 @@ class RewardConfig:
     """Reward functions applied to each completion; the reward is their weighted sum."""
 
     functions: list[str] = field(default_factory=lambda: ["numeric_match"])
-    """Reward functions: built-in names (e.g. "numeric_match") or "module:function" import paths."""
+    """Reward functions: built-in names (e.g. "numeric_match"), "path/to/file.py:function" (relative to the config file's directory, then the current one) or "module:function"; user functions run in worker processes."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty = all 1.0."""
     timeout_s: float = 5.0
-    """Seconds a reward function may run on one completion before it scores 0."""
+    """Seconds a reward call may run (one completion; a batched function's whole batch) before its worker is killed and the call scores 0."""
+    model: str | None = None
+    """A learned reward: a local Hugging Face *ForSequenceClassification checkpoint (Qwen2/Qwen3/Llama) scoring prompt + completion on the run's device; its score is added with model_weight."""
+    model_label: int = 0
+    """Which logit of the reward model is the score."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the reward."""
+    model_batch_size: int = 16
+    """Completions scored per reward-model forward pass."""
+    model_max_tokens: int = 4096
+    """Longest reward-model input in tokens; longer ones keep their end (where the score is read)."""
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Reward model weights' dtype."""
 
     def validate(self) -> None:
-        if not self.functions:
-            _fail("reward.functions", "must name at least one reward function")
+        if not self.functions and not self.model:
+            _fail("reward.functions", "must name at least one reward function (or set reward.model)")
         for i, name in enumerate(self.functions):
             if not name.strip():
                 _fail(f"reward.functions[{i}]", "must not be empty")
@@ -344,6 +361,12 @@ class RewardConfig:
             if not math.isfinite(w):
                 _fail(f"reward.weights[{i}]", f"must be finite, got {w!r}")
         _check_positive(self.timeout_s, "reward.timeout_s")
+        if self.model is not None:
+            _check_at_least(self.model_label, 0, "reward.model_label")
+            _check_at_least(self.model_batch_size, 1, "reward.model_batch_size")
+            _check_at_least(self.model_max_tokens, 2, "reward.model_max_tokens")
+            if not math.isfinite(self.model_weight):
+                _fail("reward.model_weight", f"must be finite, got {self.model_weight!r}")
 
 
 # Advantage estimators whose baseline is the sample's own group.

@@ -1,7 +1,7 @@
 """What a task is: a stream of training examples, a fixed held-out eval set, and a resumable cursor.
 
-Prompts are plain strings. Turning a prompt into a chat-formatted model input is a separate step
-(`exactrl.tasks.chat.render_prompt`) so the same task serves base models and chat models alike.
+A prompt is a string or a chat (a list of `{"role", "content"}` messages). Turning it into a model input is a
+separate step (`exactrl.tasks.chat.render_prompt`) so the same task serves base models and chat models alike.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass
 class Example:
-    """One verifiable problem: the model sees `prompt`, reward functions compare its completion to `answer`.
+    """One verifiable problem: the model sees `prompt` (a string, or a list of chat messages), reward functions
+    compare its completion to `answer`.
 
     `meta` carries whatever else a reward function may need (the operands of an arithmetic problem, the extra
     fields of a JSONL record, where the record came from).
     """
 
-    prompt: str
+    prompt: str | list[dict[str, str]]
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
 

@@ -128,7 +128,7 @@ def encode_chat(
 
 
 def render_prompt(
-    prompt: str,
+    prompt: str | Sequence[Mapping[str, Any]],
     *,
     chat_template: str | None,
     system_prompt: str | None = None,
@@ -139,13 +139,32 @@ def render_prompt(
 ) -> str:
     """The model input for a task prompt.
 
-    With a template: renders `[{"role": "system", ...}?, {"role": "user", "content": prompt}]`.
+    With a template: renders `[{"role": "system", ...}?, {"role": "user", "content": prompt}]`; a prompt that is
+    already a list of messages is rendered as it is, after the system prompt unless it has a system message.
     Without one (base models): the prompt unchanged, or `system_prompt + "\\n" + prompt` if a system prompt is given.
-    BOS is not added in that case: adding special tokens is the tokenizer's job.
+    BOS is not added in that case: adding special tokens is the tokenizer's job. A chat without a template is
+    refused: there is no neutral way to flatten it.
     """
+    if not isinstance(prompt, str):
+        if chat_template is None:
+            raise ChatTemplateError(
+                "this prompt is a list of chat messages but no chat template is in use (the tokenizer has none, or "
+                "task.use_chat_template = false): use a model with a chat template, or give prompts as strings"
+            )
+        messages = [dict(m) for m in prompt]
+        if system_prompt is not None and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return render_messages(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **template_kwargs,
+        )
     if chat_template is None:
         return prompt if system_prompt is None else f"{system_prompt}\n{prompt}"
-    messages: list[dict[str, str]] = []
+    messages = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": prompt})

@@ -1,7 +1,10 @@
 """Reward functions and the guarded runner that applies them to a batch of completions.
 
-A reward function is `fn(completion: str, answer: str, example: Example) -> float`. Built-ins live in the plain
-dict `BUILTIN_REWARDS`; anything else is named as `"module:function"` and imported (`resolve_reward`).
+A reward function is `fn(completion: str, answer: str, example: Example) -> float`; `example.prompt` is the prompt
+and `example.meta` the record's other fields. A function with the attribute `batched = True` is called once per
+batch instead: `fn(completions: list[str], answers: list[str], examples: list[Example]) -> list[float]`. Either kind
+may be `async def`. Built-ins live in the plain dict `BUILTIN_REWARDS`; anything else is named as
+`"path/to/file.py:function"` or `"module:function"` (`resolve_reward`).
 
 Built-ins:
   * `exact_match`: 1.0 iff `completion.strip() == answer.strip()`.
@@ -24,31 +27,31 @@ Which number is "the final number" (first rule that applies wins):
   rambles on with new `a+b=c` lines after its answer, and those later numbers are not its answer.
   LaTeX fractions `\\frac{a}{b}` (also `\\dfrac`, `\\tfrac`) with numeric parts are read as `a/b`.
 
-Guarding (`RewardComputer`): each (function, sample) call runs in a daemon worker thread with a per-call timeout
-measured from when the call starts. A call that raises, returns something that is not a finite real number, or
-runs past the timeout scores 0.0 and is counted; the batch goes on. Threads rather than processes because reward
-functions are usually microseconds of string work, plug-ins need not be picklable, and forking a process that holds
-CUDA state is unsafe. The cost of threads: a timed-out call cannot be killed. Its thread is abandoned (a fresh worker
-replaces it) and, being a daemon thread, never blocks interpreter exit; but a function stuck in a busy loop keeps
-taking a share of the GIL until the process ends, so fix such a function rather than rely on the timeout.
+Guarding (`RewardComputer`): built-ins run in the calling process; every other function runs in a worker process
+that is killed and replaced when a call runs past `timeout_s` (see `RewardComputer` and `exactrl.tasks.reward_pool`).
+A call that raises, returns something that is not a finite real number, or times out scores 0.0 and is counted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import logging
 import math
-import numbers
-import queue
+import pickle
 import re
-import threading
-import time
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
+from exactrl.tasks import reward_pool
 from exactrl.tasks.base import Example
 
 logger = logging.getLogger(__name__)
@@ -228,8 +231,49 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-def resolve_reward(name: str | RewardFn) -> RewardFn:
-    """A built-in by name, a plug-in given as `"module:function"` (or `"module:Class.attr"`), or a callable as is."""
+def _plugin_search_dirs(base_dir: str | Path | None) -> list[Path]:
+    """Where relative reward file paths and plug-in modules are looked up: the config's directory, then the cwd."""
+    dirs = [Path(base_dir).resolve()] if base_dir is not None else []
+    cwd = Path.cwd().resolve()
+    return dirs + ([cwd] if cwd not in dirs else [])
+
+
+def _load_file_module(module_path: str, name: str, base_dir: str | Path | None) -> Any:
+    path = Path(module_path).expanduser()
+    candidates = [path] if path.is_absolute() else [d / path for d in _plugin_search_dirs(base_dir)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        tried = ", ".join(str(c) for c in candidates)
+        raise ValueError(f"reward plug-in {name!r}: file {module_path!r} not found (looked for {tried})")
+    found = found.resolve()
+    # One module per file, under a name that cannot collide with an importable package; registered in
+    # sys.modules so that the file's own dataclasses and pickling by reference work.
+    module_name = f"_exactrl_reward_{found.stem}_{hashlib.sha1(str(found).encode()).hexdigest()[:10]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, found)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward plug-in {name!r}: cannot load {found} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    # The file may import helpers that sit next to it.
+    if str(found.parent) not in sys.path:
+        sys.path.insert(0, str(found.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:  # a plug-in may fail to import in any way; report which file and why
+        del sys.modules[module_name]
+        raise ValueError(f"reward plug-in {name!r}: importing {found} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def resolve_reward(name: str | RewardFn, base_dir: str | Path | None = None) -> RewardFn:
+    """A built-in by name, a plug-in, or a callable as is.
+
+    Plug-ins are `"path/to/file.py:function"` (a relative path is looked up in `base_dir`, the config file's
+    directory, then in the current directory) or `"module:function"` (imported with `base_dir` and the current
+    directory on the import path). `function` may be a dotted attribute path (`"module:Class.attr"`).
+    """
     if callable(name):
         return name
     if name in BUILTIN_REWARDS:
@@ -237,28 +281,45 @@ def resolve_reward(name: str | RewardFn) -> RewardFn:
     if ":" not in name:
         raise ValueError(
             f"unknown reward function {name!r}; built-ins: {', '.join(sorted(BUILTIN_REWARDS))}; "
-            "or name a plug-in as 'module:function'"
+            "or name a plug-in as 'path/to/file.py:function' or 'module:function'"
         )
     module_name, _, attr_path = name.rpartition(":")
     if not module_name or not attr_path:
-        raise ValueError(f"reward plug-in {name!r} must look like 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # a plug-in may fail to import in any way; report which module and why
-        raise ValueError(
-            f"reward plug-in {name!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
+        raise ValueError(f"reward plug-in {name!r} must look like 'file.py:function' or 'module:function'")
+    if module_name.endswith(".py"):
+        module = _load_file_module(module_name, name, base_dir)
+    else:
+        added = [str(d) for d in _plugin_search_dirs(base_dir) if str(d) not in sys.path]
+        sys.path[:0] = added
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # a plug-in may fail to import in any way; report which module and why
+            raise ValueError(
+                f"reward plug-in {name!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            for d in added:  # the module stays imported; the path change does not outlive the import
+                if d in sys.path:
+                    sys.path.remove(d)
     obj: Any = module
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise ValueError(
-                f"reward plug-in {name!r}: module {module_name!r} has no attribute {attr_path!r}"
+                f"reward plug-in {name!r}: {module_name!r} has no attribute {attr_path!r}"
             ) from None
     if not callable(obj):
         raise ValueError(f"reward plug-in {name!r} is not callable (got {type(obj).__name__})")
     return obj
+
+
+def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a reward function as batched: it is called once per batch with lists and returns a list of scores.
+
+    Same as writing `fn.batched = True` after the function (which needs no import of exactrl)."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,69 +338,53 @@ class RewardResult:
     first_error: dict[str, str] = field(default_factory=dict)
 
 
-class _Batch:
-    def __init__(self, num_jobs: int) -> None:
-        self.cond = threading.Condition()
-        self.remaining = num_jobs
-
-
-class _Job:
-    __slots__ = ("fn", "args", "batch", "started_at", "done", "abandoned", "value", "error")
-
-    def __init__(self, fn: RewardFn, args: tuple[Any, ...], batch: _Batch) -> None:
-        self.fn = fn
-        self.args = args
-        self.batch = batch
-        self.started_at: float | None = None
-        self.done = False
-        self.abandoned = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-def _worker(jobs: queue.SimpleQueue) -> None:
-    # Holds only the queue (never the RewardComputer), so the computer can be collected and close the pool.
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        cond = job.batch.cond
-        with cond:
-            job.started_at = time.monotonic()
-        try:
-            value, error = job.fn(*job.args), None
-        except BaseException as e:  # noqa: BLE001 - a plug-in's SystemExit must not kill the worker either
-            value, error = None, e
-        with cond:
-            if job.abandoned:
-                return  # timed out: a replacement worker took this one's place
-            job.value, job.error, job.done = value, error, True
-            job.batch.remaining -= 1
-            if job.batch.remaining == 0:
-                cond.notify_all()
-
-
-def _stop_workers(jobs: queue.SimpleQueue, count: int) -> None:
-    for _ in range(count):
-        jobs.put(None)
+@dataclass
+class _Term:
+    name: str
+    weight: float
+    fn: Any  # the callable (inline terms); for worker terms only used to read flags
+    inline: bool
+    batched: bool = False
+    is_async: bool = False
+    worker_index: int = -1  # index into the pool's function list
 
 
 class RewardComputer:
-    """Apply reward functions to completions with per-call error and timeout isolation (see module docstring)."""
+    """Apply reward functions to completions, scoring a failed call 0 and counting it.
+
+    Where each function runs:
+      * built-ins (and a `RewardModel`) run in this process: they are our own code, bounded, and a model must stay
+        on the run's device;
+      * every other function runs in a worker process (`exactrl.tasks.reward_pool`), started when the computer is
+        built (so an import error in a reward file fails the run at start-up, naming the file). A call past
+        `timeout_s` has its worker killed and replaced and counts as a timeout (score 0). The limit holds per call:
+        a per-sample call, a whole batched call, or each coroutine of an `async def` per-sample function (whose
+        calls for a batch run concurrently on one event loop).
+      * with `isolation="inline"` every function runs in this thread, with no timeout (for a debugger, or for
+        callables that cannot be sent to another process, such as lambdas).
+
+    A call that raises, returns something that is not a finite real number (a batched one: not one per sample), or
+    runs past the timeout scores 0.0 and is counted; the batch goes on. `calls` and `failures` count calls per
+    function over the computer's life; `all_calls_failed()` says whether every call of the run failed.
+    """
 
     def __init__(
         self,
         functions: Sequence[str | RewardFn],
         weights: Sequence[float] | None = None,
         timeout_s: float = 5.0,
-        max_workers: int = 4,
+        max_workers: int | None = None,
+        *,
+        base_dir: str | Path | None = None,
+        isolation: str = "process",
     ) -> None:
         if not functions:
             raise ValueError("need at least one reward function")
-        self.names = [f if isinstance(f, str) else getattr(f, "__qualname__", repr(f)) for f in functions]
-        if len(set(self.names)) != len(self.names):
-            raise ValueError(f"reward functions are listed more than once: {self.names}")
-        self.functions = [resolve_reward(f) for f in functions]
+        if isolation not in ("process", "inline"):
+            raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+        names = [f if isinstance(f, str) else getattr(f, "__qualname__", repr(f)) for f in functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward functions are listed more than once: {names}")
         weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
         if len(weights) != len(functions):
             raise ValueError(f"{len(weights)} weights for {len(functions)} reward functions")
@@ -347,34 +392,87 @@ class RewardComputer:
             raise ValueError(f"reward weights must be finite, got {weights}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
-        if max_workers < 1:
+        if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.names = names
         self.weights = weights
         self.timeout_s = float(timeout_s)
-        self.max_workers = max_workers
-        self.num_abandoned_threads = 0
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._num_workers = 0
-        self._call_lock = threading.Lock()  # one batch at a time: the timeout bookkeeping assumes it
+        self.base_dir = None if base_dir is None else str(base_dir)
+        self.isolation = isolation
+        self.calls = dict.fromkeys(names, 0)
+        self.failures = dict.fromkeys(names, 0)
+        self._terms: list[_Term] = []
+        refs: list[reward_pool.FunctionRef] = []
+        for name, fn, w in zip(names, functions, weights):
+            if isinstance(fn, str) and fn in BUILTIN_REWARDS:
+                self._terms.append(_Term(name, w, BUILTIN_REWARDS[fn], inline=True))
+            elif isolation == "inline" or getattr(fn, "exactrl_inline", False) is True:
+                resolved = resolve_reward(fn, base_dir)
+                batched_, async_ = reward_pool.flags_of(resolved)
+                self._terms.append(_Term(name, w, resolved, True, batched_, async_))
+            else:
+                self._terms.append(_Term(name, w, fn, inline=False, worker_index=len(refs)))
+                refs.append(_worker_ref(name, fn, self.base_dir))
+        self._pool: reward_pool.WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
+        if refs:
+            size = max_workers if max_workers is not None else reward_pool.default_workers()
+            search = [str(d) for d in _plugin_search_dirs(self.base_dir)]
+            self._pool = reward_pool.WorkerPool(refs, size, sys_path=search)
+            # Kills the workers when the computer is collected or the interpreter exits.
+            self._finalizer = weakref.finalize(self, reward_pool.close_pool, self._pool)
+            status = self._pool.start_one()  # resolve every plug-in now: a bad one fails at start-up
+            for term in self._terms:
+                if term.inline:
+                    continue
+                ok, info = status[term.worker_index]
+                if ok != "ok":
+                    self.close()
+                    raise ValueError(_plugin_error(term.name, info))
+                term.batched, term.is_async = info
 
-    def _spawn_worker(self) -> None:
-        threading.Thread(target=_worker, args=(self._jobs,), name="exactrl-reward", daemon=True).start()
-        self._num_workers += 1
+    @classmethod
+    def from_config(
+        cls, reward: Any, *, device: str = "cpu", base_dir: str | Path | None = None
+    ) -> RewardComputer:
+        """The computer a `[reward]` config section describes (`exactrl.config.RewardConfig`, read by attribute):
+        its functions and, with `reward.model`, the learned reward model on `device`, weighted by model_weight.
+        `base_dir` is the config file's directory, where relative reward files are looked up first."""
+        functions: list[Any] = list(reward.functions)
+        weights = list(reward.weights) if reward.weights else [1.0] * len(functions)
+        if reward.model:
+            from exactrl.tasks.reward_model import RewardModel
 
-    def _ensure_workers(self) -> None:
-        while self._num_workers < self.max_workers:
-            self._spawn_worker()
-        if self._finalizer is None:
-            # Idle workers block on the queue forever; tell them to exit when this computer goes away.
-            self._finalizer = weakref.finalize(self, _stop_workers, self._jobs, self.max_workers)
+            model_path = Path(reward.model).expanduser()
+            if (
+                not model_path.is_absolute()
+                and base_dir is not None
+                and (Path(base_dir) / model_path).exists()
+            ):
+                model_path = Path(base_dir) / model_path
+            functions.append(
+                RewardModel(
+                    model_path,
+                    device=device,
+                    dtype=reward.model_dtype,
+                    label=reward.model_label,
+                    batch_size=reward.model_batch_size,
+                    max_tokens=reward.model_max_tokens,
+                )
+            )
+            weights.append(reward.model_weight)
+        return cls(functions, weights, reward.timeout_s, base_dir=base_dir)
+
+    @property
+    def num_killed_workers(self) -> int:
+        """Worker processes killed because a call ran past the timeout."""
+        return 0 if self._pool is None else self._pool.num_killed
 
     def close(self) -> None:
-        """Stop the idle workers (abandoned ones end when their call returns, or with the process)."""
+        """Stop the worker processes (idempotent)."""
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
-            self._num_workers = 0
 
     def __enter__(self) -> RewardComputer:
         return self
@@ -390,38 +488,81 @@ class RewardComputer:
                 f"got {len(completions)} completions, {len(answers)} answers and {len(examples)} examples"
             )
         n = len(completions)
-        with self._call_lock:
-            self._ensure_workers()
-            batch = _Batch(n * len(self.functions))
-            jobs = [
-                [_Job(fn, (completions[i], answers[i], examples[i]), batch) for i in range(n)]
-                for fn in self.functions
-            ]
-            for row in jobs:
-                for job in row:
-                    self._jobs.put(job)
-            timed_out = self._wait(batch, [job for row in jobs for job in row])
+        completions, answers, examples = list(completions), list(answers), list(examples)
+        # outcome[name][i] = (score, problem) with problem None, "timeout" or the error text.
+        outcome: dict[str, list[tuple[float, str | None]]] = {}
+        jobs: list[tuple[_Term, list[int], reward_pool.Job]] = []
+        size = self._pool.size if self._pool is not None else 1
+        for term in self._terms:
+            if term.inline:
+                outcome[term.name] = self._run_inline(term, completions, answers, examples)
+                continue
+            if term.batched:
+                payload = (completions, answers, examples)
+                jobs.append(
+                    (
+                        term,
+                        list(range(n)),
+                        reward_pool.Job("batch", term.worker_index, payload, self.timeout_s, n),
+                    )
+                )
+                continue
+            # Per-sample functions: chunks, a few per worker so that the workers finish together. Coroutines of one
+            # chunk run concurrently; plain calls run one by one, each with its own timeout.
+            for chunk in _chunks(n, size if term.is_async else 4 * size):
+                samples = [(completions[i], answers[i], examples[i]) for i in chunk]
+                if term.is_async:
+                    limit = self.timeout_s + reward_pool.ASYNC_GRACE_S
+                    job = reward_pool.Job(
+                        "gather", term.worker_index, (samples, self.timeout_s), limit, len(chunk)
+                    )
+                else:
+                    job = reward_pool.Job("calls", term.worker_index, samples, self.timeout_s, len(chunk))
+                jobs.append((term, chunk, job))
+        if jobs:
+            assert self._pool is not None
+            self._pool.run([job for _, _, job in jobs])
+        for term, idx, job in jobs:
+            scores = outcome.setdefault(term.name, [(0.0, None)] * n)
+            for i, pair in zip(idx, job.scores()):
+                scores[i] = pair
+        return self._result(outcome, n)
 
+    def _run_inline(
+        self, term: _Term, completions: list[str], answers: list[str], examples: list[Example]
+    ) -> list[tuple[float, str | None]]:
+        n = len(completions)
+        if term.batched:
+            try:
+                values = _run_maybe_async(term.fn, (completions, answers, examples))
+            except Exception as e:  # noqa: BLE001
+                return [reward_pool.as_score(None, e)] * n
+            return reward_pool.as_scores(values, n)
+        out = []
+        for c, a, e in zip(completions, answers, examples):
+            try:
+                value, error = _run_maybe_async(term.fn, (c, a, e)), None
+            except Exception as err:  # noqa: BLE001
+                value, error = None, err
+            out.append(reward_pool.as_score(value, error))
+        return out
+
+    def _result(self, outcome: dict[str, list[tuple[float, str | None]]], n: int) -> RewardResult:
         per_function: dict[str, list[float]] = {}
         num_errors: dict[str, int] = {}
         num_timeouts: dict[str, int] = {}
         first_error: dict[str, str] = {}
-        for name, row in zip(self.names, jobs):
-            scores = []
-            errors = timeouts = 0
-            for job in row:
-                if job in timed_out:
-                    timeouts += 1
-                    scores.append(0.0)
-                    continue
-                score, problem = _as_score(job)
-                if problem is not None:
-                    errors += 1
-                    first_error.setdefault(name, problem)
-                scores.append(score)
-            per_function[name] = scores
-            num_errors[name] = errors
-            num_timeouts[name] = timeouts
+        for name in self.names:
+            pairs = outcome[name]
+            per_function[name] = [s for s, _ in pairs]
+            timeouts = sum(p == "timeout" for _, p in pairs)
+            errors = sum(p is not None and p != "timeout" for _, p in pairs)
+            first = next((p for _, p in pairs if p is not None and p != "timeout"), None)
+            if first is not None:
+                first_error[name] = first
+            num_errors[name], num_timeouts[name] = errors, timeouts
+            self.calls[name] += n
+            self.failures[name] += errors + timeouts
             if errors or timeouts:
                 logger.warning(
                     "reward %r: %d errors, %d timeouts (> %.3gs) in %d samples%s",
@@ -430,54 +571,63 @@ class RewardComputer:
                     timeouts,
                     self.timeout_s,
                     n,
-                    f"; first error: {first_error[name]}" if name in first_error else "",
+                    f"; first error: {first}" if first is not None else "",
                 )
         rewards = [
             sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(n)
         ]
         return RewardResult(rewards, per_function, num_errors, num_timeouts, first_error)
 
-    def _wait(self, batch: _Batch, jobs: list[_Job]) -> set[_Job]:
-        """Block until every job finished or overran its timeout; returns the overrunning ones.
+    def all_calls_failed(self) -> bool:
+        """True when reward functions were called and every call (of every function) failed: the run learned from
+        nothing but zeros, which must not end as a success."""
+        total = sum(self.calls.values())
+        return total > 0 and sum(self.failures.values()) == total
 
-        The main thread sleeps until the earliest deadline among started calls (or one timeout from now): a call
-        that starts after that computation cannot be due before the wake-up, so no start notifications are needed.
-        """
-        timed_out: set[_Job] = set()
-        with batch.cond:
-            while batch.remaining > 0:
-                now = time.monotonic()
-                wake = now + self.timeout_s
-                for job in jobs:
-                    if job.done or job.abandoned or job.started_at is None:
-                        continue
-                    deadline = job.started_at + self.timeout_s
-                    if deadline <= now:
-                        job.abandoned = True
-                        timed_out.add(job)
-                        batch.remaining -= 1
-                        # The stuck thread is lost to the pool; keep the pool at strength so queued calls still run.
-                        self._num_workers -= 1
-                        self.num_abandoned_threads += 1
-                        self._spawn_worker()
-                    else:
-                        wake = min(wake, deadline)
-                if batch.remaining > 0:
-                    batch.cond.wait(max(wake - time.monotonic(), 0.001))
-        return timed_out
+    def failure_summary(self) -> str | None:
+        """A line for the run's summary when every call of some function failed, else None."""
+        broken = [n for n in self.names if self.calls[n] > 0 and self.failures[n] == self.calls[n]]
+        if not broken:
+            return None
+        which = ", ".join(f"{n!r} ({self.calls[n]} calls)" for n in broken)
+        head = "every reward call failed" if self.all_calls_failed() else "every call failed for"
+        return f"{head}: {which}; see the warnings above for the first error (reward.timeout_s = {self.timeout_s:g})"
 
 
-def _as_score(job: _Job) -> tuple[float, str | None]:
-    """(score, None) for a finite real result, else (0.0, what went wrong)."""
-    if job.error is not None:
-        return 0.0, f"{type(job.error).__name__}: {job.error}"
-    value = job.value
-    if isinstance(value, (str, bytes)) or value is None:
-        return 0.0, f"returned {type(value).__name__}, not a number"
+def _chunks(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in at most `parts` contiguous chunks of near-equal size."""
+    parts = max(1, min(parts, n))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)] if n else []
+
+
+def _run_maybe_async(fn: Any, args: tuple[Any, ...]) -> Any:
+    value = fn(*args)
+    if inspect.isawaitable(value):
+        return asyncio.run(reward_pool._awaited(value))
+    return value
+
+
+def _worker_ref(name: str, fn: str | RewardFn, base_dir: str | None) -> reward_pool.FunctionRef:
+    """How a worker finds the function: by its spec, or by value for a callable (pickled by reference)."""
+    if isinstance(fn, str):
+        if ":" not in fn:
+            resolve_reward(fn)  # raises the "unknown reward function" error with the list of built-ins
+        return ("spec", fn, base_dir)
     try:
-        score = float(value) if isinstance(value, numbers.Real) else float(value.__float__())
-    except Exception as e:  # noqa: BLE001 - e.g. a multi-element tensor
-        return 0.0, f"returned {type(value).__name__}, not a number ({e})"
-    if not math.isfinite(score):
-        return 0.0, f"returned non-finite {score}"
-    return score, None
+        return ("pickled", pickle.dumps(fn), None)
+    except Exception as e:  # noqa: BLE001 - lambdas, closures, bound methods of local classes
+        raise ValueError(
+            f"reward function {name!r} cannot be sent to a worker process ({type(e).__name__}: {e}); define it at "
+            "the top level of a file and name it as 'path/to/file.py:function', or use isolation='inline' "
+            "(no timeout)"
+        ) from None
+
+
+def _plugin_error(name: str, info: str) -> str:
+    # resolve_reward's own messages already name the plug-in; keep them as they are.
+    return (
+        info.split(": ", 1)[1]
+        if info.startswith("ValueError: reward plug-in")
+        else f"reward {name!r}: {info}"
+    )

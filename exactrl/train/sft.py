@@ -3,11 +3,14 @@ packed path and exact ops as RL. A random tiny model cannot be taught by RL alon
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
+from exactrl.tasks.base import Example
+from exactrl.tasks.chat import ChatTemplateError
+from exactrl.tasks.prompts import PromptFilter
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import packed_microbatches, response_logprobs
 
@@ -63,4 +66,45 @@ def sft_tokens(tokenizer: Tokenizer, prompt: str, answer: str) -> tuple[list[int
     return tokenizer.encode(prompt), tokenizer.encode(answer) + eos
 
 
-__all__ = ["batch_iter", "sft_step", "sft_tokens"]
+def sft_batches(
+    examples: Iterator[Example],
+    encode: Callable[[Example], list[int]],
+    tokenizer: Tokenizer,
+    batch_size: int,
+    prompt_filter: PromptFilter,
+    max_skips_in_a_row: int,
+) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+    """Batches of (prompt ids, completion ids) for `sft_step`, from an example stream.
+
+    An example whose prompt cannot be rendered (its chat template raises) or does not fit the run's limits (see
+    `PromptFilter`: no tokens, longer than task.max_prompt_tokens, prompt + answer longer than engine.max_model_len)
+    is skipped, counted in `prompt_filter.skipped` and logged with its `path:line`, as the RL loop does. After
+    `max_skips_in_a_row` skips in a row the stream is taken to hold nothing usable: ValueError, instead of a hang.
+    """
+    prompts: list[list[int]] = []
+    completions: list[list[int]] = []
+    in_a_row = 0
+    for ex in examples:
+        try:
+            ids = encode(ex)
+        except ChatTemplateError as e:  # names the record already
+            prompt_filter.reject(ex, str(e).split(": ", 1)[-1])
+            ids = None
+        completion = sft_tokens(tokenizer, "", ex.answer)[1]
+        if ids is None or not prompt_filter.admit(ex, ids, len(completion)):
+            in_a_row += 1
+            if in_a_row >= max_skips_in_a_row:
+                raise ValueError(
+                    f"SFT: {in_a_row} examples in a row were skipped (the log names them and why); check "
+                    "task.max_prompt_tokens, engine.max_model_len, task.prompt_field and the chat template"
+                )
+            continue
+        in_a_row = 0
+        prompts.append(ids)
+        completions.append(completion)
+        if len(prompts) == batch_size:
+            yield prompts, completions
+            prompts, completions = [], []
+
+
+__all__ = ["batch_iter", "sft_batches", "sft_step", "sft_tokens"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -64,28 +63,58 @@ def test_missing_file(tmp_path: Path) -> None:
         JsonlTask(_dataset(tmp_path), eval_path=tmp_path / "missing_eval.jsonl")
 
 
-def test_bad_json_line(tmp_path: Path) -> None:
-    path = _write(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": "1"}, "", '{"prompt": "b", "answer": '])
-    with pytest.raises(DatasetError, match=re.escape(f"{path}:3: invalid JSON")):
-        JsonlTask(path)
-    path = _write(tmp_path / "list.jsonl", ['["a", "b"]'])
-    with pytest.raises(DatasetError, match=r"list.jsonl:1: expected a JSON object"):
-        JsonlTask(path)
+def test_bad_records_are_skipped_and_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    lines = [
+        good[0],
+        '{"prompt": "b", "answer": ',  # 2: invalid JSON
+        good[1],
+        '["a", "b"]',  # 4: not an object
+        {"prompt": "c", "solution": "2"},  # 5: missing field
+        {"prompt": ["a"], "answer": "1"},  # 6: wrong type (a list that is not messages)
+        {"prompt": "d", "answer": None},  # 7: wrong answer type
+        {"prompt": "  ", "answer": "1"},  # 8: empty prompt
+        "",  # blank lines are not records
+        good[2],
+        good[3],
+        good[4],
+        good[5],
+    ]
+    path = _write(tmp_path / "bad.jsonl", lines)
+    with caplog.at_level("WARNING"):
+        task = JsonlTask(path, num_eval=2)
+    assert task.num_train + task.num_eval == 6
+    assert task.num_skipped == 6
+    reasons = dict(s.removeprefix(f"{path}:").split(": ", 1) for s in task.skipped)
+    assert set(reasons) == {"2", "4", "5", "6", "7", "8"}
+    assert reasons["2"].startswith("invalid JSON")
+    assert reasons["4"].startswith("expected a JSON object")
+    assert "missing field 'answer'" in reasons["5"] and "'solution'" in reasons["5"]
+    assert "field 'prompt'[0] must be a message" in reasons["6"]
+    assert "field 'answer' must be a string or a finite number" in reasons["7"]
+    assert "empty prompt" in reasons["8"]
+    assert f"{path}:5: missing field 'answer'" in caplog.text
 
 
-def test_missing_field(tmp_path: Path) -> None:
-    path = _write(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "solution": "2"}])
-    with pytest.raises(DatasetError, match=r"d.jsonl:2: missing field 'answer'.*'solution'"):
+def test_no_usable_record_is_an_error(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"question": "a", "answer": "1"}, {"question": "b", "answer": "2"}])
+    with pytest.raises(
+        DatasetError, match=r"(?s)no usable record \(2 skipped\).*d.jsonl:1: missing field 'prompt'"
+    ):
         JsonlTask(path)
+    chat = _write(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "answer": "1"}])
+    with pytest.raises(DatasetError, match='set task.prompt_field = "messages"'):
+        JsonlTask(chat)
 
 
-def test_bad_field_types(tmp_path: Path) -> None:
-    path = _write(tmp_path / "d.jsonl", [{"prompt": ["a"], "answer": "1"}])
-    with pytest.raises(DatasetError, match=r"d.jsonl:1: field 'prompt' must be a string"):
-        JsonlTask(path)
-    path = _write(tmp_path / "e.jsonl", [{"prompt": "a", "answer": None}])
-    with pytest.raises(DatasetError, match=r"e.jsonl:1: field 'answer'"):
-        JsonlTask(path)
+def test_bad_utf8_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "u.jsonl"
+    lines = [json.dumps({"prompt": f"p{i}", "answer": "1"}).encode() for i in range(30)]
+    lines[20] = b'{"prompt": "caf\xe9", "answer": "1"}'  # latin-1, not UTF-8
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    task = JsonlTask(path, num_eval=2)
+    assert task.num_train + task.num_eval == 29
+    assert task.skipped == [f"{path}:21: not valid UTF-8 (byte 16: invalid continuation byte)"]
 
 
 def test_custom_fields_and_numeric_answers(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -77,14 +78,16 @@ SMALL = [
 
 PLUGIN_SOURCE = '''
 """Reward plug-ins for tests/train/test_loop.py."""
+import fcntl
 import hashlib
+import json
 import os
 import signal
-import threading
+from pathlib import Path
 
-_lock = threading.Lock()
-calls = 0
-kill_at = None  # when set: the kill_at-th call of `hashed` sends SIGINT to this process (a simulated Ctrl-C)
+# Reward calls run in worker processes: the simulated Ctrl-C is driven by a control file next to this module,
+# {"calls": n, "kill_at": k, "pid": trainer}, updated under a lock by every worker.
+CONTROL = Path(__file__).with_name("control.json")
 
 
 def _score(completion):
@@ -92,12 +95,16 @@ def _score(completion):
 
 
 def hashed(completion, answer, example):
-    global calls
-    with _lock:
-        calls += 1
-        fire = kill_at is not None and calls == kill_at
-    if fire:
-        os.kill(os.getpid(), signal.SIGINT)
+    if CONTROL.exists():
+        with open(CONTROL, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            state = json.load(f)
+            state["calls"] += 1
+            f.seek(0)
+            f.truncate()
+            json.dump(state, f)
+        if state["calls"] == state["kill_at"]:  # the kill_at-th call sends SIGINT to the trainer (a Ctrl-C)
+            os.kill(state["pid"], signal.SIGINT)
     return _score(completion)
 
 
@@ -454,7 +461,8 @@ def test_missing_jsonl_names_the_path(tmp_path):
 
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
     data = tmp_path / "data.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    # Bad records are skipped and logged one by one; a file with none usable stops the run, naming them.
+    data.write_text('{"question": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
     with pytest.raises(ValueError, match=rf"{data}:2: invalid JSON"):
         train(cfg_for(tmp_path / "run", "task.name=jsonl", f"task.path={data}"), out=quiet)
 
@@ -549,11 +557,15 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(reference_run, plugin,
     ref_dir, _, _ = reference_run
     cfg = cfg_for(tmp_path, *REFERENCE)
     # reward calls: 8 held-out prompts before RL, 16 rollouts in step 1, then the first call of step 2
-    monkeypatch.setattr(plugin, "calls", 0)
-    monkeypatch.setattr(plugin, "kill_at", 8 + 16 + 1)
+    control = plugin.CONTROL
+    control.write_text(json.dumps({"calls": 0, "kill_at": 8 + 16 + 1, "pid": os.getpid()}))
     lines: list[str] = []
-    summary = train(cfg, out=lines.append)
-    assert plugin.calls > plugin.kill_at  # the signal really was sent
+    try:
+        summary = train(cfg, out=lines.append)
+        calls = json.loads(control.read_text())["calls"]
+    finally:
+        control.unlink()
+    assert calls > 8 + 16 + 1  # the signal really was sent
     assert summary["stopped_early"] is True and summary["rl_steps"] == 2
     assert any("stopped at step 2" in line for line in lines)
     assert latest(tmp_path).name == "step-000002"
