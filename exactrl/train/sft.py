@@ -3,12 +3,15 @@ packed path and exact ops as RL. A random tiny model cannot be taught by RL alon
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
-from exactrl.train.optim import MasterAdamW
+from exactrl.train.logging import progress_bar
+from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.packing import packed_microbatches, response_logprobs
 
 T = TypeVar("T")
@@ -63,4 +66,59 @@ def sft_tokens(tokenizer: Tokenizer, prompt: str, answer: str) -> tuple[list[int
     return tokenizer.encode(prompt), tokenizer.encode(answer) + eos
 
 
-__all__ = ["batch_iter", "sft_step", "sft_tokens"]
+@dataclass
+class SFTResult:
+    last: dict[str, float] = field(default_factory=dict)
+    """The metrics of the last SFT step."""
+    steps_done: int = 0
+    stopped: bool = False
+    """True when should_stop() ended SFT before sft.steps (Ctrl-C)."""
+
+
+def run_sft(
+    cfg: Any,
+    model: CausalLM,
+    tok: Tokenizer,
+    encode: Callable[[Any], list[int]],
+    task: Any,
+    log: Callable[[dict[str, Any]], None],
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> SFTResult:
+    """The supervised warm start of a RunConfig (its [sft] section). Uses a copy of the task stream seeded apart
+    from the RL stream. `should_stop` is asked after every step (the loop's Ctrl-C flag): when it says so, SFT
+    ends after the step it finished, its last metrics are logged, and the result says `stopped`."""
+    s = cfg.sft
+    opt = MasterAdamW(model, lr=s.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    stream = copy.deepcopy(task).train_examples(seed=cfg.run.seed + 1_000_003)
+    res = SFTResult()
+    bar = progress_bar(s.steps, "sft", enabled=cfg.run.progress)
+    for step, batch in enumerate(batch_iter(stream, s.batch_size)):
+        if step >= s.steps:
+            break
+        set_lr(
+            opt, s.lr * lr_factor(step, warmup_steps=s.warmup_steps, total_steps=s.steps, schedule="cosine")
+        )
+        pairs = [(encode(ex), sft_tokens(tok, "", ex.answer)[1]) for ex in batch]
+        res.last = sft_step(
+            model,
+            opt,
+            [p for p, _ in pairs],
+            [c for _, c in pairs],
+            max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
+            grad_clip=cfg.train.grad_clip,
+        )
+        res.steps_done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{res.last['sft/loss']:.3f}")
+        stop = should_stop() and res.steps_done < s.steps
+        if step % 25 == 0 or step == s.steps - 1 or stop:
+            log({"sft_step": step, **res.last})
+        if stop:
+            res.stopped = True
+            break
+    bar.close()
+    return res
+
+
+__all__ = ["SFTResult", "batch_iter", "run_sft", "sft_step", "sft_tokens"]
