@@ -12,6 +12,7 @@ model on the same weights and data (cross-entropy loss, eager).
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +86,7 @@ def _emit(args, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
     print(json.dumps(record))
+    print(f"result written to {path}", file=sys.stderr)
 
 
 def _load(args):

@@ -4,45 +4,110 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+
+def _run_dir_plan(cfg, args):
+    """Check the output dir before anything is written (refusals name the dir and the ways on)."""
+    from exactrl.train.rundir import check_run_dir
+
+    plan = check_run_dir(
+        cfg,
+        resume=getattr(args, "resume", False),
+        overwrite=args.overwrite,
+        allow_config_change=getattr(args, "allow_config_change", False),
+    )
+    for note in plan.notes:
+        print(note)
+    return plan
+
+
+def _run(cfg, args) -> int:
+    """Train, and exit 130 (as a shell does after Ctrl-C) when the run was stopped before its end."""
+    from exactrl.train.loop import train
+
+    plan = _run_dir_plan(cfg, args)
+    # loop.train writes config.toml itself (today before the model and data load); commit clears an --overwrite's
+    # old files first. Once loop.train takes the plan and commits after validation, pass `run_dir=plan` instead.
+    plan.commit(cfg)
+    summary = train(cfg, resume=getattr(args, "resume", False))
+    return 130 if summary.get("stopped_early") else 0
 
 
 def cmd_train(args) -> int:
     from exactrl.config import load_config
-    from exactrl.train.loop import train
 
-    cfg = load_config(args.config, args.set or [])
-    train(cfg, resume=args.resume)
-    return 0
+    return _run(load_config(args.config, args.set or []), args)
 
 
 def cmd_sft(args) -> int:
     """SFT only: the warm start of the config, then save the checkpoint and evaluate."""
     from exactrl.config import load_config
-    from exactrl.train.loop import train
 
     cfg = load_config(args.config, (args.set or []) + ["train.steps=0"])
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps is 0 in this config: nothing to train (set --set sft.steps=N)")
-    train(cfg)
-    return 0
+    return _run(cfg, args)
+
+
+def find_run_config(model_dir: str | Path) -> Path | None:
+    """The config.toml of the run a checkpoint directory belongs to (runs/X/checkpoints/step-N/policy or
+    runs/X/sft -> runs/X/config.toml), or None. Only a directory that holds a run's outputs counts."""
+    d = Path(model_dir).resolve()
+    for parent in [d, *d.parents][:4]:
+        c = parent / "config.toml"
+        if c.is_file() and any(
+            (parent / n).exists() for n in ("metrics.jsonl", "checkpoints", "summary.json", "sft")
+        ):
+            return c
+    return None
 
 
 def cmd_eval(args) -> int:
+    import sys
+    from dataclasses import asdict
+
     from exactrl.config import load_config
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.model.loading import load_policy
     from exactrl.tasks import RewardComputer
     from exactrl.train.loop import build_task, evaluate, make_encoder
 
+    config = args.config
+    if config is None and not args.no_run_config:
+        run_config = find_run_config(args.model)
+        if run_config is not None:
+            config = str(run_config)
+            print(
+                f"eval: task, reward and sampling settings from the run's {run_config} "
+                "(--config FILE or --no-run-config to change that)",
+                file=sys.stderr,
+            )
+    elif config is not None:
+        print(f"eval: task, reward and sampling settings from {config}", file=sys.stderr)
     # model.preset=none: --model replaces the config's model, which may be a preset (exactly one may be set)
     overrides = list(args.set or []) + ["model.preset=none", f"model.path={args.model}"]
     if args.task:  # else the config's task (arithmetic without a config)
         overrides.append(f"task.name={args.task}")
     if args.data:
         overrides += [f"task.path={args.data}", "task.eval_path=none"]
-    cfg = load_config(args.config, overrides) if args.config else load_config(None, overrides)
+    cfg = load_config(config, overrides)
+    # Unset flags take the config's values: then a run's checkpoint is scored as the run scored it.
+    samples = args.samples or (cfg.task.eval_samples if config else 1)
+    temperature = args.temperature
+    if temperature is None:
+        temperature = cfg.task.eval_temperature if config else 0.0
+    if samples > 1 and temperature == 0:
+        temperature = 1.0  # pass@k with greedy decoding would draw k identical samples
+    max_tokens = args.max_tokens or (cfg.sampling.max_tokens if config else 64)
+    exact = cfg.run.exact if args.mode is None else args.mode == "exact"
+    device = args.device or (cfg.run.device if config else "auto")
     model, tok = load_policy(
-        path=args.model, device=args.device, dtype=cfg.model.dtype, exact=args.mode == "exact"
+        path=args.model,
+        device=device,
+        dtype=cfg.model.dtype,
+        exact=exact,
+        fp32_lm_head=cfg.model.fp32_lm_head,
     )
     num = args.num or cfg.task.num_eval
     # Every record of --data is an eval example (a JsonlTask would hold most of them out for training).
@@ -52,18 +117,27 @@ def cmd_eval(args) -> int:
         examples = load_jsonl(args.data, cfg.task.prompt_field, cfg.task.answer_field)[:num]
     else:
         examples = build_task(cfg).eval_examples(num)
+    encode = make_encoder(cfg, tok)
+    # As train leaves them out of its held-out evaluation: prompts too long for the run's limits.
+    limit = min(cfg.task.max_prompt_tokens, cfg.engine.max_model_len - max_tokens)
+    kept = [ex for ex in examples if len(encode(ex)) <= limit]
+    if len(kept) < len(examples):
+        print(
+            f"eval: {len(examples) - len(kept)} prompts longer than {limit} tokens (task.max_prompt_tokens, "
+            "engine.max_model_len - max tokens) left out",
+            file=sys.stderr,
+        )
     rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
-    engine = RolloutEngine(model, EngineConfig(block_size=cfg.engine.block_size), tokenizer=tok)
+    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
     res = evaluate(
         engine,
         tok,
-        make_encoder(cfg, tok),
-        examples,
+        encode,
+        kept,
         rewards,
-        samples=args.samples,
-        # pass@k with greedy decoding would draw k identical samples: sample at T=1 unless told otherwise
-        temperature=args.temperature if (args.samples == 1 or args.temperature > 0) else 1.0,
-        max_tokens=args.max_tokens,
+        samples=samples,
+        temperature=temperature,
+        max_tokens=max_tokens,
         seed=cfg.run.seed,
         stop=cfg.sampling.stop,  # as train's held-out evaluation does
         stop_token_ids=cfg.sampling.stop_token_ids,
@@ -86,55 +160,102 @@ def cmd_bench(args) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="run an RL job from a TOML config")
-    p.add_argument("config")
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+    p = sub.add_parser("train", help="run an RL job from a TOML config", formatter_class=fmt)
+    p.add_argument("config", help="the run's TOML config")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of the run")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run.output_dir that holds a run: delete its metrics, checkpoints, events, summary",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="--resume with a config that differs from the run's config.toml in keys that change the run",
+    )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("sft", help="supervised warm start only (the config's [sft] section)")
-    p.add_argument("config")
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    p = sub.add_parser(
+        "sft", help="supervised warm start only (the config's [sft] section)", formatter_class=fmt
+    )
+    p.add_argument("config", help="the run's TOML config")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--overwrite", action="store_true", help="start over in a non-empty run.output_dir")
     p.set_defaults(func=cmd_sft)
 
-    p = sub.add_parser("eval", help="accuracy and pass@k of a checkpoint on held-out prompts")
+    p = sub.add_parser(
+        "eval", help="accuracy and pass@k of a checkpoint on held-out prompts", formatter_class=fmt
+    )
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument(
-        "--task", choices=["arithmetic", "jsonl"], help="default: the --config's task, else arithmetic"
+        "--task",
+        choices=["arithmetic", "jsonl"],
+        help="default: the task of the config (the run's or --config), else arithmetic",
     )
     p.add_argument("--data", help="JSONL file for --task jsonl")
-    p.add_argument("--config", help="take task/reward settings from this TOML config")
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
-    p.add_argument("--samples", type=int, default=1, help="samples per prompt (pass@k with k = samples)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--config",
+        help="take task/reward/sampling settings from this TOML config (default: the config.toml of the run "
+        "the checkpoint is in, found by walking up from --model)",
+    )
+    p.add_argument("--no-run-config", action="store_true", help="do not look for the run's config.toml")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per prompt (pass@k with k = samples); default: task.eval_samples of the config, else 1",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: task.eval_temperature of the config, else 0 (greedy); 1.0 when samples > 1 and 0",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="default: sampling.max_tokens of the config, else 64"
+    )
     p.add_argument("--num", type=int, default=0, help="number of held-out examples (0 = task.num_eval)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--mode", default="exact", choices=["exact", "fast"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or auto; default: run.device of the config, else auto"
+    )
+    p.add_argument(
+        "--mode", default=None, choices=["exact", "fast"], help="default: run.exact of the config, else exact"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("report", help="draw a run's curves to a PNG")
-    p.add_argument("run_dir")
+    p = sub.add_parser("report", help="draw a run's curves to a PNG", formatter_class=fmt)
+    p.add_argument("run_dir", help="the run's output_dir (with metrics.jsonl)")
     p.add_argument("--out", help="output PNG (default RUN_DIR/report.png)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("bench", help="benchmarks: rollout (engine tok/s) or train (tok/s, MFU)")
-    p.add_argument("what", choices=["rollout", "train"])
-    p.add_argument("--preset", default="qwen3-0.6b")
+    p = sub.add_parser(
+        "bench", help="benchmarks: rollout (engine tok/s) or train (tok/s, MFU)", formatter_class=fmt
+    )
+    p.add_argument("what", choices=["rollout", "train"], help="which benchmark")
+    p.add_argument("--preset", default="qwen3-0.6b", help="random-init model shape")
     p.add_argument("--model", help="HF checkpoint directory instead of a preset")
-    p.add_argument("--mode", default="exact", choices=["exact", "fast"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--tokens-per-microbatch", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--mode", default="exact", choices=["exact", "fast"], help="kernels")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="model dtype")
+    p.add_argument("--concurrency", type=int, default=256, help="rollout: concurrent sequences")
+    p.add_argument("--prompt-len", type=int, default=128, help="rollout: prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=256, help="rollout: new tokens per sequence")
+    p.add_argument("--tokens-per-microbatch", type=int, default=8192, help="train: tokens per microbatch")
+    p.add_argument("--steps", type=int, default=5, help="train: timed steps")
     p.add_argument(
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
     )
     p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
-    p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON line is kept")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--out-dir",
+        "--output-dir",
+        dest="out_dir",
+        default="benchmarks/results",
+        help="directory the result JSON is written to",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_bench)

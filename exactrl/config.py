@@ -151,7 +151,20 @@ class RunSection:
     tensorboard: bool = True
     """Write TensorBoard event files to output_dir."""
     progress: bool = True
-    """Show a progress bar on the terminal."""
+    """Show progress bars when the output is a terminal; otherwise (a log file, CI) a plain line every
+    run.log_every steps is printed instead."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (the `wandb` package must be installed; it is not a dependency)."""
+    wandb_project: str = "exactrl"
+    """Weights & Biases project name."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """Weights & Biases mode: "offline" writes to output_dir/wandb with no network (sync later with `wandb sync`);
+    unset: the WANDB_MODE environment variable, else online."""
+    log_samples_every: int = 0
+    """Every this many RL steps, write a few prompts, completions and rewards to samples.jsonl (and TensorBoard
+    text); 0 = never."""
+    log_samples_count: int = 4
+    """How many completions log_samples_every writes per time."""
 
     def validate(self) -> None:
         if not self.name.strip():
@@ -162,6 +175,10 @@ class RunSection:
         if not _DEVICE_RE.fullmatch(self.device):
             _fail("run.device", f"must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
         _check_at_least(self.log_every, 1, "run.log_every")
+        if self.wandb and not self.wandb_project.strip():
+            _fail("run.wandb_project", "must not be empty when run.wandb = true")
+        _check_at_least(self.log_samples_every, 0, "run.log_samples_every")
+        _check_at_least(self.log_samples_count, 1, "run.log_samples_count")
 
 
 @dataclass
@@ -180,7 +197,14 @@ class ModelConfig:
     """Path to a tokenizer.json; defaults to the one inside path."""
 
     def validate(self) -> None:
-        if (self.preset is None) == (self.path is None):
+        if self.preset is not None and self.path is not None:
+            # The usual way here: a config written for a preset, pointed at a checkpoint with --set model.path=...
+            _fail(
+                "model.preset",
+                f"({self.preset!r}) and model.path ({self.path!r}) are both set: set exactly one of them. To load "
+                "the checkpoint instead of the preset, also set model.preset=none (--set model.preset=none)",
+            )
+        if self.preset is None and self.path is None:
             _fail("model.preset", "or model.path: set exactly one of them")
         if self.preset is not None and not self.preset.strip():
             _fail("model.preset", "must not be empty")

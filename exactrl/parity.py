@@ -1,16 +1,21 @@
-"""`exactrl parity`: the engine's recorded logprobs against the trainer's, token by token.
+"""`exactrl parity`: the engine's recorded logprobs against the trainer's, token by token, and the sampled tokens
+of the same requests across batch compositions.
 
-Completions are generated through the paged-KV decode path under several batch compositions (one prompt at a
-time, all together, mixed with unrelated prompts; optionally with n samples per prompt, a tiny KV cache that
-forces preemption, and chunked prefill), then the same tokens are scored by the training path in packed
-microbatches of several sizes. Exact mode must show zero mismatches; fast mode shows what everyone else lives
-with.
+The defaults exercise what an RL step does: several samples per prompt (the group shares the prompt's KV blocks,
+so forks and copy-on-write run), prompts that share a prefix (prefix-cache hits), a temperature other than 1, a KV
+cache too small for all requests at once (preemption and recompute) and chunked prefill. Completions are generated
+under several batch compositions (one request at a time, all together, in reverse order, interleaved with
+unrelated prompts), the token ids must agree across all of them (the sampling noise is keyed on the request, never
+on the batch row), then the tokens are scored by the training path in packed microbatches of several sizes and
+must equal the recorded logprobs bitwise. A line says what was exercised (counted by the engine's block manager).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +23,40 @@ from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.qwen import CausalLM
 from exactrl.train.packing import completion_logprobs
+
+_BLOCK_STATS = ("prefix_hit_blocks", "fork_shared_blocks", "cow_copies")
+
+
+@contextmanager
+def _counting_block_managers(engine: RolloutEngine):
+    """Sum the block managers' bookkeeping counters over the engine calls made inside the block.
+
+    RolloutEngine.generate builds a BlockManager per call and keeps none; until it adds their `stats` into
+    `engine.stats` itself, this records the managers it creates while the block runs.
+    """
+    import exactrl.engine.engine as engine_mod
+
+    made: list = []
+    real = engine_mod.BlockManager
+    if all(k in engine.stats for k in _BLOCK_STATS):  # the engine counts them already
+        before = {k: engine.stats[k] for k in _BLOCK_STATS}
+        totals: dict[str, float] = {}
+        yield totals
+        totals.update({k: engine.stats[k] - before[k] for k in _BLOCK_STATS})
+        return
+
+    class _Recorded(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    engine_mod.BlockManager = _Recorded
+    totals = {}
+    try:
+        yield totals
+    finally:
+        engine_mod.BlockManager = real
+        totals.update({k: sum(bm.stats[k] for bm in made) for k in _BLOCK_STATS})
 
 
 @dataclass
@@ -34,37 +73,93 @@ class ParityResult:
     tokens_identical_across_compositions: bool
     seconds: float
     preemptions: int
+    samples_per_prompt: int = 1
+    kv_blocks: int | None = None
+    prefill_chunk: int = 0
+    num_sequences: int = 0
+    sequences_with_other_tokens: int = 0
+    """Sequences whose token ids differ between some composition and the one-at-a-time reference."""
+    prefix_hit_blocks: int = 0
+    fork_shared_blocks: int = 0
+    cow_copies: int = 0
+    compositions: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.num_mismatched == 0 and self.tokens_identical_across_compositions
+
+    def exercised(self) -> str:
+        """One line: what the check made the engine do (so a pass means something)."""
+        parts = [
+            f"{self.samples_per_prompt} samples per prompt",
+            f"T = {self.temperature:g}",
+            f"{self.preemptions} preemptions",
+            f"{self.prefix_hit_blocks} prefix-cache block hits",
+            f"{self.fork_shared_blocks} blocks shared by forks",
+            f"{self.cow_copies} copy-on-write copies",
+            f"prefill chunks of {self.prefill_chunk} tokens",
+            f"{len(self.compositions)} batch compositions ({', '.join(self.compositions)})",
+        ]
+        missing = [
+            name
+            for name, n in (
+                ("preemption (lower --kv-blocks)", self.preemptions),
+                ("prefix sharing (--samples-per-prompt > 1)", self.fork_shared_blocks),
+                ("copy-on-write", self.cow_copies),
+            )
+            if n == 0
+        ]
+        line = "exercised: " + ", ".join(parts)
+        if missing:
+            line += "; NOT exercised: " + ", ".join(missing)
+        return line
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__) | {"ok": self.ok}
 
 
-def random_prompts(num: int, vocab: int, seed: int, min_len: int = 2, max_len: int = 48) -> list[list[int]]:
-    """Prompts of varied lengths; ids drawn below `vocab` (the tokenizer's size, so specials stay rare)."""
+def random_prompts(
+    num: int, vocab: int, seed: int, min_len: int = 2, max_len: int = 48, shared_prefix: int = 0
+) -> list[list[int]]:
+    """Prompts of varied lengths; ids drawn below `vocab` (the tokenizer's size, so specials stay rare). With
+    shared_prefix > 0, every other prompt starts with the same shared_prefix tokens (prefix-cache hits)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+    prefix = torch.randint(0, vocab, (shared_prefix,), generator=g).tolist()
+    out = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+    return [prefix + p if i % 2 == 0 else p for i, p in enumerate(out)]
+
+
+def small_kv_blocks(prompts: list[list[int]], max_tokens: int, samples: int, block_size: int) -> int:
+    """A KV cache that holds the largest single request (all its samples at full length) with room for about
+    one more: every request can run, but not all at once, so the scheduler must preempt."""
+    per_request = max(samples * math.ceil((len(p) + max_tokens) / block_size) + 1 for p in prompts)
+    return 2 * per_request
 
 
 def run_parity(
     model: CausalLM,
     *,
-    num_prompts: int = 16,
-    max_tokens: int = 128,
-    temperature: float = 1.0,
+    num_prompts: int = 6,
+    max_tokens: int = 16,
+    temperature: float = 0.7,
     seed: int = 0,
-    samples_per_prompt: int = 1,
-    kv_blocks: int | None = None,
-    prefill_chunk: int = 2048,
+    samples_per_prompt: int = 4,
+    kv_blocks: int | None = 0,
+    prefill_chunk: int = 16,
     block_size: int = 16,
+    shared_prefix: int = 16,
     prompt_vocab: int | None = None,
     microbatch_tokens: tuple[int, ...] = (64, 1000, 1 << 30),
 ) -> ParityResult:
+    """kv_blocks: 0 = small_kv_blocks (preemption), None = sized from memory."""
     start = time.perf_counter()
     vocab = prompt_vocab or model.config.vocab_size
-    prompts = random_prompts(num_prompts, vocab, seed)
+    prompts = random_prompts(num_prompts, vocab, seed, shared_prefix=shared_prefix)
     others = random_prompts(num_prompts, vocab, seed + 1)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=samples_per_prompt)
+    if kv_blocks == 0:
+        kv_blocks = small_kv_blocks(prompts + others, max_tokens, samples_per_prompt, block_size)
     cfg = EngineConfig(
         block_size=block_size,
         num_kv_blocks=kv_blocks,
@@ -73,24 +168,35 @@ def run_parity(
     )
     engine = RolloutEngine(model, cfg)
     ids = list(range(num_prompts))
-    compositions = {
-        "one-at-a-time": [engine.generate([p], params, request_ids=[i])[0] for i, p in zip(ids, prompts)],
-        "all-together": engine.generate(prompts, params, request_ids=ids),
-        # unrelated prompts interleaved, under other request ids: our rows must not notice them
-        "mixed": engine.generate(
-            [x for pair in zip(others, prompts) for x in pair],
-            params,
-            request_ids=[x for i in ids for x in (10_000 + i, i)],
-        )[1::2],
-    }
-    preemptions = engine.stats.get("preemptions", 0)
+    rev = ids[::-1]
+    with _counting_block_managers(engine) as block_stats:
+        compositions = {
+            "one-at-a-time": [engine.generate([p], params, request_ids=[i])[0] for i, p in zip(ids, prompts)],
+            "all-together": engine.generate(prompts, params, request_ids=ids),
+            # the same requests in the opposite order: other rows, other preemption victims
+            "reversed": engine.generate([prompts[i] for i in rev], params, request_ids=rev)[::-1],
+            # unrelated prompts interleaved, under other request ids: our rows must not notice them
+            "mixed": engine.generate(
+                [x for pair in zip(others, prompts) for x in pair],
+                params,
+                request_ids=[x for i in ids for x in (10_000 + i, i)],
+            )[1::2],
+        }
+    errors = [o.error for outs in compositions.values() for o in outs if o.error]
+    if errors:
+        raise ValueError(f"the engine refused a parity request: {errors[0]} (raise --kv-blocks)")
+    preemptions = int(engine.stats.get("preemptions", 0))
     reference = compositions["one-at-a-time"]
-    same_tokens = all(
-        [s.token_ids for s in out.samples] == [s.token_ids for s in ref.samples]
-        for outs in compositions.values()
-        for out, ref in zip(outs, reference)
-    )
+    other_tokens = 0
+    for i, ref in enumerate(reference):
+        ref_tokens = [s.token_ids for s in ref.samples]
+        for j in range(samples_per_prompt):
+            if any(
+                [s.token_ids for s in outs[i].samples][j] != ref_tokens[j] for outs in compositions.values()
+            ):
+                other_tokens += 1
     num, bad, max_diff, sum_diff = 0, 0, 0.0, 0.0
+    scored: dict[tuple, list[torch.Tensor]] = {}  # compositions that sampled the same tokens are scored once
     for outs in compositions.values():
         seqs, plens, recorded = [], [], []
         for prompt, out in zip(prompts, outs):
@@ -101,7 +207,11 @@ def run_parity(
                 plens.append(len(prompt))
                 recorded.append(s.rollout_logprobs)
         for budget in microbatch_tokens:
-            lps = completion_logprobs(model, seqs, plens, temperature if temperature > 0 else 1.0, budget)
+            key = (budget, tuple(tuple(x) for x in seqs))
+            if key not in scored:
+                t = temperature if temperature > 0 else 1.0
+                scored[key] = completion_logprobs(model, seqs, plens, t, budget)
+            lps = scored[key]
             for rec, lp in zip(recorded, lps):
                 d = (rec.float() - lp).abs()
                 num += lp.numel()
@@ -118,7 +228,16 @@ def run_parity(
         max_abs_diff=max_diff,
         mean_abs_diff=sum_diff / max(num, 1),
         num_compositions=len(compositions) * len(microbatch_tokens),
-        tokens_identical_across_compositions=same_tokens,
+        tokens_identical_across_compositions=other_tokens == 0,
         seconds=time.perf_counter() - start,
         preemptions=preemptions,
+        samples_per_prompt=samples_per_prompt,
+        kv_blocks=kv_blocks,
+        prefill_chunk=prefill_chunk,
+        num_sequences=num_prompts * samples_per_prompt,
+        sequences_with_other_tokens=other_tokens,
+        prefix_hit_blocks=int(block_stats["prefix_hit_blocks"]),
+        fork_shared_blocks=int(block_stats["fork_shared_blocks"]),
+        cow_copies=int(block_stats["cow_copies"]),
+        compositions=list(compositions),
     )

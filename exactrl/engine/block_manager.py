@@ -57,6 +57,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks))
         self._block_hash: list[bytes | None] = [None] * self.num_blocks
         self._hash_to_block: dict[bytes, int] = {}
+        # What the bookkeeping did (read by `exactrl parity` to say what a check exercised).
+        self.stats = {"prefix_hit_blocks": 0, "fork_shared_blocks": 0, "cow_copies": 0}
 
     # -- queries ---------------------------------------------------------------------------------------------
     @property
@@ -128,6 +130,7 @@ class BlockManager:
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_cached_tokens = seq.num_computed_tokens
+            self.stats["prefix_hit_blocks"] += len(hits)
         copies = self.prepare_write(seq, seq.num_computed_tokens, num_tokens - 1)
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self._take_fresh())
@@ -156,6 +159,7 @@ class BlockManager:
             self._ref[src] -= 1  # still >= 1: it was shared
             seq.block_table[i] = dst
             copies.append((src, dst))
+        self.stats["cow_copies"] += len(shared)
         for i in range(
             first_pos // self.block_size, min(last_pos // self.block_size + 1, len(seq.block_table))
         ):
@@ -201,6 +205,7 @@ class BlockManager:
                 )
         for b in parent.block_table:
             self._ref[b] += 1
+        self.stats["fork_shared_blocks"] += len(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = n
         child.block_hashes = parent.block_hashes[: n // self.block_size]

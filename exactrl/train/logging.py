@@ -1,39 +1,179 @@
-"""Seeing a run: metrics.jsonl (one object per step, stable keys), TensorBoard when installed, a live line."""
+"""Seeing a run: metrics.jsonl (one object per step, stable keys), samples.jsonl, TensorBoard when installed,
+Weights & Biases when asked for, a live line; progress bars only on a terminal."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def is_tty(stream: IO[str] | None = None) -> bool:
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or not a real stream
+        return False
+
+
+class _NoBar:
+    """What progress_bar gives where no bar is drawn: the calls of a tqdm bar, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True, stream: IO[str] | None = None) -> Any:
+    """A tqdm bar on `stream` (stderr) when enabled and `stream` is a terminal, else a no-op with the same calls.
+
+    Why: tqdm writes carriage-return redraws; in a log file they pile up into one enormous line. Off a terminal
+    the step line (`step_line`, every run.log_every steps) is the progress report.
+    """
+    stream = sys.stderr if stream is None else stream
+    if not (enabled and is_tty(stream)):
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, file=stream)
+
+
+def wandb_mode(configured: str | None) -> str:
+    """ "offline" or "online": the config's run.wandb_mode, else WANDB_MODE, else online."""
+    mode = configured or os.environ.get("WANDB_MODE") or "online"
+    if mode not in ("online", "offline"):
+        raise ValueError(f"WANDB_MODE={mode!r}: exactrl supports 'online' or 'offline'")
+    return mode
+
+
+def import_wandb() -> Any:
+    """The wandb module, or a ValueError that says how to get it (it is not one of exactrl's dependencies)."""
+    try:
+        import wandb
+    except ImportError as err:
+        raise ValueError(
+            "run.wandb = true, but the wandb package is not installed: `pip install wandb`, or set "
+            "run.wandb = false (metrics.jsonl and TensorBoard log everything without it)"
+        ) from err
+    return wandb
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume: bool = False):
-        self.path = Path(out_dir) / "metrics.jsonl"
+    def __init__(
+        self,
+        out_dir: str | Path,
+        tensorboard: bool = True,
+        resume: bool = False,
+        *,
+        wandb: bool = False,
+        wandb_project: str = "exactrl",
+        wandb_mode: str | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        warn: Callable[[str], None] = _warn,
+    ):
+        out_dir = Path(out_dir)
+        self.path = out_dir / "metrics.jsonl"
+        self.samples_path = out_dir / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not resume and self.path.exists():
-            self.path.unlink()
+        if not resume:
+            for p in (self.path, self.samples_path):
+                p.unlink(missing_ok=True)
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warn(
+                    "run.tensorboard = true but TensorBoard is not installed (`pip install tensorboard`): no "
+                    "event files are written; metrics.jsonl has every metric. Set run.tensorboard = false to "
+                    "silence this."
+                )
+            else:
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        self.wandb_run = None
+        if wandb:
+            self.wandb_run = _start_wandb(out_dir, wandb_project, wandb_mode, run_name, config, resume)
 
-                self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-            except Exception:  # tensorboard not installed: the JSONL log is the source of truth anyway
-                self.tb = None
+    @classmethod
+    def from_config(cls, cfg: Any, resume: bool = False, **kwargs: Any) -> MetricsLogger:
+        """The logger a RunConfig asks for (run.tensorboard, run.wandb*)."""
+        from exactrl.config import config_to_dict
+
+        r = cfg.run
+        return cls(
+            r.output_dir,
+            tensorboard=r.tensorboard,
+            resume=resume,
+            wandb=r.wandb,
+            wandb_project=r.wandb_project,
+            wandb_mode=r.wandb_mode,
+            run_name=r.name,
+            config=config_to_dict(cfg),
+            **kwargs,
+        )
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint's step (they will be logged again), and the
-        after-RL evaluation of the interrupted run (logged after its last checkpoint; the resumed run logs its own)."""
-        if not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("step", -1) <= step and rec.get("phase") != "after_rl":
-                keep.append(line)
-        self.path.write_text("".join(k + "\n" for k in keep))
+        after-RL evaluation of the interrupted run (logged after its last checkpoint; the resumed run logs its own).
+        samples.jsonl likewise."""
+        for path in (self.path, self.samples_path):
+            if not path.exists():
+                continue
+            keep = []
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("step", -1) <= step and rec.get("phase") != "after_rl":
+                    keep.append(line)
+            path.write_text("".join(k + "\n" for k in keep))
+
+    def log_samples(
+        self,
+        step: int,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        rewards: Sequence[float],
+        answers: Sequence[str] | None = None,
+    ) -> None:
+        """Write (prompt, completion, reward) rows of one step to samples.jsonl, TensorBoard text and W&B."""
+        rows = []
+        for i, (p, c, r) in enumerate(zip(prompts, completions, rewards, strict=True)):
+            rec: dict[str, Any] = {"step": int(step), "prompt": p, "completion": c, "reward": float(r)}
+            if answers is not None:
+                rec["answer"] = answers[i]
+            rows.append(rec)
+        with open(self.samples_path, "a") as f:
+            for rec in rows:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if self.tb is not None:
+            # TensorBoard renders text as Markdown: one table per step, cells escaped.
+            def cell(x: Any) -> str:
+                return str(x).replace("|", "\\|").replace("\n", "\u23ce")
+
+            table = ["| reward | prompt | completion |", "| --- | --- | --- |"]
+            table += [f"| {r['reward']:.3f} | {cell(r['prompt'])} | {cell(r['completion'])} |" for r in rows]
+            self.tb.add_text("samples", "\n".join(table), int(step))
+            self.tb.flush()
+        if self.wandb_run is not None:
+            import wandb
+
+            cols = ["step", "prompt", "completion", "reward"]
+            table = wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])
+            self.wandb_run.log({"samples": table}, step=int(step))
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -50,10 +190,51 @@ class MetricsLogger:
                 ):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb_run is not None:
+            nums = {
+                k: v
+                for k, v in clean.items()
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+            }
+            # W&B steps must never go back; records logged at the same step (SFT at step 0, evaluations next to
+            # their RL step) are merged into that step's row.
+            self.wandb_run.log(nums, step=int(record.get("step", 0)))
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _start_wandb(
+    out_dir: Path,
+    project: str,
+    mode: str | None,
+    name: str | None,
+    config: dict[str, Any] | None,
+    resume: bool,
+) -> Any:
+    wandb = import_wandb()
+    wdir = out_dir / "wandb"
+    wdir.mkdir(parents=True, exist_ok=True)
+    # One W&B run per exactrl run: its id is kept in the run directory so that --resume continues it.
+    id_file = wdir / "exactrl_run_id"
+    if resume and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=project,
+        name=name,
+        id=run_id,
+        resume="allow",
+        dir=str(out_dir),
+        mode=wandb_mode(mode),
+        config=config,
+    )
 
 
 def step_line(m: dict[str, Any]) -> str:

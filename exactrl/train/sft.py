@@ -3,15 +3,18 @@ packed path and exact ops as RL. A random tiny model cannot be taught by RL alon
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.tasks.base import Example
 from exactrl.tasks.chat import ChatTemplateError
 from exactrl.tasks.prompts import PromptFilter
-from exactrl.train.optim import MasterAdamW
+from exactrl.train.logging import progress_bar
+from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.packing import packed_microbatches, response_logprobs
 
 T = TypeVar("T")
@@ -107,4 +110,70 @@ def sft_batches(
             prompts, completions = [], []
 
 
-__all__ = ["batch_iter", "sft_batches", "sft_step", "sft_tokens"]
+@dataclass
+class SFTResult:
+    last: dict[str, float] = field(default_factory=dict)
+    """The metrics of the last SFT step."""
+    steps_done: int = 0
+    stopped: bool = False
+    """True when should_stop() ended SFT before sft.steps (Ctrl-C)."""
+    filter: PromptFilter | None = None
+    """The filter that skipped records that do not fit (its `skipped` count)."""
+
+
+def run_sft(
+    cfg: Any,
+    model: CausalLM,
+    tok: Tokenizer,
+    encode: Callable[[Any], list[int]],
+    task: Any,
+    log: Callable[[dict[str, Any]], None],
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    out: Callable[[str], None] = print,
+) -> SFTResult:
+    """The supervised warm start of a RunConfig (its [sft] section). Uses a copy of the task stream seeded apart
+    from the RL stream. `should_stop` is asked after every step (the loop's Ctrl-C flag): when it says so, SFT
+    ends after the step it finished, its last metrics are logged, and the result says `stopped`."""
+    s = cfg.sft
+    opt = MasterAdamW(model, lr=s.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    stream = copy.deepcopy(task).train_examples(seed=cfg.run.seed + 1_000_003)
+    res = SFTResult()
+    # A record that does not fit is skipped and named (file:line), as in RL; sequences must also fit a microbatch.
+    res.filter = PromptFilter(
+        cfg.task.max_prompt_tokens,
+        min(cfg.engine.max_model_len, cfg.train.max_tokens_per_microbatch),
+        cfg.sampling.max_tokens,
+        log=out,
+    )
+    max_skips = 2 * getattr(task, "num_train", 5_000) + 1
+    batches = sft_batches(stream, encode, tok, s.batch_size, res.filter, max_skips)
+    bar = progress_bar(s.steps, "sft", enabled=cfg.run.progress)
+    for step, (prompts, completions) in enumerate(batches):
+        if step >= s.steps:
+            break
+        set_lr(
+            opt, s.lr * lr_factor(step, warmup_steps=s.warmup_steps, total_steps=s.steps, schedule="cosine")
+        )
+        res.last = sft_step(
+            model,
+            opt,
+            prompts,
+            completions,
+            max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
+            grad_clip=cfg.train.grad_clip,
+        )
+        res.steps_done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{res.last['sft/loss']:.3f}")
+        stop = should_stop() and res.steps_done < s.steps
+        if step % 25 == 0 or step == s.steps - 1 or stop:
+            log({"sft_step": step, **res.last})
+        if stop:
+            res.stopped = True
+            break
+    bar.close()
+    return res
+
+
+__all__ = ["SFTResult", "batch_iter", "run_sft", "sft_batches", "sft_step", "sft_tokens"]

@@ -73,6 +73,7 @@ def test_fork_shares_blocks_and_copy_on_write():
     copies = bm.allocate(child, 7)
     new = child.block_table[1]
     assert copies == [(b1, new)] and new not in (b0, b1)
+    assert bm.stats == {"prefix_hit_blocks": 0, "fork_shared_blocks": 2, "cow_copies": 1}
     assert bm.ref_count(b1) == 1 and bm.ref_count(new) == 1 and bm.ref_count(b0) == 2
     # The parent is now the only user of b1: it writes in place.
     assert bm.can_append_in_place(parent) and bm.can_append_in_place(child)  # both own their block 1 now
@@ -123,6 +124,7 @@ def test_prefix_cache_hit_leaves_one_token():
     assert bm.cached_prefix_tokens(c) == 4
     copies = bm.allocate(c, 8)
     assert copies == [] and c.num_computed_tokens == 4 and c.block_table[0] == a.block_table[0]
+    assert bm.stats == {"prefix_hit_blocks": 2 + 1, "fork_shared_blocks": 0, "cow_copies": 0}
     assert c.block_table[1] != a.block_table[1]
     bm.mark_computed(c, 8)
 

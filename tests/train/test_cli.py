@@ -111,23 +111,55 @@ def test_generate_missing_model_is_a_clean_error(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_parity_exact(capsys):
-    argv = "parity --preset tiny --device cpu --num-prompts 3 --max-tokens 16 --json".split()
-    assert main(argv) == 0
-    (rec,) = json_lines(capsys.readouterr().out)
+PARITY = ["parity", "--preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--max-tokens", "8"]
+
+
+def test_parity_exact_exercises_what_rl_does(capsys):
+    """The defaults fork groups (copy-on-write), hit the prefix cache, preempt and chunk prefills at T = 0.7."""
+    assert main([*PARITY, "--json"]) == 0
+    captured = capsys.readouterr()
+    (rec,) = json_lines(captured.out)
     assert PARITY_KEYS <= rec.keys()
     assert (rec["mode"], rec["device"], rec["dtype"]) == ("exact", "cpu", "float32")
-    assert rec["num_tokens"] > 0
+    assert rec["num_tokens"] > 0 and rec["temperature"] == 0.7 and rec["samples_per_prompt"] == 4
     assert rec["num_mismatched"] == 0 and rec["max_abs_diff"] == 0.0
+    assert rec["tokens_identical_across_compositions"] and rec["ok"]
+    for key in ("preemptions", "prefix_hit_blocks", "fork_shared_blocks", "cow_copies"):
+        assert rec[key] > 0, key
+    assert (
+        "exercised:" in captured.err and "preemptions" in captured.err and "NOT exercised" not in captured.err
+    )
 
 
-def test_parity_fast_shows_mismatches_and_exits_0(capsys):
-    argv = ["parity", "--preset", "tiny", "--device", "cpu", "--num-prompts", "2", "--max-tokens", "8"]
-    assert main([*argv, "--mode", "fast", "--json"]) == 0
-    (rec,) = json_lines(capsys.readouterr().out)
+def test_parity_fast_shows_mismatches_and_exits_1(capsys):
+    assert main([*PARITY, "--mode", "fast", "--json"]) == 1
+    captured = capsys.readouterr()
+    (rec,) = json_lines(captured.out)
     assert PARITY_KEYS <= rec.keys()
     assert rec["mode"] == "fast" and rec["num_tokens"] > 0
     assert rec["num_mismatched"] > 0 and rec["max_abs_diff"] > 0
+    assert "logprobs differ" in captured.err
+
+
+def test_parity_fails_when_sampling_depends_on_the_batch_row(monkeypatch, capsys):
+    """A planted bug: the Gumbel noise keyed on the row of the batch instead of the request. Logprobs still agree
+    (they are recorded for whatever token was drawn), so only the token comparison across compositions sees it."""
+    import torch
+
+    import exactrl.engine.sampler as sampler
+
+    real = sampler.gumbel_noise
+
+    def row_keyed(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return real(torch.arange(len(keys), device=keys.device) + 12345, vocab_size)
+
+    monkeypatch.setattr(sampler, "gumbel_noise", row_keyed)
+    assert main([*PARITY, "--json"]) == 1
+    captured = capsys.readouterr()
+    (rec,) = json_lines(captured.out)
+    assert rec["num_mismatched"] == 0 and not rec["tokens_identical_across_compositions"]
+    assert rec["sequences_with_other_tokens"] > 0
+    assert "other tokens in another batch composition" in captured.err
 
 
 def test_train_unknown_key_exits_2_with_a_hint(config, capsys):
@@ -248,3 +280,91 @@ def test_sft_command(config, tmp_path, capsys):
     # the SFT checkpoint is a model the other commands read
     assert main(["eval", "--model", str(run / "sft"), "--num", "4", "--max-tokens", "3", "--json"]) == 0
     assert json_lines(capsys.readouterr().out)[-1]["eval/num_examples"] == 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A user's first day (issue 24): run dirs, eval of a run's checkpoint, the small CLI items
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run(config, tmp_path_factory) -> Path:
+    """One RL step of the small config (its final model is checkpoints/step-000001)."""
+    run = tmp_path_factory.mktemp("small_run") / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]) == 0
+    return run
+
+
+def test_train_into_a_run_dir_refuses_without_resume_or_overwrite(config, small_run, capsys):
+    before = (small_run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", str(config), "--set", f"run.output_dir={small_run}"]) == 2
+    err = capsys.readouterr().err
+    assert str(small_run) in err and "--resume" in err and "--overwrite" in err
+    assert (small_run / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_a_change_of_algorithm_or_lr(config, small_run, capsys):
+    config_before = (small_run / "config.toml").read_text()
+    argv = ["train", str(config), "--set", f"run.output_dir={small_run}", "--resume"]
+    assert main([*argv, "--set", "algorithm.name=rloo", "--set", "train.lr=1e-2"]) == 2
+    err = capsys.readouterr().err
+    assert 'algorithm.name: "grpo" -> "rloo"' in err and "train.lr: 0.0003 -> 0.01" in err
+    assert "--allow-config-change" in err
+    assert (small_run / "config.toml").read_text() == config_before
+
+
+def test_overwrite_starts_the_run_over(config, small_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    (run / "checkpoints" / "step-000099").mkdir()  # a stray old checkpoint must not survive
+    argv = ["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]
+    assert main([*argv, "--set", "sft.steps=1", "--overwrite"]) == 0
+    assert "--overwrite: deleting" in capsys.readouterr().out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000001"]
+    assert "steps = 1" in (run / "config.toml").read_text().split("[sft]")[1]
+
+
+def test_eval_of_a_runs_checkpoint_uses_the_runs_config(small_run, capsys):
+    """`exactrl eval --model RUN/checkpoints/step-N/policy`, no other flag: the run's task, sampling and number of
+    held-out prompts, so it prints the accuracy the run logged for that model."""
+    capsys.readouterr()
+    model = small_run / "checkpoints" / "step-000001" / "policy"
+    assert main(["eval", "--model", str(model), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert str(small_run / "config.toml") in captured.err
+    (res,) = json_lines(captured.out)
+    after = [json.loads(x) for x in (small_run / "metrics.jsonl").read_text().splitlines()]
+    (after,) = [r for r in after if r.get("phase") == "after_rl"]
+    assert res["eval/num_examples"] == 4  # the config's task.num_eval (200 without the run's config)
+    assert res["eval/accuracy"] == after["eval/accuracy"] and res["eval/reward"] == after["eval/reward"]
+
+
+def test_help_shows_defaults(capsys):
+    for cmd, expected in (("eval", "(default: 0)"), ("parity", "(default: 6)"), ("bench", "(default: 256)")):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        assert expected in capsys.readouterr().out, cmd
+
+
+def test_init_model_lists_presets(capsys):
+    assert main(["init-model", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "qwen3-0.6b" in out and "layers" in out
+    assert main(["init-model", "--preset", "tinyy", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "tinyy" in err and "qwen3-0.6b" in err
+
+
+def test_set_model_path_over_a_preset_explains_the_conflict(config, tmp_path, capsys):
+    assert main(["train", str(config), "--set", f"model.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.preset=none" in err and "'tiny'" in err
+
+
+def test_bench_writes_under_the_output_dir_it_is_given(tmp_path, capsys):
+    argv = "bench rollout --preset tiny --device cpu --dtype float32 --concurrency 2 --prompt-len 4 --max-tokens 2"
+    assert main([*argv.split(), "--output-dir", str(tmp_path / "out")]) == 0
+    (written,) = (tmp_path / "out").iterdir()
+    assert json.loads(written.read_text())["bench"] == "rollout"
+    assert str(written) in capsys.readouterr().err
