@@ -27,10 +27,11 @@ def _run(cfg, args) -> int:
     from exactrl.train.loop import train
 
     plan = _run_dir_plan(cfg, args)
-    # loop.train writes config.toml itself (today before the model and data load); commit clears an --overwrite's
-    # old files first. Once loop.train takes the plan and commits after validation, pass `run_dir=plan` instead.
-    plan.commit(cfg)
-    summary = train(cfg, resume=getattr(args, "resume", False))
+    config_dir = Path(args.config).resolve().parent if getattr(args, "config", None) else None
+    # The plan commits (clears an --overwrite's old files, writes config.toml) once everything has loaded.
+    summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan, config_dir=config_dir)
+    if summary.get("all_reward_calls_failed"):
+        return 3
     return 130 if summary.get("stopped_early") else 0
 
 
@@ -112,9 +113,10 @@ def cmd_eval(args) -> int:
     num = args.num or cfg.task.num_eval
     # Every record of --data is an eval example (a JsonlTask would hold most of them out for training).
     if args.data:
-        from exactrl.tasks import load_jsonl
+        from exactrl.tasks.jsonl import load_dataset
 
-        examples = load_jsonl(args.data, cfg.task.prompt_field, cfg.task.answer_field)[:num]
+        fmt = "parquet" if cfg.task.name == "parquet" else "jsonl"
+        examples = load_dataset(args.data, cfg.task.prompt_field, cfg.task.answer_field, fmt)[0][:num]
     else:
         examples = build_task(cfg).eval_examples(num)
     encode = make_encoder(cfg, tok)
@@ -127,7 +129,9 @@ def cmd_eval(args) -> int:
             "engine.max_model_len - max tokens) left out",
             file=sys.stderr,
         )
-    rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
+    rewards = RewardComputer.from_config(
+        cfg.reward, device=device, base_dir=Path(config).resolve().parent if config else None
+    )
     engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
     res = evaluate(
         engine,

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from exactrl.algorithms import advantage_metrics, grpo_advantages, reward_metrics, rloo_advantages
-from exactrl.config import RunConfig, save_config
+from exactrl.algorithms import KLController, advantage_metrics, compute_advantages, reward_metrics
+from exactrl.config import RunConfig
 from exactrl.distributed.checkpoint import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -30,15 +30,16 @@ from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.loading import load_policy, resolve_device
-from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
-from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task, render_prompt
+from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
+from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
-from exactrl.train.logging import MetricsLogger, step_line
+from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
-from exactrl.train.sft import batch_iter, sft_step, sft_tokens
+from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
+from exactrl.train.sft import run_sft
 from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
 
 
@@ -80,7 +81,7 @@ def build_task(cfg: RunConfig):
             seed=cfg.run.seed,
         )
     return make_task(
-        "jsonl",
+        t.name,
         path=t.path,
         eval_path=t.eval_path,
         prompt_field=t.prompt_field,
@@ -90,26 +91,15 @@ def build_task(cfg: RunConfig):
     )
 
 
-@dataclass
-class PromptEncoder:
-    """Turns task prompts into model input ids (chat template when configured and available)."""
-
-    tokenizer: Tokenizer
-    chat_template: str | None
-    system_prompt: str | None
-
-    def __call__(self, ex: Example) -> list[int]:
-        text = render_prompt(ex.prompt, chat_template=self.chat_template, system_prompt=self.system_prompt)
-        return self.tokenizer.encode(text)
-
-
 def make_encoder(cfg: RunConfig, tok: Tokenizer) -> PromptEncoder:
     template = None
     if cfg.task.use_chat_template:
         template = tok.chat_template
         if template is None and cfg.model.path:
             template = load_chat_template(cfg.model.path)
-    return PromptEncoder(tok, template, cfg.task.system_prompt)
+    # The checkpoint's named special tokens (e.g. a Llama template's {{ bos_token }}), then the user's kwargs.
+    kwargs = {**getattr(tok, "special_tokens", {}), **dict(cfg.task.chat_template_kwargs)}
+    return PromptEncoder(tok, template, cfg.task.system_prompt, kwargs)
 
 
 def evaluate(
@@ -159,43 +149,34 @@ def evaluate(
     return out
 
 
-def run_sft(
-    cfg: RunConfig, model: CausalLM, tok: Tokenizer, encode: PromptEncoder, task, log
-) -> dict[str, float]:
-    """The supervised warm start. Uses a copy of the task stream seeded apart from the RL stream."""
-    s = cfg.sft
-    opt = MasterAdamW(model, lr=s.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-    stream = copy.deepcopy(task).train_examples(seed=cfg.run.seed + 1_000_003)
-    last: dict[str, float] = {}
-    from tqdm import tqdm
+def train(
+    cfg: RunConfig,
+    resume: bool = False,
+    out=print,
+    *,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+    run_dir: RunDirPlan | None = None,
+    config_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run the whole job described by cfg; returns the summary written to summary.json.
 
-    bar = tqdm(total=s.steps, desc="sft", disable=not cfg.run.progress, leave=False)
-    for step, batch in enumerate(batch_iter(stream, s.batch_size)):
-        if step >= s.steps:
-            break
-        set_lr(
-            opt, s.lr * lr_factor(step, warmup_steps=s.warmup_steps, total_steps=s.steps, schedule="cosine")
-        )
-        pairs = [(encode(ex), sft_tokens(tok, "", ex.answer)[1]) for ex in batch]
-        last = sft_step(
-            model,
-            opt,
-            [p for p, _ in pairs],
-            [c for _, c in pairs],
-            max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
-            grad_clip=cfg.train.grad_clip,
-        )
-        bar.update(1)
-        bar.set_postfix(loss=f"{last['sft/loss']:.3f}")
-        if step % 25 == 0 or step == s.steps - 1:
-            log({"sft_step": step, **last})
-    bar.close()
-    return last
-
-
-def train(cfg: RunConfig, resume: bool = False, out=print) -> dict[str, Any]:
-    """Run the whole job described by cfg; returns the summary written to summary.json."""
-    return RLRun(cfg, resume=resume, out=out).run()
+    Nothing is written to cfg.run.output_dir before the model, data and rewards have loaded; a non-empty dir
+    needs resume or overwrite (`rundir.check_run_dir`; `run_dir` is a plan the caller already checked).
+    config_dir: where the config file lives (reward files named relative to it are found there)."""
+    run = RLRun(
+        cfg,
+        resume=resume,
+        out=out,
+        overwrite=overwrite,
+        allow_config_change=allow_config_change,
+        run_dir=run_dir,
+        config_dir=config_dir,
+    )
+    try:
+        return run.run()
+    finally:
+        run.close()
 
 
 @dataclass
@@ -209,6 +190,9 @@ class StepRollouts:
     reward_errors: int
     lengths: list[int]  # completion lengths of the whole step (every rank's)
     truncated: list[bool]
+    advantage_metrics: dict[str, float]
+    completions: list[str]  # this rank's, decoded (for sample logging)
+    answers: list[str]
 
 
 class RLRun:
@@ -217,8 +201,18 @@ class RLRun:
     setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer -> restore (on --resume) ->
     per step: prompts -> rollout -> score (rewards, advantages) -> update -> log -> checkpoint -> finish."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False, out=print) -> None:
-        self.t0 = time.perf_counter()
+    def __init__(
+        self,
+        cfg: RunConfig,
+        resume: bool = False,
+        out=print,
+        *,
+        overwrite: bool = False,
+        allow_config_change: bool = False,
+        run_dir: RunDirPlan | None = None,
+        config_dir: str | Path | None = None,
+    ) -> None:
+        self.clock = RunClock()
         cfg.validate()
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
@@ -226,10 +220,17 @@ class RLRun:
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
-        if self.dist.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out_dir / "config.toml")
-        self.dist.barrier()
+        self.rewards: RewardComputer | None = None
+        # The output dir is checked now and changed only once everything has loaded (plan.commit below).
+        self.plan = run_dir
+        if self.plan is None:
+            self.plan = check_run_dir(
+                cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change
+            )
+            for note in self.plan.notes:
+                self.out(note)
+        if cfg.run.wandb and self.dist.is_main:
+            import_wandb()  # a missing package is said now, not after the model has loaded
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
@@ -249,16 +250,24 @@ class RLRun:
         )
         self.task = build_task(cfg)
         self.encode = make_encoder(cfg, self.tok)
-        self.rewards = RewardComputer(cfg.reward.functions, cfg.reward.weights or None, cfg.reward.timeout_s)
+        # Too-long prompts are skipped and named (file:line), with the key to change.
+        self.prompt_filter = PromptFilter(
+            cfg.task.max_prompt_tokens, cfg.engine.max_model_len, cfg.sampling.max_tokens, log=self.out
+        )
+        self.rewards = RewardComputer.from_config(cfg.reward, device=self.device, base_dir=config_dir)
         # The [engine] section's fields are a subset of the engine's own config: passed through by name.
         self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         self.ckpt_root = self.out_dir / "checkpoints"
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
         if resume and self.resume_from is None:
             self.out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
+        # Everything loaded: now the run directory may change (old files of --overwrite go, config.toml is written).
+        if self.dist.is_main:
+            self.plan.commit(cfg)
+        self.dist.barrier()
         # With nothing to resume from the run starts over, and so does its metrics.jsonl.
         self.logger: MetricsLogger | _NoLogger = (
-            MetricsLogger(self.out_dir, tensorboard=cfg.run.tensorboard, resume=self.resume_from is not None)
+            MetricsLogger.from_config(cfg, resume=self.resume_from is not None)
             if self.dist.is_main
             else _NoLogger()
         )
@@ -282,15 +291,14 @@ class RLRun:
         self.step = 0
         self.consecutive_nan = 0
         self.stopped_early = False
+        self.stopped_in_sft = False
+        a = cfg.algorithm
+        self.kl_ctl = KLController(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.stream: Any = None  # the task's training-example iterator, opened by run()
 
     # -- setup stages ----------------------------------------------------------------------------------------
     def fits(self, ids: list[int]) -> bool:
-        c = self.cfg
-        return (
-            len(ids) <= c.task.max_prompt_tokens
-            and len(ids) + c.sampling.max_tokens <= c.engine.max_model_len
-        )
+        return self.prompt_filter.reason(ids) is None
 
     def _eval_examples(self) -> list[Example]:
         # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
@@ -324,13 +332,32 @@ class RLRun:
                 model.load_state_dict(loaded.state_dict())
             elif cfg.sft.steps > 0:
                 self.out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
-                last = run_sft(
-                    cfg, model, self.tok, self.encode, self.task, lambda r: self.logger.log({"step": 0, **r})
-                )
-                self.out(f"SFT done: loss {last.get('sft/loss', float('nan')):.4f}")
-                from exactrl.model.hf import save_model
+                with _StopFlag() as sft_flag:
+                    sft = run_sft(
+                        cfg,
+                        model,
+                        self.tok,
+                        self.encode,
+                        self.task,
+                        lambda r: self.logger.log({"step": 0, **r}),
+                        should_stop=lambda: sft_flag.stop,
+                        out=self.out,
+                    )
+                self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+                if sft.filter is not None and sft.filter.skipped:
+                    self.summary["sft_skipped_prompts_total"] = sft.filter.skipped
+                if self.dist.is_main:
+                    from exactrl.model.hf import save_model
 
-                save_model(model, sft_dir, tokenizer=self.tok)
+                    save_model(model, sft_dir, tokenizer=self.tok)
+                if sft.stopped:
+                    self.stopped_in_sft = True
+                    self.summary["sft_steps_done"] = sft.steps_done
+                    self.out(
+                        f"stopped during SFT after step {sft.steps_done} of {cfg.sft.steps}; its weights are in "
+                        f"{sft_dir} (sft.checkpoint can start RL from them); RL is skipped"
+                    )
+                    return
             before = self.evaluate()
             self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
             self.logger.log({"step": 0, **before, "phase": "before_rl"})
@@ -357,7 +384,7 @@ class RLRun:
         if a.kl_coef > 0:
             ref_model = copy.deepcopy(model).requires_grad_(False)
         self.critic = self.critic_opt = None
-        if a.name == "ppo":
+        if a.needs_critic:
             self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
@@ -414,6 +441,9 @@ class RLRun:
         self.task.load_state_dict(state["task"])
         self.totals.update(state.get("totals", {}))
         self.summary.update(state.get("summary", {}))
+        self.clock.resume_from(self.summary)
+        if "kl_controller" in state:
+            self.kl_ctl.load_state_dict(state["kl_controller"])
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
@@ -438,7 +468,7 @@ class RLRun:
         while len(examples) < cfg.algorithm.prompts_per_step:
             ex = next(self.stream)
             ids = self.encode(ex)
-            if not self.fits(ids):
+            if not self.prompt_filter.admit(ex, ids):
                 self.totals["skipped_prompts"] += 1
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
@@ -471,16 +501,9 @@ class RLRun:
     def rollout(self, step: int, prompt_ids: list[list[int]], index: list[int]) -> list[RequestOutput]:
         """Sample group_size completions per prompt from the current weights. Request ids (the prompt's index
         in the step, offset by the step) are unique across the run: they key the sampling noise."""
-        from tqdm import tqdm
-
         n = self.cfg.algorithm.group_size
         base_id = step * self.cfg.algorithm.prompts_per_step
-        bar = tqdm(
-            total=len(prompt_ids) * n,
-            desc=f"step {step + 1} generate",
-            leave=False,
-            disable=not self.cfg.run.progress,
-        )
+        bar = progress_bar(len(prompt_ids) * n, f"step {step + 1} generate", enabled=self.cfg.run.progress)
         outs = self.engine.generate(
             prompt_ids,
             self.sampling_params(),
@@ -491,9 +514,15 @@ class RLRun:
         return outs
 
     def score(
-        self, step: int, examples: list[Example], prompt_ids: list[list[int]], outs: list[RequestOutput]
+        self,
+        step: int,
+        examples: list[Example],
+        prompt_ids: list[list[int]],
+        outs: list[RequestOutput],
+        baseline: torch.Tensor | None = None,
     ) -> StepRollouts:
-        """Rollouts with their rewards and sequence-level advantages; a prompt the engine refused is skipped."""
+        """Rollouts with their rewards and sequence-level advantages; a prompt the engine refused is skipped.
+        baseline: ReMax's greedy-rollout rewards, one per prompt of the whole step."""
         a = self.cfg.algorithm
         rollouts: list[Rollout] = []
         completions, answers, exs = [], [], []
@@ -529,10 +558,20 @@ class RLRun:
             (res.rewards, res.per_function, errors, lens, [x.truncated for x in rollouts])
         )
         r = torch.tensor([v for p in parts for v in p[0]], dtype=torch.float32)
-        if a.name == "rloo":
-            adv = rloo_advantages(r, a.group_size)
+        all_lengths = [n for p in parts for n in p[3]]
+        adv_metrics: dict[str, float] = {}
+        if a.needs_critic:  # token-level GAE in the trainer; these stay zero
+            adv = torch.zeros_like(r)
         else:
-            adv = grpo_advantages(r, a.group_size, scale="none" if a.name == "dr_grpo" else a.adv_scale)
+            adv, adv_metrics = compute_advantages(
+                a.resolved_advantage,
+                r,
+                a.group_size,
+                lengths=torch.tensor(all_lengths, dtype=torch.float32),
+                baseline_rewards=baseline,
+                adv_scale=a.adv_scale,
+                whiten=a.resolved_whiten_advantages,
+            )
         start = sum(len(p[0]) for p in parts[: self.dist.rank])
         for ro, rew, ad in zip(rollouts, r[start:].tolist(), adv[start:].tolist()):
             ro.reward, ro.advantage = rew, ad
@@ -543,15 +582,34 @@ class RLRun:
             adv,
             per_function,
             sum(p[2] for p in parts),
-            [n for p in parts for n in p[3]],
+            all_lengths,
             [t for p in parts for t in p[4]],
+            adv_metrics,
+            completions,
+            [str(x) for x in answers],
+        )
+
+    def greedy_baseline(
+        self, step: int, prompt_ids: list[list[int]], index: list[int], examples
+    ) -> torch.Tensor:
+        """ReMax: one greedy completion per prompt through the same engine, scored by the same rewards; the
+        rewards of every rank's prompts, in step order. Request ids are the step's own (greedy draws no noise)."""
+        import dataclasses
+
+        params = dataclasses.replace(self.sampling_params(), temperature=0.0, top_p=1.0, top_k=0, n=1)
+        base_id = step * self.cfg.algorithm.prompts_per_step
+        outs = self.engine.generate(prompt_ids, params, request_ids=[base_id + i for i in index])
+        texts = [self.tok.decode(o.samples[0].token_ids) if o.samples else "" for o in outs]
+        res = self.rewards(texts, [ex.answer for ex in examples], list(examples))
+        self.greedy_tokens = sum(len(o.samples[0].token_ids) for o in outs if o.samples)
+        return torch.tensor(
+            [v for p in self.dist.all_gather_object(res.rewards) for v in p], dtype=torch.float32
         )
 
     def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
         """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
-        from tqdm import tqdm
-
-        bar = tqdm(total=1, desc=f"step {step + 1} train", leave=False, disable=not self.cfg.run.progress)
+        bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
+        self.trainer.s.kl_coef = self.kl_ctl.value
         m = self.trainer.step(rollouts)
         bar.update(1)
         bar.close()
@@ -566,7 +624,7 @@ class RLRun:
         lengths = torch.tensor(sr.lengths, dtype=torch.float32)
         per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in sr.per_function.items()}
         m.update(reward_metrics(r, a.group_size, per_fn))
-        if a.name != "ppo":  # PPO's token-level GAE advantages are logged by the trainer
+        if not a.needs_critic:  # GAE's token-level advantages are logged by the trainer
             m.update(advantage_metrics(sr.advantages[:, None], torch.ones(len(sr.advantages), 1)))
         m.update(response_length_metrics(lengths, torch.tensor(sr.truncated)))
         m["train/accuracy"] = float((r > 0.5).float().mean())
@@ -579,7 +637,13 @@ class RLRun:
         return m
 
     def checkpoint(self) -> None:
-        state = {"task": self.task.state_dict(), "totals": self.totals, "summary": self.summary}
+        self.clock.stamp(self.summary)  # the run's time so far travels with the checkpoint
+        state = {
+            "task": self.task.state_dict(),
+            "totals": self.totals,
+            "summary": self.summary,
+            "kl_controller": self.kl_ctl.state_dict(),
+        }
         if self.parallel.sharded:
             save_sharded_checkpoint(
                 self.dist,
@@ -614,7 +678,10 @@ class RLRun:
         t_gen = time.perf_counter()
         outs = self.rollout(step, prompt_ids, index)
         gen_s = time.perf_counter() - t_gen
-        sr = self.score(step, examples, prompt_ids, outs)
+        baseline = None
+        if self.cfg.algorithm.resolved_advantage == "remax":
+            baseline = self.greedy_baseline(step, prompt_ids, index, examples)
+        sr = self.score(step, examples, prompt_ids, outs, baseline)
         t_train = time.perf_counter()
         m = self.update(step, sr.rollouts)
         train_s = time.perf_counter() - t_train
@@ -625,13 +692,20 @@ class RLRun:
         m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
+        m.update(sr.advantage_metrics)
+        m["kl_coef"] = self.kl_ctl.value
+        if "kl_ref" in m:
+            self.kl_ctl.update(m["kl_ref"], len(sr.lengths))
         m["step"] = self.step
+        self.last_rollouts = sr
         return m
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg, tr = self.cfg, self.cfg.train
         self.warm_start()
+        if self.stopped_in_sft:
+            return self.finish()
         self.build_trainer()
         self.restore()
         self.stream = self.task.train_examples(seed=cfg.run.seed)
@@ -663,6 +737,16 @@ class RLRun:
         if cfg.task.eval_every and step % cfg.task.eval_every == 0 and step < cfg.train.steps:
             m.update(self.evaluate())
         self.logger.log(m)
+        every = cfg.run.log_samples_every
+        if every and step % every == 0 and self.dist.is_main:
+            sr, k = self.last_rollouts, cfg.run.log_samples_count
+            self.logger.log_samples(
+                step,
+                [self.tok.decode(ro.prompt_ids) for ro in sr.rollouts[:k]],
+                sr.completions[:k],
+                [ro.reward for ro in sr.rollouts[:k]],
+                sr.answers[:k],
+            )
         if step % cfg.run.log_every == 0:
             self.out(step_line(m))
         tr = cfg.train
@@ -672,9 +756,14 @@ class RLRun:
                 f"(train.max_nan_steps = {tr.max_nan_steps}). Lower train.lr or check the rewards."
             )
 
+    def close(self) -> None:
+        """Stop the reward workers (user reward functions run in processes of their own)."""
+        if self.rewards is not None:
+            self.rewards.close()
+
     def finish(self) -> dict[str, Any]:
         """The held-out accuracy after RL, summary.json, report.png and the summary lines."""
-        after = self.evaluate()
+        after = self.evaluate() if not self.stopped_in_sft else {}
         self.logger.log({"step": self.step, **after, "phase": "after_rl"})
         self.logger.close()
         t = self.totals
@@ -682,7 +771,7 @@ class RLRun:
             {
                 "accuracy_after_rl": after.get("eval/accuracy"),
                 "rl_steps": self.step,
-                "minutes": (time.perf_counter() - self.t0) / 60.0,
+                "minutes": self.clock.total_s() / 60.0,
                 "mismatched_tokens_total": t["mismatched"],
                 "compared_tokens_total": t["compared"],
                 "skipped_prompts_total": t["skipped_prompts"],
@@ -690,9 +779,17 @@ class RLRun:
                 "nan_steps_total": t["nan_steps"],
                 "exact": self.exact,
                 "algorithm": self.cfg.algorithm.name,
-                "stopped_early": self.stopped_early,
+                "advantage": self.cfg.algorithm.resolved_advantage,
+                "policy_loss": self.cfg.algorithm.resolved_policy_loss,
+                "stopped_early": self.stopped_early or self.stopped_in_sft,
+                "skipped_records_total": getattr(self.task, "num_skipped", 0),
             }
         )
+        if self.rewards is not None and self.rewards.all_calls_failed():
+            # The policy was trained on zero rewards: the run must not look like a success.
+            self.summary["all_reward_calls_failed"] = True
+            self.summary["reward_failure"] = self.rewards.failure_summary()
+        self.clock.stamp(self.summary)
         s = self.summary
         if s.get("accuracy_before_rl") is not None and s.get("accuracy_after_rl") is not None:
             s["accuracy_gain"] = s["accuracy_after_rl"] - s["accuracy_before_rl"]
@@ -728,6 +825,10 @@ def trainer_settings(cfg: RunConfig) -> TrainerSettings:
     a, tr = cfg.algorithm, cfg.train
     return TrainerSettings(
         algorithm=a.name,
+        advantage=a.resolved_advantage,
+        policy_loss=a.resolved_policy_loss,
+        whiten_advantages=a.resolved_whiten_advantages,
+        loss_options={k: v for k, v in a.policy_loss_kwargs().items() if k != "kind"},
         temperature=cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0,
         eps_low=a.eps_low,
         eps_high=a.eps_high,
@@ -764,4 +865,9 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
         f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
+        + (
+            f"\n   !! {s['reward_failure']}. The policy was trained on zero rewards: exit status 3"
+            if s.get("reward_failure")
+            else ""
+        )
     )

@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor
 from exactrl.algorithms import (
     advantage_metrics,
     aggregate,
-    gae,
+    gae_advantages,
     kl_estimate,
     masked_sum,
+    masked_whiten,
     mismatch_metrics,
     policy_loss_terms,
     rollout_correction,
@@ -41,8 +42,6 @@ from exactrl.train.packing import (
     response_logprobs,
 )
 
-POLICY_KIND = {"grpo": "ppo", "dr_grpo": "ppo", "rloo": "ppo", "ppo": "ppo", "gspo": "gspo", "cispo": "cispo"}
-
 
 @dataclass
 class Rollout:
@@ -60,7 +59,13 @@ class Rollout:
 class TrainerSettings:
     """What the trainer needs from the algorithm and train config sections."""
 
-    algorithm: str = "grpo"
+    algorithm: str = "grpo"  # the config's preset name, for logs; the two choices below are what counts
+    advantage: str = (
+        "grpo"  # "gae": token-level advantages from the critic; else sequence-level from the caller
+    )
+    policy_loss: str = "ppo_clip"  # exactrl.algorithms.policy_loss_terms(kind=...)
+    whiten_advantages: bool = False  # GAE advantages whitened over the step (verl's default for GAE)
+    loss_options: dict = field(default_factory=dict)  # the loss's own constants (cispo eps, sapo taus, ...)
     temperature: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -192,9 +197,7 @@ class PolicyTrainer:
         critic_optimizer: MasterAdamW | None = None,
         dist: DistContext | None = None,
     ):
-        if settings.algorithm not in POLICY_KIND:
-            raise ValueError(f"unknown algorithm {settings.algorithm!r}; use one of {sorted(POLICY_KIND)}")
-        if settings.algorithm == "ppo" and critic is None:
+        if settings.advantage == "gae" and critic is None:
             raise ValueError("algorithm 'ppo' needs a critic (ValueModel)")
         if settings.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
@@ -231,10 +234,8 @@ class PolicyTrainer:
             x["old_lp"],
             x["adv"],
             m,
-            kind=POLICY_KIND[s.algorithm],
-            eps_low=s.eps_low,
-            eps_high=s.eps_high,
-            dual_clip=s.dual_clip,
+            kind=s.policy_loss,
+            **({"eps_low": s.eps_low, "eps_high": s.eps_high, "dual_clip": s.dual_clip} | s.loss_options),
             aggregation=s.aggregation,
             loss_divisor=divisor,
             norm_constant=norm_constant,
@@ -245,7 +246,8 @@ class PolicyTrainer:
         pm["entropy/sum"] = masked_sum(ent.detach(), m)
         if use_loss_kl:
             kl = kl_estimate(lp, x["ref_lp"], s.kl_kind)
-            total = total + s.kl_coef * aggregate(
+            # A graph input, not a constant: the adaptive KL controller changes it between steps.
+            total = total + x["kl_coef"] * aggregate(
                 kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
             )
             pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
@@ -353,7 +355,7 @@ class PolicyTrainer:
     def _advantages(self, b: StepBatch, rollouts: list[Rollout]) -> None:
         """Sequence-level advantages from the caller, or GAE over token rewards with the critic."""
         s, L = self.s, b.L
-        if s.algorithm == "ppo":
+        if s.advantage == "gae":
             b.old_values = _padded_list(self._values(rollouts), L, "cpu")
             token_rewards = torch.zeros(len(rollouts), L)
             for i, r in enumerate(rollouts):
@@ -362,7 +364,11 @@ class PolicyTrainer:
                 token_rewards = (
                     token_rewards - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind) * b.full_mask
                 )
-            b.advantages, b.returns = gae(token_rewards, b.old_values, b.full_mask, s.gamma, s.lam)
+            b.advantages, b.returns = gae_advantages(
+                token_rewards, b.old_values, b.full_mask, s.gamma, s.lam, whiten=False
+            )
+            if s.whiten_advantages:  # over the whole step's tokens: every rank's rows
+                b.advantages = self._whiten_over_ranks(b.advantages, b.full_mask)
             # The GAE advantages the loss uses, over every rank's rollouts.
             b.metrics.update(advantage_metrics(*self.dist.gather_rows(b.advantages, b.full_mask)))
         else:
@@ -370,6 +376,13 @@ class PolicyTrainer:
             if b.ref_lp is not None and s.kl_in_reward:
                 adv = adv - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind)
             b.advantages = adv
+
+    def _whiten_over_ranks(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`masked_whiten` with the statistics of every rank's rows; this rank's rows of the result."""
+        all_adv, all_mask = self.dist.gather_rows(adv, mask)
+        counts = self.dist.all_gather_object(adv.shape[0])
+        start = sum(counts[: self.dist.rank])
+        return masked_whiten(all_adv, all_mask)[start : start + adv.shape[0], : adv.shape[1]]
 
     def minibatch_plan(self, n: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, minibatch index, rollout indices) of every update of the step, in order: the first epoch in
@@ -456,6 +469,7 @@ class PolicyTrainer:
         if b.use_loss_kl:
             assert b.ref_lp is not None
             x["ref_lp"] = _rows(b.ref_lp, ids, B, C)
+            x["kl_coef"] = torch.tensor(float(s.kl_coef))
         out = self.graphs.run((tm.bucket, b.weights is not None, b.use_loss_kl), x)
         return out["lp"], m, out["metrics"].clone()
 
