@@ -77,6 +77,10 @@ def cmd_parity(args) -> int:
     from exactrl.ops import set_exact_environment
     from exactrl.parity import run_parity
 
+    if args.replay:  # recompute a mismatch report instead of sampling random prompts
+        from exactrl.commands import cmd_parity_replay
+
+        return cmd_parity_replay(args)
     set_exact_environment(args.mode == "exact")
     model, tok = _load(args)
     temps = args.temperature or [0.7]
@@ -217,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         "--shared-prefix", type=int, default=16, help="tokens every other prompt shares (prefix-cache hits)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per temperature")
+    p.add_argument(
+        "--replay",
+        metavar="DIR",
+        help="recompute a run's mismatch report (<output_dir>/mismatch-<step>/) from its weights and print where "
+        "engine and trainer diverge; --device defaults to the run's, --mode to exact",
+    )
     p.set_defaults(func=cmd_parity)
 
     p = sub.add_parser("generate", help="sample completions with the rollout engine", formatter_class=fmt)

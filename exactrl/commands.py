@@ -1,4 +1,5 @@
-"""CLI commands that run jobs: train, sft, eval, bench, report (registered into exactrl.cli's parser)."""
+"""CLI commands that run jobs: train, sft, eval, twin, bench, report, parity --replay (registered into
+exactrl.cli's parser)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,40 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_parity_replay(args) -> int:
+    """`exactrl parity --replay DIR`: exit 1 when any difference remains (tokens, a recomputed divergence, a
+    recorded value that does not reproduce)."""
+    import sys
+
+    from exactrl.guard.replay import replay_report
+
+    res = replay_report(
+        args.replay, device=None if args.device == "auto" else args.device, exact=args.mode == "exact"
+    )
+    print(json.dumps(res.to_dict()) if args.json else res.text())
+    if res.ok:
+        print("replay: OK (tokens re-sampled, logprobs bitwise equal and reproduced)", file=sys.stderr)
+        return 0
+    bad = sum(not s.ok for s in res.sequences)
+    print(f"replay: FAIL ({bad} of {len(res.sequences)} sequences still differ)", file=sys.stderr)
+    return 1
+
+
+def cmd_twin(args) -> int:
+    from exactrl.guard.twin import run_twin
+
+    run_twin(
+        args.config,
+        args.set or [],
+        steps=args.steps if args.steps > 0 else None,
+        out_dir=args.out,
+        tis=args.tis,
+        mis=args.mis,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
 def cmd_bench(args) -> int:
     from exactrl import bench
 
@@ -230,6 +265,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "twin",
+        help="the same config and seed in exact, fast and fast + TIS mode, with one comparison report",
+        formatter_class=fmt,
+    )
+    p.add_argument("config", help="the run's TOML config")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="RL steps of every run (overrides train.steps; 0 = the config's)",
+    )
+    p.add_argument("--out", help="twin folder, one subfolder per run (default: <run.output_dir>-twin)")
+    p.add_argument(
+        "--tis", default="token-tis", choices=["token-tis", "seq-tis"], help="the correction of the TIS run"
+    )
+    p.add_argument(
+        "--mis",
+        choices=["token-mis", "seq-mis", "icepop"],
+        help="also run fast mode with this masking correction",
+    )
+    p.add_argument("--overwrite", action="store_true", help="start over in run folders that hold a run")
+    p.set_defaults(func=cmd_twin)
 
     p = sub.add_parser("report", help="draw a run's curves to a PNG", formatter_class=fmt)
     p.add_argument("run_dir", help="the run's output_dir (with metrics.jsonl)")
