@@ -146,6 +146,11 @@ class RunSection:
     """Torch device: "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
     exact: bool = True
     """Use batch-invariant kernels so rollout logprobs are bitwise equal to the trainer's; false = fast kernels."""
+    on_mismatch: Literal["abort", "skip_step", "warn"] = "abort"
+    """Exact mode: every rollout logprob is compared with the trainer's before an optimizer step uses it. On a
+    difference: "abort" stops the run with no update applied (the last checkpoint stays the resume point) and
+    writes output_dir/mismatch-STEP/ for `exactrl parity --replay`; "skip_step" drops the step's batch and goes
+    on; "warn" trains on it and logs."""
     log_every: int = 1
     """Log metrics every this many optimizer steps."""
     tensorboard: bool = True

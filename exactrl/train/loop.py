@@ -40,7 +40,7 @@ from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, ste
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import run_sft
-from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
+from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout, TrainerSettings
 
 
 class _StopFlag:
@@ -533,13 +533,15 @@ class RLRun:
                 self.totals["skipped_prompts"] += 1
                 self.out(f"step {step + 1}: prompt skipped by the engine: {o.error}")
                 continue
-            for smp in o.samples:
+            for j, smp in enumerate(o.samples):
                 rollouts.append(
                     Rollout(
                         prompt_ids=ids,
                         completion_ids=smp.token_ids,
                         rollout_logprobs=smp.rollout_logprobs,
                         truncated=smp.finish_reason == "length",
+                        request_id=o.request_id,
+                        sample_index=j,
                     )
                 )
                 completions.append(self.tok.decode(smp.token_ids))
@@ -606,6 +608,49 @@ class RLRun:
             [v for p in self.dist.all_gather_object(res.rewards) for v in p], dtype=torch.float32
         )
 
+    def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
+        """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
+        from exactrl.guard.report import MismatchSequence, write_mismatch_report
+
+        seqs = [
+            MismatchSequence(
+                request_id=sr.rollouts[i].request_id,
+                sample_index=sr.rollouts[i].sample_index,
+                prompt_ids=sr.rollouts[i].prompt_ids,
+                completion_ids=sr.rollouts[i].completion_ids,
+                rollout_logprobs=r_lp,
+                trainer_logprobs=t_lp,
+            )
+            for i, _, r_lp, t_lp in err.sequences
+        ]
+        every = [s for part in self.dist.all_gather_object(seqs) for s in part]
+        if self.dist.is_main:
+            sp = self.sampling_params()
+            where = write_mismatch_report(
+                self.out_dir,
+                step + 1,
+                cfg=self.cfg,
+                model=self.engine.model,
+                tokenizer=self.tok,
+                sequences=every,
+                sampling={
+                    "seed": sp.seed,
+                    "temperature": sp.temperature,
+                    "top_k": sp.top_k,
+                    "top_p": sp.top_p,
+                    "max_tokens": sp.max_tokens,
+                    "n": sp.n,
+                    "stop": list(sp.stop),
+                    "stop_token_ids": list(sp.stop_token_ids),
+                },
+            )
+            self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
+            self.logger.close()
+            self.out(f"\n!! {err}\n   replay it: exactrl parity --replay {where}")
+            self.out(
+                f"   resume point: the last checkpoint under {self.ckpt_root} (nothing of step {step + 1} was applied)"
+            )
+
     def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
         """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
@@ -634,6 +679,19 @@ class RLRun:
         if "mismatch/num_tokens" in m:
             self.totals["compared"] += int(m["mismatch/num_tokens"])
             self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
+        # Exact mode compares every completion token of the step (fast mode recomputes them all as well).
+        m["mismatch/completion_tokens"] = float(sum(sr.lengths))
+        if m.get("mismatch/step_skipped"):
+            self.totals["mismatch_skipped_steps"] = self.totals.get("mismatch_skipped_steps", 0) + 1
+            self.out(
+                f"step {self.step}: {int(m['mismatch/num_mismatched_tokens'])} rollout logprobs differ from the "
+                "trainer's: the step's batch was dropped (run.on_mismatch = 'skip_step')"
+            )
+        elif self.exact and m.get("mismatch/num_mismatched_tokens", 0) > 0:
+            self.out(
+                f"warning: step {self.step}: {int(m['mismatch/num_mismatched_tokens'])} rollout logprobs differ "
+                "from the trainer's; trained on anyway (run.on_mismatch = 'warn')"
+            )
         return m
 
     def checkpoint(self) -> None:
@@ -683,7 +741,11 @@ class RLRun:
             baseline = self.greedy_baseline(step, prompt_ids, index, examples)
         sr = self.score(step, examples, prompt_ids, outs, baseline)
         t_train = time.perf_counter()
-        m = self.update(step, sr.rollouts)
+        try:
+            m = self.update(step, sr.rollouts)
+        except MismatchError as err:
+            self.mismatch_abort(step, sr, err)
+            raise
         train_s = time.perf_counter() - t_train
         m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
         self.step += 1
@@ -777,6 +839,7 @@ class RLRun:
                 "skipped_prompts_total": t["skipped_prompts"],
                 "reward_errors_total": t["reward_errors"],
                 "nan_steps_total": t["nan_steps"],
+                "mismatch_skipped_steps_total": t.get("mismatch_skipped_steps", 0),
                 "exact": self.exact,
                 "algorithm": self.cfg.algorithm.name,
                 "advantage": self.cfg.algorithm.resolved_advantage,
@@ -850,6 +913,7 @@ def trainer_settings(cfg: RunConfig) -> TrainerSettings:
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
         exact=cfg.run.exact,
+        on_mismatch=cfg.run.on_mismatch,
         norm_constant=float(cfg.sampling.max_tokens),
         seed=cfg.run.seed,
     )

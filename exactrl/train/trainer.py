@@ -53,6 +53,18 @@ class Rollout:
     reward: float = 0.0
     truncated: bool = False
     advantage: float = 0.0  # sequence-level advantage (GRPO, RLOO, GSPO); PPO computes token-level ones
+    request_id: int | None = None  # the engine request (and sample) that drew it: named when a check fails
+    sample_index: int | None = None
+
+
+class MismatchError(RuntimeError):
+    """Exact mode found a rollout logprob that differs from the trainer's at the sampling weights; no optimizer
+    step of the step was applied. `sequences` holds (rollout index, first differing position, rollout logprobs,
+    trainer logprobs) for every offending rollout of this rank."""
+
+    def __init__(self, message: str, sequences: list[tuple[int, int, torch.Tensor, torch.Tensor]]):
+        super().__init__(message)
+        self.sequences = sequences
 
 
 @dataclass
@@ -86,6 +98,10 @@ class TrainerSettings:
     max_tokens_per_microbatch: int = 8192
     grad_clip: float = 1.0
     exact: bool = True
+    # Exact mode's guard: every completion token's trainer logprob at the sampling weights is compared with the
+    # engine's before any optimizer step uses the batch. "abort": no update, MismatchError; "skip_step": no update,
+    # counted; "warn": the update goes ahead, the mismatch is logged.
+    on_mismatch: str = "abort"
     norm_constant: float | None = None  # Dr.GRPO's constant (defaults to the longest completion)
     seed: int = 0
     # Replay each microbatch's forward + loss + backward as a CUDA graph (on a CUDA device). Microbatches are
@@ -251,6 +267,8 @@ class PolicyTrainer:
                 kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
             )
             pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
+        # Exact mode's old logprobs are the engine's: count the loss tokens whose logprob here differs (bitwise).
+        pm["mismatch/sum"] = masked_sum((lp.detach() != x["old_lp"]).float(), m)
         pm["total"] = total.detach()
         if self.sharded:
             total.backward()
@@ -296,18 +314,84 @@ class PolicyTrainer:
 
     # -- the step ----------------------------------------------------------------------------------------
     def step(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """One RL update: prepare the step's tensors, queue every minibatch's update, then read the results."""
+        """One RL update: prepare the step's tensors, check exactness, queue every minibatch's update, then read
+        the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied."""
         batch = self.prepare(rollouts)
         if not self._grads and not self.sharded:  # the graphs add into these buffers in place
             self._grads = self.opt.persistent_grads(self.opt.params)
+        plan = list(self.minibatch_plan(len(rollouts)))
+        # Exact mode checks every completion token at the sampling weights before an update uses it. With one
+        # update per step the training forward is at those weights: it checks for free, and a mismatch skips the
+        # update on the device (no host wait). With several, later minibatches run at updated weights: one
+        # no-grad forward over the step scores every token first, and the verdict is known before any update.
+        guard = self.s.exact and self.s.on_mismatch != "warn"
+        single_update = len(plan) <= 1
+        if self.s.exact and not single_update:
+            self._prescore(batch, rollouts)
+            if guard and batch.mismatched:
+                self.steps_done += 1
+                return self._refuse(batch, rollouts, {"optimizer_steps": 0.0})
         acc = _Acc()
         pending = []  # per minibatch: its device-side results, read after the last one is queued
-        for epoch, mb_i, mb_idx in self.minibatch_plan(len(rollouts)):
-            queued = self.queue_minibatch(batch, mb_idx, check_mismatch=epoch == 0 and mb_i == 0, acc=acc)
+        for epoch, mb_i, mb_idx in plan:
+            check = single_update and epoch == 0 and mb_i == 0
+            queued = self.queue_minibatch(batch, mb_idx, check_mismatch=check, acc=acc, gate=guard and check)
             if queued is not None:
                 pending.append(queued)
         self.steps_done += 1
-        return self.read_results(batch, pending, acc)
+        out = self.read_results(batch, pending, acc)
+        if guard and batch.mismatched:
+            return self._refuse(batch, rollouts, out)
+        return out
+
+    def _prescore(self, b: StepBatch, rollouts: list[Rollout]) -> None:
+        """Every completion token's trainer logprob at the current (sampling) weights, compared with the
+        engine's: the mismatch metrics of the step, over every rank."""
+        trainer_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
+        b.trainer_lp = trainer_lp
+        mask = _mask(b.lengths, "cpu")
+        b.metrics.update(mismatch_metrics(*self.dist.gather_rows(b.rollout_lp, trainer_lp, mask)))
+        b.mismatched = b.metrics["mismatch/num_mismatched_tokens"] > 0
+
+    def _refuse(self, b: StepBatch, rollouts: list[Rollout], out: dict[str, float]) -> dict[str, float]:
+        """A mismatch in exact mode: no update was applied. skip_step: say so in the metrics; abort: raise."""
+        out.update(b.metrics)
+        out["mismatch/step_skipped"] = 1.0
+        out["optimizer_steps"] = 0.0
+        if self.s.on_mismatch == "skip_step":
+            return out
+        seqs = self._offending(b)
+        n_bad = int(out.get("mismatch/num_mismatched_tokens", 0))
+        n_all = int(out.get("mismatch/num_tokens", 0))
+        head = (
+            f"step {self.steps_done}: {n_bad} of {n_all} rollout logprobs differ from the trainer's at the sampling "
+            "weights (run.on_mismatch = 'abort'); no optimizer step was applied"
+        )
+        if seqs:
+            i, p, r_lp, t_lp = seqs[0]
+            ro = rollouts[i]
+            who = f"rollout {i}" + (
+                f" (request {ro.request_id}, sample {ro.sample_index})" if ro.request_id is not None else ""
+            )
+            head += (
+                f"; first on this rank: {who}, completion position {p}, token id {ro.completion_ids[p]}: engine "
+                f"{float(r_lp[p]).hex()} ({float(r_lp[p]):.9g}), trainer {float(t_lp[p]).hex()} ({float(t_lp[p]):.9g})"
+            )
+        raise MismatchError(head, seqs)
+
+    @staticmethod
+    def _offending(b: StepBatch) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(rollout index, first differing position, rollout logprobs, trainer logprobs) of this rank's
+        offending rollouts, from the checked trainer logprobs."""
+        if b.trainer_lp is None:
+            return []
+        out = []
+        for i, n in enumerate(b.lengths):
+            r, t = b.rollout_lp[i, :n], b.trainer_lp[i, :n]
+            diff = (r != t).nonzero()
+            if diff.numel():
+                out.append((i, int(diff[0, 0]), r.clone(), t.clone()))
+        return out
 
     def prepare(self, rollouts: list[Rollout]) -> StepBatch:
         """Padded [N, L] step tensors: mask, rollout / reference / old logprobs, IS weights, advantages."""
@@ -399,10 +483,11 @@ class PolicyTrainer:
                     yield epoch, mb_i, mb_idx.tolist()
 
     def queue_minibatch(
-        self, b: StepBatch, mb_idx: list[int], *, check_mismatch: bool, acc: _Acc
+        self, b: StepBatch, mb_idx: list[int], *, check_mismatch: bool, acc: _Acc, gate: bool = False
     ) -> _QueuedMinibatch | None:
         """Queue one minibatch's forward, loss and backward (microbatch by microbatch) and its optimizer step,
-        without reading anything back; None when it holds no loss token."""
+        without reading anything back; None when it holds no loss token. gate: a token whose logprob differs
+        from the engine's makes the device skip the update (exact mode's guard)."""
         s = self.s
         check_mismatch = check_mismatch and s.exact
         n_tok = int(b.full_mask[mb_idx].sum())
@@ -431,6 +516,8 @@ class PolicyTrainer:
         # a non-finite gradient norm, makes the device skip it. Results are read once, at the end of the step.
         vecs = torch.stack([d[2] for d in done])
         bad = ~torch.isfinite(vecs[:, self._metric_names.index("total")]).all()
+        if gate:
+            bad = bad | (vecs[:, self._metric_names.index("mismatch/sum")] > 0).any()
         norm = self.opt.clip_and_step_async(s.grad_clip, skip=bad)
         critic_norm = (
             self.critic_opt.clip_and_step_async(s.grad_clip, skip=bad)
@@ -438,7 +525,7 @@ class PolicyTrainer:
             else None
         )
         acc.num_minibatches += 1
-        return _QueuedMinibatch(done, vecs, norm, critic_norm, check_mismatch, divisor)
+        return _QueuedMinibatch(done, vecs, norm, critic_norm, check_mismatch, divisor, gate)
 
     def _policy_microbatch(
         self, b: StepBatch, ids: list[int], divisor: int
@@ -510,6 +597,7 @@ class PolicyTrainer:
             mm_parts = []
             for (ids, m, _, lp), vals in zip(q.done, q.vecs.tolist()):
                 pm = dict(zip(self._metric_names, vals))
+                pm.pop("mismatch/sum")  # the guard's device-side count; the metrics below are the host's
                 total = pm.pop("total")
                 if not math.isfinite(total):
                     finite = False
@@ -534,9 +622,18 @@ class PolicyTrainer:
                     [_pad_to(p[2], b.L) for p in mm_parts] or [torch.zeros(0, b.L, dtype=torch.bool)]
                 )
                 metrics.update(mismatch_metrics(*self.dist.gather_rows(r_all, t_all, k_all)))
+                b.mismatched = metrics["mismatch/num_mismatched_tokens"] > 0
+                if b.mismatched:  # the checked trainer logprobs, for the report
+                    b.trainer_lp = torch.zeros_like(b.rollout_lp)
+                    for ids, _, _, lp in q.done:
+                        if lp is not None:
+                            w = min(b.L, lp.shape[1])
+                            b.trainer_lp[ids, :w] = lp[:, :w].cpu()
             if q.critic_norm is not None:
                 metrics["critic/grad_norm"] = float(q.critic_norm)
             value = 0.0 if q.norm is None else float(q.norm)
+            if q.gated and b.mismatched:  # the guard skipped it, not a non-finite loss
+                continue
             if not finite or math.isnan(value):
                 nan_skips += 1
             else:
@@ -576,6 +673,8 @@ class StepBatch:
     old_values: torch.Tensor | None = None  # [N, L] critic values before the update (PPO)
     returns: torch.Tensor | None = None  # [N, L] GAE returns (PPO)
     metrics: dict[str, float] = field(default_factory=dict)
+    trainer_lp: torch.Tensor | None = None  # [N, L] the checked trainer logprobs (exact mode), when kept
+    mismatched: bool = False  # a checked token differs (on any rank)
 
     @property
     def L(self) -> int:
@@ -593,6 +692,7 @@ class _QueuedMinibatch:
     critic_norm: torch.Tensor | None
     check_mismatch: bool
     divisor: int
+    gated: bool = False  # a mismatch skipped its update
 
 
 def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
