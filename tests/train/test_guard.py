@@ -20,12 +20,12 @@ from exactrl.config import config_from_dict
 from exactrl.train.loop import RLRun, train
 from exactrl.train.trainer import MismatchError
 
-REWARD = '''
+REWARD = """
 import hashlib
 
 def hashed(completion, answer, example):
     return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
-'''
+"""
 
 
 def _cfg(tmp_path: Path, **over) -> object:
