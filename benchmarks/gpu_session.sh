@@ -3,6 +3,7 @@
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
+#     [tests-all] [parity-llama] [guard] [fsdp]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -21,6 +22,16 @@ fi
 if want tests; then
   timeout 420 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/ops/test_triton_sampling.py \
     tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py tests/train/test_optim_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+fi
+if want tests-all; then  # every test marked gpu in the tree (the model, algorithm and guard GPU tests included)
+  timeout 540 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests_all.txt"
+fi
+if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
+  timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \
+    --json 2>&1 | tail -2 | tee -a "$OUT/parity_llama.txt"
+fi
+if want guard; then  # the cost of checking every token when a step makes several updates
+  timeout 300 python3 benchmarks/bench_guard.py --preset qwen3-0.6b --device cuda 2>&1 | tail -6 | tee "$OUT/guard.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
