@@ -88,7 +88,9 @@ class RolloutEngine:
             "cuda_graph_steps": 0,
             "static_decode_steps": 0,
             "ahead_steps": 0,  # launched before the previous step was read back
-            "prefix_cache_hit_tokens": 0,
+            "prefix_hit_blocks": 0,  # the block managers' bookkeeping, summed over calls
+            "fork_shared_blocks": 0,
+            "cow_copies": 0,
         }
 
     def _ensure_runner(self, tokens_needed: int) -> ModelRunner:
@@ -150,6 +152,8 @@ class RolloutEngine:
         while call.step():
             pass
         self.stats["preemptions"] += call.sched.num_preemptions
+        for k, v in call.sched.block_manager.stats.items():
+            self.stats[k] = self.stats.get(k, 0) + v
         call.collect(outputs)
         return outputs
 
