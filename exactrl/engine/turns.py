@@ -95,6 +95,14 @@ class TurnSession:
         assert self._gen is not None
         self._gen.sched.release(seq, reason)
 
+    def cache_stats(self) -> dict[str, int]:
+        """What the KV bookkeeping did in this call: preemptions (paused evictions included), blocks shared by
+        forks, prefix-cache hits, copy-on-write copies."""
+        if self._gen is None:
+            return {}
+        sched = self._gen.sched
+        return {"preemptions": sched.num_preemptions, **sched.block_manager.stats}
+
     def close(self) -> None:
         """Count the call's preemptions in the engine's statistics (once)."""
         if self._gen is not None and not self._closed:

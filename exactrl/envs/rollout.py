@@ -103,11 +103,12 @@ class Episode:
 @dataclass
 class EpisodeBatch:
     """groups[i]: the episodes of prompt i in sample order (empty if the engine refused the prompt, whose
-    reason is errors[i]); metrics: `episode_metrics` of all of them."""
+    reason is errors[i]); metrics: `episode_metrics` of all of them; cache: `TurnSession.cache_stats`."""
 
     groups: list[list[Episode]]
     errors: list[str | None]
     metrics: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def run_episodes(
     for (rid, _j), ep in sorted(done.items()):
         groups[by_req[rid]].append(ep)
     episodes = [e for g in groups for e in g]
-    return EpisodeBatch(groups, list(session.errors), episode_metrics(episodes))
+    return EpisodeBatch(groups, list(session.errors), episode_metrics(episodes), session.cache_stats())
 
 
 def _check_result(res: object) -> str | None:
