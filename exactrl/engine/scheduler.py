@@ -173,6 +173,7 @@ class Scheduler:
         self.paused: list[Sequence] = []  # multi-turn sequences between two turns, in the order they paused
         self._in_flight: ScheduledBatch | None = None
         self.num_preemptions = 0
+        self.num_paused_evictions = 0  # of those, paused multi-turn sequences that gave their blocks back
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -451,6 +452,7 @@ class Scheduler:
                 self.block_manager.free(seq)
                 seq.num_preemptions += 1
                 self.num_preemptions += 1
+                self.num_paused_evictions += 1
                 return True
         return False
 

@@ -101,7 +101,11 @@ class TurnSession:
         if self._gen is None:
             return {}
         sched = self._gen.sched
-        return {"preemptions": sched.num_preemptions, **sched.block_manager.stats}
+        return {
+            "preemptions": sched.num_preemptions,
+            "paused_evictions": sched.num_paused_evictions,
+            **sched.block_manager.stats,
+        }
 
     def close(self) -> None:
         """Count the call's preemptions in the engine's statistics (once)."""
