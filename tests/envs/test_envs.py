@@ -13,7 +13,15 @@ from tokenizers import models
 from exactrl.config import ConfigError, RunConfig
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.envs import AsyncEnvironment, Environment, EpisodeSettings, StepResult, Turn, resolve_env, run_episodes
+from exactrl.envs import (
+    AsyncEnvironment,
+    Environment,
+    EpisodeSettings,
+    StepResult,
+    Turn,
+    resolve_env,
+    run_episodes,
+)
 from exactrl.envs.calculator import CalcError, CalculatorEnv, calculate, format_number
 from exactrl.envs.guess import GuessNumberEnv
 from exactrl.model import build_model, preset
@@ -73,7 +81,9 @@ def _run(make_env, n_prompts=2, n=2, timeout_s=5.0, max_turns=3, tok=None, tempe
     tok = eng.tokenizer
     examples = [Example(f"Q{i}:", str(i)) for i in range(n_prompts)]
     prompts = [tok.encode(e.prompt) for e in examples]
-    settings = EpisodeSettings(max_turns=max_turns, max_tokens_per_turn=6, max_episode_tokens=96, timeout_s=timeout_s)
+    settings = EpisodeSettings(
+        max_turns=max_turns, max_tokens_per_turn=6, max_episode_tokens=96, timeout_s=timeout_s
+    )
     params = SamplingParams(temperature=temperature, n=n, seed=1)
     return eng, run_episodes(eng, tok, examples, prompts, make_env, settings, params)
 
@@ -154,14 +164,20 @@ def test_a_bad_environment_ends_its_episode_with_reward_zero_and_the_run_goes_on
     assert time.perf_counter() - t0 < 10
     assert all(e.finish_reason == "env_timeout" and e.reward == 0.0 for g in b.groups for e in g)
     assert b.metrics["env/timeouts"] == 4
-    for env, reason in ((Garbage, "StepResult"), (NaNReward, "finite"), (_broken_factory, "sandbox unavailable")):
+    for env, reason in (
+        (Garbage, "StepResult"),
+        (NaNReward, "finite"),
+        (_broken_factory, "sandbox unavailable"),
+    ):
         _, b = _run(env)
         assert all(e.finish_reason == "env_error" and reason in e.error for g in b.groups for e in g)
         assert b.metrics["env/errors"] == 4
     # One episode crashes or hangs, the others complete their turns (sampling makes which one does what).
     _, b = _run(Flaky, timeout_s=0.5, temperature=1.0)
     first = b.groups[0]
-    assert {e.finish_reason for e in first} <= {"env_error", "env_timeout"} and all(e.reward == 0 for e in first)
+    assert {e.finish_reason for e in first} <= {"env_error", "env_timeout"} and all(
+        e.reward == 0 for e in first
+    )
     assert all(e.finish_reason == "max_turns" and e.num_turns == 3 for e in b.groups[1])
     m = b.metrics
     assert m["env/errors"] + m["env/timeouts"] == 2 and m["env/finish_max_turns"] == 2
@@ -178,13 +194,19 @@ def test_the_trainer_gets_the_engines_ids_not_a_retokenization():
     retok = [tok.encode(tok.decode(e.completion_ids)) for e in eps]
     assert any(r != e.completion_ids for r, e in zip(retok, eps))
     lps = masked_completion_logprobs(
-        eng.model, [e.token_ids for e in eps], [len(e.prompt_ids) for e in eps], [e.loss_mask for e in eps], 1.0
+        eng.model,
+        [e.token_ids for e in eps],
+        [len(e.prompt_ids) for e in eps],
+        [e.loss_mask for e in eps],
+        1.0,
     )
     assert all(torch.equal(a, e.rollout_logprobs) for a, e in zip(lps, eps))
 
     bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
     turn_ids, obs_ids = bpe.encode("a").ids, bpe.encode("b").ids  # as the engine appends them: one by one
-    assert turn_ids + obs_ids == [0, 1] and bpe.encode(bpe.decode(turn_ids + obs_ids).replace(" ", "")).ids == [2]
+    assert turn_ids + obs_ids == [0, 1] and bpe.encode(
+        bpe.decode(turn_ids + obs_ids).replace(" ", "")
+    ).ids == [2]
 
 
 def test_env_config_section():
