@@ -269,7 +269,7 @@ class SamplingConfig:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
     max_tokens: int = 128
-    """Maximum number of generated tokens per completion."""
+    """Maximum number of generated tokens per completion (per model turn when env.name is set)."""
     stop: list[str] = field(default_factory=list)
     """Strings that end a completion when generated (the stop string is kept in the text)."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -675,6 +675,29 @@ class SFTConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes: the model talks to an environment (a tool, a game) for several turns; unset name = single-turn completions."""
+
+    name: str | None = None
+    """Environment: "calculator" (<calc>expr</calc> tool calls, then an answer), "guess" (guess the number), or "module:ClassName" (an exactrl.envs.Environment or AsyncEnvironment subclass); unset = no environment. A model turn ends at a stop token, at sampling.stop or the environment's stop strings, or after sampling.max_tokens tokens."""
+    max_turns: int = 4
+    """Most model turns per episode; an episode still going after its last turn ends with the last step's reward (0 for the built-ins)."""
+    max_episode_tokens: int = 1024
+    """Most tokens per episode: prompt + every model turn + every observation."""
+    timeout_s: float = 30.0
+    """Time limit of each environment call (reset, step); a call past it, or one that raises, ends its episode with reward 0, counted in env/timeouts and env/errors."""
+
+    def validate(self) -> None:
+        if self.name is not None:
+            builtin = ("calculator", "guess")
+            if self.name not in builtin and ":" not in self.name:
+                _fail("env.name", f"must be one of {builtin} or 'module:ClassName', got {self.name!r}")
+        _check_at_least(self.max_turns, 1, "env.max_turns")
+        _check_at_least(self.max_episode_tokens, 2, "env.max_episode_tokens")
+        _check_positive(self.timeout_s, "env.timeout_s")
+
+
+@dataclass
 class RunConfig:
     """The complete configuration of a run; one attribute per TOML section."""
 
@@ -696,6 +719,8 @@ class RunConfig:
     """Optimisation of the policy (and the PPO critic): steps, AdamW, schedule, microbatching, checkpoints."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Optional supervised warm start on the task's reference answers before RL."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: the model talks to an environment (a tool, a game) for several turns; unset name = single-turn completions."""
 
     def validate(self) -> None:
         """Run every section's checks, then the checks that span sections. Raises ConfigError."""
@@ -710,6 +735,13 @@ class RunConfig:
                 f"({self.engine.max_model_len}) must be >= task.max_prompt_tokens + sampling.max_tokens "
                 f"({self.task.max_prompt_tokens} + {self.sampling.max_tokens} = {seq_len})",
             )
+        if self.env.name is not None:
+            for key, limit in (
+                ("engine.max_model_len", self.engine.max_model_len),
+                ("train.max_tokens_per_microbatch", self.train.max_tokens_per_microbatch),
+            ):
+                if self.env.max_episode_tokens > limit:
+                    _fail(key, f"({limit}) must be >= env.max_episode_tokens ({self.env.max_episode_tokens})")
         if seq_len > self.train.max_tokens_per_microbatch:
             _fail(
                 "train.max_tokens_per_microbatch",

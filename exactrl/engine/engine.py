@@ -196,13 +196,19 @@ class RolloutEngine:
         valid: list[int],
         params: SamplingParams,
         progress: Callable[[int], object] | None,
+        max_total_tokens: int | None = None,
     ) -> _Generation:
-        """Size the KV cache for the call, and queue one sequence per valid prompt in a fresh scheduler."""
+        """Size the KV cache for the call, and queue one sequence per valid prompt in a fresh scheduler.
+
+        max_total_tokens set: multi-turn sequences (episodes; see `start_turns`) whose whole conversation holds
+        at most that many tokens, each turn at most params.max_tokens."""
         cfg = self.config
-        max_new = lambda p: min(params.max_tokens, cfg.max_model_len - len(p))  # noqa: E731
+        limit = cfg.max_model_len if max_total_tokens is None else min(max_total_tokens, cfg.max_model_len)
+        max_new = lambda p: min(params.max_tokens, limit - len(p))  # noqa: E731
+        grow = lambda p: limit - len(p) if max_total_tokens is not None else max_new(p)  # noqa: E731
         tokens_needed = sum(
-            # the prompt once (its n samples share it), then n completions
-            len(prompts[i]) + params.n * max_new(prompts[i])
+            # the prompt once (its n samples share it), then n completions (n whole conversations)
+            len(prompts[i]) + params.n * grow(prompts[i])
             for i in valid
         )
         runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))
@@ -223,6 +229,7 @@ class RolloutEngine:
                 max_tokens=max_new(prompts[i]),
                 num_samples=params.n,
                 stop_token_ids=list(params.stop_token_ids),
+                multi_turn=max_total_tokens is not None,
             )
             call.by_req[request_ids[i]] = i
             sched.add(seq)
@@ -358,9 +365,11 @@ class _Generation:
         stop, tokenizer = self.params.stop, self.engine.tokenizer
         if stop and tokenizer is not None:
             for seq in receivers:
-                if seq.is_finished:
+                if seq.turn_ended:
                     continue
-                text = tokenizer.decode(seq.completion_token_ids)
+                # The current turn's text (the whole completion for a single-turn sequence): a stop string
+                # ends the turn it appears in, never a later one.
+                text = tokenizer.decode(seq.turn_token_ids)
                 if find_stop_string(text, stop, self.text_len.get(seq.seq_id, 0)) is not None:
                     self.sched.finish(seq, "stop")
                 self.text_len[seq.seq_id] = len(text)

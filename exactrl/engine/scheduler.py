@@ -59,6 +59,16 @@ placeholder is only ever a sequence's last token, so no prefix-cache hash covers
 computed tokens, and lookups stop before the last token); resolve(t) comes before commit(t+1), which is what may
 register the block holding it.
 
+**Multi-turn.** A `multi_turn` sequence is an episode: where a single-turn one would finish ("stop",
+"length"), it PAUSES (`paused` list, `take_finished()` hands it out like a finished one, so the caller can ask
+the environment) and keeps its KV blocks. `resume(seq, observation, max_tokens)` appends the observation and
+puts it back at the tail of the running queue: the next step prefills the turn's last sampled token (whose KV
+was never written: a token is cached by the step after the one that sampled it) and the observation on top of
+the cached conversation, and samples the next turn's first token. Meanwhile every other sequence keeps running;
+nothing waits for a turn round. `release(seq, reason)` ends the episode and frees its blocks. Paused sequences
+are the first victims when blocks run short (most recently paused first): they are idle, and their full blocks
+stay in the prefix cache, so a resume after eviction usually recomputes only the last partial block.
+
 **Order.** Running sequences are served in admission order (decodes and unfinished prefills alike), then
 waiting ones in queue order while budgets and blocks allow (first-come first-served: the head is never
 overtaken). All containers are lists/deques, so a given sequence of calls always produces the same batches;
@@ -160,8 +170,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._finished: list[Sequence] = []
         self._next_seq_id = 0
+        self.paused: list[Sequence] = []  # multi-turn sequences between two turns, in the order they paused
         self._in_flight: ScheduledBatch | None = None
         self.num_preemptions = 0
+        self.num_paused_evictions = 0  # of those, paused multi-turn sequences that gave their blocks back
 
     # -- queue management ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -192,15 +204,50 @@ class Scheduler:
         return done
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish a waiting or running sequence from outside (e.g. a stop string found by the detokenizer). Also
-        between schedule() and commit(): the in-flight step's entry for it is then dropped."""
-        if seq.is_finished:
-            raise ValueError(f"sequence {seq.seq_id} is already finished ({seq.finish_reason})")
+        """Finish (multi-turn: pause) a waiting or running sequence from outside (e.g. a stop string found by the
+        detokenizer). Also between schedule() and commit(): the in-flight step's entry for it is then dropped."""
+        if seq.turn_ended:
+            raise ValueError(f"sequence {seq.seq_id} is already {seq.status.value} ({seq.finish_reason})")
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
         self._finish(seq, reason)
+
+    def resume(self, seq: Sequence, observation: list[int], max_tokens: int) -> None:
+        """Continue a paused multi-turn sequence: append the observation tokens (may be empty) and let the next
+        turn sample at most max_tokens tokens. Its KV blocks (if it still holds them) are reused as they are."""
+        if not seq.is_paused:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}, only a paused one can be resumed")
+        if seq.has_pending_token:
+            raise ValueError(f"sequence {seq.seq_id}: its last sampled token is not resolved yet")
+        if int(max_tokens) < 1:
+            raise ValueError(f"sequence {seq.seq_id}: max_tokens must be >= 1, got {max_tokens}")
+        self.paused.remove(seq)
+        start = len(seq.token_ids)
+        seq.token_ids.extend(int(t) for t in observation)
+        seq.observation_spans.append((start, len(seq.token_ids)))
+        seq.turn_start = len(seq.token_ids)
+        seq.max_tokens = int(max_tokens)
+        seq.finish_reason = None
+        if seq.block_table:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:  # evicted while paused: recompute, ahead of newer prompts (as a preempted sequence does)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence, reason: str) -> None:
+        """End a paused multi-turn sequence for good (the episode is over): free its blocks, FINISHED."""
+        if not seq.is_paused:
+            raise ValueError(
+                f"sequence {seq.seq_id} is {seq.status.value}, only a paused one can be released"
+            )
+        self.paused.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     # -- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -229,6 +276,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, self.prefill_chunk_size, budget)
             target = seq.num_computed_tokens + num_new
             while not bm.can_allocate(seq, target):
+                if self._evict_paused():
+                    preempted = True
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -258,6 +308,8 @@ class Scheduler:
             cached = bm.cached_prefix_tokens(seq)
             num_new = min(seq.num_tokens - cached, self.prefill_chunk_size, budget)
             if not bm.can_allocate(seq, cached + num_new):
+                if not entries and self._evict_paused():
+                    continue  # nothing else runs: idle paused sequences must not stall the queue
                 break
             self.waiting.popleft()
             copies += bm.allocate(seq, cached + num_new)
@@ -310,7 +362,9 @@ class Scheduler:
         children: dict[int, list[Sequence]] = {}
         for e in batch.entries:
             seq = e.seq
-            if seq.is_finished:  # finished by finish() or a stop token while the step ran: drop its rows
+            if (
+                seq.turn_ended
+            ):  # finished/paused by finish() or a stop token while the step ran: drop its rows
                 receivers.extend([None] * e.num_samples)
                 continue
             bm.mark_computed(seq, e.end)
@@ -336,11 +390,11 @@ class Scheduler:
             self.running = running
         any_finished = False
         for seq in receivers:
-            if seq is not None and seq.num_completion_tokens >= seq.max_tokens:
+            if seq is not None and seq.num_turn_tokens >= seq.max_tokens:
                 self._finish(seq, "length")
                 any_finished = True
         if any_finished:
-            self.running = [s for s in self.running if not s.is_finished]
+            self.running = [s for s in self.running if not s.turn_ended]
         return receivers
 
     def resolve(
@@ -364,8 +418,8 @@ class Scheduler:
             seq.resolve_token(token_ids[k], None if logprobs is None else logprobs[k])
             got.append(seq)
             if seq.token_ids[-1] in seq.stop_token_ids:
-                if seq.is_finished:
-                    # Finished since commit (max_tokens, or rejected by a schedule() that ran ahead): the stop
+                if seq.turn_ended:
+                    # Finished (paused) since commit (max_tokens, or rejected by a schedule() that ran ahead): the stop
                     # token came first, and names the reason, as it does when nothing runs ahead.
                     seq.finish_reason = "stop"
                 else:
@@ -375,7 +429,7 @@ class Scheduler:
                 if seq.status is SequenceStatus.WAITING:  # preempted by a schedule() that ran ahead
                     self.waiting.remove(seq)
                 self._finish(seq, "stop")
-            self.running = [s for s in self.running if not s.is_finished]
+            self.running = [s for s in self.running if not s.turn_ended]
         return got
 
     # -- internals -------------------------------------------------------------------------------------------
@@ -391,7 +445,25 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _evict_paused(self) -> bool:
+        """Free the blocks of the most recently paused sequence that holds any; False when none does."""
+        for seq in reversed(self.paused):
+            if seq.block_table:
+                self.block_manager.free(seq)
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                self.num_paused_evictions += 1
+                return True
+        return False
+
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.multi_turn and not reason.startswith("error"):
+            # The end of a turn, not of the episode: keep the KV for the next turn (see "Multi-turn").
+            seq.status = SequenceStatus.PAUSED
+            seq.finish_reason = reason
+            self.paused.append(seq)
+            self._finished.append(seq)
+            return
         if seq.block_table:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -9,6 +9,14 @@ A `Sequence` is plain bookkeeping (no tensors). The scheduler and the block mana
 Parallel sampling (the `n` samples of one prompt, e.g. a GRPO group) starts as ONE sequence with
 `num_samples = n`. When its prompt is fully prefilled, the scheduler forks it into `n` sequences that share the
 prompt's KV blocks (see scheduler.py); each child then has `num_samples = 1` and its own `sample_index`.
+
+Multi-turn (`multi_turn=True`, an episode with an environment): the end of a model turn (stop token, stop string,
+max_tokens of the turn) PAUSES the sequence instead of finishing it. A paused sequence keeps its KV blocks (unless
+the scheduler needs them: it is then preempted like a running one, and recomputes on resume) while the
+environment thinks; `Scheduler.resume` appends the observation tokens and the next turn prefills them on top of
+the cached conversation; `Scheduler.release` ends the episode:
+
+    RUNNING --(turn ends)--> PAUSED --(resume: observation appended)--> RUNNING ... --(release)--> FINISHED
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ PENDING_TOKEN = -1
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # multi-turn: the model's turn ended; the environment has not answered yet
     FINISHED = "finished"
 
 
@@ -39,7 +48,10 @@ class Sequence:
         token_ids: prompt followed by generated tokens (a stop token, when produced, is kept as the last one).
             The last one may be PENDING_TOKEN between the scheduler's commit() and resolve() of its step.
         num_prompt_tokens: length of the prompt part.
-        max_tokens: most generated tokens; reaching it finishes the sequence with reason "length".
+        max_tokens: most generated tokens of the current turn (of the whole completion for a single-turn
+            sequence); reaching it ends the turn with reason "length".
+        turn_start: index in token_ids where the current model turn began (num_prompt_tokens for the first).
+        multi_turn: the end of a turn pauses the sequence (keeping its KV) instead of finishing it.
         stop_token_ids: generated tokens that finish the sequence with reason "stop".
         num_samples: how many samples the first sampled position produces (n for a not-yet-forked group
             parent, else 1).
@@ -64,6 +76,7 @@ class Sequence:
         sample_index: int = 0,
         num_samples: int = 1,
         stop_token_ids: Iterable[int] = (),
+        multi_turn: bool = False,
     ) -> None:
         self.seq_id = int(seq_id)
         self.request_id = int(request_id)
@@ -73,6 +86,8 @@ class Sequence:
         self.max_tokens = int(max_tokens)
         self.num_samples = int(num_samples)
         self.stop_token_ids: tuple[int, ...] = tuple(int(t) for t in stop_token_ids)
+        self.turn_start = self.num_prompt_tokens
+        self.multi_turn = bool(multi_turn)
         if self.num_prompt_tokens == 0:
             raise ValueError(f"sequence {seq_id}: prompt_token_ids must hold at least one token")
         if self.max_tokens < 1:
@@ -91,6 +106,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.rollout_logprobs: list[float] = []
         self.num_preemptions = 0
+        # Multi-turn: [start, end) of each observation in token_ids (appended by Scheduler.resume; never
+        # sampled, so no rollout logprob).
+        self.observation_spans: list[tuple[int, int]] = []
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -110,12 +128,30 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_turn_tokens(self) -> int:
+        """Tokens of the current model turn so far (what max_tokens limits)."""
+        return len(self.token_ids) - self.turn_start
+
+    @property
+    def turn_token_ids(self) -> list[int]:
+        return self.token_ids[self.turn_start :]
+
+    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_paused(self) -> bool:
+        return self.status is SequenceStatus.PAUSED
+
+    @property
+    def turn_ended(self) -> bool:
+        """Finished, or paused at the end of a turn: no more tokens are sampled until a resume."""
+        return self.status is SequenceStatus.FINISHED or self.status is SequenceStatus.PAUSED
 
     # -- mutation (scheduler / engine) -----------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float | None = None) -> None:
@@ -161,6 +197,7 @@ class Sequence:
             sample_index=sample_index,
             num_samples=1,
             stop_token_ids=self.stop_token_ids,
+            multi_turn=self.multi_turn,
         )
         child.status = self.status
         return child

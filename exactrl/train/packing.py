@@ -111,6 +111,50 @@ def completion_logprobs(
     return out  # type: ignore[return-value]
 
 
+def masked_packed_batch(
+    seqs: list[list[int]],
+    prompt_lens: list[int],
+    loss_masks: list[list[bool]],
+    device: torch.device | str = "cpu",
+) -> PackedBatch:
+    """A PackedBatch whose response mask is a per-token mask: loss_masks[i] is aligned with the completion
+    seqs[i][prompt_lens[i]:] (multi-turn episodes: True at sampled tokens, False at observation tokens)."""
+    pb = PackedBatch.build(seqs, prompt_lens, device)
+    mask: list[bool] = []
+    for i, (s, p, m) in enumerate(zip(seqs, prompt_lens, loss_masks)):
+        if len(m) != len(s) - p:
+            raise ValueError(
+                f"sequence {i}: loss mask has {len(m)} entries for {len(s) - p} completion tokens"
+            )
+        mask += [False] * (p - 1) + [bool(x) for x in m]  # target j is token j + 1
+    pb.response_mask &= torch.tensor(mask, dtype=torch.bool, device=pb.response_mask.device)
+    return pb
+
+
+def masked_completion_logprobs(
+    model: CausalLM,
+    seqs: list[list[int]],
+    prompt_lens: list[int],
+    loss_masks: list[list[bool]],
+    temperature: float = 1.0,
+    max_tokens_per_microbatch: int = 8192,
+) -> list[torch.Tensor]:
+    """`completion_logprobs` under per-token loss masks: one [len - prompt_len] fp32 tensor per sequence, the
+    trainer's logprob at masked-in tokens and 0.0 elsewhere (the layout of `Episode.rollout_logprobs`)."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    with torch.no_grad():
+        for mb in pack_by_tokens([len(s) - 1 for s in seqs], max_tokens_per_microbatch):
+            pb = masked_packed_batch(
+                [seqs[i] for i in mb], [prompt_lens[i] for i in mb], [loss_masks[i] for i in mb], model.device
+            )
+            lp, _, sidx = response_logprobs(model, pb, temperature)
+            for j, i in enumerate(mb):
+                full = torch.zeros(len(seqs[i]) - prompt_lens[i], dtype=torch.float32)
+                full[torch.tensor(loss_masks[i], dtype=torch.bool)] = lp[sidx == j].float().cpu()
+                out[i] = full
+    return out  # type: ignore[return-value]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Padded microbatches for the captured training step (exactrl.train.graphs)
 # --------------------------------------------------------------------------------------------------------------

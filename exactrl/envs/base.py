@@ -1,0 +1,119 @@
+"""What an environment is: the other side of a multi-turn episode.
+
+An episode starts from a task `Example`: the model reads the prompt and writes a turn; the turn ends at a stop
+token, a stop string (`Environment.stop`, e.g. "</calc>") or the turn's token limit. The environment then
+answers with an observation (text, tokenized by the run's tokenizer, or token ids) and the model writes the next
+turn on top of it, or it ends the episode with a reward. One environment object serves ONE episode (so it may
+keep state); the rollout makes a new one per episode from the class (or any zero-argument factory).
+
+Two flavours with the same shape: `Environment` (plain methods, run in a worker thread) and `AsyncEnvironment`
+(coroutines, run on an event loop: the one to use for anything that waits on I/O, e.g. a sandbox or a reward
+server on localhost). Either may raise or hang: the episode then ends with reward 0 and the run goes on
+(exactrl.envs.rollout, "Guarding").
+
+A custom environment::
+
+    class Echo(Environment):
+        stop = ["\\n"]
+
+        def reset(self, example):
+            self.answer = example.answer
+
+        def step(self, turn):
+            if self.answer in turn.text:
+                return StepResult(done=True, reward=1.0)
+            return StepResult(observation=f"Not yet (turn {turn.index + 1}). Try again:\\n")
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from exactrl.tasks.base import Example
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn as the environment sees it.
+
+    text: the turn's tokens decoded; token_ids: those tokens, as sampled; index: 0 for the first turn;
+    finish_reason: "stop" (a stop token or stop string ended it) or "length" (the turn's token limit)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    index: int
+    finish_reason: str
+
+
+@dataclass
+class StepResult:
+    """The environment's answer to a turn.
+
+    observation: what the model reads next (text, or token ids taken as they are); ignored when done.
+    done: the episode is over; reward is its reward. When the rollout stops an episode at a limit (max turns,
+    max tokens) the reward of the last StepResult is the episode's, so return what an unfinished episode is
+    worth (the built-ins return 0.0). tool_calls / tool_errors: counted into the run's metrics."""
+
+    observation: str | list[int] | None = None
+    done: bool = False
+    reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class Environment:
+    """A synchronous environment (one instance per episode). Override `step`, and `reset` if it needs the
+    example. `stop`: strings that end a model turn (added to the run's sampling.stop)."""
+
+    stop: ClassVar[list[str]] = []
+
+    def reset(self, example: Example) -> None:
+        """Called once, before the first step, with the episode's example."""
+
+    def step(self, turn: Turn) -> StepResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement step(turn)")
+
+
+class AsyncEnvironment:
+    """An asynchronous environment: the same as `Environment` with coroutines (e.g. awaiting a local server)."""
+
+    stop: ClassVar[list[str]] = []
+
+    async def reset(self, example: Example) -> None:
+        """Called once, before the first step, with the episode's example."""
+
+    async def step(self, turn: Turn) -> StepResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement step(turn)")
+
+
+EnvFactory = Callable[[], "Environment | AsyncEnvironment"]
+
+
+def builtin_envs() -> dict[str, type]:
+    """The built-in environments by name."""
+    from exactrl.envs.calculator import CalculatorEnv
+    from exactrl.envs.guess import GuessNumberEnv
+
+    return {"calculator": CalculatorEnv, "guess": GuessNumberEnv}
+
+
+def resolve_env(name: str) -> type:
+    """An environment class: a built-in name, or "package.module:ClassName" (imported, never a pickle)."""
+    envs = builtin_envs()
+    if name in envs:
+        return envs[name]
+    if ":" not in name:
+        raise ValueError(
+            f"env.name: unknown environment {name!r}; built-ins are {sorted(envs)}, or give 'module:ClassName'"
+        )
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.name: cannot load {name!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, (Environment, AsyncEnvironment))):
+        raise ValueError(f"env.name: {name!r} is not a subclass of Environment or AsyncEnvironment")
+    return cls

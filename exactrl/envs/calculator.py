@@ -1,0 +1,96 @@
+"""A calculator tool: the model writes `<calc>12*7</calc>`, the environment answers `<result>84</result>` and the
+episode goes on; a turn without a call is the final answer, scored against the example's answer.
+
+The expression is parsed, never evaluated as Python: integers and decimals, + - * /, unary minus and
+parentheses, with a cap on length, nesting and the size of numbers (a model can write `9**9**9`-style bombs; it
+gets an error result instead). Division is exact (`7/2` gives `3.5`, `1/3` a 12-digit decimal).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from fractions import Fraction
+from typing import ClassVar
+
+from exactrl.envs.base import Environment, StepResult, Turn
+from exactrl.tasks.base import Example
+from exactrl.tasks.rewards import numeric_match
+
+_CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+_MAX_EXPR_CHARS = 200
+_MAX_DIGITS = 60  # any intermediate value beyond this many digits is refused
+
+
+class CalcError(ValueError):
+    """The expression is not one the calculator accepts (the message says why)."""
+
+
+def calculate(expr: str) -> Fraction:
+    """The exact value of an arithmetic expression (see the module docstring); CalcError if not accepted."""
+    if len(expr) > _MAX_EXPR_CHARS:
+        raise CalcError(f"expression longer than {_MAX_EXPR_CHARS} characters")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        raise CalcError("not an arithmetic expression") from None
+
+    def ev(node: ast.AST, depth: int) -> Fraction:
+        if depth > 50:
+            raise CalcError("expression nested too deeply")
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(str(node.value))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand, depth + 1)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            a, b = ev(node.left, depth + 1), ev(node.right, depth + 1)
+            if isinstance(node.op, ast.Div):
+                if b == 0:
+                    raise CalcError("division by zero")
+                v = a / b
+            else:
+                v = (
+                    a + b
+                    if isinstance(node.op, ast.Add)
+                    else a - b
+                    if isinstance(node.op, ast.Sub)
+                    else a * b
+                )
+            if len(str(abs(v.numerator))) > _MAX_DIGITS or len(str(v.denominator)) > _MAX_DIGITS:
+                raise CalcError("number too large")
+            return v
+        raise CalcError(f"unsupported element {type(node).__name__}")
+
+    return ev(tree.body, 0)
+
+
+def format_number(v: Fraction) -> str:
+    """An integer as itself, anything else as a decimal of at most 12 places (trailing zeros dropped)."""
+    if v.denominator == 1:
+        return str(v.numerator)
+    sign = "-" if v < 0 else ""
+    scaled = round(abs(v) * 10**12)
+    whole, frac = divmod(scaled, 10**12)
+    return f"{sign}{whole}.{frac:012d}".rstrip("0").rstrip(".")
+
+
+class CalculatorEnv(Environment):
+    """Tool calls until the model answers. Reward: 1.0 for a final answer equal to the example's answer
+    (`numeric_match`), else 0.0 (also when the episode is stopped at a limit before an answer)."""
+
+    stop: ClassVar[list[str]] = ["</calc>"]
+
+    def reset(self, example: Example) -> None:
+        self.example = example
+
+    def step(self, turn: Turn) -> StepResult:
+        calls = _CALL_RE.findall(turn.text)
+        if not calls:
+            reward = numeric_match(turn.text, self.example.answer, self.example)
+            return StepResult(done=True, reward=reward)
+        try:  # the turn ends at the first "</calc>", so the last call is the one just made
+            result, errors = format_number(calculate(calls[-1])), 0
+        except CalcError as e:
+            result, errors = f"error: {e}", 1
+        return StepResult(observation=f"<result>{result}</result>", tool_calls=1, tool_errors=errors)
