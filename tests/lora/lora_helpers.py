@@ -76,3 +76,7 @@ def count_mismatched(flat, scores) -> tuple[int, int, float]:
         tot += rec.numel()
         worst = max(worst, float((rec - lp).abs().max()))
     return bad, tot, worst
+
+
+# Sequences for comparisons with transformers (T = 1, every next token scored).
+SEQS_HF = [[(31 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((7, 33, 18))]
