@@ -209,6 +209,32 @@ def add_lora(model: CausalLM, spec: LoraSpec, seed: int = 0) -> list[nn.Paramete
     return params
 
 
+def apply_lora_config(model: CausalLM, lora_cfg, seed: int = 0) -> LoraSpec | None:
+    """Attach the adapters that a `[lora]` section (exactrl.config.LoraConfig) asks for, and load its
+    `path` when set; None (and the model untouched) when rank is 0. Call after the base weights are loaded and
+    before the optimizer is built (it optimizes what requires grad: the adapters)."""
+    if lora_cfg.rank == 0:
+        return None
+    if lora_cfg.dropout != 0:
+        raise ValueError("lora.dropout must be 0 (dropout would break engine/trainer bitwise equality)")
+    spec = LoraSpec(
+        rank=lora_cfg.rank,
+        alpha=float(lora_cfg.alpha),
+        target_modules=tuple(lora_cfg.target_modules),
+        init=lora_cfg.init,
+        rslora=lora_cfg.rslora,
+    )
+    add_lora(model, spec, seed=seed)
+    if lora_cfg.path is not None:
+        loaded = load_adapter(model, lora_cfg.path)
+        if set(loaded.target_modules) != set(spec.target_modules):
+            raise ValueError(
+                f"lora.path {lora_cfg.path}: the adapter targets {list(loaded.target_modules)}, "
+                f"lora.target_modules is {list(spec.target_modules)}"
+            )
+    return spec
+
+
 @contextmanager
 def disable_adapters(model: nn.Module) -> Iterator[None]:
     """Within the block the model computes the base policy (every adapter off): the reference model for a KL
