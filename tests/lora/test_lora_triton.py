@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
 pytest.importorskip("triton")
 
-from exactrl.model.qwen import PackedLinear  # noqa: E402
 from exactrl.model.lora import LoRA  # noqa: E402
+from exactrl.model.qwen import PackedLinear  # noqa: E402
 from exactrl.ops.triton import common  # noqa: E402
 from exactrl.ops.triton_ops import TritonOps  # noqa: E402
 
