@@ -154,3 +154,16 @@ def test_we_load_what_peft_saves(tmp_path, hf_base):
     diff = float((_our_logprobs(ours) - _hf_logprobs(hf.eval())).abs().max())
     print(f"peft parity max |diff| = {diff:.3g}")
     assert diff < 1e-4, diff
+
+
+def test_merged_export_loads_in_transformers(tmp_path, hf_base):
+    """`merged_model` + `save_model`: the HF checkpoint an `export --merge` writes, loadable without peft."""
+    from exactrl.model.lora import LoraSpec, add_lora, merged_model
+
+    ours = load_model(hf_base)
+    add_lora(ours, LoraSpec(rank=4, alpha=8.0), seed=2)
+    trained_looking(ours, std=0.2)
+    save_model(merged_model(ours), tmp_path / "m")
+    diff = float((_our_logprobs(ours) - _hf_logprobs(_hf(tmp_path / "m"))).abs().max())
+    assert diff < 1e-4, diff
+    assert float((_our_logprobs(load_model(hf_base)) - _our_logprobs(ours)).abs().max()) > 1e-2
