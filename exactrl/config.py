@@ -727,8 +727,6 @@ class RunConfig:
     """Run identity, output location, seeding and logging."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which model to train: a random-init preset shape or a local Hugging Face checkpoint."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA: train low-rank adapters on the decoder's projections instead of every weight (rank 0 = off)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Rollout engine: paged KV cache, scheduler limits and CUDA graphs."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -743,6 +741,8 @@ class RunConfig:
     """Optimisation of the policy (and the PPO critic): steps, AdamW, schedule, microbatching, checkpoints."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Optional supervised warm start on the task's reference answers before RL."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on the decoder's projections instead of every weight (rank 0 = off)."""
 
     def validate(self) -> None:
         """Run every section's checks, then the checks that span sections. Raises ConfigError."""
