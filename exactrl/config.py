@@ -186,6 +186,56 @@ class RunSection:
         _check_at_least(self.log_samples_count, 1, "run.log_samples_count")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LoraInit = Literal["default", "gaussian"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: train low-rank adapters on the decoder's projections instead of every weight (rank 0 = off)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = no LoRA (full fine-tune). The base weights are then frozen in the model dtype."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (alpha / sqrt(rank) with rslora)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections (HF names) that get adapters in every layer; default all seven linear projections."""
+    init: LoraInit = "default"
+    """Init of A (B starts at 0 either way): "default" = kaiming-uniform as PEFT, "gaussian" = N(0, 1/rank)."""
+    rslora: bool = False
+    """Rank-stabilised scale alpha / sqrt(rank) instead of alpha / rank."""
+    dropout: float = 0.0
+    """Must be 0: dropout would make the trainer's forward differ from the engine's (no exact logprobs)."""
+    path: str | None = None
+    """A PEFT adapter directory to start from (adapter_config.json + adapter_model.safetensors); its rank,
+    alpha and targets must match this section."""
+
+    def validate(self) -> None:
+        _check_at_least(self.rank, 0, "lora.rank")
+        if self.rank == 0:
+            if self.path is not None:
+                _fail("lora.path", "is set but lora.rank is 0 (LoRA off): set the adapter's rank")
+            return
+        _check_positive(self.alpha, "lora.alpha")
+        if not self.target_modules:
+            _fail("lora.target_modules", f"must name at least one of {list(LORA_TARGETS)}")
+        for i, t in enumerate(self.target_modules):
+            if t not in LORA_TARGETS:
+                close = difflib.get_close_matches(t, LORA_TARGETS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                _fail(f"lora.target_modules[{i}]", f"{t!r} is not one of {list(LORA_TARGETS)}{hint}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            _fail("lora.target_modules", f"names a module twice: {self.target_modules}")
+        if self.dropout != 0:
+            _fail(
+                "lora.dropout",
+                f"must be 0, got {self.dropout!r}: LoRA dropout is not supported, since a random mask in the "
+                "trainer's forward would break the bitwise equality with the engine's logprobs",
+            )
+        if self.path is not None and not self.path.strip():
+            _fail("lora.path", "must not be empty")
+
+
 @dataclass
 class ModelConfig:
     """Which model to train: a random-init preset shape or a local Hugging Face checkpoint."""
@@ -721,6 +771,8 @@ class RunConfig:
     """Optional supervised warm start on the task's reference answers before RL."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn episodes: the model talks to an environment (a tool, a game) for several turns; unset name = single-turn completions."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on the decoder's projections instead of every weight (rank 0 = off)."""
 
     def validate(self) -> None:
         """Run every section's checks, then the checks that span sections. Raises ConfigError."""
@@ -874,7 +926,9 @@ def _unknown_error(cls: type, prefix: str, name: str, is_section: bool, ctx: _Ct
             if close:
                 suggestion = f"[{close[0]}]"
     else:
-        close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+        # A value cannot be a section: suggest among the sibling keys only ('lr' at the top is not [lora]).
+        scalars = [n for n in siblings if not _is_dataclass_type(hints[n])]
+        close = difflib.get_close_matches(name, scalars, n=1, cutoff=0.6)
         if close:
             suggestion = f"{prefix}{close[0]}"
         else:

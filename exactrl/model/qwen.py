@@ -33,12 +33,21 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """Holds a weight (and bias); the arithmetic is the ops backend's."""
+    """Holds a weight (and bias), and optionally a LoRA adapter (`exactrl.model.lora`); the arithmetic is the ops
+    backend's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.lora = None  # a LoRA module once `add_lora` targets this projection
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]: the base product, then the adapter's low-rank term added (when enabled)."""
+        y = ops.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.enabled:
+            (y,) = self.lora(ops, x, (y,))
+        return y
 
 
 class PackedLinear(Linear):
@@ -51,8 +60,12 @@ class PackedLinear(Linear):
         self.parts = dict(parts)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, in] -> one [T, out] output per part, in order (`Ops.packed_linear`)."""
-        return ops.packed_linear(x, self.weight, self.bias, list(self.parts.values()))
+        """x [T, in] -> one [T, out] output per part, in order (`Ops.packed_linear`), each with its part's
+        adapter term added (when enabled)."""
+        outs = ops.packed_linear(x, self.weight, self.bias, list(self.parts.values()))
+        if self.lora is not None and self.lora.enabled:
+            outs = self.lora(ops, x, outs)
+        return outs
 
 
 def pack_state_dict(parent: nn.Module, packed_name: str) -> None:
@@ -122,7 +135,7 @@ class Attention(nn.Module):
             q = ops.rope(q, positions, cos_sin)
             k = ops.rope(k, positions, cos_sin)
         o = ops.attention(q, k, v, batch, kv_cache)
-        return ops.linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(ops, o.reshape(T, -1))
 
 
 class MLP(nn.Module):
@@ -138,7 +151,7 @@ class MLP(nn.Module):
     def forward(self, ops: Ops, x):
         gate, up = self.gate_up_proj(ops, x)
         h = ops.silu_mul(gate, up)
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(ops, h)
 
 
 class DecoderLayer(nn.Module):
@@ -196,6 +209,7 @@ class CausalLM(nn.Module):
         self.ops: Ops = ops if ops is not None else get_ops("cpu", exact=True)
         self.fp32_lm_head = fp32_lm_head
         self._cos_sin: torch.Tensor | None = None
+        self.lora_spec = None  # exactrl.model.lora.LoraSpec once add_lora attached adapters
 
     # -- construction ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -204,6 +218,8 @@ class CausalLM(nn.Module):
         g = torch.Generator().manual_seed(seed)
         packed = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, PackedLinear)}
         for name, p in self.named_parameters():
+            if ".lora." in name:  # adapters have their own init (exactrl.model.lora.add_lora)
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
