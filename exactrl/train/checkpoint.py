@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ def save_checkpoint(
     state: dict[str, Any],
     critic: torch.nn.Module | None = None,
     keep: int = 2,
+    write_extra: Callable[[Path], object] | None = None,
 ) -> Path:
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,8 @@ def save_checkpoint(
         )
     torch.save({k: v.state_dict() for k, v in optimizers.items()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_state()}) + "\n")
+    if write_extra is not None:  # more files of the same checkpoint (LoRA adapters), inside the atomic rename
+        write_extra(tmp)
     fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)

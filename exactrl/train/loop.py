@@ -298,6 +298,8 @@ class RLRun:
 
     # -- setup stages ----------------------------------------------------------------------------------------
     def fits(self, ids: list[int]) -> bool:
+        if self.cfg.env.name:  # an episode needs room for at least one turn
+            return 0 < len(ids) < self.cfg.env.max_episode_tokens and self.prompt_filter.reason(ids) is None
         return self.prompt_filter.reason(ids) is None
 
     def _eval_examples(self) -> list[Example]:
@@ -380,17 +382,30 @@ class RLRun:
         policy trainer."""
         cfg, model = self.cfg, self.model
         a, tr = cfg.algorithm, cfg.train
+        self.critic = self.critic_opt = None
+        if a.needs_critic:  # before LoRA: the critic is a full fine-tune of the policy's copy
+            self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
+        if cfg.lora.rank > 0:
+            # After the warm start (which fine-tunes every weight): adapters on the frozen base, the only
+            # trainable parameters; the engine samples through them with the same ops (unmerged).
+            if self.parallel.sharded:
+                raise ValueError("lora.rank > 0 under torchrun is not supported yet: run LoRA on one device")
+            from exactrl.model.lora import apply_lora_config
+
+            apply_lora_config(model, cfg.lora, seed=cfg.run.seed)
         ref_model = None
         if a.kl_coef > 0:
-            ref_model = copy.deepcopy(model).requires_grad_(False)
-        self.critic = self.critic_opt = None
-        if a.needs_critic:
-            self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
+            from exactrl.model.lora import ReferenceView, has_lora
+
+            # With LoRA the reference is the base with the adapters off: no second copy of the weights.
+            ref_model = (
+                ReferenceView(model) if has_lora(model) else copy.deepcopy(model).requires_grad_(False)
+            )
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
         engine_model = self.parallel.engine_model(model)
         self.parallel.parallelize(model)
-        if ref_model is not None:
+        if ref_model is not None and isinstance(ref_model, torch.nn.Module):
             self.parallel.parallelize(ref_model, trainable=False)
         if self.critic is not None:
             self.parallel.parallelize(self.critic)
@@ -437,6 +452,10 @@ class RLRun:
             state = load_checkpoint(
                 self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
             )
+            from exactrl.model.lora import has_lora, load_adapter
+
+            if has_lora(self.model):  # in place: the optimizer's and the graphs' tensors stay
+                load_adapter(self.model, self.resume_from / "adapter")
         self.step = state["step"]
         self.task.load_state_dict(state["task"])
         self.totals.update(state.get("totals", {}))
@@ -468,7 +487,7 @@ class RLRun:
         while len(examples) < cfg.algorithm.prompts_per_step:
             ex = next(self.stream)
             ids = self.encode(ex)
-            if not self.prompt_filter.admit(ex, ids):
+            if not self.prompt_filter.admit(ex, ids) or not self.fits(ids):
                 self.totals["skipped_prompts"] += 1
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
@@ -554,10 +573,92 @@ class RLRun:
             )
         res = self.rewards(completions, answers, exs)
         errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
-        # Advantages (and every statistic logged) over the whole step: every rank's rewards, in rank order.
+        return self.with_advantages(
+            rollouts, res.rewards, res.per_function, errors, completions, [str(x) for x in answers], baseline
+        )
+
+    def episodes(
+        self, step: int, examples: list[Example], prompt_ids: list[list[int]], index: list[int]
+    ) -> StepRollouts:
+        """Multi-turn: group_size episodes per prompt against the configured environment, continuously batched
+        in the engine (a turn resumes on the conversation's cached KV); the environment gives the reward. The
+        trainer gets the engine's token ids, observations masked out of the loss."""
+        from exactrl.envs import EpisodeSettings, resolve_env, run_episodes
+        from exactrl.envs.rollout import env_stop
+
+        cfg, a = self.cfg, self.cfg.algorithm
+        env_cls = resolve_env(cfg.env.name)
+        params = self.sampling_params()
+        params.stop = env_stop(params.stop, env_cls)
+        settings = EpisodeSettings(
+            max_turns=cfg.env.max_turns,
+            max_tokens_per_turn=cfg.sampling.max_tokens,
+            max_episode_tokens=cfg.env.max_episode_tokens,
+            timeout_s=cfg.env.timeout_s,
+        )
+        bar = progress_bar(
+            len(prompt_ids) * a.group_size, f"step {step + 1} episodes", enabled=cfg.run.progress
+        )
+        eb = run_episodes(
+            self.engine,
+            self.tok,
+            examples,
+            prompt_ids,
+            env_cls,
+            settings,
+            params,
+            request_ids=[step * a.prompts_per_step + i for i in index],
+            progress=bar.update,
+        )
+        bar.close()
+        rollouts: list[Rollout] = []
+        rewards: list[float] = []
+        completions, answers = [], []
+        for k, (ex, group, err) in enumerate(zip(examples, eb.groups, eb.errors)):
+            if err is not None or len(group) != a.group_size:
+                self.totals["skipped_prompts"] += 1
+                self.out(f"step {step + 1}: prompt skipped by the engine: {err}")
+                continue
+            for j, e in enumerate(group):
+                rollouts.append(
+                    Rollout(
+                        prompt_ids=e.prompt_ids,
+                        completion_ids=e.completion_ids,
+                        rollout_logprobs=e.rollout_logprobs,
+                        truncated=e.finish_reason in ("max_turns", "max_tokens"),
+                        request_id=step * a.prompts_per_step + index[k],
+                        sample_index=j,
+                        loss_mask=e.loss_mask,
+                    )
+                )
+                rewards.append(e.reward)
+                completions.append(self.tok.decode(e.completion_ids))
+                answers.append(str(ex.answer))
+        if not rollouts:
+            raise RuntimeError(
+                f"step {step + 1}: the engine refused every prompt of the step ({eb.errors[0]})"
+            )
+        errors = int(eb.metrics.get("env/errors", 0) + eb.metrics.get("env/timeouts", 0))
+        sr = self.with_advantages(rollouts, rewards, {}, errors, completions, answers, None)
+        sr.advantage_metrics.update(eb.metrics)  # turns, tool calls, environment errors and timeouts
+        return sr
+
+    def with_advantages(
+        self,
+        rollouts: list[Rollout],
+        rewards: list[float],
+        per_function: dict[str, list[float]],
+        errors: int,
+        completions: list[str],
+        answers: list[str],
+        baseline: torch.Tensor | None,
+    ) -> StepRollouts:
+        """Sequence-level advantages over the whole step (every rank's rewards, in rank order), set on this
+        rank's rollouts, with the step's statistics."""
+        a = self.cfg.algorithm
         lens = [len(x.completion_ids) for x in rollouts]
         parts = self.dist.all_gather_object(
-            (res.rewards, res.per_function, errors, lens, [x.truncated for x in rollouts])
+            (rewards, per_function, errors, lens, [x.truncated for x in rollouts])
         )
         r = torch.tensor([v for p in parts for v in p[0]], dtype=torch.float32)
         all_lengths = [n for p in parts for n in p[3]]
@@ -577,7 +678,7 @@ class RLRun:
         start = sum(len(p[0]) for p in parts[: self.dist.rank])
         for ro, rew, ad in zip(rollouts, r[start:].tolist(), adv[start:].tolist()):
             ro.reward, ro.advantage = rew, ad
-        per_function = {k: [v for p in parts for v in p[1][k]] for k in res.per_function}
+        per_function = {k: [v for p in parts for v in p[1][k]] for k in per_function}
         return StepRollouts(
             rollouts,
             r,
@@ -588,7 +689,7 @@ class RLRun:
             [t for p in parts for t in p[4]],
             adv_metrics,
             completions,
-            [str(x) for x in answers],
+            answers,
         )
 
     def greedy_baseline(
@@ -716,6 +817,8 @@ class RLRun:
                 state=state,
             )
             return
+        from exactrl.model.lora import has_lora, save_adapter
+
         save_checkpoint(
             self.ckpt_root,
             self.step,
@@ -725,6 +828,8 @@ class RLRun:
             critic=self.critic,
             keep=self.cfg.train.keep_checkpoints,
             state=state,
+            # LoRA: the adapters in PEFT's format next to the (frozen) base weights
+            write_extra=(lambda d: save_adapter(self.model, d / "adapter")) if has_lora(self.model) else None,
         )
 
     def rl_step(self) -> dict[str, float]:
@@ -734,12 +839,16 @@ class RLRun:
         self.set_lr(step)
         examples, prompt_ids, index = self.prompts()
         t_gen = time.perf_counter()
-        outs = self.rollout(step, prompt_ids, index)
-        gen_s = time.perf_counter() - t_gen
-        baseline = None
-        if self.cfg.algorithm.resolved_advantage == "remax":
-            baseline = self.greedy_baseline(step, prompt_ids, index, examples)
-        sr = self.score(step, examples, prompt_ids, outs, baseline)
+        if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
+            sr = self.episodes(step, examples, prompt_ids, index)
+            gen_s = time.perf_counter() - t_gen
+        else:
+            outs = self.rollout(step, prompt_ids, index)
+            gen_s = time.perf_counter() - t_gen
+            baseline = None
+            if self.cfg.algorithm.resolved_advantage == "remax":
+                baseline = self.greedy_baseline(step, prompt_ids, index, examples)
+            sr = self.score(step, examples, prompt_ids, outs, baseline)
         t_train = time.perf_counter()
         try:
             m = self.update(step, sr.rollouts)
@@ -748,6 +857,10 @@ class RLRun:
             raise
         train_s = time.perf_counter() - t_train
         m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
+        if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
+            from exactrl.model.lora import adapter_nbytes
+
+            m["perf/weight_sync_bytes"] = float(adapter_nbytes(self.model))
         self.step += 1
         m = self.step_metrics(m, sr)
         ntok = sum(sr.lengths)

@@ -55,6 +55,9 @@ class Rollout:
     advantage: float = 0.0  # sequence-level advantage (GRPO, RLOO, GSPO); PPO computes token-level ones
     request_id: int | None = None  # the engine request (and sample) that drew it: named when a check fails
     sample_index: int | None = None
+    # Multi-turn episodes: which completion tokens the model sampled (True) and which an environment wrote
+    # (False: no rollout logprob, 0.0 there, never in the loss); None = every token is the model's.
+    loss_mask: list[bool] | None = None
 
 
 class MismatchError(RuntimeError):
@@ -349,7 +352,7 @@ class PolicyTrainer:
         engine's: the mismatch metrics of the step, over every rank."""
         trainer_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
         b.trainer_lp = trainer_lp
-        mask = _mask(b.lengths, "cpu")
+        mask = b.token_mask
         b.metrics.update(mismatch_metrics(*self.dist.gather_rows(b.rollout_lp, trainer_lp, mask)))
         b.mismatched = b.metrics["mismatch/num_mismatched_tokens"] > 0
 
@@ -388,7 +391,7 @@ class PolicyTrainer:
         out = []
         for i, n in enumerate(b.lengths):
             r, t = b.rollout_lp[i, :n], b.trainer_lp[i, :n]
-            diff = (r != t).nonzero()
+            diff = ((r != t) & b.token_mask[i, :n]).nonzero()
             if diff.numel():
                 out.append((i, int(diff[0, 0]), r.clone(), t.clone()))
         return out
@@ -402,9 +405,18 @@ class PolicyTrainer:
         if min(lengths) < 1:
             raise ValueError("every rollout needs at least one completion token")
         L = max(lengths)
+        token_mask = _mask(lengths, "cpu")
+        for i, r in enumerate(rollouts):
+            if r.loss_mask is not None:
+                if len(r.loss_mask) != lengths[i]:
+                    raise ValueError(
+                        f"rollout {i}: loss_mask has {len(r.loss_mask)} entries for {lengths[i]} completion tokens"
+                    )
+                token_mask[i, : lengths[i]] &= torch.tensor(r.loss_mask, dtype=torch.bool)
         b = StepBatch(
             lengths=lengths,
-            full_mask=_mask(lengths, "cpu"),
+            full_mask=token_mask.clone(),
+            token_mask=token_mask,
             rollout_lp=_padded_list([r.rollout_logprobs for r in rollouts], L, "cpu"),
             seqs=[r.prompt_ids + r.completion_ids for r in rollouts],
             plens=[len(r.prompt_ids) for r in rollouts],
@@ -614,7 +626,7 @@ class PolicyTrainer:
                 if lp is not None:
                     lens = [b.lengths[i] for i in ids]
                     Lm = max(lens)
-                    mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), _mask(lens, "cpu")))
+                    mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), b.token_mask[ids, :Lm]))
             if q.check_mismatch:
                 r_all = torch.cat([_pad_to(p[0], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])
                 t_all = torch.cat([_pad_to(p[1], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])
@@ -660,7 +672,8 @@ class StepBatch:
     """The step-level tensors of one RL update, [N, L] padded over the N rollouts' completions (CPU)."""
 
     lengths: list[int]  # completion lengths
-    full_mask: torch.Tensor  # [N, L] bool; rollout correction may clear tokens (MIS)
+    full_mask: torch.Tensor  # [N, L] bool, the loss mask; rollout correction may clear tokens (MIS)
+    token_mask: torch.Tensor  # [N, L] bool, the model's sampled tokens (what the exactness check compares)
     rollout_lp: torch.Tensor  # [N, L] fp32, recorded by the engine
     seqs: list[list[int]]  # prompt + completion token ids
     plens: list[int]  # prompt lengths
