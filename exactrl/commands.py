@@ -24,12 +24,18 @@ def _run_dir_plan(cfg, args):
 
 def _run(cfg, args) -> int:
     """Train, and exit 130 (as a shell does after Ctrl-C) when the run was stopped before its end."""
+    import os
+
     from exactrl.train.loop import train
 
-    plan = _run_dir_plan(cfg, args)
-    # loop.train writes config.toml itself (today before the model and data load); commit clears an --overwrite's
-    # old files first. Once loop.train takes the plan and commits after validation, pass `run_dir=plan` instead.
-    plan.commit(cfg)
+    # Under torchrun rank 0 alone checks and prepares the run directory (the others write nothing there; they
+    # wait for rank 0 when the process group starts, and torchrun stops them if rank 0 refuses).
+    if os.environ.get("RANK", "0") == "0":
+        plan = _run_dir_plan(cfg, args)
+        # loop.train writes config.toml itself (today before the model and data load); commit clears an
+        # --overwrite's old files first. Once loop.train takes the plan and commits after validation, pass
+        # `run_dir=plan` instead.
+        plan.commit(cfg)
     summary = train(cfg, resume=getattr(args, "resume", False))
     return 130 if summary.get("stopped_early") else 0
 
@@ -159,6 +165,16 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def add_nproc_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run on N local ranks: re-launches this command under `python -m torch.distributed.run "
+        "--standalone --nproc-per-node N` (CPU: gloo; CUDA: NCCL, one GPU per rank)",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
     p = sub.add_parser("train", help="run an RL job from a TOML config", formatter_class=fmt)
@@ -175,6 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
+    add_nproc_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(

@@ -57,12 +57,19 @@ class Parallelism:
         lm = model if isinstance(model, CausalLM) else model.backbone
         compute_dtype = lm.dtype
         model.float()  # the sharded fp32 parameters are the masters
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False: the layers take fp32 inputs on purpose (the RoPE table is fp32 whatever the
+        # model dtype, as on one device); FSDP's default would round them to the model dtype, and the trainer's
+        # logprobs would then differ from the engine's (a bf16 model: every token).
+        mp = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         for layer in lm.model.layers:
             fully_shard(layer, mesh=self.mesh, mp_policy=mp)
         if lm is not model:  # a ValueModel: its value head stays fp32, as on one device
             fully_shard(lm, mesh=self.mesh, mp_policy=mp)
-            mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
