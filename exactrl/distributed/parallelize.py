@@ -27,6 +27,32 @@ from exactrl.distributed.env import DistContext
 from exactrl.model.qwen import CausalLM
 
 
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Wrap each decoder layer's forward of `model` (a CausalLM, or a ValueModel around one) in
+    `torch.utils.checkpoint` (non-reentrant): while grad is enabled the layer saves only its inputs and runs again
+    in the backward; without grad (the engine, reference and old-policy scoring) it runs as before. Applies before
+    or after `fully_shard` (FSDP2 hooks the module call, this wraps the forward inside it; in the backward FSDP
+    has gathered the layer's parameters before the recomputation reads them). Returns the layers wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    lm = model if isinstance(model, CausalLM) else model.backbone
+    wrapped = 0
+    for layer in lm.model.layers:
+        if getattr(layer, "activation_checkpointing", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        layer.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) call it
+        layer.activation_checkpointing = True
+        wrapped += 1
+    return wrapped
+
+
 class Parallelism:
     """The layout of one run's models over its ranks (see the module docstring)."""
 
