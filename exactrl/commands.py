@@ -268,6 +268,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train: the same step also under FSDP2 at world size 1 (launched on one torchrun rank); prints "
+        "both step times and their ratio",
+    )
+    p.add_argument(
         "--out-dir",
         "--output-dir",
         dest="out_dir",
