@@ -130,6 +130,10 @@ def runs(tmp_path_factory):
     _crashed_after(tmp / "t1-grpo", tmp / "r12", 2)
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
+    # `exactrl parity` on 2 ranks, bf16 (each rank's engine against the FSDP-sharded trainer forward); it exits
+    # non-zero, failing the launch, on any mismatch (FSDP casting the layers' fp32 inputs made all 384 differ).
+    parity = ["parity", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "4"]
+    jobs += [{"kind": "cli", "argv": parity}]
     jobs += [
         {"kind": "weights", "out": str(tmp / "weights.json")},
         {"kind": "weights", "out": str(tmp / "weights-nosync.json"), "skip_sync": True},
