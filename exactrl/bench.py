@@ -82,6 +82,8 @@ def _emit(args, record: dict) -> None:
         name += f"-c{args.concurrency}"
     elif getattr(args, "graphs", "on") == "off":
         name += "-eager"
+    if record.get("bench") == "train-fsdp":
+        name += "-fsdp"
     path = _result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
@@ -216,11 +218,10 @@ def _hf_generate(model, tok, prompts, max_tokens, device) -> dict:
     return {"hf_tokens_per_s": n / wall, "hf_seconds": wall}
 
 
-def bench_train(args) -> dict:
-    from exactrl.train.optim import MasterAdamW
-    from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
+def _bench_rollouts(args, model, tok) -> tuple[list, int]:
+    """One microbatch of random sequences (up to 1024 tokens each) as GRPO rollouts, and its token count."""
+    from exactrl.train.trainer import Rollout
 
-    device, model, tok = _load(args)
     T = args.tokens_per_microbatch
     seq_len = min(1024, T)
     n_seq = max(1, T // seq_len)
@@ -235,6 +236,19 @@ def bench_train(args) -> dict:
         Rollout(s[:1], s[1:], torch.zeros(seq_len), advantage=1.0 if i % 2 else -1.0)
         for i, s in enumerate(seqs)
     ]
+    return rollouts, n_seq * seq_len
+
+
+def bench_train(args) -> dict:
+    from exactrl.train.optim import MasterAdamW
+    from exactrl.train.trainer import PolicyTrainer, TrainerSettings
+
+    device, model, tok = _load(args)
+    T = args.tokens_per_microbatch
+    seq_len = min(1024, T)
+    n_seq = max(1, T // seq_len)
+    rollouts, _ = _bench_rollouts(args, model, tok)
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     settings = TrainerSettings(
         algorithm="grpo", max_tokens_per_microbatch=T, exact=True, cuda_graphs=args.graphs == "on"
     )
@@ -282,7 +296,67 @@ def bench_train(args) -> dict:
     return rec
 
 
+def bench_train_fsdp(args) -> dict:
+    """The same training step (`bench_train`'s GRPO step) on today's path and under FSDP2 at world size 1, in
+    one process started by torchrun (`exactrl bench train --fsdp` launches it): the cost of the sharded layout
+    itself (per-layer all-gather and reduce-scatter hooks, fp32 shards cast to the model dtype in every forward,
+    gradients reduced in fp32, the sharded optimizer step). Under FSDP the trainer runs eagerly (its collectives
+    are not captured in CUDA graphs); today's path replays graphs unless `--graphs off`: both figures are
+    printed. The weight sync into the engine replica is timed on its own."""
+    from exactrl.distributed.env import init_from_env, rank_device
+    from exactrl.distributed.parallelize import Parallelism
+    from exactrl.train.optim import MasterAdamW
+    from exactrl.train.trainer import PolicyTrainer, TrainerSettings
+
+    ctx = init_from_env(resolve_device(args.device))
+    if ctx.world_size != 1:
+        raise ValueError(f"bench train --fsdp measures world size 1; this launch has {ctx.world_size} ranks")
+    args.device = rank_device(ctx, resolve_device(args.device))
+    base = bench_train(args)  # today's path
+    device, model, tok = _load(args)
+    rollouts, tokens = _bench_rollouts(args, model, tok)
+    par = Parallelism(ctx)
+    replica = par.engine_model(model)
+    par.parallelize(model)
+    par.bind(model, replica)
+    settings = TrainerSettings(
+        algorithm="grpo", max_tokens_per_microbatch=args.tokens_per_microbatch, exact=True, cuda_graphs=False
+    )
+    trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5, dist=ctx), dist=ctx)
+    wall = _seconds_per_step(lambda: trainer.step(rollouts), args.steps, device)
+    sync = [par.sync_weights() for _ in range(3)]
+    rec = {
+        **base,
+        "bench": "train-fsdp",
+        "fsdp_step_s": wall,
+        "fsdp_tokens_per_s": tokens / wall,
+        "fsdp_over_today": wall / base["step_s"],
+        "today_cuda_graphs": base["cuda_graphs"],
+        "weight_sync_s": min(x["time/weight_sync_s"] for x in sync),
+        "weight_sync_bytes": sync[0]["weight_sync/bytes"],
+    }
+    print(f"{'path':28} {'step s':>9} {'tok/s':>10}")
+    graphs = "CUDA graphs" if base["cuda_graphs"] else "eager"
+    print(f"{'today (' + graphs + ')':28} {base['step_s']:9.4f} {base['tokens_per_s']:10.1f}")
+    print(f"{'FSDP2, 1 rank (eager)':28} {wall:9.4f} {tokens / wall:10.1f}")
+    print(f"{'ratio FSDP / today':28} {rec['fsdp_over_today']:9.3f}")
+    print(f"{'weight sync (s, bytes)':28} {rec['weight_sync_s']:9.4f} {rec['weight_sync_bytes']:10.3g}")
+    return rec
+
+
 def main(args) -> int:
+    if args.what == "train" and getattr(args, "fsdp", False):
+        from exactrl.distributed.env import under_torchrun
+
+        if not under_torchrun():  # the FSDP path needs a process group: run this very command on one rank
+            import sys as _sys
+
+            from exactrl.cli import launch_torchrun
+
+            return launch_torchrun(1, _sys.argv[1:])
+        rec = bench_train_fsdp(args)
+        _emit(args, rec)
+        return 0
     rec = bench_rollout(args) if args.what == "rollout" else bench_train(args)
     keys = [k for k in rec if isinstance(rec[k], float)]
     print(f"{'metric':28} value")

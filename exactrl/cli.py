@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def _model_args(p: argparse.ArgumentParser, dtype_default: str = "float32") -> None:
@@ -74,20 +78,28 @@ def cmd_init_model(args) -> int:
 
 
 def cmd_parity(args) -> int:
+    from exactrl.distributed.env import init_from_env, rank_device
+    from exactrl.model.loading import resolve_device
     from exactrl.ops import set_exact_environment
-    from exactrl.parity import run_parity
+    from exactrl.parity import run_parity, sharded_parity_models
 
     if args.replay:  # recompute a mismatch report instead of sampling random prompts
         from exactrl.commands import cmd_parity_replay
 
         return cmd_parity_replay(args)
     set_exact_environment(args.mode == "exact")
+    # Under torchrun: this rank's GPU (or the CPU with gloo); its share of the prompts, an FSDP-sharded trainer.
+    ctx = init_from_env(resolve_device(args.device))
+    args.device = rank_device(ctx, resolve_device(args.device))
     model, tok = _load(args)
+    engine_model, scorer = sharded_parity_models(model, ctx) if ctx.distributed else (model, model)
     temps = args.temperature or [0.7]
     results = []
     for t in temps:
         r = run_parity(
-            model,
+            engine_model,
+            scorer=scorer,
+            dist=ctx,
             num_prompts=args.num_prompts,
             max_tokens=args.max_tokens,
             temperature=t,
@@ -113,17 +125,17 @@ def cmd_parity(args) -> int:
                 f"{r.max_abs_diff:10.3g} {str(r.tokens_identical_across_compositions):>11} {r.preemptions:7d} {r.seconds:6.1f}"
             )
     for r in results:
-        print(r.exercised(), file=sys.stderr)
+        _print_rank0(r.exercised(), file=sys.stderr)
     failed = False
     for r in results:
         if r.num_mismatched:
-            print(
+            _print_rank0(
                 f"FAIL (T = {r.temperature:g}, {r.mode} mode): {r.num_mismatched} of {r.num_tokens} rollout "
                 "logprobs differ from the trainer's",
                 file=sys.stderr,
             )
         if not r.tokens_identical_across_compositions:
-            print(
+            _print_rank0(
                 f"FAIL (T = {r.temperature:g}, {r.mode} mode): {r.sequences_with_other_tokens} of "
                 f"{r.num_sequences} sequences sampled other tokens in another batch composition (sampling is "
                 "not batch-invariant: runs do not replay)",
@@ -131,8 +143,16 @@ def cmd_parity(args) -> int:
             )
         failed = failed or not r.ok
     if not failed:
-        print("parity: OK (logprobs bitwise equal, tokens identical in every composition)", file=sys.stderr)
+        _print_rank0(
+            "parity: OK (logprobs bitwise equal, tokens identical in every composition)", file=sys.stderr
+        )
     return 1 if failed else 0
+
+
+def _print_rank0(*args, **kwargs) -> None:
+    """print, on rank 0 only (stderr included: the results are the same on every rank)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(*args, **kwargs)
 
 
 def cmd_generate(args) -> int:
@@ -174,7 +194,60 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv less its `--nproc N` / `--nproc=N` (the re-launched command must not launch again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `exactrl <argv>` on `nproc` local ranks under torchrun (standalone: one node, a free port) and return
+    its exit status. torchrun's agent stops every rank as soon as one fails and prints that rank's error."""
+    from exactrl.distributed.env import under_torchrun
+
+    if under_torchrun():
+        raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "exactrl.cli", *_without_nproc(argv)]
+    print(f"exactrl: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def _quiet_unless_rank0() -> None:
+    """Under torchrun only rank 0 speaks: the other ranks' stdout goes nowhere and their (duplicate) warnings
+    are dropped. stderr stays open, so a rank's error and traceback are shown whichever rank it is."""
+    import warnings
+
+    rank = os.environ.get("RANK")
+    if rank is not None and rank != "0":
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        warnings.simplefilter("ignore")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The console script. Under torchrun it runs inside torch.distributed.elastic's `record`, which writes a
+    failing rank's exception and traceback to the error file torchrun's agent reads and prints in its report
+    (outside torchrun there is no such file, and `record` would turn `--help`'s SystemExit into a return)."""
+    from exactrl.distributed.env import under_torchrun
+
+    if under_torchrun():
+        return int(record(_main)(argv) or 0)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from exactrl.commands import add_nproc_arg
+
+    _quiet_unless_rank0()
     parser = argparse.ArgumentParser(prog="exactrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
@@ -227,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute a run's mismatch report (<output_dir>/mismatch-<step>/) from its weights and print where "
         "engine and trainer diverge; --device defaults to the run's, --mode to exact",
     )
+    add_nproc_arg(p)
     p.set_defaults(func=cmd_parity)
 
     p = sub.add_parser("generate", help="sample completions with the rollout engine", formatter_class=fmt)
@@ -248,12 +322,27 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.register(sub)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        if getattr(args, "nproc", None) is not None:
+            return launch_torchrun(args.nproc, argv)
+        code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"exactrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"exactrl {args.command}{where}: error: {e}", file=sys.stderr)
+        return 2  # the process group is left to the exit: the other ranks may still be inside a collective
+    _end_process_group()
+    return code
+
+
+def _end_process_group() -> None:
+    """Leave the process group a command under torchrun started (no-op otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

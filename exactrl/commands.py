@@ -25,11 +25,15 @@ def _run_dir_plan(cfg, args):
 
 def _run(cfg, args) -> int:
     """Train, and exit 130 (as a shell does after Ctrl-C) when the run was stopped before its end."""
+    import os
+
     from exactrl.train.loop import train
 
-    plan = _run_dir_plan(cfg, args)
+    # Under torchrun rank 0 alone checks the run directory (the others write nothing there; torchrun stops them
+    # if rank 0 refuses). The plan commits (clears an --overwrite's old files, writes config.toml) once
+    # everything has loaded.
+    plan = _run_dir_plan(cfg, args) if os.environ.get("RANK", "0") == "0" else None
     config_dir = Path(args.config).resolve().parent if getattr(args, "config", None) else None
-    # The plan commits (clears an --overwrite's old files, writes config.toml) once everything has loaded.
     summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan, config_dir=config_dir)
     if summary.get("all_reward_calls_failed"):
         return 3
@@ -198,6 +202,16 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def add_nproc_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run on N local ranks: re-launches this command under `python -m torch.distributed.run "
+        "--standalone --nproc-per-node N` (CPU: gloo; CUDA: NCCL, one GPU per rank)",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
     p = sub.add_parser("train", help="run an RL job from a TOML config", formatter_class=fmt)
@@ -214,6 +228,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
+    add_nproc_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -314,6 +329,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
     )
     p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train: the same step also under FSDP2 at world size 1 (launched on one torchrun rank); prints "
+        "both step times and their ratio",
+    )
     p.add_argument(
         "--out-dir",
         "--output-dir",

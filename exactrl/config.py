@@ -675,6 +675,10 @@ class TrainConfig:
     cuda_graphs: bool = True
     """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
     then padded to a few bucket shapes; padding never reaches the loss."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's inputs from the forward and recompute the layer in the backward
+    (torch.utils.checkpoint, non-reentrant): less activation memory for about one more forward. Exact either way:
+    the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
     keep_checkpoints: int = 2

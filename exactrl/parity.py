@@ -8,6 +8,11 @@ under several batch compositions (one request at a time, all together, in revers
 unrelated prompts), the token ids must agree across all of them (the sampling noise is keyed on the request, never
 on the batch row), then the tokens are scored by the training path in packed microbatches of several sizes and
 must equal the recorded logprobs bitwise. A line says what was exercised (counted by the engine's block manager).
+
+Under torchrun (`exactrl parity --nproc N`) every rank checks its share of the prompts (under their global
+request ids, so each prompt samples what it samples on one process) with its own engine on a full replica, and
+scores through the trainer's real forward: an FSDP2-sharded copy of the model (fp32 shards, compute in the model
+dtype), the replica refreshed from the shards as after a training step. The counts are summed over the ranks.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exactrl.distributed.env import DistContext
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.qwen import CausalLM
-from exactrl.train.packing import completion_logprobs
+from exactrl.train.packing import PackedBatch, packed_microbatches, response_logprobs
 
 _BLOCK_STATS = ("prefix_hit_blocks", "fork_shared_blocks", "cow_copies")
 
@@ -83,6 +89,8 @@ class ParityResult:
     fork_shared_blocks: int = 0
     cow_copies: int = 0
     compositions: list[str] = field(default_factory=list)
+    world_size: int = 1
+    """Ranks whose shares the figures sum (under torchrun: each with its engine and the FSDP-sharded trainer)."""
 
     @property
     def ok(self) -> bool:
@@ -137,6 +145,43 @@ def small_kv_blocks(prompts: list[list[int]], max_tokens: int, samples: int, blo
     return 2 * per_request
 
 
+def sharded_parity_models(model: CausalLM, ctx: DistContext) -> tuple[CausalLM, CausalLM]:
+    """(the engine's model, the trainer's model) of a run at ctx's world size: on one process both are `model`;
+    under torchrun `model` is sharded in place with FSDP2 as training shards it, and the engine gets a full
+    replica refreshed from the shards by the training path's weight sync."""
+    from exactrl.distributed.parallelize import Parallelism
+
+    par = Parallelism(ctx)
+    replica = par.engine_model(model)
+    par.parallelize(model, trainable=False)
+    par.bind(model, replica)
+    par.sync_weights()
+    return replica, model
+
+
+@torch.no_grad()
+def _score_jobs(
+    scorer: CausalLM, jobs: list[tuple[list[list[int]], list[int], float, int]], ctx: DistContext
+) -> list[list[torch.Tensor]]:
+    """Completion logprobs through the training forward for each job (seqs, prompt lens, temperature, tokens per
+    microbatch). Under FSDP every forward all-gathers: the ranks first agree on the number of microbatches, and
+    a rank with fewer runs forwards of a 2-token dummy sequence until it has run as many."""
+    plans = [list(packed_microbatches(seqs, plens, budget, scorer.device)) for seqs, plens, _, budget in jobs]
+    mine = sum(len(p) for p in plans)
+    extra = int(ctx.max(mine)) - mine
+    out: list[list[torch.Tensor]] = []
+    for (seqs, _, temperature, _), plan in zip(jobs, plans):
+        lps: list[torch.Tensor | None] = [None] * len(seqs)
+        for mb, pb in plan:
+            lp, _, sidx = response_logprobs(scorer, pb, temperature)
+            for j, i in enumerate(mb):
+                lps[i] = lp[sidx == j].float().cpu()
+        out.append(lps)  # type: ignore[arg-type]
+    for _ in range(extra):
+        response_logprobs(scorer, PackedBatch.build([[0, 0]], [1], scorer.device), 1.0)
+    return out
+
+
 def run_parity(
     model: CausalLM,
     *,
@@ -151,15 +196,32 @@ def run_parity(
     shared_prefix: int = 16,
     prompt_vocab: int | None = None,
     microbatch_tokens: tuple[int, ...] = (64, 1000, 1 << 30),
+    scorer: CausalLM | None = None,
+    dist: DistContext | None = None,
 ) -> ParityResult:
-    """kv_blocks: 0 = small_kv_blocks (preemption), None = sized from memory."""
+    """kv_blocks: 0 = small_kv_blocks (preemption), None = sized from memory.
+
+    model: what the engine samples from; scorer: the trainer-side model that scores the tokens (default `model`;
+    under torchrun the FSDP-sharded copy, see `sharded_parity_models`). dist: this rank's place; the result is
+    the sum over every rank's share of the prompts (every rank returns it)."""
     start = time.perf_counter()
+    ctx = dist or DistContext.single()
+    scorer = scorer or model
     vocab = prompt_vocab or model.config.vocab_size
-    prompts = random_prompts(num_prompts, vocab, seed, shared_prefix=shared_prefix)
-    others = random_prompts(num_prompts, vocab, seed + 1)
+    all_prompts = random_prompts(num_prompts, vocab, seed, shared_prefix=shared_prefix)
+    all_others = random_prompts(num_prompts, vocab, seed + 1)
+    # This rank's share, under the prompts' global indices: each request samples what it samples at world size 1.
+    if num_prompts < ctx.world_size:
+        raise ValueError(
+            f"--num-prompts ({num_prompts}) must be at least the number of ranks ({ctx.world_size})"
+        )
+    ids = list(ctx.shard(num_prompts))
+    prompts = [all_prompts[i] for i in ids]
+    others = [all_others[i] for i in ids]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=samples_per_prompt)
     if kv_blocks == 0:
-        kv_blocks = small_kv_blocks(prompts + others, max_tokens, samples_per_prompt, block_size)
+        # sized for every rank's prompts: each rank's cache is the one a single process would have
+        kv_blocks = small_kv_blocks(all_prompts + all_others, max_tokens, samples_per_prompt, block_size)
     cfg = EngineConfig(
         block_size=block_size,
         num_kv_blocks=kv_blocks,
@@ -167,14 +229,13 @@ def run_parity(
         max_num_batched_tokens=max(prefill_chunk, 256),
     )
     engine = RolloutEngine(model, cfg)
-    ids = list(range(num_prompts))
     rev = ids[::-1]
     with _counting_block_managers(engine) as block_stats:
         compositions = {
             "one-at-a-time": [engine.generate([p], params, request_ids=[i])[0] for i, p in zip(ids, prompts)],
             "all-together": engine.generate(prompts, params, request_ids=ids),
             # the same requests in the opposite order: other rows, other preemption victims
-            "reversed": engine.generate([prompts[i] for i in rev], params, request_ids=rev)[::-1],
+            "reversed": engine.generate(prompts[::-1], params, request_ids=rev)[::-1],
             # unrelated prompts interleaved, under other request ids: our rows must not notice them
             "mixed": engine.generate(
                 [x for pair in zip(others, prompts) for x in pair],
@@ -188,15 +249,18 @@ def run_parity(
     preemptions = int(engine.stats.get("preemptions", 0))
     reference = compositions["one-at-a-time"]
     other_tokens = 0
-    for i, ref in enumerate(reference):
+    for i, ref in enumerate(reference):  # i: the position in this rank's share
         ref_tokens = [s.token_ids for s in ref.samples]
         for j in range(samples_per_prompt):
             if any(
                 [s.token_ids for s in outs[i].samples][j] != ref_tokens[j] for outs in compositions.values()
             ):
                 other_tokens += 1
-    num, bad, max_diff, sum_diff = 0, 0, 0.0, 0.0
-    scored: dict[tuple, list[torch.Tensor]] = {}  # compositions that sampled the same tokens are scored once
+    # Compositions that sampled the same tokens are scored once; every job is scored before any is compared, so
+    # the ranks run their (collective) forwards together.
+    t = temperature if temperature > 0 else 1.0
+    jobs: dict[tuple, tuple[list[list[int]], list[int], float, int]] = {}
+    checks: list[tuple[tuple, list[torch.Tensor]]] = []
     for outs in compositions.values():
         seqs, plens, recorded = [], [], []
         for prompt, out in zip(prompts, outs):
@@ -208,16 +272,22 @@ def run_parity(
                 recorded.append(s.rollout_logprobs)
         for budget in microbatch_tokens:
             key = (budget, tuple(tuple(x) for x in seqs))
-            if key not in scored:
-                t = temperature if temperature > 0 else 1.0
-                scored[key] = completion_logprobs(model, seqs, plens, t, budget)
-            lps = scored[key]
-            for rec, lp in zip(recorded, lps):
-                d = (rec.float() - lp).abs()
-                num += lp.numel()
-                bad += int((rec != lp).sum())
-                max_diff = max(max_diff, float(d.max()))
-                sum_diff += float(d.sum())
+            jobs.setdefault(key, (seqs, plens, t, budget))
+            checks.append((key, recorded))
+    scored = dict(zip(jobs, _score_jobs(scorer, list(jobs.values()), ctx)))
+    num, bad, max_diff, sum_diff = 0, 0, 0.0, 0.0
+    for key, recorded in checks:
+        for rec, lp in zip(recorded, scored[key]):
+            d = (rec.float() - lp).abs()
+            num += lp.numel()
+            bad += int((rec != lp).sum())
+            max_diff = max(max_diff, float(d.max()))
+            sum_diff += float(d.sum())
+    # The whole check's figures: sums (and the maximum) over the ranks.
+    counts = [num, bad, other_tokens, preemptions, *(block_stats[k] for k in _BLOCK_STATS)]
+    num, bad, other_tokens, preemptions, *blocks = (int(x) for x in ctx.all_reduce(counts))
+    block_stats = dict(zip(_BLOCK_STATS, blocks))
+    sum_diff, max_diff = ctx.sum(sum_diff), ctx.max(max_diff)
     return ParityResult(
         mode="exact" if model.ops.exact else "fast",
         device=str(model.device),
@@ -240,4 +310,5 @@ def run_parity(
         fork_shared_blocks=int(block_stats["fork_shared_blocks"]),
         cow_copies=int(block_stats["cow_copies"]),
         compositions=list(compositions),
+        world_size=ctx.world_size,
     )

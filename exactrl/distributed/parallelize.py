@@ -19,12 +19,43 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 
 import torch
 from torch import nn
 
 from exactrl.distributed.env import DistContext
 from exactrl.model.qwen import CausalLM
+
+
+def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
+    """A decoder layer's forward under `torch.utils.checkpoint` while grad is enabled, else the plain forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = type(layer).forward  # the class's forward (FSDP2's subclass inherits the layer's own)
+    if torch.is_grad_enabled():
+        return checkpoint(inner, layer, *args, use_reentrant=False, **kwargs)
+    return inner(layer, *args, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Wrap each decoder layer's forward of `model` (a CausalLM, or a ValueModel around one) in
+    `torch.utils.checkpoint` (non-reentrant): while grad is enabled the layer saves only its inputs and runs again
+    in the backward; without grad (the engine, reference and old-policy scoring) it runs as before. Applies before
+    or after `fully_shard` (FSDP2 hooks the module call, this wraps the forward inside it; in the backward FSDP
+    has gathered the layer's parameters before the recomputation reads them). The wrapper is a method bound to
+    the layer, so a deepcopy of the model (the engine replica, the reference model) stays bound to its own
+    layers. Returns the number of layers wrapped."""
+    lm = model if isinstance(model, CausalLM) else model.backbone
+    wrapped = 0
+    for layer in lm.model.layers:
+        if getattr(layer, "activation_checkpointing", False):
+            continue
+        # An instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+        layer.activation_checkpointing = True
+        wrapped += 1
+    return wrapped
 
 
 class Parallelism:
@@ -57,12 +88,19 @@ class Parallelism:
         lm = model if isinstance(model, CausalLM) else model.backbone
         compute_dtype = lm.dtype
         model.float()  # the sharded fp32 parameters are the masters
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False: the layers take fp32 inputs on purpose (the RoPE table is fp32 whatever the
+        # model dtype, as on one device); FSDP's default would round them to the model dtype, and the trainer's
+        # logprobs would then differ from the engine's (a bf16 model: every token).
+        mp = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         for layer in lm.model.layers:
             fully_shard(layer, mesh=self.mesh, mp_policy=mp)
         if lm is not model:  # a ValueModel: its value head stays fp32, as on one device
             fully_shard(lm, mesh=self.mesh, mp_policy=mp)
-            mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):

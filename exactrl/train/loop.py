@@ -223,7 +223,7 @@ class RLRun:
         self.rewards: RewardComputer | None = None
         # The output dir is checked now and changed only once everything has loaded (plan.commit below).
         self.plan = run_dir
-        if self.plan is None:
+        if self.plan is None and self.dist.is_main:  # rank 0 alone owns the run directory
             self.plan = check_run_dir(
                 cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change
             )
@@ -262,7 +262,7 @@ class RLRun:
         if resume and self.resume_from is None:
             self.out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
         # Everything loaded: now the run directory may change (old files of --overwrite go, config.toml is written).
-        if self.dist.is_main:
+        if self.dist.is_main and self.plan is not None:
             self.plan.commit(cfg)
         self.dist.barrier()
         # With nothing to resume from the run starts over, and so does its metrics.jsonl.
@@ -404,6 +404,14 @@ class RLRun:
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
         engine_model = self.parallel.engine_model(model)
+        if (
+            tr.activation_checkpointing
+        ):  # the trainer's models only: the engine and the reference run no backward
+            from exactrl.distributed.parallelize import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
+            if self.critic is not None:
+                apply_activation_checkpointing(self.critic)
         self.parallel.parallelize(model)
         if ref_model is not None and isinstance(ref_model, torch.nn.Module):
             self.parallel.parallelize(ref_model, trainable=False)

@@ -1,0 +1,135 @@
+"""What the multi-rank tests launch under `python -m torch.distributed.run`: several jobs in one launch (starting
+torch and the process group costs seconds a launch on a 2-core machine).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/distributed/_driver.py SPEC.json
+
+SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
+  {"kind": "cli", "argv": [...]}                   `exactrl <argv>` through exactrl.cli.main (the real entry point)
+  {"kind": "cli", "argv": [...], "fail_rank": R}   the same, but rank R raises in its first training update (the
+                                                   other ranks are inside a collective by then): a rank failing
+  {"kind": "weights", "out": "FILE.json", "skip_sync": bool}
+                                                   trains a bf16 tiny model a step under FSDP2 and compares, for every
+                                                   parameter, the engine replica's tensor with the bits the trainer's
+                                                   forward computes with (captured inside that forward), on every
+                                                   rank; skip_sync: the negative control (no weight sync)
+A job that fails exits the process with a non-zero status (torchrun then stops the other ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def cli_job(job: dict) -> None:
+    import exactrl.cli
+    from exactrl.cli import main
+
+    # The jobs of one launch share the process group: a command leaves it in place for the next one (destroying
+    # and starting the default group again within one torchrun launch hangs).
+    exactrl.cli._end_process_group = lambda: None
+
+    fail_rank = job.get("fail_rank")
+    if fail_rank is not None and int(os.environ["RANK"]) == fail_rank:
+        from exactrl.train import loop
+
+        def failing_update(self, step, rollouts):
+            raise RuntimeError(f"planted failure on rank {fail_rank} at step {step + 1}")
+
+        loop.RLRun.update = failing_update
+    code = main(job["argv"])
+    if code:
+        sys.exit(code)
+
+
+def _forward_weights(model: torch.nn.Module, run_forward) -> dict[str, torch.Tensor]:
+    """The tensors each module's forward sees for its own parameters (under FSDP2: the all-gathered parameters
+    in the compute dtype, after FSDP's pre-forward hook), by full parameter name. A module's hook skips the
+    parameters still sharded (DTensor): those of the nested layers, which their own forward unshards."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for prefix, mod in model.named_modules():
+        if not hasattr(mod, "unshard"):  # FSDP2 modules: each decoder layer and the root
+            continue
+
+        def hook(m, args, kwargs, prefix=prefix):
+            for name, p in m.named_parameters():
+                if not isinstance(p, DTensor):
+                    seen.setdefault(f"{prefix}.{name}" if prefix else name, p.detach().clone())
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        run_forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def weights_job(job: dict) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from exactrl.distributed.env import init_from_env
+    from exactrl.distributed.parallelize import Parallelism
+    from exactrl.model.loading import load_policy
+    from exactrl.ops import set_exact_environment
+    from exactrl.train.optim import MasterAdamW
+    from exactrl.train.packing import PackedBatch, response_logprobs
+    from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
+
+    set_exact_environment(True)
+    ctx = init_from_env("cpu")
+    model, _ = load_policy(preset_name="tiny", device="cpu", dtype="bfloat16", seed=0)
+    par = Parallelism(ctx)
+    replica = par.engine_model(model)
+    par.parallelize(model)
+    par.bind(model, replica)
+    opt = MasterAdamW(model, lr=1e-2, dist=ctx)
+    trainer = PolicyTrainer(model, TrainerSettings(algorithm="grpo", exact=True), opt, dist=ctx)
+    g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank trains on rollouts of its own
+    rollouts = [
+        Rollout(
+            torch.randint(0, 200, (5,), generator=g).tolist(),
+            torch.randint(0, 200, (4 + k,), generator=g).tolist(),
+            torch.zeros(4 + k),
+            advantage=1.0 if k % 2 else -1.0,
+        )
+        for k in range(4)
+    ]
+    trainer.step(rollouts)
+    if not job.get("skip_sync"):
+        par.sync_weights()
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    pb = PackedBatch.build(seqs, [len(r.prompt_ids) for r in rollouts], model.device)
+    with torch.no_grad():
+        used = _forward_weights(model, lambda: response_logprobs(model, pb, 1.0))
+    engine = dict(replica.named_parameters())
+    report = {"rank": ctx.rank, "params": len(engine), "captured": len(used), "differ": [], "not_plain": []}
+    for name, e in engine.items():
+        t = used.get(name)
+        if t is None or isinstance(t, DTensor) or t.dtype != e.dtype:
+            report["not_plain"].append(name)
+        elif not torch.equal(t, e):
+            report["differ"].append(name)
+    # Every rank's report, written by rank 0.
+    reports = ctx.all_gather_object(report)
+    if ctx.is_main:
+        with open(job["out"], "w") as f:
+            json.dump(reports, f)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    for job in spec["jobs"]:
+        {"cli": cli_job, "weights": weights_job}[job["kind"]](job)
+
+
+if __name__ == "__main__":
+    main()

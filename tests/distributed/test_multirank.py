@@ -1,0 +1,296 @@
+"""Multi-rank runs on the CPU (gloo), launched as `python -m torch.distributed.run --standalone` subprocesses.
+
+One module-scoped fixture makes every run (a few launches, several jobs each: starting torch and the process group
+is the expensive part on a 2-core machine) and the tests read their outputs:
+
+- exact at world sizes 1 (under torchrun), 2 and 4 for GRPO, GSPO and PPO (mismatch/num_mismatched_tokens is 0,
+  summed over every rank's tokens); fast mode at world size 2 is the negative control;
+- world size 1 (no torchrun) vs 2 and 4: the same objective (loss, grad norm, rewards per step);
+- resume across world sizes (2 -> 1 with and without torchrun, 1 -> 2) matches the uninterrupted run;
+- the engine replica holds the very bits the trainer's forward computes with, on every rank;
+- a failing rank stops every rank, quickly, with its error shown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("_driver.py")
+CONFIGS = {
+    a: ROOT / "configs" / f"quickstart{s}.toml" for a, s in (("grpo", ""), ("gspo", "-gspo"), ("ppo", "-ppo"))
+}
+
+REWARD = '''
+import hashlib
+
+
+def hashed(completion, answer, example):
+    """Rewards that vary within a group (a random tiny model never solves the arithmetic)."""
+    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
+'''
+
+# The quickstart shrunk: 16 rollouts (4 prompts x 4), 4-token completions, 3 SFT steps, a constant lr.
+SMALL = [
+    "train.warmup_steps=0",
+    "train.lr_schedule=constant",
+    "sft.steps=3",
+    "sft.batch_size=8",
+    "sft.warmup_steps=0",
+    "algorithm.rollouts_per_step=16",
+    "algorithm.group_size=4",
+    "task.num_eval=4",
+    "task.eval_every=0",
+    "sampling.max_tokens=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "train.keep_checkpoints=4",
+]
+STEPS = 4  # the runs that are compared step by step; the others run 2
+
+
+def _argv(
+    tmp: Path, name: str, algo: str = "grpo", steps: int = 2, *extra: str, resume: bool = False
+) -> list:
+    sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}"]
+    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
+    sets += list(extra)
+    argv = ["train", str(CONFIGS[algo]), *[x for s in sets for x in ("--set", s)]]
+    return argv + (["--resume"] if resume else ["--overwrite"])
+
+
+def _launch(
+    tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 240
+) -> tuple[int, str, float]:
+    spec = tmp / f"spec-{tag}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    t = time.perf_counter()
+    p = subprocess.run(
+        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+
+
+def _crashed_after(src: Path, dst: Path, step: int) -> None:
+    """A copy of run `src` as a crash right after step `step`'s checkpoint leaves it."""
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("step-*"):
+        if int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"step-{step:06d}\n")
+    (dst / "summary.json").unlink()
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multirank")
+    (tmp / "reward.py").write_text(REWARD)
+    times: dict[str, float] = {}
+
+    def launch(nproc, jobs, tag):
+        code, out, secs = _launch(tmp, nproc, jobs, tag)
+        times[tag] = secs
+        assert code == 0, f"launch {tag} ({nproc} ranks) failed:\n{out[-6000:]}"
+        return out
+
+    def cli(name, algo="grpo", steps=2, *extra, resume=False):
+        return {"kind": "cli", "argv": _argv(tmp, name, algo, steps, *extra, resume=resume)}
+
+    ckpt = "train.save_every=1"
+    # GRPO runs the steps that are compared; one step each shows the other algorithms exact.
+    launch(
+        1, [cli("t1-grpo", "grpo", STEPS, ckpt), cli("t1-gspo", "gspo", 1), cli("t1-ppo", "ppo", 1)], "ws1"
+    )
+    _crashed_after(tmp / "t1-grpo", tmp / "r12", 2)
+    jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
+    jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
+    # `exactrl parity` on 2 ranks, bf16 (each rank's engine against the FSDP-sharded trainer forward); it exits
+    # non-zero, failing the launch, on any mismatch (FSDP casting the layers' fp32 inputs made all 384 differ).
+    parity = ["parity", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "4"]
+    jobs += [{"kind": "cli", "argv": parity}]
+    jobs += [
+        {"kind": "weights", "out": str(tmp / "weights.json")},
+        {"kind": "weights", "out": str(tmp / "weights-nosync.json"), "skip_sync": True},
+    ]
+    launch(2, jobs, "ws2")
+    _crashed_after(tmp / "t2-grpo", tmp / "r21t", 2)
+    _crashed_after(tmp / "t2-grpo", tmp / "r21p", 2)
+    launch(1, [cli("r21t", "grpo", STEPS, ckpt, resume=True)], "ws1-resume")
+    launch(4, [cli("t4-grpo", "grpo"), cli("t4-gspo", "gspo", 1), cli("t4-ppo", "ppo", 1)], "ws4")
+
+    # World size 1 without torchrun: today's single-device path, in a process of its own as well.
+    plain = [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    )
+    env["OMP_NUM_THREADS"] = "1"
+    for k, argv in enumerate(plain):
+        t = time.perf_counter()
+        p = subprocess.run(
+            [sys.executable, "-m", "exactrl.cli", *argv], capture_output=True, text=True, env=env, cwd=tmp
+        )
+        times[f"plain-{k}"] = time.perf_counter() - t
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
+    return tmp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Exact at every world size
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ws", [1, 2, 4])
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo"])
+def test_no_mismatched_token_at_any_world_size(runs, ws, algo):
+    run = runs / f"t{ws}-{algo}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == ws
+    steps = _steps(run)
+    assert len(steps) >= 1
+    for step, m in steps.items():
+        # The count is over every rank's tokens: all the step's completion tokens were compared.
+        all_tokens = round(m["response_length/mean"] * 16)
+        assert m["mismatch/num_tokens"] == all_tokens > 0, (step, m["mismatch/num_tokens"], all_tokens)
+        assert m["mismatch/num_mismatched_tokens"] == 0, (algo, ws, step)
+    assert summary["mismatched_tokens_total"] == 0
+    assert summary["compared_tokens_total"] == sum(m["mismatch/num_tokens"] for m in steps.values())
+
+
+def test_fast_mode_mismatches_at_world_size_2(runs):
+    """The negative control: PyTorch's default kernels (run.exact = false). The trainer then recomputes the old
+    logprobs, and the same metric counts how many differ from the engine's."""
+    steps = _steps(runs / "t2-fast")
+    assert sum(m["mismatch/num_mismatched_tokens"] for m in steps.values()) > 0
+    assert all(m["mismatch/num_tokens"] > 0 for m in steps.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The same objective at every world size
+# ----------------------------------------------------------------------------------------------------------
+
+KEYS = ("loss", "grad_norm", "reward/mean", "num_tokens", "entropy")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _agree(ref: Path, other: Path, steps: list[int], rtol: float) -> dict[str, float]:
+    a, b = _steps(ref), _steps(other)
+    worst = dict.fromkeys(KEYS, 0.0)
+    for s in steps:
+        for k in KEYS:
+            assert math.isfinite(a[s][k]) and math.isfinite(b[s][k])
+            worst[k] = max(worst[k], _rel(a[s][k], b[s][k]))
+    # Rollouts are sampled from weights equal to the last bits, or nearly: the same tokens, the same rewards.
+    for s in steps:
+        assert a[s]["reward/mean"] == b[s]["reward/mean"], s
+        assert a[s]["num_tokens"] == b[s]["num_tokens"], s
+    assert worst["grad_norm"] <= rtol and worst["loss"] <= rtol and worst["entropy"] <= rtol, worst
+    assert all(a[s]["grad_norm"] > 0 for s in steps)  # the updates are not trivially zero
+    return worst
+
+
+def test_world_size_1_and_2_optimise_the_same_objective(runs):
+    worst = _agree(runs / "p1-grpo", runs / "t2-grpo", list(range(1, STEPS + 1)), rtol=1e-5)
+    print("max relative difference, world size 1 (plain) vs 2 over 4 steps:", worst)
+
+
+def test_world_size_4_and_torchrun_1_agree_with_plain(runs):
+    print("ws1 plain vs ws4:", _agree(runs / "p1-grpo", runs / "t4-grpo", [1, 2], rtol=1e-5))
+    print("ws1 plain vs ws1 torchrun:", _agree(runs / "p1-grpo", runs / "t1-grpo", [1, 2, 3, 4], rtol=1e-5))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints and resume across world sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resumed", ["r21t", "r21p", "r12"])
+def test_resume_at_another_world_size_continues_the_run(runs, resumed):
+    """2 -> 1 (torchrun), 2 -> 1 (no torchrun), 1 -> 2: steps 3 and 4 of the resumed run agree with the
+    uninterrupted world-size-2 run."""
+    run = runs / resumed
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS and summary["mismatched_tokens_total"] == 0
+    steps = _steps(run)
+    assert sorted(steps) == [1, 2, 3, 4]  # the log was cut at the checkpoint and continued, no step twice
+    print(resumed, "vs uninterrupted ws2:", _agree(runs / "t2-grpo", run, [3, 4], rtol=1e-5))
+
+
+def test_sharded_checkpoint_layout_and_hf_export(runs):
+    from exactrl.model.hf import load_model
+
+    ck = runs / "t2-grpo" / "checkpoints" / f"step-{STEPS:06d}"
+    assert (ck / "dcp").is_dir() and (ck / "state.json").is_file()
+    state = json.loads((ck / "state.json").read_text())
+    assert state["step"] == STEPS and state["world_size"] == 2
+    model = load_model(ck / "policy", device="cpu")
+    # The export is the gathered full weights: every tensor of the model, at its full shape.
+    assert sum(p.numel() for p in model.parameters()) > 0
+    ref = load_model(runs / "t1-grpo" / "checkpoints" / f"step-{STEPS:06d}" / "policy", device="cpu")
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.shape == q.shape, n
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)  # ws2 and ws1 runs: the same up to rounding
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine's weights are the trainer's bits
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_engine_replica_equals_the_weights_the_trainer_computes_with(runs):
+    reports = json.loads((runs / "weights.json").read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["params"] == r["captured"] > 0 and not r["not_plain"], r
+        assert r["differ"] == [], r
+
+
+def test_without_the_weight_sync_the_replica_is_stale(runs):
+    reports = json.loads((runs / "weights-nosync.json").read_text())
+    for r in reports:
+        assert len(r["differ"]) == r["params"], r  # every tensor moved in the step; the replica did not
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A failing rank stops the run
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
+    (tmp_path / "reward.py").write_text(REWARD)
+    job = {"kind": "cli", "argv": _argv(tmp_path, "fail", "grpo", 3), "fail_rank": 1}
+    code, out, secs = _launch(tmp_path, 2, [job], "fail", timeout=120)
+    print(f"failing run: exit {code} after {secs:.1f} s")
+    assert code != 0
+    assert "planted failure on rank 1 at step 1" in out
+    assert secs < 60
+    assert not (tmp_path / "fail" / "summary.json").exists()
