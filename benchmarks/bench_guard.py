@@ -57,7 +57,9 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     engine = RolloutEngine(model, EngineConfig(max_model_len=args.prompt_len + args.max_tokens + 16))
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=1))
+    outs = engine.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=1)
+    )
     rollouts = [
         Rollout(p, s.token_ids, s.rollout_logprobs, advantage=1.0 if j % 2 else -1.0)
         for p, o in zip(prompts, outs)
