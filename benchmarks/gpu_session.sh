@@ -3,7 +3,7 @@
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
-#     [tests-all] [parity-llama] [guard] [fsdp]
+#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -28,10 +28,28 @@ if want tests-all; then  # every test marked gpu in the tree (the model, algorit
 fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
   timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \
-    --json 2>&1 | tail -2 | tee -a "$OUT/parity_llama.txt"
+    --json 2>&1 | tail -4 | tee -a "$OUT/parity_llama.txt"
 fi
 if want guard; then  # the cost of checking every token when a step makes several updates
   timeout 300 python3 benchmarks/bench_guard.py --preset qwen3-0.6b --device cuda 2>&1 | tail -6 | tee "$OUT/guard.txt"
+fi
+if want fsdp; then  # the training step under FSDP2 at world size 1 (torchrun, NCCL) vs today's path
+  timeout 400 $X bench train --fsdp --preset qwen3-0.6b --device cuda --tokens-per-microbatch 8192 --steps 5 \
+    --json 2>&1 | tail -8 | tee "$OUT/fsdp.txt"
+fi
+if want rl-gpu; then  # short exact RL runs on the GPU: FSDP under torchrun, LoRA, multi-turn episodes
+  base="--set model.preset=qwen3-0.6b --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
+    --set train.steps=3 --set algorithm.rollouts_per_step=128 --set task.num_eval=16 --set task.eval_every=0
+    --set run.progress=false --set engine.max_model_len=256 --set sampling.max_tokens=64"
+  timeout 300 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/rl-nproc1 --nproc 1 2>&1 \
+    | grep -v Warning | tail -6 | tee "$OUT/rl_gpu.txt"
+  timeout 300 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/rl-lora --set lora.rank=16 \
+    --set algorithm.kl_coef=0.05 2>&1 | tail -5 | tee -a "$OUT/rl_gpu.txt"
+  timeout 300 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/rl-guess --set env.name=guess \
+    --set env.max_episode_tokens=200 --set sampling.max_tokens=16 2>&1 | tail -5 | tee -a "$OUT/rl_gpu.txt"
+  for d in rl-nproc1 rl-lora rl-guess; do
+    python3 -c "import json,sys; s=json.load(open('$OUT/$d/summary.json')); print('$d', s['world_size'], s['mismatched_tokens_total'], s['compared_tokens_total'], round(s['minutes'],2))" | tee -a "$OUT/rl_gpu.txt"
+  done
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
