@@ -224,15 +224,15 @@ def draw_twin(root: Path, runs: list[Variant], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = [
-        ("reward/mean", "reward (train samples)", "linear"),
-        ("eval/accuracy", "held-out accuracy (step 0 = before RL)", "linear"),
-        ("mismatch/kl_k3", "trainer vs rollout KL (k3)", "symlog"),
-        ("mismatch/logprob_abs_diff_max", "max |trainer - rollout logprob|", "symlog"),
-        ("grad_norm", "grad norm", "linear"),
-        ("perf/step_s", "step time (s)", "linear"),
+        ("reward/mean", "reward (train samples)", None),
+        ("eval/accuracy", "held-out accuracy (step 0 = before RL)", None),
+        ("mismatch/kl_k3", "trainer vs rollout KL (k3)", 1e-16),
+        ("mismatch/logprob_abs_diff_max", "max |trainer - rollout logprob|", 1e-9),
+        ("grad_norm", "grad norm", None),
+        ("perf/step_s", "step time (s)", None),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (key, title, scale) in zip(axes.flat, panels):
+    for ax, (key, title, linthresh) in zip(axes.flat, panels):
         for v in runs:
             rows = read_metrics(root / v.name)
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and not _nan(r[key])]
@@ -240,8 +240,8 @@ def draw_twin(root: Path, runs: list[Variant], path: Path) -> Path:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=v.label())
             else:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=v.label(), alpha=0.8)
-        if scale == "symlog":  # exact mode sits at 0, fast mode at rounding-error scale: both visible
-            ax.set_yscale("symlog", linthresh=1e-9)
+        if linthresh:  # exact mode sits at 0, fast mode at rounding-error scale: both visible
+            ax.set_yscale("symlog", linthresh=linthresh)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.legend(fontsize=8)
