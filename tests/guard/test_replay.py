@@ -20,7 +20,13 @@ from exactrl.cli import main
 from exactrl.config import RunConfig, config_from_dict
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.guard import MismatchSequence, format_mismatch_error, read_mismatch_report, write_mismatch_report
+from exactrl.guard import (
+    MismatchSequence,
+    abort_message,
+    format_mismatch_error,
+    read_mismatch_report,
+    write_mismatch_report,
+)
 from exactrl.guard.replay import replay_report
 from exactrl.model.hf import load_model
 from exactrl.ops.torch_ops import ExactTorchOps
@@ -137,6 +143,8 @@ def test_report_holds_what_replay_needs(tmp_path, sampled):
     saved = load_model(d / "policy").state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(saved[k], v), k
+    abort = abort_message(d)
+    assert "step 7" in abort and "completion token 2" in abort and f"exactrl parity --replay {d}" in abort
     msg = format_mismatch_error(7, bad)
     for part in (
         "step 7",
