@@ -91,6 +91,14 @@ def test_twin_configs_with_mis_and_bad_names(tmp_path):
         "fast-tis": (False, "seq-tis", 5, str(tmp_path / "t" / "fast-tis")),
         "fast-mis": (False, "token-mis", 5, str(tmp_path / "t" / "fast-mis")),
     }
+    sft = {v.name: (c.sft.steps, c.sft.checkpoint) for v, c in runs}
+    shared = str(tmp_path / "t" / "exact" / "sft")
+    assert sft == {
+        "exact": (250, None),
+        "fast": (0, shared),
+        "fast-tis": (0, shared),
+        "fast-mis": (0, shared),
+    }
     default_root, _ = twin_configs(ROOT / "configs" / "quickstart.toml", [])
     assert default_root == Path("runs/quickstart-twin")
     with pytest.raises(ValueError, match="--mis must be one of"):
