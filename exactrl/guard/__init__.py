@@ -4,6 +4,7 @@ such a report (replay.py, `exactrl parity --replay`), the layer probe (layers.py
 
 from exactrl.guard.report import (
     MismatchSequence,
+    abort_message,
     format_mismatch_error,
     read_mismatch_report,
     sampling_record,
@@ -12,6 +13,7 @@ from exactrl.guard.report import (
 
 __all__ = [
     "MismatchSequence",
+    "abort_message",
     "format_mismatch_error",
     "read_mismatch_report",
     "sampling_record",

@@ -245,3 +245,17 @@ def read_mismatch_report(report_dir: str | Path) -> tuple[dict[str, Any], list[R
         except KeyError as e:
             raise ValueError(f"{where}: key {e.args[0]!r} is missing") from None
     return rep, seqs
+
+
+def abort_message(report_dir: str | Path, total_sequences: int | None = None) -> str:
+    """The error a run stops with after writing a report: the first offending sequence (step, request, sample,
+    position, token id, both logprobs in hex, the first differing layer when the probe found one), how many
+    sequences differ, where the report is and the command that replays it."""
+    rep, seqs = read_mismatch_report(report_dir)
+    first = rep["sequences"][0]
+    msg = format_mismatch_error(rep["step"], seqs[0], layer=first.get("first_differing_layer"))
+    n = total_sequences if total_sequences is not None else len(seqs)
+    return (
+        f"rollout/trainer logprob mismatch: {msg}. {n} sequence(s) differ; no optimizer step was taken on this "
+        f"batch. Report: {report_dir} (replay: exactrl parity --replay {report_dir})"
+    )

@@ -20,7 +20,13 @@ from exactrl.cli import main
 from exactrl.config import RunConfig, config_from_dict
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.guard import MismatchSequence, format_mismatch_error, read_mismatch_report, write_mismatch_report
+from exactrl.guard import (
+    MismatchSequence,
+    abort_message,
+    format_mismatch_error,
+    read_mismatch_report,
+    write_mismatch_report,
+)
 from exactrl.guard.replay import replay_report
 from exactrl.model.hf import load_model
 from exactrl.ops.torch_ops import ExactTorchOps
@@ -70,10 +76,27 @@ def sampled():
     return cfg, model, tok, params, out
 
 
-def _write(tmp_path: Path, sampled, sequences, step: int = 7) -> Path:
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine two spinning OpenMP threads make these tiny calls slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _write(tmp_path: Path, sampled, sequences, step: int = 7, probe: bool = False) -> Path:
+    """The report; the run-time layer probe only where a test reads its verdict (the replay probes again)."""
     cfg, model, tok, params, _ = sampled
     return write_mismatch_report(
-        tmp_path, step, cfg=cfg, model=model, tokenizer=tok, sequences=sequences, sampling=params
+        tmp_path,
+        step,
+        cfg=cfg,
+        model=model,
+        tokenizer=tok,
+        sequences=sequences,
+        sampling=params,
+        probe_layers=probe,
     )
 
 
@@ -99,7 +122,7 @@ def test_report_holds_what_replay_needs(tmp_path, sampled):
         s.trainer_logprobs,
     )
     bad.rollout_logprobs[2] = _one_ulp_up(bad.rollout_logprobs[2])
-    d = _write(tmp_path, sampled, [bad])
+    d = _write(tmp_path, sampled, [bad], probe=True)
     assert d == tmp_path / "mismatch-000007"
     rep = json.loads((d / "report.json").read_text())
     r = rep["sequences"][0]
@@ -120,6 +143,8 @@ def test_report_holds_what_replay_needs(tmp_path, sampled):
     saved = load_model(d / "policy").state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(saved[k], v), k
+    abort = abort_message(d)
+    assert "step 7" in abort and "completion token 2" in abort and f"exactrl parity --replay {d}" in abort
     msg = format_mismatch_error(7, bad)
     for part in (
         "step 7",

@@ -68,3 +68,38 @@ def test_twin_refuses_to_overwrite_its_runs(twin, capsys):
     _, args = twin
     assert main(args) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_twin_configs_with_mis_and_bad_names(tmp_path):
+    from exactrl.guard.twin import twin_configs
+
+    root, runs = twin_configs(
+        ROOT / "configs" / "quickstart.toml",
+        [],
+        steps=5,
+        out_dir=tmp_path / "t",
+        tis="seq-tis",
+        mis="token-mis",
+    )
+    got = {
+        v.name: (c.run.exact, c.algorithm.rollout_correction, c.train.steps, c.run.output_dir)
+        for v, c in runs
+    }
+    assert got == {
+        "exact": (True, None, 5, str(tmp_path / "t" / "exact")),
+        "fast": (False, None, 5, str(tmp_path / "t" / "fast")),
+        "fast-tis": (False, "seq-tis", 5, str(tmp_path / "t" / "fast-tis")),
+        "fast-mis": (False, "token-mis", 5, str(tmp_path / "t" / "fast-mis")),
+    }
+    sft = {v.name: (c.sft.steps, c.sft.checkpoint) for v, c in runs}
+    shared = str(tmp_path / "t" / "exact" / "sft")
+    assert sft == {
+        "exact": (250, None),
+        "fast": (0, shared),
+        "fast-tis": (0, shared),
+        "fast-mis": (0, shared),
+    }
+    default_root, _ = twin_configs(ROOT / "configs" / "quickstart.toml", [])
+    assert default_root == Path("runs/quickstart-twin")
+    with pytest.raises(ValueError, match="--mis must be one of"):
+        twin_configs(ROOT / "configs" / "quickstart.toml", [], mis="token-tis")
