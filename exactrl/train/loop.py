@@ -875,6 +875,8 @@ class RLRun:
         m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
+        if torch.device(self.device).type == "cuda":  # what the run holds at its worst: weights, KV cache, training
+            m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         m.update(sr.advantage_metrics)
         m["kl_coef"] = self.kl_ctl.value
         if "kl_ref" in m:
