@@ -3,7 +3,7 @@
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
-#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu]
+#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -50,6 +50,20 @@ if want rl-gpu; then  # short exact RL runs on the GPU: FSDP under torchrun, LoR
   for d in rl-nproc1 rl-lora rl-guess; do
     python3 -c "import json,sys; s=json.load(open('$OUT/$d/summary.json')); print('$d', s['world_size'], s['mismatched_tokens_total'], s['compared_tokens_total'], round(s['minutes'],2))" | tee -a "$OUT/rl_gpu.txt"
   done
+fi
+if want hf-parity; then  # bf16 closeness to transformers per model option, on this GPU (the max diffs printed)
+  timeout 300 python3 -m pytest -q -s -m gpu tests/model/test_hf_parity_gpu.py -p no:cacheprovider 2>&1 \
+    | tail -20 | tee "$OUT/hf_parity.txt"
+fi
+if want lora-8b; then  # a qwen3-8b-shaped policy trained with LoRA on one GPU: exact, memory, sync bytes
+  timeout 540 $X train configs/quickstart.toml --set model.preset=qwen3-8b --set model.dtype=bfloat16 \
+    --set run.device=cuda --set lora.rank=16 --set algorithm.kl_coef=0.05 --set sft.steps=0 --set train.steps=3 \
+    --set algorithm.rollouts_per_step=64 --set sampling.max_tokens=64 --set engine.max_model_len=256 \
+    --set task.num_eval=8 --set task.eval_every=0 --set run.progress=false --set run.output_dir=/tmp/lora8b 2>&1 \
+    | grep -v Warning | tail -8 | tee "$OUT/lora_8b.txt"
+  python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/lora8b/metrics.jsonl') if '\"loss\"' in l]
+print(json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/gpu_memory_peak_gb','perf/weight_sync_bytes','perf/tokens_per_s','perf/generate_s','perf/train_s','perf/step_s')} for r in rows]))" \
+    | tee -a "$OUT/lora_8b.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
