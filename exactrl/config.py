@@ -681,6 +681,9 @@ class TrainConfig:
     the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
+    save_at_end: bool = True
+    """Write a checkpoint when the run reaches train.steps (false: only save_every's and Ctrl-C's, e.g. for a
+    benchmark of a large model whose checkpoint would take long to write)."""
     keep_checkpoints: int = 2
     """Number of most recent checkpoints kept on disk; older ones are deleted."""
     max_nan_steps: int = 3

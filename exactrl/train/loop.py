@@ -875,7 +875,9 @@ class RLRun:
         m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
-        if torch.device(self.device).type == "cuda":  # what the run holds at its worst: weights, KV cache, training
+        if (
+            torch.device(self.device).type == "cuda"
+        ):  # what the run holds at its worst: weights, KV cache, training
             m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         m.update(sr.advantage_metrics)
         m["kl_coef"] = self.kl_ctl.value
@@ -898,7 +900,8 @@ class RLRun:
             while self.step < tr.steps:
                 m = self.rl_step()
                 self.log_step(m)
-                if (tr.save_every and self.step % tr.save_every == 0) or self.step == tr.steps or flag.stop:
+                at_end = self.step == tr.steps and tr.save_at_end
+                if (tr.save_every and self.step % tr.save_every == 0) or at_end or flag.stop:
                     self.checkpoint()
                 if flag.stop:
                     self.stopped_early = self.step < tr.steps

@@ -58,6 +58,7 @@ HARMLESS_KEYS = frozenset(
         "run.log_samples_every",
         "train.steps",  # resuming to train further is what --resume is for
         "train.save_every",
+        "train.save_at_end",
         "train.keep_checkpoints",
         "train.max_nan_steps",
         "train.cuda_graphs",
