@@ -35,34 +35,12 @@ _BLOCK_STATS = ("prefix_hit_blocks", "fork_shared_blocks", "cow_copies")
 
 @contextmanager
 def _counting_block_managers(engine: RolloutEngine):
-    """Sum the block managers' bookkeeping counters over the engine calls made inside the block.
-
-    RolloutEngine.generate builds a BlockManager per call and keeps none; until it adds their `stats` into
-    `engine.stats` itself, this records the managers it creates while the block runs.
-    """
-    import exactrl.engine.engine as engine_mod
-
-    made: list = []
-    real = engine_mod.BlockManager
-    if all(k in engine.stats for k in _BLOCK_STATS):  # the engine counts them already
-        before = {k: engine.stats[k] for k in _BLOCK_STATS}
-        totals: dict[str, float] = {}
-        yield totals
-        totals.update({k: engine.stats[k] - before[k] for k in _BLOCK_STATS})
-        return
-
-    class _Recorded(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    engine_mod.BlockManager = _Recorded
-    totals = {}
-    try:
-        yield totals
-    finally:
-        engine_mod.BlockManager = real
-        totals.update({k: sum(bm.stats[k] for bm in made) for k in _BLOCK_STATS})
+    """The block managers' bookkeeping counters (prefix hits, fork-shared blocks, copy-on-write copies) added up
+    over the engine calls made inside the block (the engine sums them into `engine.stats` per call)."""
+    before = {k: engine.stats[k] for k in _BLOCK_STATS}
+    totals: dict[str, float] = {}
+    yield totals
+    totals.update({k: engine.stats[k] - before[k] for k in _BLOCK_STATS})
 
 
 @dataclass
