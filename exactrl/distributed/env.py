@@ -100,11 +100,13 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_from_env(device: str, timeout_s: float = 600.0) -> DistContext:
+def init_from_env(device: str, timeout_s: float = 1800.0) -> DistContext:
     """Start the process group when launched by torchrun, else the single-process context.
 
     device: the run's resolved device ("cpu", "cuda", "cuda:N"): gloo on the CPU, NCCL on CUDA, where each rank
-    takes the GPU of its LOCAL_RANK."""
+    takes the GPU of its LOCAL_RANK. timeout_s bounds every collective: long enough for rank 0's held-out
+    evaluation, which the other ranks wait out at their next collective; a rank that dies is caught sooner, by
+    torchrun, which stops the others."""
     if not under_torchrun():
         return DistContext.single()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

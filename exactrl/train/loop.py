@@ -900,10 +900,12 @@ class RLRun:
             while self.step < tr.steps:
                 m = self.rl_step()
                 self.log_step(m)
+                # Under torchrun every rank must stop (and checkpoint, a collective) at the same step.
+                stop = self.dist.max(1.0 if flag.stop else 0.0) > 0
                 at_end = self.step == tr.steps and tr.save_at_end
-                if (tr.save_every and self.step % tr.save_every == 0) or at_end or flag.stop:
+                if (tr.save_every and self.step % tr.save_every == 0) or at_end or stop:
                     self.checkpoint()
-                if flag.stop:
+                if stop:
                     self.stopped_early = self.step < tr.steps
                     self.out(f"stopped at step {self.step}; resume with --resume")
                     break
