@@ -217,6 +217,11 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
+        if cfg.algorithm.prompts_per_step < self.dist.world_size:
+            raise ValueError(
+                f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
+                f"{self.dist.world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
+            )
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
@@ -292,6 +297,7 @@ class RLRun:
         self.consecutive_nan = 0
         self.stopped_early = False
         self.stopped_in_sft = False
+        self.step_model_tokens = 0  # the last step's sampled (model) tokens over every rank
         a = cfg.algorithm
         self.kl_ctl = KLController(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.stream: Any = None  # the task's training-example iterator, opened by run()
@@ -553,11 +559,12 @@ class RLRun:
         a = self.cfg.algorithm
         rollouts: list[Rollout] = []
         completions, answers, exs = [], [], []
+        refused = 0
         for ex, ids, o in zip(examples, prompt_ids, outs):
             if o.error is not None or len(o.samples) != a.group_size:
                 # The engine refused this prompt (e.g. it can never fit the KV cache): skip its group, count
-                # it, and train on the others.
-                self.totals["skipped_prompts"] += 1
+                # it (over every rank, in with_advantages), and train on the others.
+                refused += 1
                 self.out(f"step {step + 1}: prompt skipped by the engine: {o.error}")
                 continue
             for j, smp in enumerate(o.samples):
@@ -576,13 +583,22 @@ class RLRun:
                 exs.append(ex)
         if not rollouts:
             raise RuntimeError(
-                f"step {step + 1}: the engine refused every prompt of the step ({outs[0].error}); "
-                "check engine.num_kv_blocks / engine.max_model_len against the prompt lengths"
+                f"step {step + 1}: the engine refused every prompt of "
+                + ("rank " + str(self.dist.rank) + "'s share of " if self.dist.distributed else "")
+                + f"the step ({outs[0].error if outs else 'no prompt'}); check engine.num_kv_blocks / "
+                "engine.max_model_len against the prompt lengths"
             )
         res = self.rewards(completions, answers, exs)
         errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
         return self.with_advantages(
-            rollouts, res.rewards, res.per_function, errors, completions, [str(x) for x in answers], baseline
+            rollouts,
+            res.rewards,
+            res.per_function,
+            errors,
+            completions,
+            [str(x) for x in answers],
+            baseline,
+            refused=refused,
         )
 
     def episodes(
@@ -622,9 +638,10 @@ class RLRun:
         rollouts: list[Rollout] = []
         rewards: list[float] = []
         completions, answers = [], []
+        refused = 0
         for k, (ex, group, err) in enumerate(zip(examples, eb.groups, eb.errors)):
             if err is not None or len(group) != a.group_size:
-                self.totals["skipped_prompts"] += 1
+                refused += 1
                 self.out(f"step {step + 1}: prompt skipped by the engine: {err}")
                 continue
             for j, e in enumerate(group):
@@ -644,10 +661,11 @@ class RLRun:
                 answers.append(str(ex.answer))
         if not rollouts:
             raise RuntimeError(
-                f"step {step + 1}: the engine refused every prompt of the step ({eb.errors[0]})"
+                f"step {step + 1}: the engine refused every prompt of this share of the step "
+                f"({eb.errors[0] if eb.errors else 'no prompt'})"
             )
         errors = int(eb.metrics.get("env/errors", 0) + eb.metrics.get("env/timeouts", 0))
-        sr = self.with_advantages(rollouts, rewards, {}, errors, completions, answers, None)
+        sr = self.with_advantages(rollouts, rewards, {}, errors, completions, answers, None, refused=refused)
         sr.advantage_metrics.update(eb.metrics)  # turns, tool calls, environment errors and timeouts
         return sr
 
@@ -660,14 +678,19 @@ class RLRun:
         completions: list[str],
         answers: list[str],
         baseline: torch.Tensor | None,
+        refused: int = 0,
     ) -> StepRollouts:
         """Sequence-level advantages over the whole step (every rank's rewards, in rank order), set on this
         rank's rollouts, with the step's statistics."""
         a = self.cfg.algorithm
         lens = [len(x.completion_ids) for x in rollouts]
+        # The model's tokens per rollout (a multi-turn episode's observations are not its).
+        model_tokens = [n if x.loss_mask is None else int(sum(x.loss_mask)) for n, x in zip(lens, rollouts)]
         parts = self.dist.all_gather_object(
-            (rewards, per_function, errors, lens, [x.truncated for x in rollouts])
+            (rewards, per_function, errors, lens, [x.truncated for x in rollouts], refused, sum(model_tokens))
         )
+        self.totals["skipped_prompts"] += sum(p[5] for p in parts)
+        self.step_model_tokens = sum(p[6] for p in parts)
         r = torch.tensor([v for p in parts for v in p[0]], dtype=torch.float32)
         all_lengths = [n for p in parts for n in p[3]]
         adv_metrics: dict[str, float] = {}
@@ -789,7 +812,7 @@ class RLRun:
             self.totals["compared"] += int(m["mismatch/num_tokens"])
             self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
         # Exact mode compares every completion token of the step (fast mode recomputes them all as well).
-        m["mismatch/completion_tokens"] = float(sum(sr.lengths))
+        m["mismatch/completion_tokens"] = float(self.step_model_tokens)
         if m.get("mismatch/step_skipped"):
             self.totals["mismatch_skipped_steps"] = self.totals.get("mismatch_skipped_steps", 0) + 1
             self.out(
@@ -881,7 +904,7 @@ class RLRun:
             m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         m.update(sr.advantage_metrics)
         m["kl_coef"] = self.kl_ctl.value
-        if "kl_ref" in m:
+        if "kl_ref" in m and not m.get("mismatch/step_skipped"):  # a dropped batch steers nothing
             self.kl_ctl.update(m["kl_ref"], len(sr.lengths))
         m["step"] = self.step
         self.last_rollouts = sr

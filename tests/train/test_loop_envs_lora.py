@@ -54,12 +54,9 @@ def test_multi_turn_episodes_are_exact_and_observations_are_masked(tmp_path):
     assert s["mismatched_tokens_total"] == 0 and s["compared_tokens_total"] > 0
     assert max(r["env/turns_mean"] for r in rows) > 1  # observations were prefilled and the episode went on
     for r in rows:
-        # Every model token of the 8 episodes is compared, and no environment token is (an observation's
-        # recorded logprob is 0.0: compared, it would count as a mismatch).
-        assert r["mismatch/num_tokens"] == 8 * r["env/model_tokens_mean"]
-        assert r["mismatch/completion_tokens"] == 8 * (
-            r["env/model_tokens_mean"] + r["env/observation_tokens_mean"]
-        )
+        # Every model token of the 8 episodes is compared (completion_tokens counts the model's tokens), and no
+        # environment token is (an observation's recorded logprob is 0.0: compared, it would be a mismatch).
+        assert r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] == 8 * r["env/model_tokens_mean"]
         assert r["mismatch/num_mismatched_tokens"] == 0
 
 
