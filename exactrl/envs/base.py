@@ -100,8 +100,9 @@ def builtin_envs() -> dict[str, type]:
     return {"calculator": CalculatorEnv, "guess": GuessNumberEnv}
 
 
-def resolve_env(name: str) -> type:
-    """An environment class: a built-in name, or "package.module:ClassName" (imported, never a pickle)."""
+def resolve_env(name: str, search_dirs: list[str] | None = None) -> type:
+    """An environment class: a built-in name, or "package.module:ClassName" (imported, never a pickle). The
+    module is looked up in `search_dirs` (the config's directory), then the current directory, then sys.path."""
     envs = builtin_envs()
     if name in envs:
         return envs[name]
@@ -110,6 +111,12 @@ def resolve_env(name: str) -> type:
             f"env.name: unknown environment {name!r}; built-ins are {sorted(envs)}, or give 'module:ClassName'"
         )
     module, _, attr = name.partition(":")
+    import os
+    import sys
+
+    for d in [*(search_dirs or []), os.getcwd()][::-1]:  # a file next to the config or in the cwd, as rewards
+        if d not in sys.path:
+            sys.path.insert(0, d)
     try:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:

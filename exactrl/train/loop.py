@@ -253,6 +253,11 @@ class RLRun:
             seed=cfg.run.seed,
             tokenizer_path=cfg.model.tokenizer,
         )
+        if cfg.env.name:  # an environment that cannot load is said now, not after the warm start
+            from exactrl.envs import resolve_env
+
+            self.env_dirs = [str(Path(config_dir).resolve())] if config_dir else []
+            resolve_env(cfg.env.name, self.env_dirs)
         self.task = build_task(cfg)
         self.encode = make_encoder(cfg, self.tok)
         # Too-long prompts are skipped and named (file:line), with the key to change.
@@ -611,7 +616,7 @@ class RLRun:
         from exactrl.envs.rollout import env_stop
 
         cfg, a = self.cfg, self.cfg.algorithm
-        env_cls = resolve_env(cfg.env.name)
+        env_cls = resolve_env(cfg.env.name, getattr(self, "env_dirs", []))
         params = self.sampling_params()
         params.stop = env_stop(params.stop, env_cls)
         settings = EpisodeSettings(

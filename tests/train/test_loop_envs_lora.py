@@ -99,3 +99,40 @@ def test_lora_trains_adapters_only_exactly_and_resumes(tmp_path):
     assert s2["rl_steps"] == 2 and s2["mismatched_tokens_total"] == 0
     a2r = load_file(str(ck2 / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(a2[k], a2r[k]) for k in a2)
+
+
+HINT_ENV = """
+from exactrl.envs import Environment, StepResult
+
+
+class Hint(Environment):
+    stop = ["\\n"]
+
+    def reset(self, example):
+        self.answer = str(example.answer)
+
+    def step(self, turn):
+        if self.answer in turn.text:
+            return StepResult(done=True, reward=1.0)
+        return StepResult(observation=f"No. Hint: it has {len(self.answer)} characters.\\n")
+"""
+
+
+def test_a_users_environment_loads_from_the_working_directory(tmp_path, monkeypatch):
+    """The README's custom environment, as a file in the current directory: it loads, and its episodes run
+    exactly; a name that does not load is refused before anything is written."""
+    (tmp_path / "readme_hint_env.py").write_text(HINT_ENV)
+    monkeypatch.chdir(tmp_path)
+    over = SMALL + ["env.max_turns=3", "env.max_episode_tokens=60", "train.steps=1"]
+    cfg = load_config(ROOT / "configs/quickstart.toml", over + [f"run.output_dir={tmp_path / 'ok'}"])
+    cfg.env.name = "readme_hint_env:Hint"
+    s = train(cfg, out=lambda *a: None)
+    assert s["mismatched_tokens_total"] == 0 and s["compared_tokens_total"] > 0
+    assert _rows(tmp_path / "ok")[0]["env/turns_mean"] > 1
+    bad = load_config(ROOT / "configs/quickstart.toml", over + [f"run.output_dir={tmp_path / 'bad'}"])
+    bad.env.name = "no_such_module_here:Hint"
+    import pytest
+
+    with pytest.raises(ValueError, match="cannot load 'no_such_module_here:Hint'"):
+        train(bad, out=lambda *a: None)
+    assert not (tmp_path / "bad").exists()
