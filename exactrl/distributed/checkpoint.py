@@ -14,7 +14,6 @@ written last: a crash mid-save leaves the previous checkpoint current.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
-from exactrl.train.checkpoint import _prune, fsync_dir, rng_state, set_rng_state
+from exactrl.train.checkpoint import publish_checkpoint, rng_state, set_rng_state
 from exactrl.train.optim import MasterAdamW
 
 
@@ -107,16 +106,7 @@ def save_sharded_checkpoint(
         save_model(engine_model, tmp / "policy", tokenizer=tokenizer)
         meta = {"step": step, **state, "rng": rng_state(), "world_size": ctx.world_size}
         (tmp / "state.json").write_text(json.dumps(meta) + "\n")
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        with open(latest_tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, root / "latest")
-        _prune(root, keep, name)
+        publish_checkpoint(root, tmp, name, keep)
     ctx.barrier()
     return final
 

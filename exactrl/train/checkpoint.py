@@ -91,7 +91,6 @@ def save_checkpoint(
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -106,11 +105,18 @@ def save_checkpoint(
     (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_state()}) + "\n")
     if write_extra is not None:  # more files of the same checkpoint (LoRA adapters), inside the atomic rename
         write_extra(tmp)
+    return publish_checkpoint(root, tmp, name, keep)
+
+
+def publish_checkpoint(root: Path, tmp: Path, name: str, keep: int) -> Path:
+    """Make the fully written `tmp` the checkpoint `root/name`: fsync, rename into place, then point `latest` at
+    it and prune the oldest. `latest` is written last and atomically: a crash before that leaves the previous
+    checkpoint current."""
+    final = root / name
     fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    # `latest` is written last and atomically: a crash before this line leaves the previous checkpoint current.
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(name + "\n")
     with open(latest_tmp) as f:

@@ -309,9 +309,11 @@ class RLRun:
 
     # -- setup stages ----------------------------------------------------------------------------------------
     def fits(self, ids: list[int]) -> bool:
-        if self.cfg.env.name:  # an episode needs room for at least one turn
-            return 0 < len(ids) < self.cfg.env.max_episode_tokens and self.prompt_filter.reason(ids) is None
-        return self.prompt_filter.reason(ids) is None
+        return self.prompt_filter.reason(ids) is None and self._room_for_a_turn(ids)
+
+    def _room_for_a_turn(self, ids: list[int]) -> bool:
+        """Multi-turn: an episode's prompt must leave room for at least one turn (always true otherwise)."""
+        return not self.cfg.env.name or 0 < len(ids) < self.cfg.env.max_episode_tokens
 
     def _eval_examples(self) -> list[Example]:
         # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
@@ -506,7 +508,7 @@ class RLRun:
         while len(examples) < cfg.algorithm.prompts_per_step:
             ex = next(self.stream)
             ids = self.encode(ex)
-            if not self.prompt_filter.admit(ex, ids) or not self.fits(ids):
+            if not self.prompt_filter.admit(ex, ids) or not self._room_for_a_turn(ids):
                 self.totals["skipped_prompts"] += 1
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= max_skips_in_a_row:  # e.g. every prompt is too long: never hang
