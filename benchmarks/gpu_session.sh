@@ -3,7 +3,8 @@
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
-#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b]
+#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [fast-tests] [probe-gemm]
+#     [price] [price-rollout] [price-train]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -92,6 +93,32 @@ if want train; then
   # The same exact step without CUDA graphs, in the same session (the host-bound eager step).
   timeout 300 $X bench train --preset qwen3-0.6b --mode exact --device cuda --tokens-per-microbatch 8192 --steps 5 \
     --graphs off 2>&1 | tail -1 | tee -a "$OUT/train.txt"
+fi
+if want fast-tests; then  # the fast CUDA backend (cuBLAS, FlashAttention varlen): correct numbers, its control
+  timeout 300 python3 -m pytest -q -m gpu tests/ops/test_fast_cuda_gpu.py -p no:cacheprovider 2>&1 | tail -15 \
+    | tee "$OUT/fast_tests.txt"
+  timeout 120 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode fast --num-prompts 8 \
+    --max-tokens 64 --json 2>&1 | tail -2 | tee -a "$OUT/fast_tests.txt"
+fi
+if want probe-gemm; then  # narrower invariant GEMM tiles for decode: same bits as the default config? how fast?
+  timeout 400 python3 benchmarks/probe_decode_gemm.py 2>&1 | tail -12 | tee "$OUT/probe_gemm.jsonl"
+fi
+if want price || want price-rollout; then  # exact / fast rollout at every concurrency, one session
+  for c in 1 16 64 256; do
+    for mode in exact fast; do
+      timeout 300 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \
+        --max-tokens 256 --json 2>&1 | tail -1 | tee -a "$OUT/price_rollout.jsonl"
+    done
+  done
+fi
+if want price || want price-train; then  # exact / fast / transformers training step at 0.6b and 1.7b
+  for p in qwen3-0.6b qwen3-1.7b; do
+    for mode in exact fast; do
+      vs=""; [[ $mode == fast ]] && vs="--vs hf"
+      timeout 300 $X bench train --preset $p --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 20 \
+        $vs --json 2>&1 | tail -1 | tee -a "$OUT/price_train.jsonl"
+    done
+  done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

@@ -1,4 +1,5 @@
-"""Ops backends: `exact` CPU (torch, batch-invariant), `exact` CUDA (Triton), and `fast` (PyTorch defaults)."""
+"""Ops backends: `exact` CPU (torch, batch-invariant), `exact` CUDA (Triton), and `fast`: PyTorch's defaults on
+the CPU, cuBLAS + FlashAttention + fused Triton kernels on CUDA (exactrl/ops/fast_cuda.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ __all__ = ["BLOCK_N", "AttentionBatch", "Ops", "get_ops", "set_exact_environment
 
 
 def get_ops(device: torch.device | str, exact: bool = True) -> Ops:
-    """The backend for a device: exact mode uses batch-invariant kernels, fast mode PyTorch's defaults."""
+    """The backend for a device: exact mode uses batch-invariant kernels, fast mode the fastest path without
+    the invariance rules (on CUDA with Triton: FastCudaOps; elsewhere PyTorch's defaults)."""
     device = torch.device(device)
+    if not exact and device.type == "cuda":
+        try:
+            from exactrl.ops.fast_cuda import FastCudaOps
+        except ImportError:  # pragma: no cover - no Triton on this machine: PyTorch's defaults
+            pass
+        else:
+            return FastCudaOps()
     if not exact:
         from exactrl.ops.torch_ops import FastOps
 

@@ -1,0 +1,87 @@
+"""Can a decode step (few rows) use a narrower tile of the invariant GEMM without changing a row's bits?
+
+The exact matmul runs ONE tile config per dtype (128 x 128 x 64, persistent, TMA). With a handful of rows the
+weight is streamed by only cdiv(N, 128) programs (8 for N = 1024), far from the SMs' bandwidth. A config with
+the same BLOCK_K, the same in-order K loop and the same MMA instruction family but a narrower N tile would put
+more programs on the weight. This probe checks, per model shape, whether such configs give every row the bits
+of the default config's 300-row call (torch.equal), and times them at 1, 8, 16, 64 rows against the default
+config and cuBLAS. JSON lines on stdout.
+
+Run on the GPU: `PYTHONPATH=. python3 benchmarks/probe_decode_gemm.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from exactrl.model.config import preset
+from exactrl.ops.triton.matmul import MatmulConfig, matmul
+
+
+def _shapes(name: str) -> dict[str, tuple[int, int]]:
+    c = preset(name)
+    h, hd = c.hidden_size, c.head_dim
+    return {
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * hd, h),
+        "o": (h, c.num_heads * hd),
+        "gate_up": (2 * c.intermediate_size, h),
+        "down": (h, c.intermediate_size),
+    }
+
+
+def _time(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+CANDIDATES = [
+    MatmulConfig(64, bn, 64, 8, 4, st, tma=tma, flatten=tma)
+    for bn in (16, 32, 64)
+    for st in (4, 6)
+    for tma in (True, False)
+] + [MatmulConfig(128, bn, 64, 8, 8, 4, tma=True, flatten=True) for bn in (32, 64)]
+
+
+def main() -> None:
+    dt = torch.bfloat16
+    torch.manual_seed(0)
+    for model in ("qwen3-0.6b", "qwen3-1.7b"):
+        for part, (n, k) in _shapes(model).items():
+            w = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
+            x = torch.randn(300, k, device="cuda").to(dt)
+            ref = matmul(x, w)
+            rec = {"model": model, "part": part, "N": n, "K": k}
+            rec["us_default"] = {
+                m: round(_time(lambda m=m, x=x, w=w: matmul(x[:m], w)), 1) for m in (1, 8, 16, 64)
+            }
+            rec["us_cublas"] = {
+                m: round(_time(lambda m=m, x=x, w=w: F.linear(x[:m], w)), 1) for m in (1, 8, 16, 64)
+            }
+            for cfg in CANDIDATES:
+                equal = True
+                for m, off in ((1, 0), (1, 137), (3, 5), (8, 200), (16, 17), (64, 236), (300, 0)):
+                    y = matmul(x[off : off + m], w, config=cfg)
+                    equal &= bool(torch.equal(y, ref[off : off + m]))
+                key = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}{'tma' if cfg.tma else ''}"
+                rec[key] = {
+                    "equal": equal,
+                    "us": {
+                        m: round(_time(lambda m=m, x=x, w=w, c=cfg: matmul(x[:m], w, config=c)), 1)
+                        for m in (1, 16, 64)
+                    },
+                }
+            print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()

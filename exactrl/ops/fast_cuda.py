@@ -1,0 +1,84 @@
+"""`FastCudaOps`: the fast (not batch-invariant) backend on CUDA, the path an inference engine or a trainer
+would take without the invariance rules. It is what exact mode's price is measured against, and it stays the
+negative control of every exactness test (parity shows its mismatches).
+
+| op | fast kernel | why it is not batch invariant |
+| --- | --- | --- |
+| linear, packed_linear | cuBLAS (`F.linear`) | cuBLAS picks its algorithm (tile, split-K) by M |
+| attention, training | FlashAttention-2 varlen (`torch.nn.attention.varlen.varlen_attn`), forward and backward | FA2 picks its split by shape |
+| attention, prefill/decode | exactrl's paged Triton kernel (the exact one) | (the same kernel as exact mode) |
+| norms, RoPE, SiLU | exactrl's fused Triton kernels | (row-local: nothing to give up) |
+| logprobs, logits | cuBLAS LM head + torch log_softmax, chunked | cuBLAS as above |
+
+The fused norm/RoPE/SiLU kernels are shared with exact mode because the invariance costs them nothing (a row is
+reduced by one program either way); a fast path would fuse them too. The fast path has no varlen flash
+attention over a paged KV cache in this torch build (torch 2.11's `varlen_attn` takes no block table), so cached
+attention runs exactrl's own paged kernel, the same as exact mode's. A split-KV decode kernel (keys of one
+sequence split across programs at low concurrency, which exact mode may never do) is not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.torch_ops import FastOps
+from exactrl.ops.triton_ops import TritonOps
+
+
+def _varlen_attn():
+    """torch's varlen FlashAttention entry point, or None where this build has none (then the Triton kernel)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    return varlen_attn
+
+
+class FastCudaOps(TritonOps):
+    """cuBLAS GEMMs, FlashAttention-2 varlen for packed training sequences, the paged Triton kernel for the
+    rollout engine, fused Triton norms: fast, and free to change a row's bits with the batch."""
+
+    name = "fast-cuda"
+    exact = False
+
+    def __init__(self) -> None:
+        self._varlen = _varlen_attn()
+        self.training_attention = "flash-varlen" if self._varlen is not None else "triton"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def packed_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, weight, bias).split(list(sizes), dim=-1)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if kv_cache is None and self._varlen is not None and q.dtype != torch.float32:
+            return self._flash_varlen(q, k, v, batch)
+        return super().attention(q, k, v, batch, kv_cache)
+
+    def _flash_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        # Packed whole sequences: sequence b's keys are its own rows, so the query offsets are the key offsets.
+        # FA2 takes GQA natively (Hkv divides Hq) and a causal mask as the window (-1, 0). max_seqlen_q is the
+        # bucket's width in captured training graphs, a Python int, so capture sees no host sync.
+        cu = batch.cu_seqlens_q.to(torch.int32)
+        m = int(batch.max_seqlen_q)
+        return self._varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, m, m, window_size=(-1, 0))
+
+    # Logprobs and logits: cuBLAS LM head + torch log_softmax, chunked (FastOps' implementation).
+    logprobs = FastOps.logprobs
+    logits = FastOps.logits
+    scale_logits = FastOps.scale_logits
+    logprobs_from_logits = FastOps.logprobs_from_logits
