@@ -3,7 +3,7 @@
 # Usage on the GPU machine (repo root):
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
-#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [fast-tests] [probe-gemm]
+#     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -94,6 +94,12 @@ if want train; then
   timeout 300 $X bench train --preset qwen3-0.6b --mode exact --device cuda --tokens-per-microbatch 8192 --steps 5 \
     --graphs off 2>&1 | tail -1 | tee -a "$OUT/train.txt"
 fi
+if want exact-tests; then  # the kernels' and the engine's GPU tests, then exact parity (after a kernel change)
+  timeout 420 python3 -m pytest -q -m gpu tests/ops tests/engine -p no:cacheprovider 2>&1 | tail -15 \
+    | tee "$OUT/exact_tests.txt"
+  timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 16 --max-tokens 128 \
+    --json 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/exact_tests.txt"
+fi
 if want fast-tests; then  # the fast CUDA backend (cuBLAS, FlashAttention varlen): correct numbers, its control
   timeout 300 python3 -m pytest -q -m gpu tests/ops/test_fast_cuda_gpu.py -p no:cacheprovider 2>&1 | tail -15 \
     | tee "$OUT/fast_tests.txt"
@@ -107,7 +113,7 @@ if want price || want price-rollout; then  # exact / fast rollout at every concu
   for c in 1 16 64 256; do
     for mode in exact fast; do
       timeout 300 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \
-        --max-tokens 256 --json 2>&1 | tail -1 | tee -a "$OUT/price_rollout.jsonl"
+        --max-tokens 256 --json 2>&1 | grep '^{' | tee -a "$OUT/price_rollout.jsonl"
     done
   done
 fi
@@ -116,7 +122,7 @@ if want price || want price-train; then  # exact / fast / transformers training 
     for mode in exact fast; do
       vs=""; [[ $mode == fast ]] && vs="--vs hf"
       timeout 300 $X bench train --preset $p --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 20 \
-        $vs --json 2>&1 | tail -1 | tee -a "$OUT/price_train.jsonl"
+        $vs --json 2>&1 | grep '^{' | tee -a "$OUT/price_train.jsonl"
     done
   done
 fi

@@ -570,3 +570,27 @@ def test_negative_control_cublas_is_not_batch_invariant():
         x = randn(300, K, dtype=dtype, seed=60)
         w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=61)
         assert_rows_invariant(ops.linear, [x, w], {0}, f"linear {K}x{N}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "K,N,bias", [(1024, 1024, False), (1000, 4096, True), (3072, 1000, False), (2048, 12288, True)]
+)
+def test_decode_tiles_equal_training_tile(dtype, K, N, bias):
+    """Decode steps (<= DECODE_MAX_ROWS rows) run a narrower tile of the invariant GEMM; every narrow tile the
+    selection can pick gives a row the bits the training tile gives it in a 300-row call (odd K, bias
+    included). Negative control: the same rows with the K order reversed differ, so the comparison can fail."""
+    from exactrl.ops.triton.matmul import DECODE_MAX_ROWS, MATMUL_CONFIGS, MatmulConfig, matmul
+
+    x = randn(300, K, dtype=dtype, seed=70)
+    w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=71)
+    b = randn(N, dtype=dtype, seed=72) if bias else None
+    full = matmul(x, w, b, config=MATMUL_CONFIGS[dtype])
+    for bn in (16, 32, 64):
+        cfg = MatmulConfig(64, bn, 64, 8, 4, 5)
+        for m, off in ((1, 0), (1, 211), (5, 37), (DECODE_MAX_ROWS, 236)):
+            y = matmul(x[off : off + m], w, b, config=cfg)
+            assert torch.equal(y, full[off : off + m]), f"decode tile 64x{bn}: rows {off}..{off + m} differ"
+    assert torch.equal(ops.linear(x[:3], w, b), full[:3])  # the selection the exact ops make
+    flipped = matmul(x[:64].flip(1).contiguous(), w.flip(1).contiguous(), b, config=MATMUL_CONFIGS[dtype])
+    assert not torch.equal(flipped, full[:64]), "negative control: another K order should change some bits"

@@ -1,8 +1,15 @@
 """Batch-invariant matmul: `linear(x [M, K], w [N, K], bias) -> [M, N]`, a persistent Triton GEMM.
 
 Why a row's result cannot depend on M (the number of rows in the call) or on where the row sits:
-- ONE tile configuration per dtype (`MATMUL_CONFIGS`), chosen without looking at M. The compiled kernel, its
-  tile shape and its instruction sequence are the same for a 1-row decode step and a 16k-row training batch.
+- The tile configuration never changes an output element's arithmetic. fp32: ONE configuration. 16-bit: the
+  training configuration (`MATMUL_CONFIGS`) and, for calls of at most DECODE_MAX_ROWS rows (decode steps),
+  a narrower tile (`decode_config`: 64 rows, 16-64 columns, so that the weight is streamed by most SMs instead
+  of N / 128 of them). Both keep BLOCK_K = 64, the same in-order K loop and the same tensor-core instruction
+  (64-row wgmma of k = 16 on Hopper), so an element is the same chain of MMAs into one fp32 accumulator, and
+  the same epilogue: a row gets the same bits from either. That equality is a property of the hardware's MMA,
+  checked rather than assumed: benchmarks/probe_decode_gemm.py found every tried narrow tile equal to the
+  training tile on every model shape (H100, 2026-11-24), and the GPU tests' row sweeps (1..300 rows: both
+  configurations) and test_decode_tiles_equal_training_tile (odd K, bias) fail if a GPU ever differs.
 - The reduction over K runs in order, k-tile after k-tile, into one fp32 accumulator per output element:
   no split-K, no stream-K, no atomics. An output element's value is a fixed chain of MMAs over its own row of
   x and column of w; rows of a tile never mix (tensor-core MMAs compute each output element separately).
@@ -23,6 +30,7 @@ GEMM (`_segmented_dx`), which has the bits of the GEMM over their concatenation 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +67,27 @@ MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
     torch.float16: MatmulConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=True),
     torch.float32: MatmulConfig(64, 64, 32, 8, 4, 3),
 }
+
+
+# Calls of at most this many rows (decode steps) run the narrow decode tile on 16-bit operands (see above).
+DECODE_MAX_ROWS = 64
+
+
+@functools.cache
+def decode_config(n: int, programs: int) -> MatmulConfig:
+    """The decode tile for an N-column weight on a GPU with `programs` SMs: the widest of 64/32/16 columns that
+    still gives >= 70% of the SMs a tile (measured fastest per shape, benchmarks/probe_decode_gemm.py)."""
+    for bn in (64, 32, 16):
+        if triton.cdiv(n, bn) * 10 >= programs * 7:
+            break
+    return MatmulConfig(64, bn, 64, 8, 4, 5)
+
+
+def _config(x: torch.Tensor, n: int) -> MatmulConfig:
+    m = x.shape[0]
+    if x.dtype in (torch.bfloat16, torch.float16) and m <= DECODE_MAX_ROWS:
+        return decode_config(n, num_programs_cap(x.device))
+    return MATMUL_CONFIGS[x.dtype]
 
 
 @triton.jit
@@ -219,15 +248,16 @@ def matmul(
 ) -> torch.Tensor:
     """x: [M, K], w: [N, K] (any strides), bias: [N] or None -> x @ w.T + bias, [M, N] in out_dtype (default x.dtype).
 
-    `config` exists for benchmarks only; the exact ops always use MATMUL_CONFIGS[x.dtype].
+    `config` exists for benchmarks only; the exact ops use MATMUL_CONFIGS[x.dtype], or the decode tile for
+    16-bit calls of at most DECODE_MAX_ROWS rows (same bits per element, see the module docstring).
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype:
         raise TypeError(f"matmul operands must share a dtype, got {x.dtype} and {w.dtype}")
-    cfg = config or MATMUL_CONFIGS[x.dtype]
     M, K = x.shape
     N = w.shape[0]
+    cfg = config or _config(x, N)
     out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
