@@ -113,7 +113,7 @@ if want price || want price-rollout; then  # exact / fast rollout at every concu
   for c in 1 16 64 256; do
     for mode in exact fast; do
       timeout 300 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \
-        --max-tokens 256 --json 2>&1 | grep '^{' | tee -a "$OUT/price_rollout.jsonl"
+        --max-tokens 256 --json 2>>"$OUT/price_rollout.log" | grep '^{' | tee -a "$OUT/price_rollout.jsonl"
     done
   done
 fi
@@ -122,7 +122,7 @@ if want price || want price-train; then  # exact / fast / transformers training 
     for mode in exact fast; do
       vs=""; [[ $mode == fast ]] && vs="--vs hf"
       timeout 300 $X bench train --preset $p --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 20 \
-        $vs --json 2>&1 | grep '^{' | tee -a "$OUT/price_train.jsonl"
+        $vs --json 2>>"$OUT/price_train.log" | grep '^{' | tee -a "$OUT/price_train.jsonl"
     done
   done
 fi
