@@ -213,9 +213,10 @@ def _config(args: Any, out_dir: str, steps: int):
     return cfg
 
 
-def run_bench(args: Any) -> dict[str, Any]:
+def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
-    count; every timed step is in `steps_detail`)."""
+    count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
+    short (a timeout) still leaves its finished steps."""
     from exactrl.engine.engine import EngineConfig
     from exactrl.tasks import Example
     from exactrl.train.loop import RLRun
@@ -260,6 +261,9 @@ def run_bench(args: Any) -> dict[str, Any]:
                     f"{records[-1]['step_s']:.2f} s",
                     file=sys.stderr,
                 )
+                if on_step is not None and k >= args.warmup:
+                    partial = _record(args, device, wl, run, records[args.warmup :], records[: args.warmup])
+                    on_step({**partial, "partial": k + 1 < total})
         finally:
             run.close()
     timed = records[args.warmup :]
@@ -297,6 +301,7 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     rec["lengths"] = [int(x) for x in sr.lengths]
     rec["engine_steps"] = int(eng.stats["steps"])
     rec["preemptions"] = int(eng.stats["preemptions"])
+    rec["kv_cache_tokens"] = eng.runner.num_blocks * eng.config.block_size
     rec["cuda_graph_steps"] = int(eng.stats["cuda_graph_steps"])
     rec["engine_graph_capture_s"] = (
         eng.runner.capture_seconds if eng.runner is not None else 0.0
@@ -369,6 +374,7 @@ def _record(
     for k in (
         "engine_steps",
         "preemptions",
+        "kv_cache_tokens",
         "cuda_graph_steps",
         "engine_graph_capture_s",
         "train_graph_capture_s",
@@ -493,9 +499,13 @@ def main(args: Any) -> int:
         out = Path(args.plot or Path(args.out_dir) / f"rl-{recs[0]['preset']}-concurrency.png")
         print(f"plot written to {plot_concurrency(recs, out)}", file=sys.stderr)
         return 0
-    rec = run_bench(args)
-    path = _result_path(args.out_dir, "rl", rec["preset"], args.mode, rec["device"])
+    from exactrl.model.loading import resolve_device
+
+    name = args.preset if not args.model else Path(args.model).name
+    path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     path.parent.mkdir(parents=True, exist_ok=True)
+    rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))
+    rec["partial"] = False
     try:
         png = plot_concurrency([rec], Path(args.plot) if args.plot else path.with_suffix(".png"))
         rec["plot"] = str(png)

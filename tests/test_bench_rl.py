@@ -42,6 +42,7 @@ def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
     assert all(k in rec for k in KEYS), [k for k in KEYS if k not in rec]
     assert (tmp_path / "rl-tiny-exact-cpu.png").stat().st_size > 0
     assert rec["timed_steps"] == 2 and rec["warmup_steps"] == 1 and rec["step_s"] in rec["step_s_all"]
+    assert rec["partial"] is False and rec["preemptions"] == 0 and rec["kv_cache_tokens"] > 0
     stages = rec["generate_s"] + rec["reward_s"] + rec["train_s"] + rec["weight_sync_s"]
     assert rec["generate_s"] > 0 and rec["train_s"] > 0 and rec["reward_s"] > 0
     # Timed stages never overlap and miss nothing big: what is left (prompts, metrics) is small and not negative.
