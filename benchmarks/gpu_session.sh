@@ -4,7 +4,7 @@
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
-#     [price] [price-rollout] [price-train]
+#     [price] [price-rollout] [price-train] [bench-rl]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -65,6 +65,26 @@ if want lora-8b; then  # a qwen3-8b-shaped policy trained with LoRA on one GPU: 
   python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/lora8b/metrics.jsonl') if '\"loss\"' in l]
 print(json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/gpu_memory_peak_gb','perf/weight_sync_bytes','perf/tokens_per_s','perf/generate_s','perf/train_s','perf/step_s')} for r in rows]))" \
     | tee -a "$OUT/lora_8b.txt"
+fi
+if want bench-rl; then  # whole GRPO steps, exact then fast (issue 16, item 3): about 5-6 min in all
+  # qwen3-1.7b shape, random init, bf16; 64 prompts x 8 samples; prompts of 64-512 tokens; completion lengths
+  # log-normal (median 384) capped at 2048; 1 warm-up + 2 timed steps. The JSON is rewritten after each timed
+  # step, so a timeout keeps the finished ones. Then both traces on one plot.
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2"
+  timeout 270 $X bench rl $rl --mode exact 2>&1 | grep -v Warning | tail -24 | tee "$OUT/bench_rl.txt"
+  timeout 300 $X bench rl $rl --mode fast 2>&1 | grep -v Warning | tail -24 | tee -a "$OUT/bench_rl.txt"
+  dev=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+  rl_json=""
+  for mode in exact fast; do
+    f="benchmarks/results/rl-qwen3-1.7b-$mode-$dev.json"
+    [[ -f $f ]] && rl_json="$rl_json $f"
+  done
+  if [[ -n $rl_json ]]; then
+    timeout 60 $X bench rl --plot-from $rl_json --plot "benchmarks/results/rl-qwen3-1.7b-concurrency-$dev.png" 2>&1 \
+      | tail -2 | tee -a "$OUT/bench_rl.txt"
+    cp $rl_json benchmarks/results/rl-qwen3-1.7b-*"$dev".png "$OUT/" 2>/dev/null
+  fi
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \

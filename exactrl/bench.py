@@ -1,4 +1,4 @@
-"""`exactrl bench rollout|train`: throughput benchmarks that print a table and one JSON line.
+"""`exactrl bench rollout|train|rl`: throughput benchmarks that print a table and one JSON line.
 
 rollout: output tokens/s of `RolloutEngine.generate` (random-init preset, random prompts, no early stop), and on
 CUDA the achieved memory bandwidth of decode (weights + KV read per step) next to a copy bandwidth measured in
@@ -7,6 +7,8 @@ the same run. `--vs hf` runs transformers `generate` on the same weights and pro
 train: tokens/s and MFU of the trainer's step (forward, GRPO loss, backward, AdamW; replayed from CUDA graphs
 unless `--graphs off`) against a bf16 matmul rate measured in the same run; `--vs hf` trains the transformers
 model on the same weights and data (cross-entropy loss, eager).
+
+rl: whole GRPO steps of the RL loop and the seconds of their stages (exactrl/bench_rl.py).
 """
 
 from __future__ import annotations
@@ -355,6 +357,19 @@ def bench_train_fsdp(args) -> dict:
 
 
 def main(args) -> int:
+    if getattr(args, "max_tokens", None) is None:
+        args.max_tokens = 2048 if args.what == "rl" else 256
+    if getattr(args, "steps", None) is None:
+        args.steps = 3 if args.what == "rl" else 5
+    if args.what == "rl":
+        from exactrl import bench_rl
+
+        for flag, given in (("--vs", getattr(args, "vs", None)), ("--fsdp", getattr(args, "fsdp", False))):
+            if given:
+                raise ValueError(f"bench rl does not implement {flag}")
+        if getattr(args, "reward", None) is None:
+            args.reward = ["numeric_match"]
+        return bench_rl.main(args)
     if args.what == "train" and getattr(args, "fsdp", False):
         from exactrl.distributed.env import under_torchrun
 

@@ -312,9 +312,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: rollout (engine tok/s) or train (tok/s, MFU)", formatter_class=fmt
+        "bench",
+        help="benchmarks: rollout (engine tok/s), train (tok/s, MFU) or rl (whole GRPO steps and their stages)",
+        formatter_class=fmt,
     )
-    p.add_argument("what", choices=["rollout", "train"], help="which benchmark")
+    p.add_argument("what", choices=["rollout", "train", "rl"], help="which benchmark")
     p.add_argument("--preset", default="qwen3-0.6b", help="random-init model shape")
     p.add_argument("--model", help="HF checkpoint directory instead of a preset")
     p.add_argument("--mode", default="exact", choices=["exact", "fast"], help="kernels")
@@ -322,11 +324,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="model dtype")
     p.add_argument("--concurrency", type=int, default=256, help="rollout: concurrent sequences")
     p.add_argument("--prompt-len", type=int, default=128, help="rollout: prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=256, help="rollout: new tokens per sequence")
-    p.add_argument("--tokens-per-microbatch", type=int, default=8192, help="train: tokens per microbatch")
-    p.add_argument("--steps", type=int, default=5, help="train: timed steps")
     p.add_argument(
-        "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="rollout: new tokens per sequence (default 256); rl: the cap of the completion lengths (default 2048)",
+    )
+    p.add_argument(
+        "--tokens-per-microbatch", type=int, default=8192, help="train, rl: tokens per training microbatch"
+    )
+    p.add_argument("--steps", type=int, default=None, help="train: timed steps (default 5); rl: (default 3)")
+    p.add_argument(
+        "--graphs",
+        default="on",
+        choices=["on", "off"],
+        help="train: replay the step from CUDA graphs; rl: the engine's and the trainer's CUDA graphs",
+    )
+    rl = p.add_argument_group("rl (a whole GRPO step: generate, reward, train, weight sync)")
+    rl.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    rl.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
+    rl.add_argument("--prompt-min", type=int, default=64, help="shortest prompt, in tokens")
+    rl.add_argument("--prompt-max", type=int, default=512, help="longest prompt, in tokens")
+    rl.add_argument(
+        "--completion-median",
+        type=float,
+        default=384.0,
+        help="median completion length (log-normal, capped at --max-tokens)",
+    )
+    rl.add_argument("--completion-sigma", type=float, default=0.8, help="log-normal shape of the lengths")
+    rl.add_argument("--warmup", type=int, default=1, help="untimed steps first (compiles, graph captures)")
+    rl.add_argument("--max-num-seqs", type=int, default=512, help="engine.max_num_seqs")
+    rl.add_argument("--kv-memory-fraction", type=float, default=0.3, help="engine.kv_memory_fraction")
+    rl.add_argument(
+        "--reward", action="append", help="reward function (repeatable; default: the built-in numeric_match)"
+    )
+    rl.add_argument(
+        "--on-mismatch", default="abort", choices=["abort", "skip_step", "warn"], help="run.on_mismatch"
+    )
+    rl.add_argument("--seed", type=int, default=0, help="seed of the workload, the model and the sampling")
+    rl.add_argument(
+        "--plot-from",
+        nargs="+",
+        metavar="JSON",
+        help="draw earlier `bench rl` results (e.g. exact and fast) on one concurrency plot; runs nothing",
+    )
+    rl.add_argument(
+        "--plot", metavar="PNG", help="where the concurrency plot goes (default: next to the JSON)"
     )
     p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
     p.add_argument(

@@ -78,6 +78,10 @@ class RolloutEngine:
         self.decode_mode: str | None = None
         self.stats: dict[str, float] = {}
         self.reset_stats()
+        # Off (None) unless a caller sets a list: each engine step then appends (step index, wall time, running
+        # sequences, waiting sequences) after scheduling, e.g. for `exactrl bench rl`'s concurrency plot. Host-side
+        # counts and a clock read only: no device sync.
+        self.trace: list[tuple[int, float, int, int]] | None = None
 
     def reset_stats(self) -> None:
         self.stats = {
@@ -273,6 +277,10 @@ class _Generation:
             self.settle(self.pending)
             self.pending = None
             return True
+        if self.engine.trace is not None:
+            self.engine.trace.append(
+                (int(self.stats["steps"]), time.perf_counter(), len(sched.running), len(sched.waiting))
+            )
         rows = batch.sample_rows()
         is_decode = all(e.is_decode for e in batch.entries)
         # Static buffers / CUDA graph: a pure decode step, one row per sequence.

@@ -50,6 +50,10 @@ class Sequence:
         num_prompt_tokens: length of the prompt part.
         max_tokens: most generated tokens of the current turn (of the whole completion for a single-turn
             sequence); reaching it ends the turn with reason "length".
+        max_tokens_per_sample: None (every sample of a group gets max_tokens), or one limit per sample of a
+            group parent (entry j for sample j, entry 0 being the parent's own max_tokens), handed to the forks:
+            lets a caller give each sample its own length limit (e.g. a seeded length distribution in
+            `exactrl bench rl`, where a random-init model never stops by itself).
         turn_start: index in token_ids where the current model turn began (num_prompt_tokens for the first).
         multi_turn: the end of a turn pauses the sequence (keeping its KV) instead of finishing it.
         stop_token_ids: generated tokens that finish the sequence with reason "stop".
@@ -77,6 +81,7 @@ class Sequence:
         num_samples: int = 1,
         stop_token_ids: Iterable[int] = (),
         multi_turn: bool = False,
+        max_tokens_per_sample: Iterable[int] | None = None,
     ) -> None:
         self.seq_id = int(seq_id)
         self.request_id = int(request_id)
@@ -96,6 +101,9 @@ class Sequence:
             raise ValueError(f"sequence {seq_id}: num_samples must be >= 1, got {num_samples}")
         if self.request_id < 0 or self.sample_index < 0:
             raise ValueError(f"sequence {seq_id}: request_id and sample_index must be >= 0")
+        self.max_tokens_per_sample: tuple[int, ...] | None = None
+        if max_tokens_per_sample is not None:
+            self.set_max_tokens_per_sample(max_tokens_per_sample)
 
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -183,6 +191,19 @@ class Sequence:
     def has_pending_token(self) -> bool:
         return self.token_ids[-1] == PENDING_TOKEN
 
+    def set_max_tokens_per_sample(self, limits: Iterable[int]) -> None:
+        """One length limit per sample of this (not yet forked) group parent; entry 0 becomes its own."""
+        lim = tuple(int(x) for x in limits)
+        if len(lim) != self.num_samples or min(lim) < 1:
+            raise ValueError(
+                f"sequence {self.seq_id}: max_tokens_per_sample must hold {self.num_samples} limits >= 1 (one per "
+                f"sample), got {list(lim)}"
+            )
+        if self.num_completion_tokens:
+            raise ValueError(f"sequence {self.seq_id} already generated tokens; its limits are fixed")
+        self.max_tokens_per_sample = lim
+        self.max_tokens = lim[0]
+
     def new_sample(self, seq_id: int, sample_index: int) -> Sequence:
         """A sibling that has the same prompt and settings but no generated tokens and no KV blocks yet.
 
@@ -193,7 +214,9 @@ class Sequence:
             seq_id,
             self.request_id,
             self.token_ids,
-            max_tokens=self.max_tokens,
+            max_tokens=self.max_tokens
+            if self.max_tokens_per_sample is None
+            else self.max_tokens_per_sample[sample_index],
             sample_index=sample_index,
             num_samples=1,
             stop_token_ids=self.stop_token_ids,

@@ -154,3 +154,27 @@ def test_fp32_lm_head_parity():
     m.fp32_lm_head = False
     lp16, _ = m.logprobs(h, t)
     assert not torch.equal(lp32, lp16)
+
+
+def test_trace_counts_running_and_waiting_sequences_per_step():
+    """engine.trace (off by default) gets one (step, time, running, waiting) per engine step: one prefill step
+    of the group parents, then decode steps of their forks until max_tokens."""
+    m = _model()
+    eng = RolloutEngine(m, EngineConfig())
+    params = SamplingParams(max_tokens=4, n=2, seed=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    eng.generate(prompts, params)
+    assert eng.trace is None
+    eng.trace = []
+    eng.reset_stats()
+    eng.generate(prompts, params)
+    assert [(s, r, w) for s, _, r, w in eng.trace] == [(0, 3, 0), (1, 6, 0), (2, 6, 0), (3, 6, 0)]
+    times = [t for _, t, _, _ in eng.trace]
+    assert times == sorted(times)
+    # Fewer slots than samples: a prompt waits while the first groups run, and the trace says so.
+    eng = RolloutEngine(m, EngineConfig(max_num_seqs=3))
+    eng.trace = []
+    eng.generate(prompts, params)
+    counts = [(r, w) for _, _, r, w in eng.trace]
+    assert counts[0] == (2, 1) and counts[1][1] == 1 and counts[-1][1] == 0, counts
+    assert [s for s, _, _, _ in eng.trace] == list(range(int(eng.stats["steps"])))

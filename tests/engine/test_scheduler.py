@@ -497,3 +497,29 @@ def test_finish_from_outside_and_misuse():
         eng.sched.add(b)
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(eng.bm, max_num_seqs=0, max_num_batched_tokens=1, prefill_chunk_size=1)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=["roomy", "preempting"])
+def test_each_sample_of_a_group_keeps_its_own_max_tokens(cfg, pipelined):
+    """A group parent's per-sample limits reach its forks (exactrl bench rl draws one length per sample), also
+    through preemption and when steps run ahead; limits are checked when set."""
+    rng = random.Random(5)
+    eng = FakeEngine(pipelined=pipelined, **cfg)
+    limits = {}
+    for rid in range(6):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 14))]
+        lim = [rng.randrange(1, 20) for _ in range(4)]
+        eng.add(rid, prompt, 4, 30, stop=None).set_max_tokens_per_sample(lim)
+        limits[rid] = (prompt, lim)
+    eng.run()
+    for rid, (prompt, lim) in limits.items():
+        for j in range(4):
+            assert eng.results[(rid, j)] == reference(prompt, rid, 4, lim[j], stop=None)[j]
+    if cfg is CONFIGS[3]:
+        assert eng.sched.num_preemptions > 0
+    seq = Sequence(0, 0, [1, 2], max_tokens=8, num_samples=2)
+    for bad in ([3], [3, 0], [3, 4, 5]):
+        with pytest.raises(ValueError, match="max_tokens_per_sample"):
+            seq.set_max_tokens_per_sample(bad)
+    assert seq.max_tokens == 8 and seq.max_tokens_per_sample is None

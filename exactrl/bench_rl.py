@@ -1,0 +1,520 @@
+"""`exactrl bench rl`: the time of whole GRPO steps, as `exactrl train` runs them, and where it goes.
+
+Users feel the time of a step (generate, reward, train, weight sync), not a kernel's tok/s. This benchmark runs
+the RL loop's own step, `RLRun.rl_step` (exactrl/train/loop.py), on a random-init preset (or a checkpoint) and
+times its stages from outside: each stage method (`rollout`, `score`, `update`, `parallel.sync_weights`) is
+wrapped on the run object with a timer that waits for the device at the stage's end. What remains of the step
+(prompt drawing, metrics) is `idle_s`, so the breakdown sums to the step time.
+
+The workload, seeded and the same in every step and in both modes:
+
+- `--prompts` prompts of uniformly drawn lengths in [--prompt-min, --prompt-max], random token ids (a random-init
+  model has no use for text), each sampled `--samples` times (a GRPO group);
+- each sample's completion length is drawn from a log-normal distribution (median `--completion-median`, shape
+  `--completion-sigma`) capped at `--max-tokens`: a random-init model never stops by itself, so each sample
+  gets its own length limit (`Sequence.max_tokens_per_sample`) in place of a stop rule. The model's end-of-text
+  token still ends a sample, as in any run (with a random-init model: a handful per step).
+
+The rewards are the configured reward functions (`--reward`, default the built-in `numeric_match`): on random text
+they score 0, which changes no kernel's work. The engine records the number of running and waiting sequences
+at every engine step (`RolloutEngine.trace`), drawn as the concurrency over the generation phase: the long
+tail, where the last long completions decode at low concurrency, is visible there.
+
+Prints a table and one JSON line (without the trace), and writes the JSON (with the trace) and a PNG under
+`--out-dir`. `--plot-from A.json B.json` draws earlier results (e.g. exact and fast) on one plot without running.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from exactrl.engine.engine import RolloutEngine
+
+# What each timed stage is called in the JSON, and the RLRun method it wraps (on `run`, or `run.parallel`).
+STAGES = (
+    ("generate_s", "rollout"),
+    ("reward_s", "score"),
+    ("train_s", "update"),
+    ("weight_sync_s", "sync_weights"),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The step's prompts and each sample's completion length limit, drawn once from `seed`."""
+
+    prompt_ids: list[list[int]]  # [prompts][len]
+    max_tokens: np.ndarray  # [prompts, samples] int64, each sample's length limit
+
+    @staticmethod
+    def draw(
+        *,
+        prompts: int,
+        samples: int,
+        prompt_min: int,
+        prompt_max: int,
+        completion_median: float,
+        completion_sigma: float,
+        max_tokens: int,
+        vocab: int,
+        seed: int = 0,
+    ) -> Workload:
+        for name, v, lo in (
+            ("--prompts", prompts, 1),
+            ("--samples", samples, 1),
+            ("--prompt-min", prompt_min, 1),
+            ("--max-tokens", max_tokens, 1),
+        ):
+            if v < lo:
+                raise ValueError(f"bench rl: {name} must be >= {lo}, got {v}")
+        if prompt_max < prompt_min:
+            raise ValueError(f"bench rl: --prompt-max ({prompt_max}) must be >= --prompt-min ({prompt_min})")
+        if not completion_median >= 1:
+            raise ValueError(f"bench rl: --completion-median must be >= 1, got {completion_median}")
+        if not completion_sigma >= 0:
+            raise ValueError(f"bench rl: --completion-sigma must be >= 0, got {completion_sigma}")
+        rng = np.random.default_rng(seed)
+        lens = rng.integers(prompt_min, prompt_max + 1, size=prompts)
+        prompt_ids = [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
+        lengths = rng.lognormal(np.log(completion_median), completion_sigma, size=(prompts, samples))
+        limits = np.clip(np.ceil(lengths), 1, max_tokens).astype(np.int64)
+        return Workload(prompt_ids, limits)
+
+
+class PlannedLengthEngine(RolloutEngine):
+    """The rollout engine, with each sample's length limit taken from a `Workload` (by the request's prompt
+    index in the step: RLRun keys requests as step * prompts_per_step + index). Everything else is the engine's
+    own path; the limit only ends a sample earlier than `params.max_tokens` would."""
+
+    def __init__(self, *args: Any, workload: Workload, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.workload = workload
+
+    def _start(self, prompts, request_ids, valid, params, progress, max_total_tokens=None):  # type: ignore[override]
+        if max_total_tokens is not None:
+            raise ValueError("bench rl plans single-turn completions; multi-turn episodes are not supported")
+        call = super()._start(prompts, request_ids, valid, params, progress)
+        plan = self.workload.max_tokens
+        for seq in call.sched.waiting:  # group parents, not yet forked
+            limits = plan[seq.request_id % plan.shape[0]][: seq.num_samples]
+            if len(limits) != seq.num_samples:
+                raise ValueError(
+                    f"bench rl: the workload has {plan.shape[1]} samples per prompt, the call asks for "
+                    f"{seq.num_samples}"
+                )
+            # never beyond what the engine allowed (params.max_tokens, room left in max_model_len)
+            seq.set_max_tokens_per_sample([min(int(x), seq.max_tokens) for x in limits])
+        return call
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _StageTimers:
+    """Wraps RLRun's stage methods on the run object: seconds and calls per stage in the current step."""
+
+    def __init__(self, run: Any, device: str) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.gen_start: float | None = None
+        for key, name in STAGES:
+            owner = run.parallel if name == "sync_weights" else run
+            fn = getattr(owner, name, None)
+            if not callable(fn):
+                raise RuntimeError(
+                    f"bench rl: RLRun has no stage {name!r} any more (exactrl/train/loop.py); update STAGES in "
+                    "exactrl/bench_rl.py"
+                )
+            setattr(owner, name, self._wrap(key, fn))
+
+    def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            if key == "generate_s":
+                self.gen_start = t
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync(self.device)  # the stage's device work counts to the stage, not to the next one
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+                self.calls[key] = self.calls.get(key, 0) + 1
+
+        return timed
+
+    def start_step(self) -> None:
+        self.seconds, self.calls, self.gen_start = {}, {}, None
+
+    def check_step(self) -> None:
+        """Every stage ran once: otherwise the breakdown would silently miss time (the loop changed)."""
+        for key, name in STAGES:
+            if self.calls.get(key) != 1:
+                raise RuntimeError(
+                    f"bench rl: RLRun.rl_step called {name!r} {self.calls.get(key, 0)} times in one step (expected "
+                    "once); update exactrl/bench_rl.py to the loop's stages"
+                )
+
+
+def _config(args: Any, out_dir: str, steps: int):
+    from exactrl.config import RunConfig, config_from_dict
+
+    p_max = args.prompt_max
+    seq_len = p_max + args.max_tokens
+    d = {
+        "run": {
+            "name": "bench-rl",
+            "output_dir": out_dir,
+            "seed": args.seed,
+            "device": args.device,
+            "exact": args.mode == "exact",
+            "on_mismatch": args.on_mismatch,
+            "tensorboard": False,
+            "progress": False,
+        },
+        "model": {"dtype": args.dtype, **({"path": args.model} if args.model else {"preset": args.preset})},
+        "engine": {
+            "max_model_len": seq_len,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_memory_fraction": args.kv_memory_fraction,
+            "cuda_graphs": args.graphs == "on",
+        },
+        "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
+        # The task only supplies held-out prompts nobody evaluates; the step's prompts are the workload's.
+        "task": {"name": "arithmetic", "num_eval": 0, "max_prompt_tokens": p_max, "use_chat_template": False},
+        "reward": {"functions": list(args.reward)},
+        "algorithm": {
+            "name": "grpo",
+            "group_size": args.samples,
+            "rollouts_per_step": args.prompts * args.samples,
+        },
+        "train": {
+            "steps": steps,
+            "max_tokens_per_microbatch": max(args.tokens_per_microbatch, seq_len),
+            "cuda_graphs": args.graphs == "on",
+            "save_at_end": False,
+            "save_every": 0,
+        },
+    }
+    cfg = config_from_dict(d, RunConfig, source="exactrl bench rl")
+    cfg.validate()
+    return cfg
+
+
+def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
+    count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
+    short (a timeout) still leaves its finished steps."""
+    from exactrl.engine.engine import EngineConfig
+    from exactrl.tasks import Example
+    from exactrl.train.loop import RLRun
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="exactrl-bench-rl-") as tmp:
+        cfg = _config(args, tmp, total)
+        quiet = lambda *a, **k: print(*a, file=sys.stderr)  # noqa: E731
+        run = RLRun(cfg, out=quiet)
+        try:
+            device = run.device
+            vocab = min(run.tok.vocab_size, run.model.config.vocab_size)
+            wl = Workload.draw(
+                prompts=args.prompts,
+                samples=args.samples,
+                prompt_min=args.prompt_min,
+                prompt_max=args.prompt_max,
+                completion_median=args.completion_median,
+                completion_sigma=args.completion_sigma,
+                max_tokens=args.max_tokens,
+                vocab=vocab,
+                seed=args.seed,
+            )
+            run.engine = PlannedLengthEngine(
+                run.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
+            )
+            run.build_trainer()
+            if run.engine.model is not run.model:
+                raise ValueError("bench rl runs on one device (the engine samples from the trainer's model)")
+            examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
+            index = list(range(len(wl.prompt_ids)))
+            # The step's prompts stage: the workload's prompts, the same in every step.
+            run.prompts = lambda: (examples, wl.prompt_ids, index)
+            timers = _StageTimers(run, device)
+            records = []
+            for k in range(total):
+                records.append(_one_step(run, timers, device, timed=k >= args.warmup))
+                print(
+                    f"step {k + 1}/{total}{' (warm-up)' if k < args.warmup else ''}: "
+                    f"{records[-1]['step_s']:.2f} s",
+                    file=sys.stderr,
+                )
+                if on_step is not None and k >= args.warmup:
+                    partial = _record(args, device, wl, run, records[args.warmup :], records[: args.warmup])
+                    on_step({**partial, "partial": k + 1 < total})
+        finally:
+            run.close()
+    timed = records[args.warmup :]
+    return _record(args, device, wl, run, timed, records[: args.warmup])
+
+
+def _asdict(x: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(x)
+
+
+def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[str, Any]:
+    eng = run.engine
+    eng.trace = []
+    eng.reset_stats()
+    graph_capture_before = _train_capture_s(run)
+    engine_capture_before = eng.runner.capture_seconds if eng.runner is not None else 0.0
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timers.start_step()
+    _sync(device)
+    t0 = time.perf_counter()
+    m = run.rl_step()
+    _sync(device)
+    step_s = time.perf_counter() - t0
+    timers.check_step()
+    sr = run.last_rollouts
+    rec: dict[str, Any] = {"step_s": step_s, **{k: timers.seconds[k] for k, _ in STAGES}}
+    rec["idle_s"] = step_s - sum(timers.seconds[k] for k, _ in STAGES)
+    rec["generated_tokens"] = int(sum(sr.lengths))
+    rec["prompt_tokens"] = int(sum(len(r.prompt_ids) for r in sr.rollouts))
+    rec["truncated"] = int(sum(sr.truncated))
+    rec["lengths"] = [int(x) for x in sr.lengths]
+    rec["engine_steps"] = int(eng.stats["steps"])
+    rec["preemptions"] = int(eng.stats["preemptions"])
+    rec["kv_cache_tokens"] = eng.runner.num_blocks * eng.config.block_size
+    rec["cuda_graph_steps"] = int(eng.stats["cuda_graph_steps"])
+    rec["engine_graph_capture_s"] = (
+        eng.runner.capture_seconds if eng.runner is not None else 0.0
+    ) - engine_capture_before
+    rec["train_graph_capture_s"] = _train_capture_s(run) - graph_capture_before
+    for key in ("mismatch/num_tokens", "mismatch/num_mismatched_tokens"):
+        if key in m:
+            rec[key.replace("/", "_")] = int(m[key])
+    if cuda:
+        rec["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        rec["gpu_memory_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    g0 = timers.gen_start
+    # [seconds since generate began, running, waiting] per engine step of this step's generate call
+    rec["trace"] = [[round(t - g0, 6), r, w] for _, t, r, w in eng.trace]
+    eng.trace = None
+    return rec
+
+
+def _train_capture_s(run: Any) -> float:
+    graphs = getattr(getattr(run, "trainer", None), "graphs", None)
+    return float(getattr(graphs, "capture_s", 0.0) or 0.0)
+
+
+def _record(
+    args: Any, device: str, wl: Workload, run: Any, timed: list[dict], warm: list[dict]
+) -> dict[str, Any]:
+    order = sorted(range(len(timed)), key=lambda i: timed[i]["step_s"])
+    med = timed[order[(len(order) - 1) // 2]]
+    lengths = np.array(med["lengths"])
+    rec: dict[str, Any] = {
+        "bench": "rl",
+        "preset": args.preset if not args.model else Path(args.model).name,
+        "mode": args.mode,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "algorithm": "grpo",
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "prompt_min": args.prompt_min,
+        "prompt_max": args.prompt_max,
+        "max_tokens": args.max_tokens,
+        "completion_median": args.completion_median,
+        "completion_sigma": args.completion_sigma,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_memory_fraction": args.kv_memory_fraction,
+        "tokens_per_microbatch": run.cfg.train.max_tokens_per_microbatch,
+        "graphs": args.graphs,
+        "warmup_steps": len(warm),
+        "timed_steps": len(timed),
+        "step_s": med["step_s"],
+        "step_s_all": [r["step_s"] for r in timed],
+        "step_s_median": statistics.median(r["step_s"] for r in timed),
+        "warmup_step_s": [r["step_s"] for r in warm],
+    }
+    for k, _ in STAGES:
+        rec[k] = med[k]
+    rec["idle_s"] = med["idle_s"]
+    rec["generated_tokens"] = med["generated_tokens"]
+    rec["prompt_tokens"] = med["prompt_tokens"]
+    rec["tokens_per_s"] = med["generated_tokens"] / med["step_s"]
+    rec["generate_tokens_per_s"] = med["generated_tokens"] / med["generate_s"]
+    rec["train_tokens_per_s"] = (med["generated_tokens"] + med["prompt_tokens"]) / med["train_s"]
+    rec["completion_len_mean"] = float(lengths.mean())
+    rec["completion_len_p50"] = float(np.percentile(lengths, 50))
+    rec["completion_len_p90"] = float(np.percentile(lengths, 90))
+    rec["completion_len_max"] = int(lengths.max())
+    rec["planned_tokens"] = int(wl.max_tokens.sum())
+    rec["truncated"] = med["truncated"]
+    for k in (
+        "engine_steps",
+        "preemptions",
+        "kv_cache_tokens",
+        "cuda_graph_steps",
+        "engine_graph_capture_s",
+        "train_graph_capture_s",
+        "mismatch_num_tokens",
+        "mismatch_num_mismatched_tokens",
+    ):
+        if k in med:
+            rec[k] = med[k]
+    if "gpu_memory_peak_gb" in med:
+        rec["gpu_memory_peak_gb"] = max(r["gpu_memory_peak_gb"] for r in timed)
+        rec["gpu_memory_reserved_peak_gb"] = max(r["gpu_memory_reserved_peak_gb"] for r in timed)
+    # The time after which fewer than a quarter of the step's samples were still running: the tail.
+    tr = med["trace"]
+    peak = max((r for _, r, _ in tr), default=0)
+    tail = [t for t, r, w in tr if w == 0 and r < 0.25 * peak]
+    rec["tail_start_s"] = tail[0] if tail else None
+    rec["steps_detail"] = [{k: v for k, v in r.items() if k not in ("trace", "lengths")} for r in timed]
+    rec["trace"] = tr
+    return rec
+
+
+def plot_concurrency(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Running sequences per engine step and over the generation phase (one line per record, e.g. exact and
+    fast), and each record's step broken into its stages."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(12, 6))
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
+    by_step, by_time, parts = (
+        fig.add_subplot(grid[0, 0]),
+        fig.add_subplot(grid[0, 1]),
+        fig.add_subplot(grid[1, :]),
+    )
+    names = [
+        f"{r['mode']}" + (f" ({r['preset']})" if r["preset"] != records[0]["preset"] else "") for r in records
+    ]
+    for name, rec in zip(names, records):
+        tr = rec["trace"]
+        label = f"{name}: generate {rec['generate_s']:.1f} s"
+        (line,) = by_step.plot(
+            range(len(tr)), [r[1] for r in tr], label=label, lw=1.2, drawstyle="steps-post"
+        )
+        c = line.get_color()
+        by_time.plot(
+            [r[0] for r in tr], [r[1] for r in tr], label=label, lw=1.2, color=c, drawstyle="steps-post"
+        )
+        by_time.axvline(rec["generate_s"], ls="--", lw=0.8, color=c)
+    by_step.set_xlabel("engine step (prefill and decode)")
+    by_time.set_xlabel("seconds since generate began (dashed: generate ends)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("running sequences")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    # The step, stage by stage: where the seconds go.
+    colors = {"generate_s": "C0", "reward_s": "C2", "train_s": "C3", "weight_sync_s": "C4", "idle_s": "0.6"}
+    for y, rec in enumerate(records):
+        left = 0.0
+        for key, color in colors.items():
+            v = max(rec[key], 0.0)
+            parts.barh(y, v, left=left, color=color, label=key[:-2] if y == 0 else None)
+            left += v
+        parts.text(left, y, f" {rec['step_s']:.1f} s", va="center", fontsize=8)
+    parts.set_yticks(range(len(records)), names)
+    parts.invert_yaxis()
+    parts.set_xlabel("seconds of the median step")
+    parts.set_xlim(0, 1.12 * max(r["step_s"] for r in records))
+    parts.legend(fontsize=8, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    r0 = records[0]
+    fig.suptitle(
+        f"bench rl, {r0['preset']} ({r0['dtype']}, {r0.get('gpu') or r0['device']}): {r0['prompts']} prompts x "
+        f"{r0['samples']} samples, prompts {r0['prompt_min']}-{r0['prompt_max']} tokens, completions log-normal "
+        f"(median {r0['completion_median']:g}) up to {r0['max_tokens']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _table(rec: dict[str, Any]) -> str:
+    rows = [
+        ("step_s (median step)", rec["step_s"]),
+        ("  generate_s", rec["generate_s"]),
+        ("  reward_s", rec["reward_s"]),
+        ("  train_s", rec["train_s"]),
+        ("  weight_sync_s", rec["weight_sync_s"]),
+        ("  idle_s", rec["idle_s"]),
+        ("generated_tokens", rec["generated_tokens"]),
+        ("tokens_per_s (over the step)", rec["tokens_per_s"]),
+        ("generate_tokens_per_s", rec["generate_tokens_per_s"]),
+        ("train_tokens_per_s", rec["train_tokens_per_s"]),
+        ("completion_len_mean", rec["completion_len_mean"]),
+        ("completion_len_max", rec["completion_len_max"]),
+        ("tail_start_s", rec["tail_start_s"]),
+        ("engine_steps", rec.get("engine_steps")),
+        ("preemptions", rec.get("preemptions")),
+        ("mismatched tokens", rec.get("mismatch_num_mismatched_tokens")),
+        ("gpu_memory_peak_gb", rec.get("gpu_memory_peak_gb")),
+    ]
+    out = [f"{'metric':30} value"]
+    for k, v in rows:
+        if v is None:
+            continue
+        out.append(f"{k:30} {v:.4g}" if isinstance(v, float) else f"{k:30} {v}")
+    return "\n".join(out)
+
+
+def main(args: Any) -> int:
+    from exactrl.bench import _result_path
+
+    if args.plot_from:
+        recs = [json.loads(Path(p).read_text()) for p in args.plot_from]
+        for p, r in zip(args.plot_from, recs):
+            if r.get("bench") != "rl" or "trace" not in r:
+                raise ValueError(f"{p}: not a `bench rl` result with a trace")
+        out = Path(args.plot or Path(args.out_dir) / f"rl-{recs[0]['preset']}-concurrency.png")
+        print(f"plot written to {plot_concurrency(recs, out)}", file=sys.stderr)
+        return 0
+    from exactrl.model.loading import resolve_device
+
+    name = args.preset if not args.model else Path(args.model).name
+    path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))
+    rec["partial"] = False
+    try:
+        png = plot_concurrency([rec], Path(args.plot) if args.plot else path.with_suffix(".png"))
+        rec["plot"] = str(png)
+    except ImportError as err:  # the JSON holds the trace: `--plot-from` draws it where matplotlib is
+        print(f"no plot drawn ({err}); draw it later with --plot-from {path}", file=sys.stderr)
+    path.write_text(json.dumps(rec) + "\n")
+    print(_table(rec))
+    line = {k: v for k, v in rec.items() if k not in ("trace", "steps_detail")}
+    line["trace_points"] = len(rec["trace"])
+    print(json.dumps(line))
+    print(f"result written to {path}", file=sys.stderr)
+    return 0

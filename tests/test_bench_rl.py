@@ -1,0 +1,110 @@
+"""`exactrl bench rl` end to end on the CPU at tiny scale, and the seeded length plan it gives the engine."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from exactrl.bench_rl import PlannedLengthEngine, Workload
+from exactrl.cli import main
+from exactrl.engine.engine import EngineConfig
+from exactrl.engine.sampler import SamplingParams
+from exactrl.model import build_model, preset
+
+KEYS = [
+    "step_s",
+    "generate_s",
+    "reward_s",
+    "train_s",
+    "weight_sync_s",
+    "idle_s",
+    "tokens_per_s",
+    "generate_tokens_per_s",
+    "generated_tokens",
+    "step_s_all",
+    "trace",
+    "plot",
+    "engine_steps",
+    "mismatch_num_mismatched_tokens",
+]
+
+
+def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
+    argv = (
+        "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
+        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
+        "--tokens-per-microbatch 64"
+    )
+    assert main([*argv.split(), "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("rl-tiny-exact-cpu.json")
+    rec = json.loads(path.read_text())
+    assert all(k in rec for k in KEYS), [k for k in KEYS if k not in rec]
+    assert (tmp_path / "rl-tiny-exact-cpu.png").stat().st_size > 0
+    assert rec["timed_steps"] == 2 and rec["warmup_steps"] == 1 and rec["step_s"] in rec["step_s_all"]
+    assert rec["partial"] is False and rec["preemptions"] == 0 and rec["kv_cache_tokens"] > 0
+    stages = rec["generate_s"] + rec["reward_s"] + rec["train_s"] + rec["weight_sync_s"]
+    assert rec["generate_s"] > 0 and rec["train_s"] > 0 and rec["reward_s"] > 0
+    # Timed stages never overlap and miss nothing big: what is left (prompts, metrics) is small and not negative.
+    assert 0 <= rec["idle_s"] <= 0.25 * rec["step_s"]
+    assert stages + rec["idle_s"] == pytest.approx(rec["step_s"], rel=1e-9)
+    # The trace: one point per engine step of the step's generate call, inside it; the 2 prompts were prefilled
+    # together, then up to 4 samples ran at once (a sample planned to 1 token ends as it forks).
+    tr = rec["trace"]
+    assert len(tr) == rec["engine_steps"] > 0
+    assert all(0 <= t <= rec["generate_s"] for t, _, _ in tr)
+    assert tr[0][1:] == [2, 0] and 2 < max(r for _, r, _ in tr) <= 4
+    assert (
+        rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] == rec["generated_tokens"]
+    )
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])  # the printed line leaves the trace out
+    assert line["step_s"] == rec["step_s"] and "trace" not in line and line["trace_points"] == len(tr)
+    # Earlier results (e.g. exact and fast) drawn on one plot without running anything.
+    assert (
+        main(["bench", "rl", "--plot-from", str(path), str(path), "--plot", str(tmp_path / "two.png")]) == 0
+    )
+    assert (tmp_path / "two.png").stat().st_size > 0
+
+
+def test_workload_lengths_are_seeded_long_tailed_and_capped():
+    kw = dict(
+        prompts=64,
+        samples=8,
+        prompt_min=64,
+        prompt_max=512,
+        completion_median=384,
+        completion_sigma=0.8,
+        max_tokens=2048,
+        vocab=1000,
+    )
+    a, b, c = Workload.draw(**kw), Workload.draw(**kw), Workload.draw(**kw, seed=1)
+    assert np.array_equal(a.max_tokens, b.max_tokens) and a.prompt_ids == b.prompt_ids
+    assert not np.array_equal(a.max_tokens, c.max_tokens)
+    lens = a.max_tokens
+    assert lens.shape == (64, 8) and lens.min() >= 1 and lens.max() == 2048
+    assert 300 < np.median(lens) < 480 and lens.mean() > np.median(lens)  # a long right tail
+    assert all(64 <= len(p) <= 512 for p in a.prompt_ids)
+    with pytest.raises(ValueError, match="--prompt-max"):
+        Workload.draw(**{**kw, "prompt_max": 10})
+
+
+def test_each_sample_stops_at_its_planned_length():
+    wl = Workload.draw(
+        prompts=3,
+        samples=3,
+        prompt_min=2,
+        prompt_max=9,
+        completion_median=5,
+        completion_sigma=1.0,
+        max_tokens=16,
+        vocab=256,
+    )
+    assert len(set(wl.max_tokens.ravel().tolist())) > 3
+    model = build_model(preset("tiny"), dtype=torch.float32, exact=True, seed=0)
+    eng = PlannedLengthEngine(model, EngineConfig(), workload=wl)
+    # request ids of a later RL step (step * prompts + index) map to the same plan
+    outs = eng.generate(wl.prompt_ids, SamplingParams(max_tokens=16, n=3), request_ids=[3, 4, 5])
+    got = [[len(s.token_ids) for s in o.samples] for o in outs]
+    assert got == wl.max_tokens.tolist()
+    assert all(s.finish_reason == "length" for o in outs for s in o.samples)
