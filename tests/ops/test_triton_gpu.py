@@ -576,21 +576,26 @@ def test_negative_control_cublas_is_not_batch_invariant():
 @pytest.mark.parametrize(
     "K,N,bias", [(1024, 1024, False), (1000, 4096, True), (3072, 1000, False), (2048, 12288, True)]
 )
-def test_decode_tiles_equal_training_tile(dtype, K, N, bias):
-    """Decode steps (<= DECODE_MAX_ROWS rows) run a narrower tile of the invariant GEMM; every narrow tile the
-    selection can pick gives a row the bits the training tile gives it in a 300-row call (odd K, bias
-    included). Negative control: the same rows with the K order reversed differ, so the comparison can fail."""
-    from exactrl.ops.triton.matmul import DECODE_MAX_ROWS, MATMUL_CONFIGS, MatmulConfig, matmul
+def test_tile_family_equal_training_tile(dtype, K, N, bias):
+    """The 16-bit GEMM picks a tile per call (64-row tiles for decode and mid-size calls, the training tile for
+    large ones); every tile of the family gives a row the bits the training tile gives it in a 300-row call (odd
+    K, bias included). Negative control: the same rows with the K order reversed differ, so the check can fail."""
+    from exactrl.ops.triton.matmul import _TILE_FAMILY, MATMUL_CONFIGS, MatmulConfig, matmul, tile_config
 
     x = randn(300, K, dtype=dtype, seed=70)
     w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=71)
     b = randn(N, dtype=dtype, seed=72) if bias else None
     full = matmul(x, w, b, config=MATMUL_CONFIGS[dtype])
-    for bn in (16, 32, 64):
-        cfg = MatmulConfig(64, bn, 64, 8, 4, 5)
-        for m, off in ((1, 0), (1, 211), (5, 37), (DECODE_MAX_ROWS, 236)):
+    for bm, bn in _TILE_FAMILY:
+        cfg = MatmulConfig(bm, bn, 64, 8, 4, 5)
+        for m, off in ((1, 0), (1, 211), (5, 37), (64, 236), (200, 100)):
             y = matmul(x[off : off + m], w, b, config=cfg)
-            assert torch.equal(y, full[off : off + m]), f"decode tile 64x{bn}: rows {off}..{off + m} differ"
-    assert torch.equal(ops.linear(x[:3], w, b), full[:3])  # the selection the exact ops make
+            assert torch.equal(y, full[off : off + m]), f"tile {bm}x{bn}: rows {off}..{off + m} differ"
+    picked = {
+        (tile_config(m, N, 132, dtype).block_m, tile_config(m, N, 132, dtype).block_n) for m in (1, 64, 256)
+    }
+    assert picked <= set(_TILE_FAMILY) | {(128, 128)}
+    for m in (1, 3, 64, 100, 256):  # the selection the exact ops make, whatever tile it picks here
+        assert torch.equal(ops.linear(x[:m], w, b), full[:m])
     flipped = matmul(x[:64].flip(1).contiguous(), w.flip(1).contiguous(), b, config=MATMUL_CONFIGS[dtype])
     assert not torch.equal(flipped, full[:64]), "negative control: another K order should change some bits"

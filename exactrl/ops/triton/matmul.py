@@ -1,15 +1,16 @@
 """Batch-invariant matmul: `linear(x [M, K], w [N, K], bias) -> [M, N]`, a persistent Triton GEMM.
 
 Why a row's result cannot depend on M (the number of rows in the call) or on where the row sits:
-- The tile configuration never changes an output element's arithmetic. fp32: ONE configuration. 16-bit: the
-  training configuration (`MATMUL_CONFIGS`) and, for calls of at most DECODE_MAX_ROWS rows (decode steps),
-  a narrower tile (`decode_config`: 64 rows, 16-64 columns, so that the weight is streamed by most SMs instead
-  of N / 128 of them). Both keep BLOCK_K = 64, the same in-order K loop and the same tensor-core instruction
-  (64-row wgmma of k = 16 on Hopper), so an element is the same chain of MMAs into one fp32 accumulator, and
-  the same epilogue: a row gets the same bits from either. That equality is a property of the hardware's MMA,
-  checked rather than assumed: benchmarks/probe_decode_gemm.py found every tried narrow tile equal to the
-  training tile on every model shape (H100, 2026-11-24), and the GPU tests' row sweeps (1..300 rows: both
-  configurations) and test_decode_tiles_equal_training_tile (odd K, bias) fail if a GPU ever differs.
+- The tile configuration never changes an output element's arithmetic. fp32: ONE configuration. 16-bit: a
+  family of tiles (`tile_config`): the training tile (`MATMUL_CONFIGS`, 128 x 128) and 64-row tiles of 16, 32,
+  64 or 128 columns, picked per call as the largest that still gives most SMs a tile (a decode step of one row
+  would otherwise stream the weight through N / 128 programs). Every tile keeps BLOCK_K = 64, the same in-order K
+  loop and the same tensor-core instruction (64-row wgmma of k = 16 on Hopper), so an element is the same chain
+  of MMAs into one fp32 accumulator with the same epilogue: a row gets the same bits from any of them. That
+  equality is a property of the hardware's MMA, checked rather than assumed: benchmarks/probe_decode_gemm.py
+  found every tile of the family (and more) equal to the training tile on every model shape at 1..512 rows
+  (H100, 2026-11-24), and the GPU tests (row sweeps over 1..300 rows, test_tile_family_equal_training_tile with
+  odd K and bias) fail on a GPU where they differ.
 - The reduction over K runs in order, k-tile after k-tile, into one fp32 accumulator per output element:
   no split-K, no stream-K, no atomics. An output element's value is a fixed chain of MMAs over its own row of
   x and column of w; rows of a tile never mix (tensor-core MMAs compute each output element separately).
@@ -69,25 +70,26 @@ MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
 }
 
 
-# Calls of at most this many rows (decode steps) run the narrow decode tile on 16-bit operands (see above).
-DECODE_MAX_ROWS = 64
+# The 16-bit tile family, largest first: (block_m, block_n) of the 64-row tiles after the training tile.
+_TILE_FAMILY = ((64, 128), (64, 64), (64, 32), (64, 16))
+_MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
 
 
-@functools.cache
-def decode_config(n: int, programs: int) -> MatmulConfig:
-    """The decode tile for an N-column weight on a GPU with `programs` SMs: the widest of 64/32/16 columns that
-    still gives >= 70% of the SMs a tile (measured fastest per shape, benchmarks/probe_decode_gemm.py)."""
-    for bn in (64, 32, 16):
-        if triton.cdiv(n, bn) * 10 >= programs * 7:
+@functools.lru_cache(maxsize=4096)  # asked on every launch; one entry per (rows, N) seen
+def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: the largest of the family (the training
+    tile first) with at least 70% of the SMs busy, else the narrowest (most tiles). On an H100 this rule picked the
+    fastest tile or one within 15% of it for every model shape at 1..512 rows (benchmarks/probe_decode_gemm.py)."""
+    base = MATMUL_CONFIGS[dtype]
+    if dtype == torch.float32:
+        return base
+    need = programs * _MIN_SM_SHARE
+    if triton.cdiv(m, base.block_m) * triton.cdiv(n, base.block_n) >= need:
+        return base
+    for bm, bn in _TILE_FAMILY:
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= need:
             break
-    return MatmulConfig(64, bn, 64, 8, 4, 5)
-
-
-def _config(x: torch.Tensor, n: int) -> MatmulConfig:
-    m = x.shape[0]
-    if x.dtype in (torch.bfloat16, torch.float16) and m <= DECODE_MAX_ROWS:
-        return decode_config(n, num_programs_cap(x.device))
-    return MATMUL_CONFIGS[x.dtype]
+    return MatmulConfig(bm, bn, base.block_k, 8, 4, 5)
 
 
 @triton.jit
@@ -248,8 +250,8 @@ def matmul(
 ) -> torch.Tensor:
     """x: [M, K], w: [N, K] (any strides), bias: [N] or None -> x @ w.T + bias, [M, N] in out_dtype (default x.dtype).
 
-    `config` exists for benchmarks only; the exact ops use MATMUL_CONFIGS[x.dtype], or the decode tile for
-    16-bit calls of at most DECODE_MAX_ROWS rows (same bits per element, see the module docstring).
+    `config` exists for benchmarks and tests only; the exact ops use `tile_config` (one tile for fp32; for 16-bit
+    a tile of the family, the same bits per element whichever, see the module docstring).
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -257,7 +259,7 @@ def matmul(
         raise TypeError(f"matmul operands must share a dtype, got {x.dtype} and {w.dtype}")
     M, K = x.shape
     N = w.shape[0]
-    cfg = config or _config(x, N)
+    cfg = config or tile_config(M, N, num_programs_cap(x.device), x.dtype)
     out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
