@@ -9,11 +9,20 @@ unless `--graphs off`) against a bf16 matmul rate measured in the same run; `--v
 model on the same weights and data (cross-entropy loss, eager).
 
 rl: whole GRPO steps of the RL loop and the seconds of their stages (exactrl/bench_rl.py).
+
+Several ranks (`--nproc N`, torchrun; NCCL on CUDA, gloo on the CPU): `bench rollout` splits the `--concurrency`
+requests over the ranks, one engine each (data-parallel rollout, as the RL loop does: the global batch is fixed);
+`bench train --fsdp` trains `--tokens-per-microbatch` tokens of its own on every rank (the global batch grows
+with the ranks, as the RL loop's per-rank microbatches do). Both report every rank's figures and peak memory,
+the aggregate tokens/s, and with `--baseline` (the JSON of a run at another world size) the scaling efficiency.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +47,101 @@ def _seconds_per_step(step, steps: int, device) -> float:
         step()
     _sync(device)
     return (time.perf_counter() - t) / steps
+
+
+def _step_times(step, steps: int, device) -> list[float]:
+    """Wall time of each of `steps` calls of step(), after one warm-up call."""
+    step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def peak_memory_gb(device) -> tuple[float, str]:
+    """This process's peak memory in GB and what was measured: on CUDA the peak of the tensors allocated on its
+    GPU since the last `torch.cuda.reset_peak_memory_stats`; on the CPU the process's peak resident set (over
+    its whole life: the kernel keeps no resettable peak)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "host_max_rss"  # Linux: KiB
+
+
+def _reset_peak_memory(device) -> None:
+    """Free what an earlier measurement left (CUDA graphs' pools hang on reference cycles) and restart the
+    CUDA peak, so that the next figure is this measurement's own."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def read_baseline(path: str, bench: str, expect: dict) -> dict:
+    """The JSON record of the same benchmark at another world size (`--baseline`), refused with the key that
+    differs if it measured something else."""
+    p = Path(path)
+    try:
+        rec = json.loads(p.read_text().strip().splitlines()[-1])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline {path}: no such file") from None
+    except (json.JSONDecodeError, IndexError) as e:
+        raise ValueError(f"--baseline {path}: not a benchmark JSON record ({e})") from None
+    if not isinstance(rec, dict) or rec.get("bench") != bench:
+        got = rec.get("bench") if isinstance(rec, dict) else type(rec).__name__
+        raise ValueError(
+            f"--baseline {path}: a {got!r} record; this benchmark compares with {bench!r} records"
+        )
+    for key in ("world_size", "aggregate_tokens_per_s"):
+        if key not in rec:
+            raise ValueError(f"--baseline {path}: no {key!r} (written before multi-rank benchmarks existed)")
+    for key, value in expect.items():
+        if rec.get(key) != value:
+            raise ValueError(
+                f"--baseline {path}: {key} = {rec.get(key)!r}, this run has {value!r}; compare like with like"
+            )
+    return rec
+
+
+def _scaling(rec: dict, baseline: dict | None) -> dict:
+    """Scaling efficiency: aggregate tokens/s per rank here over the same in the baseline (1.0 = linear)."""
+    if baseline is None:
+        return {}
+    per_rank = rec["aggregate_tokens_per_s"] / rec["world_size"]
+    base = baseline["aggregate_tokens_per_s"] / baseline["world_size"]
+    return {
+        "baseline_world_size": baseline["world_size"],
+        "baseline_aggregate_tokens_per_s": baseline["aggregate_tokens_per_s"],
+        "speedup_vs_baseline": rec["aggregate_tokens_per_s"] / baseline["aggregate_tokens_per_s"],
+        "scaling_efficiency": per_rank / base,
+    }
+
+
+def _print_ranks(rec: dict) -> None:
+    """The per-rank figures as a table (rank 0 prints; the record holds them under `per_rank`)."""
+    cols = [
+        k
+        for k in ("tokens_per_s", "step_s_median", "seconds", "mfu", "peak_memory_gb")
+        if k in rec["per_rank"][0]
+    ]
+    print(f"{'rank':>4} " + " ".join(f"{c:>15}" for c in cols))
+    for r in rec["per_rank"]:
+        print(f"{r['rank']:>4} " + " ".join(f"{r[c]:15.4g}" for c in cols))
+    line = f"world size {rec['world_size']}: aggregate {rec['aggregate_tokens_per_s']:.1f} tok/s"
+    if "scaling_efficiency" in rec:
+        line += (
+            f", {rec['speedup_vs_baseline']:.3f}x world size {rec['baseline_world_size']}, scaling efficiency "
+            f"{rec['scaling_efficiency']:.3f}"
+        )
+    print(line)
+    print(
+        f"peak memory per rank (GB, {rec['peak_memory_kind']}): {[round(x, 3) for x in rec['peak_memory_gb']]}"
+    )
 
 
 def measure_copy_bandwidth(device) -> float | None:
@@ -86,6 +190,8 @@ def _emit(args, record: dict) -> None:
         name += "-eager"
     if record.get("bench") == "train-fsdp":
         name += "-fsdp"
+    if record.get("world_size", 1) > 1:
+        name += f"-ws{record['world_size']}"
     path = _result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
@@ -110,14 +216,69 @@ def _load(args):
 
 
 def bench_rollout(args) -> dict:
+    """Under torchrun every rank runs an engine of its own on its share of the `--concurrency` requests (the
+    global batch is fixed, as in the RL loop); the aggregate is all ranks' tokens over the slowest rank's wall
+    time. Without torchrun: world size 1, the same record."""
+    from exactrl.distributed.env import init_from_env, rank_device
+
+    ctx = init_from_env(resolve_device(args.device))
+    if ctx.world_size > 1 and args.vs:
+        raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
+    if args.concurrency < ctx.world_size:
+        raise ValueError(
+            f"bench rollout: --concurrency {args.concurrency} requests for {ctx.world_size} ranks; every rank "
+            "needs at least one"
+        )
+    base_expect = {
+        k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
+    }
+    baseline = read_baseline(args.baseline, "rollout", base_expect) if args.baseline else None
+    args.device = rank_device(ctx, resolve_device(args.device))
+    _reset_peak_memory(args.device)
+    rec = _rollout_on_rank(args, ctx)
+    # Each rank's own figures (its requests, tokens, wall time, engine timings, memory), gathered to every rank.
+    run_keys = ("bench", "preset", "mode", "gpu", "dtype", "prompt_len", "max_tokens", "peak_memory_kind")
+    ranks = ctx.all_gather_object({"rank": ctx.rank, **{k: v for k, v in rec.items() if k not in run_keys}})
+    total = sum(r["output_tokens"] for r in ranks)
+    wall = max(r["seconds"] for r in ranks)
+    if ctx.world_size > 1:
+        # The record speaks for the whole run; each engine's own figures (prefill and decode time, bandwidth,
+        # graph steps) are under per_rank.
+        rec = {k: rec[k] for k in run_keys} | {
+            "device": rec["device"],
+            "concurrency": args.concurrency,
+            "concurrency_per_rank": [r["concurrency"] for r in ranks],
+            "output_tokens": total,
+            "seconds": wall,
+            "tokens_per_s": total / wall,
+            "tokens_per_s_per_rank": [r["tokens_per_s"] for r in ranks],
+            "cuda_graphs": all(r["cuda_graphs"] for r in ranks),
+        }
+    rec.update(
+        world_size=ctx.world_size,
+        aggregate_tokens_per_s=total / wall,
+        peak_memory_gb=[r["peak_memory_gb"] for r in ranks],
+        per_rank=ranks,
+    )
+    rec.update(_scaling(rec, baseline))
+    return rec
+
+
+def _rollout_on_rank(args, ctx) -> dict:
+    """This rank's share of the benchmark's requests through an engine of its own; its record."""
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.engine.runner import kv_bytes_per_token
     from exactrl.engine.sampler import SamplingParams
 
     device, model, tok = _load(args)
     g = torch.Generator().manual_seed(0)
-    C, P, N = args.concurrency, args.prompt_len, args.max_tokens
-    prompts = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (C, P), generator=g).tolist()
+    P, N = args.prompt_len, args.max_tokens
+    every = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (args.concurrency, P), generator=g)
+    # The same global requests on every rank; each takes its contiguous share, and the global request ids key
+    # the sampling noise (as in the RL loop), so no two ranks sample alike.
+    request_ids = list(ctx.shard(args.concurrency))
+    prompts = every[request_ids].tolist()
+    C = len(prompts)
     params = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
     engine = RolloutEngine(
         model,
@@ -138,13 +299,15 @@ def bench_rollout(args) -> dict:
     # stay out of its prefill time. (The prefix cache lives within one generate call; nothing carries over.)
     vocab = min(tok.vocab_size, model.config.vocab_size)
     warm = [[(t + 1) % vocab for t in p] for p in prompts]
-    engine.generate(warm, SamplingParams(temperature=1.0, max_tokens=4, seed=1))
+    engine.generate(warm, SamplingParams(temperature=1.0, max_tokens=4, seed=1), request_ids=request_ids)
     _sync(device)
     engine.reset_stats()
+    ctx.barrier()  # the ranks start the timed call together: the aggregate divides by the slowest rank's wall
     t = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params, request_ids=request_ids)
     _sync(device)
     wall = time.perf_counter() - t
+    peak_gb, peak_kind = peak_memory_gb(device)  # weights, KV cache, graphs: before the bandwidth probe below
     n_out = sum(len(s.token_ids) for o in outs for s in o.samples)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kvpt = kv_bytes_per_token(model)
@@ -171,6 +334,8 @@ def bench_rollout(args) -> dict:
         "decode_steps": engine.stats.get("static_decode_steps", 0),
         "ahead_steps": engine.stats.get("ahead_steps", 0),
         "graph_capture_s": engine.runner.capture_seconds if engine.runner is not None else 0.0,
+        "peak_memory_gb": peak_gb,
+        "peak_memory_kind": peak_kind,
     }
     if decode_s > 0:
         rec["decode_bandwidth_GBps"] = decode_bytes / decode_s / 1e9
@@ -220,14 +385,15 @@ def _hf_generate(model, tok, prompts, max_tokens, device) -> dict:
     return {"hf_tokens_per_s": n / wall, "hf_seconds": wall}
 
 
-def _bench_rollouts(args, model, tok) -> tuple[list, int]:
-    """One microbatch of random sequences (up to 1024 tokens each) as GRPO rollouts, and its token count."""
+def _bench_rollouts(args, model, tok, seed: int = 0) -> tuple[list, int]:
+    """One microbatch of random sequences (up to 1024 tokens each) as GRPO rollouts, and its token count; `seed`
+    draws the tokens (each rank trains on tokens of its own)."""
     from exactrl.train.trainer import Rollout
 
     T = args.tokens_per_microbatch
     seq_len = min(1024, T)
     n_seq = max(1, T // seq_len)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     seqs = torch.randint(
         0, min(tok.vocab_size, model.config.vocab_size), (n_seq, seq_len + 1), generator=g
     ).tolist()
@@ -305,24 +471,33 @@ def bench_train(args) -> dict:
 
 
 def bench_train_fsdp(args) -> dict:
-    """The same training step (`bench_train`'s GRPO step) on today's path and under FSDP2 at world size 1, in
-    one process started by torchrun (`exactrl bench train --fsdp` launches it): the cost of the sharded layout
-    itself (per-layer all-gather and reduce-scatter hooks, fp32 shards cast to the model dtype in every forward,
-    gradients reduced in fp32, the sharded optimizer step). Under FSDP the trainer runs eagerly (its collectives
-    are not captured in CUDA graphs); today's path replays graphs unless `--graphs off`: both figures are
-    printed. The weight sync into the engine replica is timed on its own."""
+    """The trainer's GRPO step (`bench_train`'s) under FSDP2 on every rank of a torchrun launch (`exactrl bench
+    train --fsdp [--nproc N]` launches it). Each rank trains `--tokens-per-microbatch` tokens of its own, so the
+    global batch is N times that (weak scaling: the RL loop at a fixed global batch gives each rank fewer
+    microbatches of the same size, which this matches step for step). Reported: the step time (median over the
+    timed steps of the slowest rank's time), the aggregate tokens/s (global tokens over that), every rank's
+    tokens/s, MFU (against its own GPU's matmul rate) and peak memory, the weight sync into the engine replica,
+    and with `--baseline` the scaling efficiency.
+
+    At world size 1 the same step also runs on today's path first (CUDA graphs unless `--graphs off`): the cost
+    of the sharded layout itself (per-layer all-gather and reduce-scatter hooks, fp32 shards cast to the model
+    dtype in every forward, gradients reduced in fp32, the sharded optimizer step; under FSDP the trainer runs
+    eagerly, its collectives are not captured in graphs), as `today_*` and `fsdp_over_today`."""
     from exactrl.distributed.env import init_from_env, rank_device
     from exactrl.distributed.parallelize import Parallelism
     from exactrl.train.optim import MasterAdamW
     from exactrl.train.trainer import PolicyTrainer, TrainerSettings
 
     ctx = init_from_env(resolve_device(args.device))
-    if ctx.world_size != 1:
-        raise ValueError(f"bench train --fsdp measures world size 1; this launch has {ctx.world_size} ranks")
+    expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
+    expect["tokens_per_rank"] = args.tokens_per_microbatch
+    baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
     args.device = rank_device(ctx, resolve_device(args.device))
-    base = bench_train(args)  # today's path
+    today = bench_train(args) if ctx.world_size == 1 else None
+    _reset_peak_memory(args.device)  # the FSDP run's own peak, without today's path's
     device, model, tok = _load(args)
-    rollouts, tokens = _bench_rollouts(args, model, tok)
+    rollouts, tokens = _bench_rollouts(args, model, tok, seed=ctx.rank)
+    seq_len = min(1024, args.tokens_per_microbatch)
     par = Parallelism(ctx)
     replica = par.engine_model(model)
     par.parallelize(model)
@@ -335,23 +510,75 @@ def bench_train_fsdp(args) -> dict:
         on_mismatch="warn",  # synthetic rollouts, as in bench_train
     )
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5, dist=ctx), dist=ctx)
-    wall = _seconds_per_step(lambda: trainer.step(rollouts), args.steps, device)
+    times = _step_times(lambda: trainer.step(rollouts), args.steps, device)
     sync = [par.sync_weights() for _ in range(3)]
+    peak_gb, peak_kind = peak_memory_gb(
+        device
+    )  # weights, replica, AdamW state, activations: before the probe
+    rate = measure_matmul_rate(device)  # this rank's GPU
+    flops = 3 * model.flops_per_token(context=seq_len // 2) * tokens
+    mine_s = statistics.median(times)
+    ranks = ctx.all_gather_object(
+        {
+            "rank": ctx.rank,
+            "device": device,
+            "step_s": times,
+            "step_s_median": mine_s,
+            "tokens_per_s": tokens / mine_s,
+            "matmul_peak_TFLOPs": rate / 1e12,
+            "mfu": flops / mine_s / rate,
+            "peak_memory_gb": peak_gb,
+            "weight_sync_s": min(x["time/weight_sync_s"] for x in sync) if sync[0] else 0.0,
+        }
+    )
+    # A step ends for the run when its slowest rank is done (the ranks meet in every step's collectives).
+    step_s = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
+    median_s = statistics.median(step_s)
+    world = ctx.world_size
     rec = {
-        **base,
         "bench": "train-fsdp",
-        "fsdp_step_s": wall,
-        "fsdp_tokens_per_s": tokens / wall,
-        "fsdp_over_today": wall / base["step_s"],
-        "today_cuda_graphs": base["cuda_graphs"],
-        "weight_sync_s": min(x["time/weight_sync_s"] for x in sync),
-        "weight_sync_bytes": sync[0]["weight_sync/bytes"],
+        "preset": args.preset,
+        "mode": args.mode,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "world_size": world,
+        "batch": "per-rank tokens fixed: the global batch is world_size x tokens_per_rank",
+        "tokens_per_rank": tokens,
+        "global_tokens_per_step": tokens * world,
+        "seq_len": seq_len,
+        "steps": args.steps,
+        "step_s": step_s,
+        "step_s_median": median_s,
+        "aggregate_tokens_per_s": tokens * world / median_s,
+        "tokens_per_s_per_rank": [r["tokens_per_s"] for r in ranks],
+        "mfu_per_gpu": [r["mfu"] for r in ranks],
+        "mfu": statistics.mean(r["mfu"] for r in ranks),
+        "peak_memory_gb": [r["peak_memory_gb"] for r in ranks],
+        "peak_memory_kind": peak_kind,
+        "weight_sync_s": max(r["weight_sync_s"] for r in ranks),
+        "weight_sync_bytes": sync[0].get("weight_sync/bytes", 0.0),
+        "per_rank": ranks,
+        # the names of the world-size-1 record before the multi-rank one, kept for comparisons
+        "fsdp_step_s": median_s,
+        "fsdp_tokens_per_s": tokens * world / median_s,
     }
+    if today is not None:
+        rec.update(
+            today_step_s=today["step_s"],
+            today_tokens_per_s=today["tokens_per_s"],
+            today_mfu=today["mfu"],
+            today_cuda_graphs=today["cuda_graphs"],
+            fsdp_over_today=median_s / today["step_s"],
+        )
+    rec.update(_scaling(rec, baseline))
     print(f"{'path':28} {'step s':>9} {'tok/s':>10}")
-    graphs = "CUDA graphs" if base["cuda_graphs"] else "eager"
-    print(f"{'today (' + graphs + ')':28} {base['step_s']:9.4f} {base['tokens_per_s']:10.1f}")
-    print(f"{'FSDP2, 1 rank (eager)':28} {wall:9.4f} {tokens / wall:10.1f}")
-    print(f"{'ratio FSDP / today':28} {rec['fsdp_over_today']:9.3f}")
+    if today is not None:
+        graphs = "CUDA graphs" if today["cuda_graphs"] else "eager"
+        print(f"{'today (' + graphs + ')':28} {today['step_s']:9.4f} {today['tokens_per_s']:10.1f}")
+    print(f"{f'FSDP2, {world} rank(s) (eager)':28} {median_s:9.4f} {rec['aggregate_tokens_per_s']:10.1f}")
+    if today is not None:
+        print(f"{'ratio FSDP / today':28} {rec['fsdp_over_today']:9.3f}")
     print(f"{'weight sync (s, bytes)':28} {rec['weight_sync_s']:9.4f} {rec['weight_sync_bytes']:10.3g}")
     return rec
 
@@ -380,12 +607,23 @@ def main(args) -> int:
 
             return launch_torchrun(1, _sys.argv[1:])
         rec = bench_train_fsdp(args)
-        _emit(args, rec)
+        _print_ranks(rec)
+        _emit_rank0(args, rec)
         return 0
+    if args.what == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("bench train on several ranks measures the FSDP2 step: add --fsdp")
     rec = bench_rollout(args) if args.what == "rollout" else bench_train(args)
     keys = [k for k in rec if isinstance(rec[k], float)]
     print(f"{'metric':28} value")
     for k in keys:
         print(f"{k:28} {rec[k]:.4g}")
-    _emit(args, rec)
+    if "per_rank" in rec:
+        _print_ranks(rec)
+    _emit_rank0(args, rec)
     return 0
+
+
+def _emit_rank0(args, rec: dict) -> None:
+    """Every rank holds the whole record; rank 0 alone writes it (the others' stdout is closed already)."""
+    if os.environ.get("RANK", "0") == "0":
+        _emit(args, rec)

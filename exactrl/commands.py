@@ -322,7 +322,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="exact", choices=["exact", "fast"], help="kernels")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="model dtype")
-    p.add_argument("--concurrency", type=int, default=256, help="rollout: concurrent sequences")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=256,
+        help="rollout: concurrent sequences (with --nproc N: in all, split over the ranks)",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="rollout: prompt tokens")
     p.add_argument(
         "--max-tokens",
@@ -375,9 +380,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fsdp",
         action="store_true",
-        help="train: the same step also under FSDP2 at world size 1 (launched on one torchrun rank); prints "
-        "both step times and their ratio",
+        help="train: the step under FSDP2 on torchrun ranks (--nproc N, default 1); at world size 1 also on "
+        "today's path, with both step times and their ratio",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="JSON",
+        help="the result JSON of the same benchmark at another world size: adds the scaling efficiency",
+    )
+    add_nproc_arg(p)
     p.add_argument(
         "--out-dir",
         "--output-dir",

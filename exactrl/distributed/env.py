@@ -62,6 +62,13 @@ class DistContext:
     def max(self, x: float) -> float:
         return self.all_reduce([x], "max")[0]
 
+    def gather_floats(self, x: float) -> list[float]:
+        """Every rank's `x`, in rank order, on every rank (one all-reduce of a world-size vector in float64: each
+        rank fills its own slot, the others add zeros, so every value arrives exact)."""
+        slots = [0.0] * self.world_size
+        slots[self.rank] = float(x)
+        return self.all_reduce(slots, "sum")
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (pickled between the ranks of this run only)."""
         if not self.distributed:
@@ -94,6 +101,17 @@ class DistContext:
         base, extra = divmod(n, self.world_size)
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
+
+
+def per_rank_metric(ctx: DistContext, name: str, value: float) -> dict[str, float]:
+    """A metric that differs between the ranks (peak memory, a rank's own wall time) as step metrics: `name` is
+    the maximum over the ranks (the run's worst, the same on every rank), and under several ranks
+    `name/rank<r>` holds rank r's own value. A collective: every rank calls it at the same point."""
+    values = ctx.gather_floats(value)
+    out = {name: max(values)}
+    if ctx.world_size > 1:
+        out.update({f"{name}/rank{r}": v for r, v in enumerate(values)})
+    return out
 
 
 def under_torchrun() -> bool:

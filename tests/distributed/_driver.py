@@ -12,6 +12,8 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    parameter, the engine replica's tensor with the bits the trainer's
                                                    forward computes with (captured inside that forward), on every
                                                    rank; skip_sync: the negative control (no weight sync)
+  {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
+                                                   (10 + 1.5 * rank), written by rank 0
 A job that fails exits the process with a non-zero status (torchrun then stops the other ranks).
 """
 
@@ -125,12 +127,23 @@ def weights_job(job: dict) -> None:
             json.dump(reports, f)
 
 
+def per_rank_job(job: dict) -> None:
+    from exactrl.distributed.env import init_from_env, per_rank_metric
+
+    ctx = init_from_env("cpu")
+    m = per_rank_metric(ctx, "perf/gpu_memory_peak_gb", 10.0 + 1.5 * ctx.rank)
+    everyone = ctx.all_gather_object(m)  # every rank must hold the same metrics
+    if ctx.is_main:
+        with open(job["out"], "w") as f:
+            json.dump(everyone, f)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     for job in spec["jobs"]:
-        {"cli": cli_job, "weights": weights_job}[job["kind"]](job)
+        {"cli": cli_job, "weights": weights_job, "per_rank": per_rank_job}[job["kind"]](job)
 
 
 if __name__ == "__main__":

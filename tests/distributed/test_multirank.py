@@ -137,6 +137,7 @@ def runs(tmp_path_factory):
     jobs += [
         {"kind": "weights", "out": str(tmp / "weights.json")},
         {"kind": "weights", "out": str(tmp / "weights-nosync.json"), "skip_sync": True},
+        {"kind": "per_rank", "out": str(tmp / "per-rank.json")},
     ]
     launch(2, jobs, "ws2")
     _crashed_after(tmp / "t2-grpo", tmp / "r21t", 2)
@@ -278,6 +279,28 @@ def test_without_the_weight_sync_the_replica_is_stale(runs):
     reports = json.loads((runs / "weights-nosync.json").read_text())
     for r in reports:
         assert len(r["differ"]) == r["params"], r  # every tensor moved in the step; the replica did not
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics that differ between the ranks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_per_rank_metric_holds_every_ranks_value(runs):
+    """Peak memory (say) from every rank, not rank 0's alone: the maximum under the metric's name, each rank's
+    own value under name/rank<r>, the same dict on every rank."""
+    name = "perf/gpu_memory_peak_gb"
+    on_each_rank = json.loads((runs / "per-rank.json").read_text())
+    expected = {name: 11.5, f"{name}/rank0": 10.0, f"{name}/rank1": 11.5}
+    assert on_each_rank == [expected, expected]
+
+
+def test_per_rank_metric_on_one_process_is_the_value_itself():
+    from exactrl.distributed.env import DistContext, per_rank_metric
+
+    assert per_rank_metric(DistContext.single(), "perf/gpu_memory_peak_gb", 3.25) == {
+        "perf/gpu_memory_peak_gb": 3.25
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
