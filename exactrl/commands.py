@@ -161,8 +161,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from exactrl.report import draw_report
+    from exactrl.report import draw_report, episode_summary, read_metrics
 
+    for line in episode_summary(read_metrics(args.run_dir)):  # a multi-turn run's episodes, in numbers
+        print(line)
     print(draw_report(args.run_dir, args.out))
     return 0
 
@@ -311,7 +313,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="start over in run folders that hold a run")
     p.set_defaults(func=cmd_twin)
 
-    p = sub.add_parser("report", help="draw a run's curves to a PNG", formatter_class=fmt)
+    p = sub.add_parser(
+        "report",
+        help="draw a run's curves to a PNG (a multi-turn run's episodes also summed up in text)",
+        formatter_class=fmt,
+    )
     p.add_argument("run_dir", help="the run's output_dir (with metrics.jsonl)")
     p.add_argument("--out", help="output PNG (default RUN_DIR/report.png)")
     p.set_defaults(func=cmd_report)
