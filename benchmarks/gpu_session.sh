@@ -4,7 +4,7 @@
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
-#     [price] [price-rollout] [price-train] [bench-rl]
+#     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -51,6 +51,11 @@ if want rl-gpu; then  # short exact RL runs on the GPU: FSDP under torchrun, LoR
   for d in rl-nproc1 rl-lora rl-guess; do
     python3 -c "import json,sys; s=json.load(open('$OUT/$d/summary.json')); print('$d', s['world_size'], s['mismatched_tokens_total'], s['compared_tokens_total'], round(s['minutes'],2))" | tee -a "$OUT/rl_gpu.txt"
   done
+fi
+if want multi-turn-parity; then  # episodes with tools/games on cuda (bf16, Triton, CUDA graphs): every model token
+  # of every turn vs the trainer (torch.equal), preemption and prefix sharing on, the fast control; -s prints counts
+  timeout 300 python3 -m pytest -q -s -m gpu tests/engine/test_turns_gpu.py -p no:cacheprovider 2>&1 \
+    | grep -E "episodes|passed|failed|Error" | tee "$OUT/multi_turn_parity.txt"
 fi
 if want hf-parity; then  # bf16 closeness to transformers per model option, on this GPU (the max diffs printed)
   timeout 300 python3 -m pytest -q -s -m gpu tests/model/test_hf_parity_gpu.py -p no:cacheprovider 2>&1 \

@@ -177,6 +177,10 @@ def cmd_generate(args) -> int:
     engine = RolloutEngine(
         model, EngineConfig(block_size=args.block_size, num_kv_blocks=args.kv_blocks), tokenizer=tok
     )
+    if args.env:
+        return _generate_episodes(args, engine, tok, prompts, params)
+    if args.answer or args.env_option:
+        raise ValueError("--answer and --env-option are for episodes: add --env NAME")
     outs = engine.generate([tok.encode(p) for p in prompts], params)
     for prompt, out in zip(prompts, outs):
         for s in out.samples:
@@ -191,6 +195,83 @@ def cmd_generate(args) -> int:
                 print(json.dumps(rec))
             else:
                 print(f"[{s.finish_reason}] {prompt!r} -> {rec['completion']!r}")
+    return 0
+
+
+def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
+    """`generate --env NAME`: one episode per prompt and sample against the environment, every turn printed
+    (the model's text, the environment's observation), then how the episode ended and its reward."""
+    from exactrl.envs import EpisodeSettings, env_factory, run_episodes
+    from exactrl.envs.rollout import env_stop
+    from exactrl.tasks.base import Example
+
+    answers = list(args.answer or [])
+    if answers and len(answers) != len(prompts):
+        raise ValueError(f"--answer: give one per prompt ({len(prompts)} prompts), got {len(answers)}")
+    answers = answers or [""] * len(prompts)  # no reference answer: a correctness reward scores 0
+    options = {}
+    for item in args.env_option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env-option: expected KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)  # numbers, true/false, quoted strings
+        except json.JSONDecodeError:
+            options[key] = value
+    cls, make = env_factory(args.env, options)
+    params.stop = env_stop(params.stop, cls)
+    settings = EpisodeSettings(
+        max_turns=args.max_turns,
+        max_tokens_per_turn=args.max_tokens,
+        max_episode_tokens=min(args.max_episode_tokens, engine.config.max_model_len),
+        timeout_s=args.env_timeout,
+    )
+    examples = [Example(p, a) for p, a in zip(prompts, answers)]
+    batch = run_episodes(engine, tok, examples, [tok.encode(p) for p in prompts], make, settings, params)
+    for i, (prompt, group, err) in enumerate(zip(prompts, batch.groups, batch.errors)):
+        if err is not None:
+            print(f"prompt {i + 1} {prompt!r}: refused by the engine: {err}", file=sys.stderr)
+            continue
+        for e in group:
+            parts = sorted([(s, t, "model") for s, t in e.turns] + [(s, t, "env") for s, t in e.observations])
+            if args.json:
+                rec = {
+                    "prompt": prompt,
+                    "answer": examples[i].answer,
+                    "sample": e.sample_index,
+                    "turns": [
+                        {
+                            "role": who,
+                            "text": tok.decode(e.completion_ids[s:t]),
+                            "token_ids": e.completion_ids[s:t],
+                        }
+                        for s, t, who in parts
+                    ],
+                    "rollout_logprobs": [float(x) for x in e.rollout_logprobs],
+                    "loss_mask": e.loss_mask,
+                    "reward": e.reward,
+                    "finish_reason": e.finish_reason,
+                    "tool_calls": e.tool_calls,
+                    "tool_errors": e.tool_errors,
+                    "error": e.error,
+                }
+                print(json.dumps(rec))
+                continue
+            print(f"== prompt {i + 1}, sample {e.sample_index + 1}: {prompt!r}")
+            turn = 0
+            for s, t, who in parts:
+                text = tok.decode(e.completion_ids[s:t])
+                if who == "model":
+                    turn += 1
+                    print(f"  [turn {turn}] model: {text!r}")
+                else:
+                    print(f"  [turn {turn}] env:   {text!r}")
+            why = f" ({e.error})" if e.error else ""
+            print(
+                f"  -> {e.finish_reason}{why}: reward {e.reward:g}, {e.num_turns} turns, {e.tool_calls} tool "
+                f"calls, {e.tool_errors} tool errors, {len(e.completion_ids)} tokens "
+                f"({e.num_observation_tokens} from the environment)"
+            )
     return 0
 
 
@@ -315,7 +396,24 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--json", action="store_true", help="one JSON object per sample")
+    p.add_argument("--json", action="store_true", help="one JSON object per sample (per episode with --env)")
+    g = p.add_argument_group("multi-turn episodes (--env)")
+    g.add_argument(
+        "--env",
+        help='run episodes against an environment ("calculator", "guess" or module:Class) and print every turn; '
+        "--max-tokens is then per turn",
+    )
+    g.add_argument(
+        "--answer", action="append", help="the reference answer of each --prompt, in order (rewards)"
+    )
+    g.add_argument("--max-turns", type=int, default=4, help="most model turns per episode")
+    g.add_argument(
+        "--max-episode-tokens", type=int, default=1024, help="most tokens per episode (prompt included)"
+    )
+    g.add_argument("--env-timeout", type=float, default=30.0, help="seconds per environment call")
+    g.add_argument(
+        "--env-option", action="append", help="KEY=VALUE for the environment's constructor (repeatable)"
+    )
     p.set_defaults(func=cmd_generate)
 
     from exactrl import commands

@@ -77,7 +77,7 @@ def cmd_eval(args) -> int:
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.model.loading import load_policy
     from exactrl.tasks import RewardComputer
-    from exactrl.train.loop import build_task, evaluate, make_encoder
+    from exactrl.train.loop import build_task, env_setup, evaluate, make_encoder
 
     config = args.config
     if config is None and not args.no_run_config:
@@ -138,6 +138,10 @@ def cmd_eval(args) -> int:
         cfg.reward, device=device, base_dir=Path(config).resolve().parent if config else None
     )
     engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+    # A tool agent is scored with its tool, as train scores it: episodes through the run's environment.
+    env = None
+    if cfg.env.name:
+        env = env_setup(cfg, [str(Path(config).resolve().parent)] if config else None)
     res = evaluate(
         engine,
         tok,
@@ -150,14 +154,17 @@ def cmd_eval(args) -> int:
         seed=cfg.run.seed,
         stop=cfg.sampling.stop,  # as train's held-out evaluation does
         stop_token_ids=cfg.sampling.stop_token_ids,
+        env=env,
     )
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v:.4f}" for k, v in res.items()))
     return 0
 
 
 def cmd_report(args) -> int:
-    from exactrl.report import draw_report
+    from exactrl.report import draw_report, episode_summary, read_metrics
 
+    for line in episode_summary(read_metrics(args.run_dir)):  # a multi-turn run's episodes, in numbers
+        print(line)
     print(draw_report(args.run_dir, args.out))
     return 0
 
@@ -306,7 +313,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="start over in run folders that hold a run")
     p.set_defaults(func=cmd_twin)
 
-    p = sub.add_parser("report", help="draw a run's curves to a PNG", formatter_class=fmt)
+    p = sub.add_parser(
+        "report",
+        help="draw a run's curves to a PNG (a multi-turn run's episodes also summed up in text)",
+        formatter_class=fmt,
+    )
     p.add_argument("run_dir", help="the run's output_dir (with metrics.jsonl)")
     p.add_argument("--out", help="output PNG (default RUN_DIR/report.png)")
     p.set_defaults(func=cmd_report)

@@ -743,12 +743,16 @@ class EnvConfig:
     """Most tokens per episode: prompt + every model turn + every observation."""
     timeout_s: float = 30.0
     """Time limit of each environment call (reset, step); a call past it, or one that raises, ends its episode with reward 0, counted in env/timeouts and env/errors."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor, e.g. {call_cost = 0.05, format_penalty = 0.1} for the calculator (taken off the reward per tool call / for a final answer that is more than a number); an option the environment does not take is refused by name."""
 
     def validate(self) -> None:
         if self.name is not None:
             builtin = ("calculator", "guess")
             if self.name not in builtin and ":" not in self.name:
                 _fail("env.name", f"must be one of {builtin} or 'module:ClassName', got {self.name!r}")
+        if self.options and self.name is None:
+            _fail("env.options", "is set but env.name is not: options are for an environment")
         _check_at_least(self.max_turns, 1, "env.max_turns")
         _check_at_least(self.max_episode_tokens, 2, "env.max_episode_tokens")
         _check_positive(self.timeout_s, "env.timeout_s")

@@ -1,9 +1,21 @@
-"""`exactrl report RUN_DIR`: reward, accuracy, response length and mismatch curves from metrics.jsonl to a PNG."""
+"""`exactrl report RUN_DIR`: reward, accuracy, response length and mismatch curves from metrics.jsonl to a PNG;
+for a multi-turn run (env.name set) also the episodes' turns, tool calls, tool errors, environment time and
+observation tokens, drawn and summed up in text."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+# The multi-turn metrics the loop logs per step (exactrl.envs.rollout.episode_metrics), with their labels.
+EPISODE_METRICS = {
+    "env/turns_mean": "turns per episode",
+    "env/tool_calls_mean": "tool calls per episode",
+    "env/tool_errors_mean": "tool errors per episode",
+    "env/time_s": "environment time, summed over the episodes (s)",
+    "env/observation_tokens_mean": "observation tokens per episode",
+}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -21,45 +33,112 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return rows
 
 
-def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def _series(rows: list[dict], key: str) -> tuple[list[Any], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def is_multi_turn(rows: list[dict]) -> bool:
+    """Whether the run logged episodes (a run with env.name set)."""
+    return any("env/turns_mean" in r for r in rows)
+
+
+def episode_summary(rows: list[dict]) -> list[str]:
+    """Text lines on a multi-turn run's episodes: each metric's first, last and mean over the RL steps, and the
+    environment's failures in total; [] for a single-turn run."""
+    steps = [r for r in rows if "env/turns_mean" in r and "reward/mean" in r]
+    if not steps:
+        return []
+    lines = [f"multi-turn episodes ({len(steps)} RL steps): first step -> last step (mean over the steps)"]
+    for key, label in EPISODE_METRICS.items():
+        vals = [float(r[key]) for r in steps if r.get(key) is not None]
+        if vals:
+            lines.append(f"  {label:32} {vals[0]:9.3f} -> {vals[-1]:9.3f}   ({sum(vals) / len(vals):.3f})")
+    totals = {
+        k: sum(float(r.get(k, 0.0)) for r in steps)
+        for k in ("env/episodes", "env/tool_calls", "env/tool_errors", "env/errors", "env/timeouts")
+    }
+    lines.append(
+        f"  in total: {totals['env/episodes']:.0f} episodes, {totals['env/tool_calls']:.0f} tool calls "
+        f"({totals['env/tool_errors']:.0f} failed), {totals['env/errors']:.0f} environment errors, "
+        f"{totals['env/timeouts']:.0f} timeouts"
+    )
+    evals = [r for r in rows if r.get("eval/env/tool_calls_mean") is not None]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(
+            f"  held-out episodes: tool calls per episode {first['eval/env/tool_calls_mean']:.3f} -> "
+            f"{last['eval/env/tool_calls_mean']:.3f}, turns {first['eval/env/turns_mean']:.3f} -> "
+            f"{last['eval/env/turns_mean']:.3f}"
+        )
+    return lines
+
+
+def report_figure(rows: list[dict]):
+    """The report as a matplotlib Figure: 2 x 2 panels, and a third row for a multi-turn run's episodes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
     steps = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-
-    def series(key, src=steps):
-        pts = [(r["step"], r[key]) for r in src if r.get(key) is not None]
-        return [p[0] for p in pts], [p[1] for p in pts]
+    multi = is_multi_turn(steps)
+    fig, axes = plt.subplots(3 if multi else 2, 2, figsize=(11, 10.5 if multi else 7))
 
     ax = axes[0, 0]
-    ax.plot(*series("reward/mean"), label="reward (train)")
-    ax.plot(*series("train/accuracy"), label="accuracy (train samples)", alpha=0.7)
+    ax.plot(*_series(steps, "reward/mean"), label="reward (train)")
+    ax.plot(*_series(steps, "train/accuracy"), label="accuracy (train samples)", alpha=0.7)
     ax.set_title("reward")
     ax.set_xlabel("RL step")
     ax.legend()
     ax = axes[0, 1]
-    ax.plot(*series("eval/accuracy", evals), "o-", label="held-out accuracy")
+    ax.plot(*_series(evals, "eval/accuracy"), "o-", label="held-out accuracy")
     ax.set_ylim(0, 1)
     ax.set_title("held-out accuracy (step 0 = before RL)")
     ax.set_xlabel("RL step")
     ax = axes[1, 0]
-    ax.plot(*series("response_length/mean"), label="mean")
-    ax.plot(*series("response_length/max"), label="max", alpha=0.6)
-    ax.set_title("response length (tokens)")
+    ax.plot(*_series(steps, "response_length/mean"), label="mean")
+    ax.plot(*_series(steps, "response_length/max"), label="max", alpha=0.6)
+    ax.set_title("response length (tokens)" + (": model turns + observations" if multi else ""))
     ax.set_xlabel("RL step")
     ax.legend()
     ax = axes[1, 1]
-    ax.plot(*series("mismatch/num_mismatched_tokens"), "o-", label="mismatched tokens")
-    ax.plot(*series("mismatch/logprob_abs_diff_max"), label="max |logprob diff|")
+    ax.plot(*_series(steps, "mismatch/num_mismatched_tokens"), "o-", label="mismatched tokens")
+    ax.plot(*_series(steps, "mismatch/logprob_abs_diff_max"), label="max |logprob diff|")
     ax.set_title("rollout vs trainer logprobs")
     ax.set_xlabel("RL step")
     ax.legend()
+    if multi:
+        ax = axes[2, 0]
+        for key in ("env/turns_mean", "env/tool_calls_mean", "env/tool_errors_mean"):
+            ax.plot(*_series(steps, key), label=EPISODE_METRICS[key])
+        ax.set_title("multi-turn episodes")
+        ax.set_xlabel("RL step")
+        ax.legend()
+        ax = axes[2, 1]
+        ax.plot(
+            *_series(steps, "env/observation_tokens_mean"),
+            label=EPISODE_METRICS["env/observation_tokens_mean"],
+        )
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("tokens")
+        ax.set_title("environment")
+        twin = ax.twinx()  # seconds on their own scale
+        twin.plot(*_series(steps, "env/time_s"), color="tab:red", label=EPISODE_METRICS["env/time_s"])
+        twin.set_ylabel("seconds")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = twin.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2)
     fig.tight_layout()
+    return fig
+
+
+def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's report.png (or `out`); returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(read_metrics(run_dir))
     path = Path(out) if out else Path(run_dir) / "report.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -64,9 +64,15 @@ class StepResult:
     tool_errors: int = 0
 
 
+# A worked episode: (text, written_by_model) segments in order. The model's segments are what it should write
+# (their tokens are trained on), the others are the environment's observations (masked out of the loss).
+Demonstration = list[tuple[str, bool]]
+
+
 class Environment:
     """A synchronous environment (one instance per episode). Override `step`, and `reset` if it needs the
-    example. `stop`: strings that end a model turn (added to the run's sampling.stop)."""
+    example. `stop`: strings that end a model turn (added to the run's sampling.stop). `demonstration`, if
+    overridden, gives the supervised warm start (sft.steps > 0) a worked episode to imitate."""
 
     stop: ClassVar[list[str]] = []
 
@@ -75,6 +81,11 @@ class Environment:
 
     def step(self, turn: Turn) -> StepResult:
         raise NotImplementedError(f"{type(self).__name__} must implement step(turn)")
+
+    def demonstration(self, example: Example) -> Demonstration | None:
+        """A worked episode for `example` (see `Demonstration`); None = this environment has none. The SFT warm
+        start tokenizes each segment on its own, as an episode's turns and observations are."""
+        return None
 
 
 class AsyncEnvironment:
@@ -87,6 +98,10 @@ class AsyncEnvironment:
 
     async def step(self, turn: Turn) -> StepResult:
         raise NotImplementedError(f"{type(self).__name__} must implement step(turn)")
+
+    def demonstration(self, example: Example) -> Demonstration | None:
+        """As `Environment.demonstration` (a plain method: building a demonstration waits on nothing)."""
+        return None
 
 
 EnvFactory = Callable[[], "Environment | AsyncEnvironment"]
@@ -124,3 +139,24 @@ def resolve_env(name: str, search_dirs: list[str] | None = None) -> type:
     if not (isinstance(cls, type) and issubclass(cls, (Environment, AsyncEnvironment))):
         raise ValueError(f"env.name: {name!r} is not a subclass of Environment or AsyncEnvironment")
     return cls
+
+
+def env_factory(
+    name: str, options: dict | None = None, search_dirs: list[str] | None = None
+) -> tuple[type, EnvFactory]:
+    """The named environment's class (`resolve_env`) and a zero-argument factory that builds it with `options`
+    as keyword arguments (the [env] options table). One instance is built now, so that an option the class does not take,
+    or a value it refuses, is said before a run starts, naming env.options."""
+    cls = resolve_env(name, search_dirs)
+    options = dict(options or {})
+    try:
+        cls(**options)
+    except TypeError as e:
+        raise ValueError(f"env.options: {name!r} ({cls.__name__}) does not take these options: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"env.options: {e}") from None
+    if not options:
+        return cls, cls
+    import functools
+
+    return cls, functools.partial(cls, **options)

@@ -13,9 +13,9 @@ import re
 from fractions import Fraction
 from typing import ClassVar
 
-from exactrl.envs.base import Environment, StepResult, Turn
+from exactrl.envs.base import Demonstration, Environment, StepResult, Turn
 from exactrl.tasks.base import Example
-from exactrl.tasks.rewards import numeric_match
+from exactrl.tasks.rewards import format_reward, numeric_match
 
 _CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _MAX_EXPR_CHARS = 200
@@ -76,21 +76,55 @@ def format_number(v: Fraction) -> str:
 
 
 class CalculatorEnv(Environment):
-    """Tool calls until the model answers. Reward: 1.0 for a final answer equal to the example's answer
-    (`numeric_match`), else 0.0 (also when the episode is stopped at a limit before an answer)."""
+    """Tool calls until the model answers. The episode's reward: 1.0 for a final answer equal to the example's
+    answer (`numeric_match`), else 0.0 (also when the episode is stopped at a limit before an answer); then
+    `call_cost` is taken off per tool call and `format_penalty` when the final turn is more than a number
+    (`format_reward`), so the reward depends on the whole episode. Both are 0 by default ([env] options)."""
 
     stop: ClassVar[list[str]] = ["</calc>"]
 
+    def __init__(self, call_cost: float = 0.0, format_penalty: float = 0.0) -> None:
+        for name, v in (("call_cost", call_cost), ("format_penalty", format_penalty)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"calculator: {name} must be a number in [0, 1], got {v!r}")
+        self.call_cost, self.format_penalty = float(call_cost), float(format_penalty)
+        self.calls = 0
+
     def reset(self, example: Example) -> None:
         self.example = example
+        self.calls = 0
 
     def step(self, turn: Turn) -> StepResult:
         calls = _CALL_RE.findall(turn.text)
         if not calls:
             reward = numeric_match(turn.text, self.example.answer, self.example)
+            reward -= self.call_cost * self.calls
+            if self.format_penalty and not format_reward(turn.text, self.example.answer, self.example):
+                reward -= self.format_penalty
             return StepResult(done=True, reward=reward)
+        self.calls += 1
         try:  # the turn ends at the first "</calc>", so the last call is the one just made
             result, errors = format_number(calculate(calls[-1])), 0
         except CalcError as e:
             result, errors = f"error: {e}", 1
         return StepResult(observation=f"<result>{result}</result>", tool_calls=1, tool_errors=errors)
+
+    def demonstration(self, example: Example) -> Demonstration:
+        """One call with the problem's expression, its result, then the answer. The expression is
+        `example.meta["expression"]`, or the prompt itself when it is one followed by "=" (the arithmetic
+        task's "47*23="); a prompt that is neither is refused by name."""
+        expr = example.meta.get("expression")
+        if expr is None and isinstance(example.prompt, str) and example.prompt.rstrip().endswith("="):
+            expr = example.prompt.rstrip()[:-1]
+        where = example.meta.get("_source", "")
+        try:
+            value = calculate(str(expr)) if expr is not None else None
+        except CalcError:
+            value = None
+        if value is None:
+            raise ValueError(
+                f"calculator: no demonstration for the example {where or repr(example.prompt)[:60]}: its prompt is "
+                'not an arithmetic expression followed by "=" and it has no "expression" field'
+            )
+        result = format_number(value)
+        return [(f"<calc>{expr}</calc>", True), (f"<result>{result}</result>", False), (example.answer, True)]

@@ -62,6 +62,16 @@ class EpisodeSettings:
 
 
 @dataclass
+class EnvSetup:
+    """What runs episodes of one environment: its class (its `stop` strings), a zero-argument factory (one
+    instance per episode, `env_factory`) and the limits."""
+
+    cls: type
+    make: Callable[[], Environment | AsyncEnvironment]
+    settings: EpisodeSettings
+
+
+@dataclass
 class Episode:
     """One episode as the trainer needs it.
 
@@ -395,9 +405,11 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/tool_calls": float(sum(e.tool_calls for e in episodes)),
         "env/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
         "env/tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "env/tool_errors_mean": sum(e.tool_errors for e in episodes) / n,
         "env/errors": float(reasons.get("env_error", 0)),
         "env/timeouts": float(reasons.get("env_timeout", 0)),
         "env/time_s": sum(e.env_time_s for e in episodes),
+        "env/time_s_mean": sum(e.env_time_s for e in episodes) / n,
         "env/observation_tokens_mean": sum(e.num_observation_tokens for e in episodes) / n,
         "env/model_tokens_mean": sum(sum(e.loss_mask) for e in episodes) / n,
         "env/episode_tokens_mean": sum(len(e.completion_ids) for e in episodes) / n,

@@ -29,6 +29,7 @@ from exactrl.distributed.env import init_from_env, rank_device
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
+from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
@@ -102,6 +103,20 @@ def make_encoder(cfg: RunConfig, tok: Tokenizer) -> PromptEncoder:
     return PromptEncoder(tok, template, cfg.task.system_prompt, kwargs)
 
 
+def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
+    """The [env] section as the episode driver takes it (the environment resolved, its options checked)."""
+    from exactrl.envs import EpisodeSettings, env_factory
+
+    cls, make = env_factory(cfg.env.name, cfg.env.options, search_dirs)
+    settings = EpisodeSettings(
+        max_turns=cfg.env.max_turns,
+        max_tokens_per_turn=cfg.sampling.max_tokens,
+        max_episode_tokens=cfg.env.max_episode_tokens,
+        timeout_s=cfg.env.timeout_s,
+    )
+    return EnvSetup(cls, make, settings)
+
+
 def evaluate(
     engine: RolloutEngine,
     tok: Tokenizer,
@@ -115,8 +130,13 @@ def evaluate(
     seed: int = 0,
     stop: list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    env: EnvSetup | None = None,
 ) -> dict[str, float]:
-    """Accuracy (mean reward > 0.5 of the first sample, greedy by default) and pass@k over held-out examples."""
+    """Accuracy (mean reward > 0.5 of the first sample, greedy by default) and pass@k over held-out examples.
+
+    env: a multi-turn run's environment. A tool agent is measured with its tool: every example is an episode
+    through the environment (tool calls answered, as in training), scored by the environment's reward, and the
+    episodes' metrics are logged under eval/env/...; `rewards` is not used then."""
     if not examples:
         return {}
     ids = [encode(ex) for ex in examples]
@@ -128,20 +148,37 @@ def evaluate(
         stop_token_ids=sorted(set(tok.stop_token_ids) | set(stop_token_ids or [])),
         stop=list(stop or []),
     )
-    outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
-    completions, answers, exs = [], [], []
-    for ex, out in zip(examples, outs):
-        for s in out.samples:
-            completions.append(tok.decode(s.token_ids))
-            answers.append(ex.answer)
-            exs.append(ex)
-    res = rewards(completions, answers, exs)
-    r = torch.tensor(res.rewards).view(len(examples), samples)
+    extra: dict[str, float] = {}
+    if env is not None:
+        from exactrl.envs import run_episodes
+        from exactrl.envs.rollout import env_stop
+
+        params.stop = env_stop(params.stop, env.cls)
+        eb = run_episodes(
+            engine, tok, examples, ids, env.make, env.settings, params, request_ids=list(range(len(ids)))
+        )
+        # A prompt the engine refused scores 0 on every sample, as a refused single-turn prompt does.
+        flat = [e.reward for g in eb.groups for e in g] if all(len(g) == samples for g in eb.groups) else None
+        if flat is None:
+            flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
+        r = torch.tensor(flat, dtype=torch.float32).view(len(examples), samples)
+        extra = {f"eval/{k}": v for k, v in eb.metrics.items()}
+    else:
+        outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
+        completions, answers, exs = [], [], []
+        for ex, out in zip(examples, outs):
+            for s in out.samples:
+                completions.append(tok.decode(s.token_ids))
+                answers.append(ex.answer)
+                exs.append(ex)
+        res = rewards(completions, answers, exs)
+        r = torch.tensor(res.rewards).view(len(examples), samples)
     correct = r > 0.5
     out = {
         "eval/accuracy": float(correct[:, 0].float().mean()),
         "eval/reward": float(r.mean()),
         "eval/num_examples": float(len(examples)),
+        **extra,
     }
     if samples > 1:
         out[f"eval/pass@{samples}"] = float(correct.any(1).float().mean())
@@ -253,11 +290,10 @@ class RLRun:
             seed=cfg.run.seed,
             tokenizer_path=cfg.model.tokenizer,
         )
-        if cfg.env.name:  # an environment that cannot load is said now, not after the warm start
-            from exactrl.envs import resolve_env
-
-            self.env_dirs = [str(Path(config_dir).resolve())] if config_dir else []
-            resolve_env(cfg.env.name, self.env_dirs)
+        # An environment that cannot load (or refuses its env.options) is said now, not after the warm start.
+        self.env: EnvSetup | None = None
+        if cfg.env.name:
+            self.env = env_setup(cfg, [str(Path(config_dir).resolve())] if config_dir else [])
         self.task = build_task(cfg)
         self.encode = make_encoder(cfg, self.tok)
         # Too-long prompts are skipped and named (file:line), with the key to change.
@@ -289,6 +325,7 @@ class RLRun:
             seed=cfg.run.seed,
             stop=cfg.sampling.stop,
             stop_token_ids=cfg.sampling.stop_token_ids,
+            env=self.env,
         )
         self.summary: dict[str, Any] = {}
         self.totals = {
@@ -357,6 +394,7 @@ class RLRun:
                         lambda r: self.logger.log({"step": 0, **r}),
                         should_stop=lambda: sft_flag.stop,
                         out=self.out,
+                        demonstrate=self.demonstrations(),
                     )
                 self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
                 if sft.filter is not None and sft.filter.skipped:
@@ -389,6 +427,22 @@ class RLRun:
                 cfg.sft.checkpoint or sft_dir, device=self.device, dtype=model.dtype, exact=self.exact
             )
             model.load_state_dict(loaded.state_dict())
+
+    def demonstrations(self):
+        """Multi-turn: the environment's worked episodes for the SFT warm start (tool calls and their results,
+        the results masked out of the loss), or None: single-turn, or an environment without `demonstration`,
+        whose warm start learns the examples' answers (said in the log)."""
+        if self.env is None:
+            return None
+        env = self.env.make()
+        probe = self.task.eval_examples(1) or [next(copy.deepcopy(self.task).train_examples(seed=0))]
+        if env.demonstration(probe[0]) is None:
+            self.out(
+                f"SFT: the environment {self.cfg.env.name!r} has no demonstration(): the warm start learns the "
+                "examples' answers as single completions"
+            )
+            return None
+        return env.demonstration
 
     def build_trainer(self) -> None:
         """The reference model (KL), the critic (PPO), the layout over the ranks, the optimizers and the
@@ -614,19 +668,13 @@ class RLRun:
         """Multi-turn: group_size episodes per prompt against the configured environment, continuously batched
         in the engine (a turn resumes on the conversation's cached KV); the environment gives the reward. The
         trainer gets the engine's token ids, observations masked out of the loss."""
-        from exactrl.envs import EpisodeSettings, resolve_env, run_episodes
+        from exactrl.envs import run_episodes
         from exactrl.envs.rollout import env_stop
 
         cfg, a = self.cfg, self.cfg.algorithm
-        env_cls = resolve_env(cfg.env.name, getattr(self, "env_dirs", []))
+        assert self.env is not None
         params = self.sampling_params()
-        params.stop = env_stop(params.stop, env_cls)
-        settings = EpisodeSettings(
-            max_turns=cfg.env.max_turns,
-            max_tokens_per_turn=cfg.sampling.max_tokens,
-            max_episode_tokens=cfg.env.max_episode_tokens,
-            timeout_s=cfg.env.timeout_s,
-        )
+        params.stop = env_stop(params.stop, self.env.cls)
         bar = progress_bar(
             len(prompt_ids) * a.group_size, f"step {step + 1} episodes", enabled=cfg.run.progress
         )
@@ -635,8 +683,8 @@ class RLRun:
             self.tok,
             examples,
             prompt_ids,
-            env_cls,
-            settings,
+            self.env.make,
+            self.env.settings,
             params,
             request_ids=[step * a.prompts_per_step + i for i in index],
             progress=bar.update,

@@ -156,7 +156,8 @@ def test_too_long_and_empty_prompts_are_skipped_with_their_line_in_sft(tmp_path:
     stream = itertools.islice(task.train_examples(seed=0), 14)  # two epochs of 7
     batches = list(sft_batches(stream, PromptEncoder(tok, None), tok, 3, limits, max_skips_in_a_row=15))
     assert len(batches) == 4  # 12 usable examples of 14
-    for prompts, completions in batches:
+    for prompts, completions, masks in batches:
+        assert masks is None
         assert all(0 < len(p) <= 16 and len(p) + len(c) <= 24 for p, c in zip(prompts, completions))
     assert limits.skipped == 2
     assert logged[0] == (

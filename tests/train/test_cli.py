@@ -111,6 +111,55 @@ def test_generate_missing_model_is_a_clean_error(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
+GUESS = ["generate", "--preset", "tiny", "--env", "guess", "--prompt", "Guess:", "--answer", "300"]
+GUESS += ["--max-turns", "3", "--max-tokens", "3", "--temperature", "1", "-n", "2"]
+
+
+def test_generate_runs_an_environment_turn_by_turn(capsys):
+    """`generate --env`: every model turn and every observation, in order, then the episode's end and reward.
+    The random model never says 300, so the guessing game answers each turn and the episode runs to max_turns."""
+    assert main([*GUESS, "--json"]) == 0
+    recs = json_lines(capsys.readouterr().out)
+    assert len(recs) == 2 and [r["sample"] for r in recs] == [0, 1]
+    for r in recs:
+        assert [t["role"] for t in r["turns"]] == ["model", "env", "model", "env", "model"]
+        assert {t["text"] for t in r["turns"][1::2]} <= {"\nSay a number.\n", "\nHigher.\n", "\nLower.\n"}
+        assert r["finish_reason"] == "max_turns" and r["reward"] == 0.0 and r["answer"] == "300"
+        # The engine's ids, in order: the loss mask is False exactly at the environment's tokens.
+        ids = [i for t in r["turns"] for i in t["token_ids"]]
+        mask = [t["role"] == "model" for t in r["turns"] for _ in t["token_ids"]]
+        assert r["loss_mask"] == mask and len(r["rollout_logprobs"]) == len(ids)
+        assert all((lp < 0) == m or (lp == 0 and not m) for lp, m in zip(r["rollout_logprobs"], mask))
+    assert main(GUESS) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "== prompt 1, sample 1: 'Guess:'"
+    assert [x.split("]")[0] for x in out[1:6]] == [
+        "  [turn 1",
+        "  [turn 1",
+        "  [turn 2",
+        "  [turn 2",
+        "  [turn 3",
+    ]
+    assert "model:" in out[1] and "env:" in out[2]
+    assert out[6].startswith("  -> max_turns: reward 0, 3 turns, 0 tool calls")
+    assert out[7] == "== prompt 1, sample 2: 'Guess:'"
+
+
+def test_generate_env_refuses_bad_arguments(capsys):
+    for argv, err in (
+        ([*GUESS, "--answer", "1"], "--answer: give one per prompt (1 prompts), got 2"),
+        (["generate", "--prompt", "x", "--answer", "1"], "add --env NAME"),
+        (
+            [*GUESS[:4], "calculator", *GUESS[5:], "--env-option", "call_cost=2"],
+            "call_cost must be a number in [0, 1]",
+        ),
+        ([*GUESS, "--env-option", "nope=1"], "env.options: 'guess' (GuessNumberEnv) does not take"),
+        ([*GUESS[:4], "chess", *GUESS[5:]], "unknown environment 'chess'"),
+    ):
+        assert main(argv) == 2, argv
+        assert err in capsys.readouterr().err
+
+
 PARITY = ["parity", "--preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--max-tokens", "8"]
 
 

@@ -431,6 +431,27 @@ def test_gsm8k_recipe_loads():
     assert cfg.engine.max_model_len >= cfg.task.max_prompt_tokens + cfg.sampling.max_tokens
 
 
+def test_gsm8k_tools_recipe_loads():
+    """The multi-turn GPU recipe cannot run here (no checkpoint): it loads, validates, and its environment
+    resolves with its options; its limits leave room for the episode it describes."""
+    from exactrl.envs.calculator import CalculatorEnv
+    from exactrl.train.loop import env_setup
+
+    cfg = load_config(ROOT / "configs" / "qwen3-gsm8k-tools.toml")
+    assert cfg.model.path == "checkpoints/Qwen3-0.6B" and cfg.model.preset is None
+    assert cfg.model.dtype == "bfloat16" and cfg.run.device == "cuda" and cfg.run.exact
+    assert cfg.task.name == "jsonl" and cfg.task.path == "data/gsm8k/train.jsonl"
+    assert (
+        cfg.task.use_chat_template and "<calc>" in cfg.task.system_prompt and "####" in cfg.task.system_prompt
+    )
+    assert cfg.env.name == "calculator" and cfg.env.max_turns > 1 and cfg.sft.steps == 0
+    env = env_setup(cfg)
+    assert env.cls is CalculatorEnv and env.make().call_cost == 0.0 and env.make().format_penalty == 0.0
+    assert env.settings.max_tokens_per_turn == cfg.sampling.max_tokens
+    assert cfg.task.max_prompt_tokens + cfg.sampling.max_tokens <= cfg.env.max_episode_tokens
+    assert cfg.env.max_episode_tokens <= cfg.engine.max_model_len <= cfg.train.max_tokens_per_microbatch
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 4. Faults
 # ----------------------------------------------------------------------------------------------------------
