@@ -83,7 +83,9 @@ def test_every_turn_is_exact_on_the_gpu(name: str, env: str) -> None:
     if name == "tiny":  # the cache size is tuned on the tiny shape; at 0.6b the guess episodes fit (H100 run)
         assert batch.cache["paused_evictions"] > 0, "and to take the blocks of episodes waiting for their env"
     assert batch.cache["fork_shared_blocks"] > 0, "the samples of a group were meant to share the prompt"
-    assert max(e.num_turns for e in eps) > 1 and len({o[1] - o[0] for e in eps for o in e.observations}) > 1
+    assert max(e.num_turns for e in eps) > 1
+    if env == "varied":  # the environment built to answer with observations of several lengths
+        assert len({o[1] - o[0] for e in eps for o in e.observations}) > 1
     for e in eps:  # the mask is False exactly at the observations, and logprobs are 0 there
         obs = {p for s, t in e.observations for p in range(s, t)}
         assert e.loss_mask == [p not in obs for p in range(len(e.completion_ids))]
