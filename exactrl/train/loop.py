@@ -157,10 +157,8 @@ def evaluate(
         eb = run_episodes(
             engine, tok, examples, ids, env.make, env.settings, params, request_ids=list(range(len(ids)))
         )
-        # A prompt the engine refused scores 0 on every sample, as a refused single-turn prompt does.
-        flat = [e.reward for g in eb.groups for e in g] if all(len(g) == samples for g in eb.groups) else None
-        if flat is None:
-            flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
+        # A prompt the engine refused (no episodes) scores 0 on every sample.
+        flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
         r = torch.tensor(flat, dtype=torch.float32).view(len(examples), samples)
         extra = {f"eval/{k}": v for k, v in eb.metrics.items()}
     else:
@@ -428,7 +426,7 @@ class RLRun:
             )
             model.load_state_dict(loaded.state_dict())
 
-    def demonstrations(self):
+    def demonstrations(self) -> Any:
         """Multi-turn: the environment's worked episodes for the SFT warm start (tool calls and their results,
         the results masked out of the loss), or None: single-turn, or an environment without `demonstration`,
         whose warm start learns the examples' answers (said in the log)."""

@@ -183,8 +183,9 @@ def run_sft(
 ) -> SFTResult:
     """The supervised warm start of a RunConfig (its [sft] section). Uses a copy of the task stream seeded apart
     from the RL stream. `demonstrate`: a multi-turn run's worked episodes (`Environment.demonstration`), whose
-    observations are masked out of the loss; None = the examples' answers. `should_stop` is asked after every step (the loop's Ctrl-C flag): when it says so, SFT
-    ends after the step it finished, its last metrics are logged, and the result says `stopped`."""
+    observations are masked out of the loss; None = the examples' answers. `should_stop` is asked after every
+    step (the loop's Ctrl-C flag): when it says so, SFT ends after the step it finished, its last metrics are
+    logged, and the result says `stopped`."""
     s = cfg.sft
     opt = MasterAdamW(model, lr=s.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
     stream = copy.deepcopy(task).train_examples(seed=cfg.run.seed + 1_000_003)

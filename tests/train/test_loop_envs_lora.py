@@ -136,3 +136,48 @@ def test_a_users_environment_loads_from_the_working_directory(tmp_path, monkeypa
     with pytest.raises(ValueError, match="cannot load 'no_such_module_here:Hint'"):
         train(bad, out=lambda *a: None)
     assert not (tmp_path / "bad").exists()
+
+
+def test_calculator_recipe_end_to_end_shrunk(tmp_path, capsys):
+    """configs/quickstart-tools.toml as committed, shrunk: the warm start learns worked tool episodes (only the
+    model's tokens: sft/tokens counts them), held-out accuracy is measured with the calculator answering (episodes
+    in the eval metrics), and the GRPO step on calculator episodes is exact."""
+    from exactrl.envs.calculator import CalculatorEnv
+    from exactrl.train.loop import build_task
+
+    out = tmp_path / "calc"
+    over = [
+        f"run.output_dir={out}",
+        "sft.steps=2",
+        "sft.batch_size=8",
+        "sft.warmup_steps=0",
+        "train.steps=1",
+        "train.warmup_steps=0",
+        "algorithm.rollouts_per_step=8",
+        "algorithm.group_size=4",
+        "task.num_eval=4",
+        "run.progress=false",
+        "run.tensorboard=false",
+    ]
+    cfg = load_config(ROOT / "configs/quickstart-tools.toml", over)
+    s = train(cfg, out=lambda *a: None)
+    assert s["mismatched_tokens_total"] == 0 and s["compared_tokens_total"] > 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # The first SFT batch: the first 8 examples of the SFT stream, each "<calc>a*b</calc>" + answer + EOS learned,
+    # its "<result>...</result>" not.
+    stream = build_task(cfg).train_examples(seed=cfg.run.seed + 1_000_003)
+    demos = [CalculatorEnv().demonstration(next(stream)) for _ in range(8)]
+    learned = sum(len(t.encode()) for d in demos for t, by_model in d if by_model) + 8
+    first_sft = next(r for r in recs if r.get("sft_step") == 0)
+    assert first_sft["sft/tokens"] == learned
+    evals = [r for r in recs if "eval/accuracy" in r]
+    assert [r["phase"] for r in evals] == ["before_rl", "after_rl"]
+    assert all(r["eval/env/episodes"] == 4 and r["eval/env/turns_mean"] >= 1 for r in evals)
+    step = next(r for r in recs if '"loss"' in json.dumps(r) and "env/episodes" in r)
+    assert step["env/episodes"] == 8 and step["mismatch/num_tokens"] == 8 * step["env/model_tokens_mean"]
+    # `exactrl eval` on the run's checkpoint scores it as the run did: episodes through the calculator.
+    from exactrl.cli import main
+
+    assert main(["eval", "--model", str(out / "checkpoints/step-000001/policy"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["eval/env/episodes"] == 4 and res["eval/accuracy"] == evals[-1]["eval/accuracy"]
