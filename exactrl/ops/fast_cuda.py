@@ -11,8 +11,8 @@ negative control of every exactness test (parity shows its mismatches).
 | logprobs, logits | exactrl's fused Triton LM-head + log-softmax kernels (forward and backward) | (the same kernels as exact mode) |
 
 The fused norm/RoPE/SiLU and logprob kernels are shared with exact mode because a fast path fuses them too and
-their invariance costs them nothing measurable (a row is reduced by one program either way; no split over the
-vocab). The torch composition they replace (cuBLAS LM head, then log_softmax, gather and their backward as
+we have no faster non-invariant version of them (a row is reduced by one program either way; no split over the
+vocab; a split-vocab logprob kernel might be faster and is not written). The torch composition they replace (cuBLAS LM head, then log_softmax, gather and their backward as
 separate fp32 passes over [rows, vocab]) made the fast training step slower than transformers' on an H100
 (29k vs 40k tok/s, qwen3-0.6b, 2026-11-24): not a fast path. So fast and exact differ exactly where invariance
 binds: the GEMMs and the training attention. The fast path has no varlen flash

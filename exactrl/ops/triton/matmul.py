@@ -58,7 +58,8 @@ class MatmulConfig:
     warp_specialize: bool = False
 
 
-# One fixed configuration per dtype (never per M). 16-bit: Hopper wgmma tiles, two warpgroups of 64 rows each;
+# The training tile per dtype (fp32: the only tile; 16-bit: the largest of `tile_config`'s family). 16-bit: Hopper
+# wgmma tiles, two warpgroups of 64 rows each;
 # 4 stages of 128x64 + 64x128 bf16 tiles = 128 KiB of shared memory, loaded by TMA, the persistent loop
 # flattened so the next tile's loads overlap this tile's epilogue (on an H200 the best geometric mean over the
 # model's shapes of the variants in benchmarks/bench_kernels.py; all of them gave the same bits). fp32: IEEE
@@ -79,7 +80,8 @@ _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the
 def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: the largest of the family (the training
     tile first) with at least 70% of the SMs busy, else the narrowest (most tiles). On an H100 this rule picked the
-    fastest tile or one within 15% of it for every model shape at 1..512 rows (benchmarks/probe_decode_gemm.py)."""
+    fastest tile or one within 15% of it for every qwen3-0.6b/1.7b shape and row count probed, 1..512
+    (benchmarks/probe_decode_gemm.py)."""
     base = MATMUL_CONFIGS[dtype]
     if dtype == torch.float32:
         return base
