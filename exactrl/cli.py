@@ -440,6 +440,9 @@ def _end_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Every rank got here without an error (an error returns before this): wait for the others, so no rank
+        # tears its transport down while a peer still uses it (seen once as an abort at exit on CPU ranks).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ from exactrl.distributed.checkpoint import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import init_from_env, rank_device
+from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -951,10 +951,11 @@ class RLRun:
         m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
         m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
-        if (
-            torch.device(self.device).type == "cuda"
-        ):  # what the run holds at its worst: weights, KV cache, training
-            m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        if torch.device(self.device).type == "cuda":
+            # What the run holds at its worst (weights, KV cache, training): the maximum over the ranks, and each
+            # rank's own under several (a collective every rank reaches here).
+            peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+            m.update(per_rank_metric(self.dist, "perf/gpu_memory_peak_gb", peak))
         m.update(sr.advantage_metrics)
         m["kl_coef"] = self.kl_ctl.value
         if "kl_ref" in m and not m.get("mismatch/step_skipped"):  # a dropped batch steers nothing
