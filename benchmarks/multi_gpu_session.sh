@@ -29,7 +29,7 @@ for n in 2 1; do
   timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/grpo-ws$n --nproc $n 2>&1 \
     | grep -E "^step|differ|Error" | tee -a "$OUT/grpo.txt"
   python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/grpo-ws$n/metrics.jsonl') if '\"loss\"' in l]
-print('ws$n', json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/step_s','perf/generate_s','perf/train_s','time/weight_sync_s','weight_sync/bytes','perf/gpu_memory_peak_gb','grad_norm','loss')} for r in rows]))" \
+print('ws$n', json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/step_s','perf/generate_s','perf/train_s','time/weight_sync_s','weight_sync/bytes','perf/gpu_memory_peak_gb','perf/gpu_memory_peak_gb/rank0','perf/gpu_memory_peak_gb/rank1','grad_norm','loss')} for r in rows]))" \
     | tee -a "$OUT/grpo.txt"
 done
 fi
@@ -40,7 +40,7 @@ timeout 280 $X train configs/quickstart.toml --set model.preset=qwen3-8b --set m
   --set run.progress=false --set train.save_every=0 --set train.save_at_end=false \
   --set run.output_dir=$OUT/grpo-8b-ws2 --nproc 2 2>&1 | grep -E "^step|differ|Error|memory" | tee "$OUT/grpo_8b.txt"
 python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/grpo-8b-ws2/metrics.jsonl') if '\"loss\"' in l]
-print(json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/step_s','perf/train_s','time/weight_sync_s','perf/gpu_memory_peak_gb')} for r in rows]))" \
+print(json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/step_s','perf/train_s','time/weight_sync_s','perf/gpu_memory_peak_gb','perf/gpu_memory_peak_gb/rank0','perf/gpu_memory_peak_gb/rank1')} for r in rows]))" \
   | tee -a "$OUT/grpo_8b.txt"
 fi
 # 4. `bench train --fsdp` and `bench rollout` at several world sizes, side by side (qwen3-1.7b, bf16, exact).

@@ -489,6 +489,8 @@ def bench_train_fsdp(args) -> dict:
     from exactrl.train.trainer import PolicyTrainer, TrainerSettings
 
     ctx = init_from_env(resolve_device(args.device))
+    if ctx.world_size > 1 and args.vs:
+        raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
     expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
     expect["tokens_per_rank"] = args.tokens_per_microbatch
     baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
@@ -591,7 +593,13 @@ def main(args) -> int:
     if args.what == "rl":
         from exactrl import bench_rl
 
-        for flag, given in (("--vs", getattr(args, "vs", None)), ("--fsdp", getattr(args, "fsdp", False))):
+        refused = (
+            ("--vs", getattr(args, "vs", None)),
+            ("--fsdp", getattr(args, "fsdp", False)),
+            ("--baseline", getattr(args, "baseline", None)),
+            ("--nproc N > 1", int(os.environ.get("WORLD_SIZE", "1")) > 1),
+        )
+        for flag, given in refused:
             if given:
                 raise ValueError(f"bench rl does not implement {flag}")
         if getattr(args, "reward", None) is None:
@@ -612,6 +620,8 @@ def main(args) -> int:
         return 0
     if args.what == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("bench train on several ranks measures the FSDP2 step: add --fsdp")
+    if args.what == "train" and args.baseline:
+        raise ValueError("bench train --baseline compares world sizes of the FSDP2 step: add --fsdp")
     rec = bench_rollout(args) if args.what == "rollout" else bench_train(args)
     keys = [k for k in rec if isinstance(rec[k], float)]
     print(f"{'metric':28} value")

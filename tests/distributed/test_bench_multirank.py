@@ -110,7 +110,14 @@ def test_a_baseline_of_another_benchmark_or_shape_is_refused(tmp_path):
         read_baseline(str(tmp_path / "missing.json"), "rollout", {})
 
 
-def test_bench_train_on_several_ranks_without_fsdp_is_refused(monkeypatch, capsys):
+def test_options_a_benchmark_does_not_implement_are_refused(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["bench", "train", *TINY, "--tokens-per-microbatch", "16", "--steps", "1"]) == 2
     assert "add --fsdp" in capsys.readouterr().err
+    assert main(["bench", "rl", *TINY]) == 2  # bench rl runs on one process
+    assert "bench rl does not implement --nproc N > 1" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["bench", "train", *TINY, "--baseline", "ws1.json"]) == 2
+    assert "--baseline compares world sizes of the FSDP2 step: add --fsdp" in capsys.readouterr().err
+    assert main(["bench", "rl", *TINY, "--baseline", "ws1.json"]) == 2
+    assert "bench rl does not implement --baseline" in capsys.readouterr().err
