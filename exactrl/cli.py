@@ -450,8 +450,8 @@ def _end_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        # Every rank got here without an error (an error returns before this): wait for the others, so no rank
-        # tears its transport down while a peer still uses it (seen once as an abort at exit on CPU ranks).
+        # Every rank got here without an error (an error returns before this): leave together, so no rank tears
+        # its transport down while a peer is still inside a collective.
         dist.barrier()
         dist.destroy_process_group()
         time.sleep(0.1)
