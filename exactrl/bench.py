@@ -177,6 +177,18 @@ def measure_matmul_rate(device, dtype=torch.bfloat16) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
+def record_head(bench: str, args, device: str, preset: str | None = None) -> dict:
+    """The keys every benchmark record starts with: what ran, on which device and GPU, in which mode and dtype."""
+    return {
+        "bench": bench,
+        "preset": preset or args.preset,
+        "mode": args.mode,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+        "dtype": args.dtype,
+    }
+
+
 def _result_path(out_dir: str, bench: str, preset: str, mode: str, device: str) -> Path:
     dev = torch.cuda.get_device_name().replace(" ", "-") if device.startswith("cuda") else "cpu"
     return Path(out_dir) / f"{bench}-{preset}-{mode}-{dev}.json"
@@ -315,12 +327,7 @@ def _rollout_on_rank(args, ctx) -> dict:
     decode_bytes = sum(weight_bytes + C * (P + k) * kvpt for k in range(1, N))
     decode_s = engine.stats.get("decode_s", 0.0)
     rec = {
-        "bench": "rollout",
-        "preset": args.preset,
-        "mode": args.mode,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "dtype": args.dtype,
+        **record_head("rollout", args, device),
         "concurrency": C,
         "prompt_len": P,
         "max_tokens": N,
@@ -436,12 +443,7 @@ def bench_train(args) -> dict:
     flops = 3 * model.flops_per_token(context=seq_len // 2) * tokens
     peak = measure_matmul_rate(device)
     rec = {
-        "bench": "train",
-        "preset": args.preset,
-        "mode": args.mode,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "dtype": args.dtype,
+        **record_head("train", args, device),
         "tokens_per_step": tokens,
         "seq_len": seq_len,
         "cuda_graphs": trainer.graphs.replays > 0,
@@ -538,12 +540,7 @@ def bench_train_fsdp(args) -> dict:
     median_s = statistics.median(step_s)
     world = ctx.world_size
     rec = {
-        "bench": "train-fsdp",
-        "preset": args.preset,
-        "mode": args.mode,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "dtype": args.dtype,
+        **record_head("train-fsdp", args, device),
         "world_size": world,
         "batch": "per-rank tokens fixed: the global batch is world_size x tokens_per_rank",
         "tokens_per_rank": tokens,

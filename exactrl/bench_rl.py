@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exactrl.bench import record_head
 from exactrl.engine.engine import RolloutEngine
 
 # What each timed stage is called in the JSON, and the RLRun method it wraps (on `run`, or `run.parallel`).
@@ -332,12 +333,7 @@ def _record(
     med = timed[order[(len(order) - 1) // 2]]
     lengths = np.array(med["lengths"])
     rec: dict[str, Any] = {
-        "bench": "rl",
-        "preset": args.preset if not args.model else Path(args.model).name,
-        "mode": args.mode,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "dtype": args.dtype,
+        **record_head("rl", args, device, args.preset if not args.model else Path(args.model).name),
         "algorithm": "grpo",
         "prompts": args.prompts,
         "samples": args.samples,
