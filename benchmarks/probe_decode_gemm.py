@@ -70,11 +70,12 @@ MID_SIZES = (64, 96, 128, 192, 256, 384, 512)
 
 
 def main() -> None:
-    import sys
+    import argparse
 
-    global CANDIDATES, SIZES
-    if "--mid" in sys.argv:
-        CANDIDATES, SIZES = MID_CANDIDATES, MID_SIZES
+    ap = argparse.ArgumentParser(description="narrower invariant GEMM tiles: same bits? how fast?")
+    ap.add_argument("--mid", action="store_true", help="tiles and row counts between decode and training")
+    args = ap.parse_args()
+    candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
     dt = torch.bfloat16
     torch.manual_seed(0)
     for model in ("qwen3-0.6b", "qwen3-1.7b"):
@@ -83,9 +84,9 @@ def main() -> None:
             x = torch.randn(300, k, device="cuda").to(dt)
             ref = matmul(x, w)
             rec = {"model": model, "part": part, "N": n, "K": k}
-            rec["us_default"] = {m: round(_time(lambda m=m, x=x, w=w: matmul(x[:m], w)), 1) for m in SIZES}
-            rec["us_cublas"] = {m: round(_time(lambda m=m, x=x, w=w: F.linear(x[:m], w)), 1) for m in SIZES}
-            for cfg in CANDIDATES:
+            rec["us_default"] = {m: round(_time(lambda m=m, x=x, w=w: matmul(x[:m], w)), 1) for m in sizes}
+            rec["us_cublas"] = {m: round(_time(lambda m=m, x=x, w=w: F.linear(x[:m], w)), 1) for m in sizes}
+            for cfg in candidates:
                 equal = True
                 for m, off in ((1, 0), (1, 137), (3, 5), (8, 200), (16, 17), (64, 236), (200, 100), (300, 0)):
                     y = matmul(x[off : off + m], w, config=cfg)
@@ -95,7 +96,7 @@ def main() -> None:
                     "equal": equal,
                     "us": {
                         m: round(_time(lambda m=m, x=x, w=w, c=cfg: matmul(x[:m], w, config=c)), 1)
-                        for m in SIZES
+                        for m in sizes
                     },
                 }
             print(json.dumps(rec), flush=True)
