@@ -4,7 +4,8 @@
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh [tests] [parity] [rollout] [train] [kernels] [matmul-configs]
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
-#     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity]
+#     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
+#     [bench-rl-profile]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -169,5 +170,19 @@ if want attention-fwd-configs; then
 fi
 if want profile; then
   timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"
+fi
+if want bench-rl-profile; then  # bench rl's generate stage by kernel, exact and fast (the last timed step profiled)
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
+    --tokens-per-microbatch 4096 --profile --out-dir $OUT/rl-profile"
+  for mode in exact fast; do
+    timeout 290 $X bench rl $rl --mode $mode 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/bench_rl_profile.txt"
+  done
+fi
+if want profile-gen; then  # qwen3-1.7b generation, exact vs fast, GPU time by kernel at 512 / 64 / 8 sequences
+  for c in 512 64 8; do for m in exact fast; do
+    timeout 240 python3 benchmarks/profile_steps.py --preset qwen3-1.7b --mode $m --what rollout --concurrency $c \
+      --prompt-len 256 --max-tokens 256 --top 14 2>&1 | grep -v Warning | tail -18 | tee -a "$OUT/profile_gen.txt"
+  done; done
 fi
 tar czf "$OUT/results.tgz" benchmarks/results

@@ -1,6 +1,6 @@
 """Where a rollout decode step and a training step spend GPU time: torch.profiler kernel tables.
 
-Builds the qwen3-0.6b shape (random init, bf16) in exact or fast mode and prints, for each of
+Builds a model shape (`--preset`, default qwen3-0.6b; random init, bf16) in exact or fast mode and prints, for each of
 - rollout: one `generate` call (C concurrent prompts of P tokens, N new tokens) after a warm-up call, and
 - train: forward + backward + optimizer step on 8 x 1024 packed tokens,
 the kernels with the most total CUDA time, the host time per step, and one JSON line per table.
@@ -58,11 +58,19 @@ def _host_profile(step, top: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="exact", choices=["exact", "fast"])
+    ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--what", nargs="+", default=["rollout", "train"])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--torch-deterministic",
+        default="off",
+        choices=["off", "on", "on-nofill"],
+        help="torch.use_deterministic_algorithms as the RL loop sets it in exact mode (on), and without its "
+        "filling of uninitialized memory (on-nofill)",
+    )
     ap.add_argument(
         "--host",
         action="store_true",
@@ -80,7 +88,10 @@ def main() -> int:
 
     exact = args.mode == "exact"
     set_exact_environment(exact)
-    model = build_model(preset("qwen3-0.6b"), device="cuda", dtype=torch.bfloat16, exact=exact, seed=0)
+    if args.torch_deterministic != "off":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = args.torch_deterministic == "on"
+    model = build_model(preset(args.preset), device="cuda", dtype=torch.bfloat16, exact=exact, seed=0)
     C, P, N = args.concurrency, args.prompt_len, args.max_tokens
     g = torch.Generator().manual_seed(0)
     if "rollout" in args.what:
@@ -106,7 +117,7 @@ def main() -> int:
         wall = time.perf_counter() - t
         st = eng.stats
         print(json.dumps({"rollout_wall_s": wall, **{k: v for k, v in st.items()}}))
-        _table(prof, f"rollout {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
+        _table(prof, f"rollout {args.preset} {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
         if args.host:
             import cProfile
             import pstats
@@ -144,7 +155,7 @@ def main() -> int:
                 step()
             torch.cuda.synchronize()
         print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
-        _table(prof, f"train {args.mode} 8x1024 graphs {args.graphs} (2 steps)", args.top)
+        _table(prof, f"train {args.preset} {args.mode} 8x1024 graphs {args.graphs} (2 steps)", args.top)
         if args.host:
             _host_profile(step, args.top)
     return 0

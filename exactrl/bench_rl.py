@@ -132,6 +132,8 @@ class _StageTimers:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.gen_start: float | None = None
+        self.profile_generate = False  # set for one step: its generate stage runs under torch.profiler
+        self.kernels: list[dict[str, Any]] | None = None
         for key, name in STAGES:
             owner = run.parallel if name == "sync_weights" else run
             fn = getattr(owner, name, None)
@@ -148,6 +150,8 @@ class _StageTimers:
             if key == "generate_s":
                 self.gen_start = t
             try:
+                if key == "generate_s" and self.profile_generate:
+                    return self._profiled(fn, *args, **kwargs)
                 return fn(*args, **kwargs)
             finally:
                 _sync(self.device)  # the stage's device work counts to the stage, not to the next one
@@ -155,6 +159,28 @@ class _StageTimers:
                 self.calls[key] = self.calls.get(key, 0) + 1
 
         return timed
+
+    def _profiled(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn under torch.profiler; `kernels`: time per GPU kernel (CUDA) or per operator's own CPU time (CPU),
+        largest first. The profiler's overhead lands in this step's generate time: the step is marked."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.device(self.device).type == "cuda"
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            out = fn(*args, **kwargs)
+            _sync(self.device)
+        if cuda:
+            rows = [
+                (e.key, e.self_device_time_total, e.count)
+                for e in prof.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+        else:
+            rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+        rows.sort(key=lambda r: r[1], reverse=True)
+        self.kernels = [{"kernel": k[:120], "ms": round(us / 1e3, 3), "count": n} for k, us, n in rows]
+        return out
 
     def start_step(self) -> None:
         self.seconds, self.calls, self.gen_start = {}, {}, None
@@ -256,7 +282,11 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             timers = _StageTimers(run, device)
             records = []
             for k in range(total):
+                timers.profile_generate = bool(getattr(args, "profile", False)) and k == total - 1
                 records.append(_one_step(run, timers, device, timed=k >= args.warmup))
+                if timers.profile_generate:
+                    records[-1]["generate_kernels"] = timers.kernels
+                    records[-1]["profiled"] = True
                 print(
                     f"step {k + 1}/{total}{' (warm-up)' if k < args.warmup else ''}: "
                     f"{records[-1]['step_s']:.2f} s",
@@ -329,8 +359,11 @@ def _train_capture_s(run: Any) -> float:
 def _record(
     args: Any, device: str, wl: Workload, run: Any, timed: list[dict], warm: list[dict]
 ) -> dict[str, Any]:
-    order = sorted(range(len(timed)), key=lambda i: timed[i]["step_s"])
-    med = timed[order[(len(order) - 1) // 2]]
+    profiled = [r for r in timed if r.get("profiled")]
+    # A profiled step carries the profiler's overhead: the median is of the others when there are others.
+    pool = [r for r in timed if not r.get("profiled")] or timed
+    order = sorted(range(len(pool)), key=lambda i: pool[i]["step_s"])
+    med = pool[order[(len(order) - 1) // 2]]
     lengths = np.array(med["lengths"])
     rec: dict[str, Any] = {
         **record_head("rl", args, device, args.preset if not args.model else Path(args.model).name),
@@ -387,7 +420,12 @@ def _record(
     peak = max((r for _, r, _ in tr), default=0)
     tail = [t for t, r, w in tr if w == 0 and r < 0.25 * peak]
     rec["tail_start_s"] = tail[0] if tail else None
-    rec["steps_detail"] = [{k: v for k, v in r.items() if k not in ("trace", "lengths")} for r in timed]
+    if profiled:
+        rec["generate_kernels"] = profiled[-1]["generate_kernels"]
+        rec["profiled_generate_s"] = profiled[-1]["generate_s"]
+    rec["steps_detail"] = [
+        {k: v for k, v in r.items() if k not in ("trace", "lengths", "generate_kernels")} for r in timed
+    ]
     rec["trace"] = tr
     return rec
 
@@ -481,6 +519,12 @@ def _table(rec: dict[str, Any]) -> str:
         if v is None:
             continue
         out.append(f"{k:30} {v:.4g}" if isinstance(v, float) else f"{k:30} {v}")
+    if rec.get("generate_kernels"):
+        what = "GPU time by kernel" if rec["device"] == "cuda" else "CPU time by operator"
+        out.append(f"generate, {what} (profiled step: {rec['profiled_generate_s']:.2f} s)")
+        out += [
+            f"  {k['ms']:10.1f} ms {k['count']:7d}x  {k['kernel'][:80]}" for k in rec["generate_kernels"][:15]
+        ]
     return "\n".join(out)
 
 
@@ -509,7 +553,7 @@ def main(args: Any) -> int:
         print(f"no plot drawn ({err}); draw it later with --plot-from {path}", file=sys.stderr)
     path.write_text(json.dumps(rec) + "\n")
     print(_table(rec))
-    line = {k: v for k, v in rec.items() if k not in ("trace", "steps_detail")}
+    line = {k: v for k, v in rec.items() if k not in ("trace", "steps_detail", "generate_kernels")}
     line["trace_points"] = len(rec["trace"])
     print(json.dumps(line))
     print(f"result written to {path}", file=sys.stderr)

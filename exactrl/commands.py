@@ -379,6 +379,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     rl.add_argument("--seed", type=int, default=0, help="seed of the workload, the model and the sampling")
     rl.add_argument(
+        "--profile",
+        action="store_true",
+        help="the last timed step's generate stage under torch.profiler (GPU time by kernel on CUDA, own CPU time "
+        "by operator on the CPU) in the table and the JSON; the median step is of the other steps",
+    )
+    rl.add_argument(
         "--plot-from",
         nargs="+",
         metavar="JSON",

@@ -67,6 +67,23 @@ def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
     assert (tmp_path / "two.png").stat().st_size > 0
 
 
+def test_profile_times_the_last_steps_generate_and_leaves_it_out_of_the_median(tmp_path, capsys):
+    argv = (
+        "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
+        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
+        "--tokens-per-microbatch 64 --profile"
+    )
+    assert main([*argv.split(), "--out-dir", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "rl-tiny-exact-cpu.json").read_text())
+    detail = rec["steps_detail"]
+    assert [d.get("profiled", False) for d in detail] == [False, True]
+    assert rec["step_s"] == detail[0]["step_s"] and rec["profiled_generate_s"] == detail[1]["generate_s"]
+    ops = {k["kernel"] for k in rec["generate_kernels"]}
+    assert "aten::mm" in ops or "aten::addmm" in ops, sorted(ops)[:20]
+    assert all(k["ms"] >= 0 and k["count"] > 0 for k in rec["generate_kernels"])
+    assert "CPU time by operator" in capsys.readouterr().out
+
+
 def test_workload_lengths_are_seeded_long_tailed_and_capped():
     kw = dict(
         prompts=64,

@@ -28,6 +28,7 @@ from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys,
 from exactrl.engine.scheduler import SampleRow, ScheduledBatch, Scheduler
 from exactrl.engine.sequence import Sequence
 from exactrl.model.qwen import CausalLM
+from exactrl.ops import torch_determinism_off
 from exactrl.ops.batch import upload_int64
 
 
@@ -267,7 +268,12 @@ class _Generation:
         self.t_mark = time.perf_counter()
 
     def step(self) -> bool:
-        """Run one step; False once every sequence has finished and nothing is in flight."""
+        """Run one step; False once every sequence has finished and nothing is in flight. torch's
+        deterministic algorithms are off for the step (`torch_determinism_off` says why)."""
+        with torch_determinism_off():
+            return self._step()
+
+    def _step(self) -> bool:
         sched = self.sched
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import zlib
 from fractions import Fraction
 from typing import ClassVar
 
@@ -79,15 +80,25 @@ class CalculatorEnv(Environment):
     """Tool calls until the model answers. The episode's reward: 1.0 for a final answer equal to the example's
     answer (`numeric_match`), else 0.0 (also when the episode is stopped at a limit before an answer); then
     `call_cost` is taken off per tool call and `format_penalty` when the final turn is more than a number
-    (`format_reward`), so the reward depends on the whole episode. Both are 0 by default ([env] options)."""
+    (`format_reward`), so the reward depends on the whole episode. Both are 0 by default ([env] options).
+    `demo_call_share`: the share of problems whose worked episode (`demonstration`, the SFT warm start) calls
+    the calculator; the others answer directly, as a model trained on data from several sources would. 1.0
+    (the default) calls on every problem."""
 
     stop: ClassVar[list[str]] = ["</calc>"]
 
-    def __init__(self, call_cost: float = 0.0, format_penalty: float = 0.0) -> None:
-        for name, v in (("call_cost", call_cost), ("format_penalty", format_penalty)):
+    def __init__(
+        self, call_cost: float = 0.0, format_penalty: float = 0.0, demo_call_share: float = 1.0
+    ) -> None:
+        for name, v in (
+            ("call_cost", call_cost),
+            ("format_penalty", format_penalty),
+            ("demo_call_share", demo_call_share),
+        ):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"calculator: {name} must be a number in [0, 1], got {v!r}")
         self.call_cost, self.format_penalty = float(call_cost), float(format_penalty)
+        self.demo_call_share = float(demo_call_share)
         self.calls = 0
 
     def reset(self, example: Example) -> None:
@@ -112,7 +123,13 @@ class CalculatorEnv(Environment):
     def demonstration(self, example: Example) -> Demonstration:
         """One call with the problem's expression, its result, then the answer. The expression is
         `example.meta["expression"]`, or the prompt itself when it is one followed by "=" (the arithmetic
-        task's "47*23="); a prompt that is neither is refused by name."""
+        task's "47*23="); a prompt that is neither is refused by name. With `demo_call_share` below 1, a
+        problem outside that share (decided by a checksum of its prompt, so the same problem always gets the
+        same episode) is answered directly, with no call."""
+        if self.demo_call_share < 1.0:
+            bucket = zlib.crc32(str(example.prompt).encode("utf-8")) / 2**32
+            if bucket >= self.demo_call_share:
+                return [(example.answer, True)]
         expr = example.meta.get("expression")
         if expr is None and isinstance(example.prompt, str) and example.prompt.rstrip().endswith("="):
             expr = example.prompt.rstrip()[:-1]

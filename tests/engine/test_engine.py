@@ -178,3 +178,33 @@ def test_trace_counts_running_and_waiting_sequences_per_step():
     counts = [(r, w) for _, _, r, w in eng.trace]
     assert counts[0] == (2, 1) and counts[1][1] == 1 and counts[-1][1] == 0, counts
     assert [s for s, _, _, _ in eng.trace] == list(range(int(eng.stats["steps"])))
+
+
+def test_engine_steps_run_with_torch_determinism_off_and_restore_it():
+    """The RL loop turns torch's deterministic algorithms on in exact mode (for the trainer's backward); the
+    engine's steps run with them off (on a GPU they turned each KV-cache write into a sort and every
+    torch.empty into a fill) and leave the mode as it was, warn_only included, also when a step raises."""
+    model = _model()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(torch.are_deterministic_algorithms_enabled()))
+    eng = RolloutEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64))
+    params = SamplingParams(temperature=0.7, max_tokens=6, seed=1)
+    prompts = [[5, 6, 7], [5, 6, 8]]
+    before = eng.generate(prompts, params)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        after = eng.generate(prompts, params)
+        assert seen and not any(seen)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        # The same tokens and recorded logprobs either way.
+        for a, b in zip(before, after):
+            assert a.samples[0].token_ids == b.samples[0].token_ids
+            assert torch.equal(a.samples[0].rollout_logprobs, b.samples[0].rollout_logprobs)
+        model.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("planted")))
+        with pytest.raises(RuntimeError, match="planted"):
+            eng.generate([[9, 9, 9]], params)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
