@@ -132,7 +132,9 @@ def evaluate(
     stop_token_ids: list[int] | None = None,
     env: EnvSetup | None = None,
 ) -> dict[str, float]:
-    """Accuracy (mean reward > 0.5 of the first sample, greedy by default) and pass@k over held-out examples.
+    """Accuracy and pass@k over held-out examples. Accuracy: the share of samples with reward > 0.5, over
+    every sample of every example: with one greedy sample (the default) the greedy answers' accuracy; with k
+    samples at T > 0 the mean over them (pass@1 estimated from k samples, steadier than the first sample's).
 
     env: a multi-turn run's environment. A tool agent is measured with its tool: every example is an episode
     through the environment (tool calls answered, as in training), scored by the environment's reward, and the
@@ -173,7 +175,7 @@ def evaluate(
         r = torch.tensor(res.rewards).view(len(examples), samples)
     correct = r > 0.5
     out = {
-        "eval/accuracy": float(correct[:, 0].float().mean()),
+        "eval/accuracy": float(correct.float().mean()),
         "eval/reward": float(r.mean()),
         "eval/num_examples": float(len(examples)),
         **extra,

@@ -53,6 +53,28 @@ def test_calculator_demonstration_and_episode_rewards():
     assert GuessNumberEnv().demonstration(ex) is None  # no worked episode: the warm start learns the answers
 
 
+def test_demo_call_share_answers_the_rest_directly_the_same_way_every_time():
+    """The recipe's warm start calls the calculator on half the problems and answers the others directly, so
+    the warm-started policy sometimes skips the tool and RL has a choice to learn."""
+    exs = [Example(f"{a}*{b}=", str(a * b)) for a in range(10, 40) for b in range(10, 20)]  # 300 problems
+    half = CalculatorEnv(demo_call_share=0.5)
+    demos = [half.demonstration(ex) for ex in exs]
+    calls = [d for d in demos if len(d) == 3]
+    direct = [(d, ex) for d, ex in zip(demos, exs) if len(d) != 3]
+    assert 0.4 < len(calls) / len(exs) < 0.6
+    assert all(d == [(ex.answer, True)] for d, ex in direct)
+    assert all(d[0][0].startswith("<calc>") for d in calls)
+    # Decided by the problem, not by the call: a new instance (another worker, a resumed run) agrees.
+    assert [CalculatorEnv(demo_call_share=0.5).demonstration(ex) for ex in exs] == demos
+    assert all(len(CalculatorEnv(demo_call_share=1.0).demonstration(ex)) == 3 for ex in exs)
+    assert all(len(CalculatorEnv(demo_call_share=0.0).demonstration(ex)) == 1 for ex in exs)
+    # A smaller share calls on a subset of the larger share's problems.
+    quarter = {ex.prompt for ex in exs if len(CalculatorEnv(demo_call_share=0.25).demonstration(ex)) == 3}
+    assert quarter < {ex.prompt for ex, d in zip(exs, demos) if len(d) == 3}
+    with pytest.raises(ValueError, match="demo_call_share must be a number in"):
+        CalculatorEnv(demo_call_share=1.5)
+
+
 def test_env_options_are_checked_by_name():
     cls, make = env_factory("calculator", {"call_cost": 0.05})
     assert cls is CalculatorEnv and make().call_cost == 0.05
@@ -125,3 +147,31 @@ def test_held_out_evaluation_runs_the_episodes_through_the_environment():
     # Without the environment the same completions are single turns, scored by the rewards (0 here).
     res = evaluate(engine, tok, PromptEncoder(tok, None), examples, _ZeroRewards(), **kw)
     assert res["eval/accuracy"] == 0.0 and not any(k.startswith("eval/env/") for k in res)
+
+
+def test_held_out_accuracy_with_several_samples_is_their_mean():
+    """With k samples per problem the accuracy is the mean over all of them (pass@1 from k samples), not the
+    first sample's: here every second sample is right, so it is 0.5 (the first samples alone: 0.0)."""
+
+    class EverySecond:
+        def __call__(self, completions, answers, examples):
+            class R:
+                rewards = [float(i % 2) for i in range(len(completions))]
+
+            return R()
+
+    tok = byte_tokenizer()
+    model = build_model(preset("tiny"), dtype=torch.float32, exact=True, seed=0)
+    engine = RolloutEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=tok)
+    examples = [Example(f"{i}*3=", str(3 * i)) for i in range(4)]
+    res = evaluate(
+        engine,
+        tok,
+        PromptEncoder(tok, None),
+        examples,
+        EverySecond(),
+        max_tokens=4,
+        samples=2,
+        temperature=1.0,
+    )
+    assert res["eval/accuracy"] == 0.5 == res["eval/mean_accuracy"] and res["eval/pass@2"] == 1.0
