@@ -5,7 +5,7 @@
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
-#     [bench-rl-profile]
+#     [bench-rl-profile] [tail-check] [bench-rl-exact]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -170,6 +170,20 @@ if want attention-fwd-configs; then
 fi
 if want profile; then
   timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"
+fi
+if want tail-check; then  # after a sampler or engine change: its GPU tests, exact/fast rollout at 1 and 256
+  timeout 150 python3 -m pytest -q -m gpu tests/ops/test_triton_sampling.py tests/engine/test_sampler.py \
+    tests/engine/test_decode_graphs.py -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tail_tests.txt"
+  for c in 1 256; do for mode in exact fast; do
+    timeout 120 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 128 \
+      --max-tokens 256 --json 2>>"$OUT/tail_rollout.log" | grep '^{' | tee -a "$OUT/tail_rollout.jsonl"
+  done; done
+fi
+if want bench-rl-exact; then  # bench rl, exact mode only
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
+    --tokens-per-microbatch 4096 --out-dir $OUT/rl-exact"
+  timeout 270 $X bench rl $rl --mode exact 2>&1 | grep -v -i warn | tail -22 | tee "$OUT/bench_rl_exact.txt"
 fi
 if want bench-rl-profile; then  # bench rl's generate stage by kernel, exact and fast (the last timed step profiled)
   rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512

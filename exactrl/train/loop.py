@@ -278,7 +278,11 @@ class RLRun:
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
         if self.exact:
+            # Deterministic backward kernels (e.g. the embedding gradient without atomics): same seed, same run.
+            # Not torch's filling of every new tensor with NaN under that mode: exactrl's kernels write all of
+            # each output, and the fill would be an extra full write of every activation in every step.
             torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = False
 
         self.model, self.tok = load_policy(
             preset_name=cfg.model.preset,

@@ -203,6 +203,49 @@ def test_ties_and_special_values():
     assert greedy_tokens.tolist()[:6] == [0, 5, 6, 0, 3, 77]
 
 
+def test_vocab_split_gives_the_same_tokens(monkeypatch):
+    """A few rows are cut into vocabulary slices (one program each, then `_argmax_combine_kernel`): ties across
+    slices, -inf, +inf, NaN and every split from 2 slices to one per block give the reference's tokens."""
+    from exactrl.ops.triton import sampling
+
+    vocab, block = 300, 16
+    r = torch.randn(6, vocab, generator=gen(20))
+    r[1, [5, 69, 133, 200]] = 9.0  # the max tied in several slices: greedy takes 5
+    r[2, [290, 7]] = 50.0  # a tie, the later slice first in the list
+    r[3] = float("-inf")
+    r[4, [150, 3]] = float("inf")
+    r[5, [250, 77]] = float("nan")  # the first NaN, in a later slice than other large values
+    logits = r.to(DEVICE)
+    keys = random_keys(6, seed=21)
+    chosen = []
+    real = sampling._vocab_split
+    blocks = -(-vocab // block)
+    for per_row in (2, 3, 5, blocks):
+        chunk = -(-blocks // per_row) * block
+
+        def forced(rows, v, b, device, chunk=chunk):
+            chosen.append(real(rows, v, b, device))
+            return -(-v // chunk), chunk
+
+        monkeypatch.setattr(sampling, "_vocab_split", forced)
+        for greedy in (
+            None,
+            torch.arange(6, device=DEVICE) % 2 == 0,
+            torch.ones(6, dtype=torch.bool, device=DEVICE),
+        ):
+            got = gumbel_argmax(logits, keys, greedy, block_v=block)
+            assert torch.equal(got, reference(logits, keys, greedy)), (per_row, greedy, got)
+    monkeypatch.setattr(sampling, "_vocab_split", real)
+    greedy_tokens = gumbel_argmax(logits, keys, torch.ones(6, dtype=torch.bool, device=DEVICE), block_v=block)
+    assert greedy_tokens.tolist()[1:] == [5, 7, 0, 3, 77]
+    # The rule: few rows are split into whole blocks, enough rows are not.
+    dev = torch.device(DEVICE)
+    want = 2 * sampling.num_programs_cap(dev)
+    assert real(want, 151936, 2048, dev) == (1, 151936)
+    splits, chunk = real(1, 151936, 2048, dev)
+    assert splits > 1 and chunk % 2048 == 0 and (splits - 1) * chunk < 151936 <= splits * chunk
+
+
 def test_independent_of_block_rows_and_layout():
     rows, vocab = 9, 700
     logits = random_logits(rows, vocab, seed=11)

@@ -166,13 +166,17 @@ def test_calculator_recipe_end_to_end_shrunk(tmp_path, capsys):
     # The first SFT batch: the first 8 examples of the SFT stream, each "<calc>a*b</calc>" + answer + EOS learned,
     # its "<result>...</result>" not.
     stream = build_task(cfg).train_examples(seed=cfg.run.seed + 1_000_003)
-    demos = [CalculatorEnv().demonstration(next(stream)) for _ in range(8)]
+    calc = CalculatorEnv(
+        **cfg.env.options
+    )  # the recipe's demo_call_share: some worked episodes answer directly
+    demos = [calc.demonstration(next(stream)) for _ in range(8)]
     learned = sum(len(t.encode()) for d in demos for t, by_model in d if by_model) + 8
     first_sft = next(r for r in recs if r.get("sft_step") == 0)
     assert first_sft["sft/tokens"] == learned
     evals = [r for r in recs if "eval/accuracy" in r]
     assert [r["phase"] for r in evals] == ["before_rl", "after_rl"]
-    assert all(r["eval/env/episodes"] == 4 and r["eval/env/turns_mean"] >= 1 for r in evals)
+    episodes = 4 * cfg.task.eval_samples  # the recipe samples each held-out problem several times
+    assert all(r["eval/env/episodes"] == episodes and r["eval/env/turns_mean"] >= 1 for r in evals)
     step = next(r for r in recs if '"loss"' in json.dumps(r) and "env/episodes" in r)
     assert step["env/episodes"] == 8 and step["mismatch/num_tokens"] == 8 * step["env/model_tokens_mean"]
     # `exactrl eval` on the run's checkpoint scores it as the run did: episodes through the calculator.
@@ -180,4 +184,4 @@ def test_calculator_recipe_end_to_end_shrunk(tmp_path, capsys):
 
     assert main(["eval", "--model", str(out / "checkpoints/step-000001/policy"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["eval/env/episodes"] == 4 and res["eval/accuracy"] == evals[-1]["eval/accuracy"]
+    assert res["eval/env/episodes"] == episodes and res["eval/accuracy"] == evals[-1]["eval/accuracy"]

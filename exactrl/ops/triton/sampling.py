@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import INTERPRET
+from exactrl.ops.triton.common import INTERPRET, num_programs_cap
 
 _BLOCK_V = 8192 if INTERPRET else 2048  # vocabulary slice per loop step (any size gives the same tokens)
 _NOISE_BLOCK = 1 << 16 if INTERPRET else 2048
@@ -144,13 +144,22 @@ def _noise(cols, s1, s2):
     return _gumbel(_mix32(_mix32(v ^ s1) ^ s2))
 
 
-@triton.jit(do_not_specialize=["V"])
+@triton.jit(do_not_specialize=["V", "chunk"])
 def _gumbel_argmax_kernel(
-    x_ptr, keys_ptr, greedy_ptr, out_ptr, stride_x, stride_p, V, temperature,
+    x_ptr, keys_ptr, greedy_ptr, out_ptr, part_val_ptr, stride_x, stride_p, V, chunk, temperature,
     HAS_GREEDY: tl.constexpr, KEY_PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
+    # SPLIT: program (row, s) covers the columns [s * chunk, (s + 1) * chunk) of its row and stores its
+    # candidate (value, index) at [row, s] of part_val / out for `_argmax_combine_kernel`; else one program
+    # per row covers all V columns (chunk unused) and stores the token.
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
+    start = 0
+    stop = V
+    if SPLIT:
+        start = tl.program_id(1) * chunk
+        stop = tl.minimum(start + chunk, V)
     if KEY_PARTS:
         s1, s2 = _row_seeds_from_parts(keys_ptr, stride_p, row)
     else:
@@ -160,9 +169,9 @@ def _gumbel_argmax_kernel(
         add_noise = tl.load(greedy_ptr + row) == 0
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_V], _NO_INDEX_K, tl.int32)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(start, stop, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        ok = cols < V
+        ok = cols < stop
         y = tl.load(base + cols, mask=ok, other=0.0)
         if SCALE:  # raw logits: z = logits.float() / T as `scaled_logits` computes it (IEEE division)
             y = tl.math.div_rn(y.to(tl.float32), temperature)
@@ -179,7 +188,31 @@ def _gumbel_argmax_kernel(
     mx = tl.max(tl.where(seen & ~nan, best, float("-inf")), axis=0)
     hit = tl.where(any_nan, nan, seen & (best == mx))
     token = tl.min(tl.where(hit, best_i, _NO_INDEX_K), axis=0)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    if SPLIT:
+        at = row * tl.num_programs(1) + tl.program_id(1)
+        tl.store(part_val_ptr + at, tl.where(any_nan, float("nan"), mx))
+        tl.store(out_ptr + at, token.to(tl.int64))
+    else:
+        tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _argmax_combine_kernel(part_val_ptr, part_idx_ptr, out_ptr, S, BLOCK_S: tl.constexpr):
+    # One row's S candidates from the split `_gumbel_argmax_kernel`, reduced by the rule every lane and the
+    # single-program kernel follow: the first NaN if any, else the lowest index holding the maximum. Each
+    # candidate is its slice's answer under that rule, and the slices cover the row in order, so this is the
+    # row's answer: the same token whatever the split.
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_S)
+    ok = k < S
+    val = tl.load(part_val_ptr + row * S + k, mask=ok, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * S + k, mask=ok, other=_NO_INDEX_K)
+    seen = ok & (idx != _NO_INDEX_K)
+    nan = seen & (val != val)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    mx = tl.max(tl.where(seen & ~nan, val, float("-inf")), axis=0)
+    hit = tl.where(any_nan, nan, seen & (val == mx))
+    tl.store(out_ptr + row, tl.min(tl.where(hit, idx, _NO_INDEX_K), axis=0))
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -225,6 +258,21 @@ def _check_keys(keys: torch.Tensor, rows: int, device: torch.device, what: str) 
     if bool((keys < 0).any()):
         raise ValueError(f"{what}: keys must be non-negative int64")
     return keys.contiguous()
+
+
+def _vocab_split(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(slices per row, columns per slice) of a gumbel_argmax call. A few rows (a decode step at low
+    concurrency) would leave all but a few SMs idle while one program per row walks the whole vocabulary, so
+    each row is cut into slices of whole `block`s until about two programs per SM are busy; from that many rows
+    on, one program per row. The split only decides who looks at which columns: the token is the same
+    (`_argmax_combine_kernel`)."""
+    want = 2 * num_programs_cap(device)
+    if rows >= want:
+        return 1, vocab
+    blocks = triton.cdiv(vocab, block)
+    per_row = max(1, min(blocks, want // rows))
+    chunk = triton.cdiv(blocks, per_row) * block
+    return triton.cdiv(vocab, chunk), chunk
 
 
 def gumbel_argmax(
@@ -293,22 +341,33 @@ def gumbel_argmax(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](
-            logits,
-            keys_arg,
-            keys_arg if greedy is None else greedy,  # unused without greedy rows
-            out,
-            logits.stride(0),
-            stride_p,
-            vocab,
-            1.0 if temperature is None else float(temperature),
-            HAS_GREEDY=greedy is not None,
-            KEY_PARTS=key_parts is not None,
-            BLOCK_V=block,
-            SCALE=temperature is not None,
-            num_warps=8 if block >= 2048 else 4,
-            **_LAUNCH_OPTS,
+    if not rows:
+        return out
+    splits, chunk = _vocab_split(rows, vocab, block, logits.device)
+    parts_idx = out if splits == 1 else torch.empty(rows * splits, dtype=torch.int64, device=logits.device)
+    parts_val = out if splits == 1 else torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
+    _gumbel_argmax_kernel[(rows, splits)](
+        logits,
+        keys_arg,
+        keys_arg if greedy is None else greedy,  # unused without greedy rows
+        parts_idx,
+        parts_val,  # unused without a split
+        logits.stride(0),
+        stride_p,
+        vocab,
+        chunk,
+        1.0 if temperature is None else float(temperature),
+        HAS_GREEDY=greedy is not None,
+        KEY_PARTS=key_parts is not None,
+        BLOCK_V=block,
+        SCALE=temperature is not None,
+        SPLIT=splits > 1,
+        num_warps=8 if block >= 2048 else 4,
+        **_LAUNCH_OPTS,
+    )
+    if splits > 1:
+        _argmax_combine_kernel[(rows,)](
+            parts_val, parts_idx, out, splits, BLOCK_S=triton.next_power_of_2(splits), **_LAUNCH_OPTS
         )
     return out
 
