@@ -267,7 +267,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--samples",
         type=int,
         default=None,
-        help="samples per prompt (pass@k with k = samples); default: task.eval_samples of the config, else 1",
+        help="samples per prompt (pass@k with k = samples; accuracy is the mean over them); default: "
+        "task.eval_samples of the config, else 1",
     )
     p.add_argument(
         "--temperature",
