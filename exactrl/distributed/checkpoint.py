@@ -5,6 +5,7 @@ A checkpoint directory `step-NNNNNN/` holds:
                for its own shards; DCP reshards them on load, so a run saved on 2 ranks resumes on 1 or 4
   policy/      an HF checkpoint (safetensors + tokenizer) of the full weights in the model dtype, written by
                rank 0 from the engine replica (the gathered weights), loadable by transformers
+  adapter/     with LoRA: the adapters in PEFT's format (policy/ then holds the frozen base), as on one device
   state.json   step, data position, totals (rank 0; every rank runs the same data stream)
 
 As on one device, the directory is assembled under a temporary name and renamed into place, and `latest` is
@@ -103,7 +104,11 @@ def save_sharded_checkpoint(
     with torch.no_grad():
         dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"))
     if ctx.is_main:
+        from exactrl.model.lora import has_lora, save_adapter
+
         save_model(engine_model, tmp / "policy", tokenizer=tokenizer)
+        if has_lora(engine_model):  # the adapters in PEFT's format, as on one device (policy/ is the base)
+            save_adapter(engine_model, tmp / "adapter")
         meta = {"step": step, **state, "rng": rng_state(), "world_size": ctx.world_size}
         (tmp / "state.json").write_text(json.dumps(meta) + "\n")
         publish_checkpoint(root, tmp, name, keep)

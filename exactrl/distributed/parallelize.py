@@ -65,6 +65,7 @@ class Parallelism:
         self.ctx = ctx
         self.sharded = ctx.distributed
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._trained: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.mesh = None
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
@@ -117,22 +118,28 @@ class Parallelism:
             return
         mine = dict(engine_model.named_parameters())
         self._pairs = []
+        self._trained = []
         for name, p in trainer_model.named_parameters():
             if name not in mine:
                 raise RuntimeError(f"engine replica has no parameter {name!r}")
             self._pairs.append((p, mine[name]))
+            if p.requires_grad:
+                self._trained.append((p, mine[name]))
 
     @torch.no_grad()
-    def sync_weights(self) -> dict[str, float]:
-        """Refresh the engine replica from the trainer's shards, in place; returns time and bytes moved."""
+    def sync_weights(self, full: bool = False) -> dict[str, float]:
+        """Refresh the engine replica from the trainer's shards, in place; returns time and bytes moved. After
+        an optimizer step only the trainable parameters move (the LoRA adapters, with LoRA: a frozen base never
+        changes); `full` moves every weight (after loading a checkpoint)."""
         if not self.sharded:
             return {}
         t0 = time.perf_counter()
         moved = 0
-        for p, e in self._pairs:
+        e = None
+        for p, e in self._pairs if full else self._trained:
             full = p.detach().to(e.dtype).full_tensor()
             e.copy_(full)
             moved += full.numel() * full.element_size()
-        if e.is_cuda:
+        if e is not None and e.is_cuda:
             torch.cuda.synchronize(e.device)
         return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": float(moved)}

@@ -458,9 +458,9 @@ class RLRun:
             self.critic = ValueModel.from_policy(model, init_from_policy=True, seed=cfg.run.seed)
         if cfg.lora.rank > 0:
             # After the warm start (which fine-tunes every weight): adapters on the frozen base, the only
-            # trainable parameters; the engine samples through them with the same ops (unmerged).
-            if self.parallel.sharded:
-                raise ValueError("lora.rank > 0 under torchrun is not supported yet: run LoRA on one device")
+            # trainable parameters; the engine samples through them with the same ops (unmerged). Under
+            # torchrun they are attached before the engine replica is taken and the model sharded: FSDP2 shards
+            # the frozen base with the adapters, and the weight sync moves the adapters alone.
             from exactrl.model.lora import apply_lora_config
 
             apply_lora_config(model, cfg.lora, seed=cfg.run.seed)
@@ -526,7 +526,7 @@ class RLRun:
             state = load_sharded_checkpoint(
                 self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
             )
-            self.parallel.sync_weights()
+            self.parallel.sync_weights(full=True)  # every weight: the replica was taken before the load
         else:
             state = load_checkpoint(
                 self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic

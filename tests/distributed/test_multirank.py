@@ -8,7 +8,9 @@ is the expensive part on a 2-core machine) and the tests read their outputs:
 - world size 1 (no torchrun) vs 2 and 4: the same objective (loss, grad norm, rewards per step);
 - resume across world sizes (2 -> 1 with and without torchrun, 1 -> 2) matches the uninterrupted run;
 - the engine replica holds the very bits the trainer's forward computes with, on every rank;
-- a failing rank stops every rank, quickly, with its error shown.
+- a failing rank stops every rank, quickly, with its error shown;
+- LoRA at world size 2: exact, the objective of one device, only the adapters synced, checkpoints with the
+  adapters, resumed at world size 1.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def runs(tmp_path_factory):
         return {"kind": "cli", "argv": _argv(tmp, name, algo, steps, *extra, resume=resume)}
 
     ckpt = "train.save_every=1"
+    lora = ("lora.rank=4", "algorithm.kl_coef=0.05")  # the reference is the base with the adapters off
     # GRPO runs the steps that are compared; one step each shows the other algorithms exact.
     launch(
         1, [cli("t1-grpo", "grpo", STEPS, ckpt), cli("t1-gspo", "gspo", 1), cli("t1-ppo", "ppo", 1)], "ws1"
@@ -130,6 +133,7 @@ def runs(tmp_path_factory):
     _crashed_after(tmp / "t1-grpo", tmp / "r12", 2)
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
+    jobs += [cli("t2-lora", "grpo", STEPS, ckpt, *lora)]
     # `exactrl parity` on 2 ranks, bf16 (each rank's engine against the FSDP-sharded trainer forward); it exits
     # non-zero, failing the launch, on any mismatch (FSDP casting the layers' fp32 inputs made all 384 differ).
     parity = ["parity", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "4"]
@@ -142,11 +146,17 @@ def runs(tmp_path_factory):
     launch(2, jobs, "ws2")
     _crashed_after(tmp / "t2-grpo", tmp / "r21t", 2)
     _crashed_after(tmp / "t2-grpo", tmp / "r21p", 2)
-    launch(1, [cli("r21t", "grpo", STEPS, ckpt, resume=True)], "ws1-resume")
+    _crashed_after(tmp / "t2-lora", tmp / "r21-lora", 2)
+    resumes = [
+        cli("r21t", "grpo", STEPS, ckpt, resume=True),
+        cli("r21-lora", "grpo", STEPS, ckpt, *lora, resume=True),
+    ]
+    launch(1, resumes, "ws1-resume")
     launch(4, [cli("t4-grpo", "grpo"), cli("t4-gspo", "gspo", 1), cli("t4-ppo", "ppo", 1)], "ws4")
 
     # World size 1 without torchrun: today's single-device path, in a process of its own as well.
     plain = [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
+    plain += [_argv(tmp, "p1-lora", "grpo", STEPS, *lora)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     )
@@ -260,6 +270,57 @@ def test_sharded_checkpoint_layout_and_hf_export(runs):
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.shape == q.shape, n
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)  # ws2 and ws1 runs: the same up to rounding
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LoRA under torchrun
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_lora_at_world_size_2_is_exact_and_optimises_the_one_device_objective(runs):
+    run = runs / "t2-lora"
+    steps = _steps(run)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, m in steps.items():
+        assert m["mismatch/num_tokens"] == round(m["response_length/mean"] * 16) > 0, step
+        assert m["mismatch/num_mismatched_tokens"] == 0, step
+    print("LoRA ws1 plain vs ws2:", _agree(runs / "p1-lora", run, [1, 2, 3, 4], rtol=1e-5))
+    # After each step only the adapters travel to the engine replica: a small fraction of the full model's bytes.
+    full = _steps(runs / "t2-grpo")[1]["weight_sync/bytes"]
+    for m in steps.values():
+        assert 0 < m["weight_sync/bytes"] == m["perf/weight_sync_bytes"] < full / 5
+
+
+def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_size_1(runs):
+    from safetensors.torch import load_file
+
+    ck = runs / "t2-lora" / "checkpoints"
+    first, last = ck / "step-000001", ck / f"step-{STEPS:06d}"
+    for d in (first, last):
+        assert (d / "dcp").is_dir() and (d / "policy").is_dir()
+        assert (d / "adapter" / "adapter_config.json").is_file()
+    a, b = (
+        load_file(first / "adapter" / "adapter_model.safetensors"),
+        load_file(last / "adapter" / "adapter_model.safetensors"),
+    )
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # the adapters trained
+    # policy/ is the frozen base: the same at every step.
+    base_a, base_b = (
+        load_file(first / "policy" / "model.safetensors"),
+        load_file(last / "policy" / "model.safetensors"),
+    )
+    assert base_a.keys() == base_b.keys() and all(torch.equal(base_a[k], base_b[k]) for k in base_a)
+    # Crashed after step 2 at world size 2, resumed on one rank under torchrun: steps 3 and 4 agree.
+    run = runs / "r21-lora"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (
+        summary["world_size"] == 1
+        and summary["rl_steps"] == STEPS
+        and summary["mismatched_tokens_total"] == 0
+    )
+    assert sorted(_steps(run)) == [1, 2, 3, 4]
+    print("LoRA resumed 2 -> 1 vs uninterrupted ws2:", _agree(runs / "t2-lora", run, [3, 4], rtol=1e-5))
 
 
 # ----------------------------------------------------------------------------------------------------------
