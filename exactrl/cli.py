@@ -158,8 +158,10 @@ def _print_rank0(*args, **kwargs) -> None:
 def cmd_generate(args) -> int:
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.engine.sampler import SamplingParams
+    from exactrl.model.lora import attach_checkpoint_adapter
 
     model, tok = _load(args)
+    attach_checkpoint_adapter(model, args.model, args.base_only, "generate")
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -397,6 +399,11 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--json", action="store_true", help="one JSON object per sample (per episode with --env)")
+    p.add_argument(
+        "--base-only",
+        action="store_true",
+        help="a LoRA run's checkpoint policy/: the base without the adapters beside it (loaded by default)",
+    )
     g = p.add_argument_group("multi-turn episodes (--env)")
     g.add_argument(
         "--env",

@@ -115,6 +115,9 @@ def cmd_eval(args) -> int:
         exact=exact,
         fp32_lm_head=cfg.model.fp32_lm_head,
     )
+    from exactrl.model.lora import attach_checkpoint_adapter
+
+    attach_checkpoint_adapter(model, args.model, args.base_only, "eval")
     num = args.num or cfg.task.num_eval
     # Every record of --data is an eval example (a JsonlTask would hold most of them out for training).
     if args.data:
@@ -250,6 +253,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "eval", help="accuracy and pass@k of a checkpoint on held-out prompts", formatter_class=fmt
     )
     p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument(
+        "--base-only",
+        action="store_true",
+        help="a LoRA run's checkpoint policy/: the base without the adapters beside it (loaded by default)",
+    )
     p.add_argument(
         "--task",
         choices=["arithmetic", "jsonl"],

@@ -88,9 +88,11 @@ def save_sharded_checkpoint(
     state: dict[str, Any],
     critic: nn.Module | None = None,
     keep: int = 2,
+    frozen_policy_from: Path | None = None,
 ) -> Path:
-    """Every rank calls this at the same step; returns the checkpoint's directory."""
-    from exactrl.model.hf import save_model
+    """Every rank calls this at the same step; returns the checkpoint's directory. `frozen_policy_from`: as in
+    `exactrl.train.checkpoint.write_policy` (rank 0 links the frozen base's files instead of writing them)."""
+    from exactrl.train.checkpoint import write_policy
 
     root = Path(ckpt_root)
     name = f"step-{step:06d}"
@@ -106,7 +108,7 @@ def save_sharded_checkpoint(
     if ctx.is_main:
         from exactrl.model.lora import has_lora, save_adapter
 
-        save_model(engine_model, tmp / "policy", tokenizer=tokenizer)
+        write_policy(engine_model, tmp / "policy", tokenizer, frozen_policy_from)
         if has_lora(engine_model):  # the adapters in PEFT's format, as on one device (policy/ is the base)
             save_adapter(engine_model, tmp / "adapter")
         meta = {"step": step, **state, "rng": rng_state(), "world_size": ctx.world_size}

@@ -390,6 +390,42 @@ def read_adapter_config(adapter_dir: str | Path) -> AdapterInfo:
     )
 
 
+def checkpoint_adapter(model_dir: str | Path | None) -> Path | None:
+    """The LoRA adapters that belong with `model_dir`, when it is a run checkpoint's `policy/` (the frozen base)
+    beside an `adapter/` folder; None for any other directory."""
+    if model_dir is None:
+        return None
+    d = Path(model_dir)
+    adapter = d.parent / "adapter"
+    if d.name == "policy" and (adapter / ADAPTER_CONFIG).is_file():
+        return adapter
+    return None
+
+
+def attach_checkpoint_adapter(
+    model: CausalLM, model_dir: str | Path | None, base_only: bool, what: str
+) -> None:
+    """`exactrl eval` / `generate` on a LoRA run's checkpoint: its `policy/` is the base alone, so the adapters
+    beside it are loaded (and said on stderr), unless `base_only` asks for the base. A checkpoint of a full
+    fine-tune has no `adapter/`: nothing happens."""
+    import sys
+
+    adapter = checkpoint_adapter(model_dir)
+    if adapter is None:
+        return
+    if base_only:
+        print(
+            f"{what}: the base alone (--base-only); the LoRA adapters in {adapter} are not loaded",
+            file=sys.stderr,
+        )
+        return
+    spec = load_adapter(model, adapter)
+    print(
+        f"{what}: the LoRA adapters in {adapter} (rank {spec.rank}) on the base in {model_dir}",
+        file=sys.stderr,
+    )
+
+
 @torch.no_grad()
 def load_adapter(model: CausalLM, adapter_dir: str | Path, seed: int = 0) -> LoraSpec:
     """Load a PEFT LoRA adapter into `model`. A model without adapters gets them (shaped by the files); a

@@ -76,6 +76,27 @@ def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
 
 
+def write_policy(
+    model: CausalLM, out: Path, tokenizer: Tokenizer | None, frozen_from: Path | None = None
+) -> bool:
+    """A checkpoint's `policy/` (an HF checkpoint of `model`). `frozen_from`: an earlier checkpoint's `policy/`
+    written from the same, frozen weights (with LoRA the base never changes, and `policy/` holds the base alone):
+    its files are hard-linked instead of written again, the same bytes and one copy on disk. Where linking fails
+    (another filesystem, a file gone) the files are written. Returns whether they were linked."""
+    if frozen_from is not None and frozen_from.is_dir():
+        try:
+            out.mkdir(parents=True)
+            for f in sorted(frozen_from.iterdir()):
+                if not f.is_file():
+                    raise OSError(f"not a plain file: {f}")
+                os.link(f, out / f.name)
+            return True
+        except OSError:
+            shutil.rmtree(out, ignore_errors=True)
+    save_model(model, out, tokenizer=tokenizer)
+    return False
+
+
 def save_checkpoint(
     ckpt_root: str | Path,
     step: int,
@@ -87,7 +108,10 @@ def save_checkpoint(
     critic: torch.nn.Module | None = None,
     keep: int = 2,
     write_extra: Callable[[Path], object] | None = None,
+    frozen_policy_from: Path | None = None,
 ) -> Path:
+    """Write checkpoint `step-N` under `ckpt_root` atomically (see `publish_checkpoint`); `frozen_policy_from`
+    as in `write_policy`."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -95,7 +119,7 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, tmp / "policy", tokenizer=tokenizer)
+    write_policy(model, tmp / "policy", tokenizer, frozen_policy_from)
     if critic is not None:
         save_file(
             {k: v.detach().to("cpu", copy=True).contiguous() for k, v in critic.state_dict().items()},

@@ -308,6 +308,7 @@ class RLRun:
         # The [engine] section's fields are a subset of the engine's own config: passed through by name.
         self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         self.ckpt_root = self.out_dir / "checkpoints"
+        self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
         if resume and self.resume_from is None:
             self.out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
@@ -893,8 +894,14 @@ class RLRun:
             "summary": self.summary,
             "kl_controller": self.kl_ctl.state_dict(),
         }
+        from exactrl.model.lora import has_lora, save_adapter
+
+        # With LoRA policy/ is the frozen base, the same bytes at every step: after this process has written it
+        # once, later checkpoints hard-link those files (`write_policy`) instead of writing the base again.
+        lora = has_lora(self.model)
+        frozen = self._frozen_policy if lora else None
         if self.parallel.sharded:
-            save_sharded_checkpoint(
+            path = save_sharded_checkpoint(
                 self.dist,
                 self.ckpt_root,
                 self.step,
@@ -905,22 +912,23 @@ class RLRun:
                 critic=self.critic,
                 keep=self.cfg.train.keep_checkpoints,
                 state=state,
+                frozen_policy_from=frozen,
             )
-            return
-        from exactrl.model.lora import has_lora, save_adapter
-
-        save_checkpoint(
-            self.ckpt_root,
-            self.step,
-            model=self.model,
-            tokenizer=self.tok,
-            optimizers=self.optimizers,
-            critic=self.critic,
-            keep=self.cfg.train.keep_checkpoints,
-            state=state,
-            # LoRA: the adapters in PEFT's format next to the (frozen) base weights
-            write_extra=(lambda d: save_adapter(self.model, d / "adapter")) if has_lora(self.model) else None,
-        )
+        else:
+            path = save_checkpoint(
+                self.ckpt_root,
+                self.step,
+                model=self.model,
+                tokenizer=self.tok,
+                optimizers=self.optimizers,
+                critic=self.critic,
+                keep=self.cfg.train.keep_checkpoints,
+                state=state,
+                # LoRA: the adapters in PEFT's format next to the (frozen) base weights
+                write_extra=(lambda d: save_adapter(self.model, d / "adapter")) if lora else None,
+                frozen_policy_from=frozen,
+            )
+        self._frozen_policy = path / "policy" if lora else None
 
     def rl_step(self) -> dict[str, float]:
         """prompts -> rollout -> score -> update; returns the step's metrics (self.step advanced by one)."""

@@ -261,6 +261,9 @@ def test_sharded_checkpoint_layout_and_hf_export(runs):
 
     ck = runs / "t2-grpo" / "checkpoints" / f"step-{STEPS:06d}"
     assert (ck / "dcp").is_dir() and (ck / "state.json").is_file()
+    # A full fine-tune writes its weights at every checkpoint (only a frozen LoRA base is linked).
+    first = runs / "t2-grpo" / "checkpoints" / "step-000001" / "policy" / "model.safetensors"
+    assert first.stat().st_ino != (ck / "policy" / "model.safetensors").stat().st_ino
     state = json.loads((ck / "state.json").read_text())
     assert state["step"] == STEPS and state["world_size"] == 2
     model = load_model(ck / "policy", device="cpu")
@@ -305,7 +308,9 @@ def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_
     )
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the adapters trained
-    # policy/ is the frozen base: the same at every step.
+    # policy/ is the frozen base: the same at every step, written once and hard-linked by later checkpoints.
+    for f in (first / "policy").iterdir():
+        assert (last / "policy" / f.name).stat().st_ino == f.stat().st_ino, f.name
     base_a, base_b = (
         load_file(first / "policy" / "model.safetensors"),
         load_file(last / "policy" / "model.safetensors"),

@@ -88,6 +88,9 @@ def test_lora_trains_adapters_only_exactly_and_resumes(tmp_path):
     # The base weights never move; the adapters do.
     b1, b2 = (load_file(str(c / "policy" / "model.safetensors")) for c in (ck1, ck2))
     assert b1.keys() == b2.keys() and all(torch.equal(b1[k], b2[k]) for k in b1)
+    # So the base is written once: step 2's policy/ files are hard links to step 1's (one copy on disk).
+    for f in (ck1 / "policy").iterdir():
+        assert (ck2 / "policy" / f.name).stat().st_ino == f.stat().st_ino, f.name
     a1, a2 = (load_file(str(c / "adapter" / "adapter_model.safetensors")) for c in (ck1, ck2))
     assert a1.keys() == a2.keys() and any(not torch.equal(a1[k], a2[k]) for k in a1)
     # Resume from step 1's adapters to step 2: the same step-2 adapters as the uninterrupted run.
@@ -99,6 +102,54 @@ def test_lora_trains_adapters_only_exactly_and_resumes(tmp_path):
     assert s2["rl_steps"] == 2 and s2["mismatched_tokens_total"] == 0
     a2r = load_file(str(ck2 / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(a2[k], a2r[k]) for k in a2)
+
+
+def test_generate_and_eval_on_a_lora_checkpoint_use_its_adapters(tmp_path, capsys):
+    """A LoRA checkpoint's policy/ is the base alone: `generate` and `eval` given it load the adapters beside it
+    (the trained policy: the same tokens and logprobs as the base with those adapters attached by hand), unless
+    --base-only asks for the base."""
+    from exactrl.cli import main
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.sampler import SamplingParams
+    from exactrl.model.loading import load_policy
+    from exactrl.model.lora import load_adapter
+
+    out = tmp_path / "lora"
+    (tmp_path / "rw.py").write_text(REWARD)
+    over = SMALL + [
+        f"run.output_dir={out}",
+        f'reward.functions=["{tmp_path / "rw.py"}:hashed"]',
+        "lora.rank=4",
+        "lora.alpha=64",
+        "train.lr=1e-2",  # adapters that move the tiny model's outputs in two steps
+    ]
+    train(load_config(ROOT / "configs/quickstart.toml", over), out=lambda *a: None)
+    policy = out / "checkpoints" / "step-000002" / "policy"
+    argv = ["generate", "--model", str(policy), "--prompt", "12+7=", "--prompt", "3*4=", "-n", "2"]
+    argv += ["--temperature", "0.7", "--max-tokens", "8", "--seed", "3", "--json"]
+
+    def run(*extra):
+        capsys.readouterr()
+        assert main([*argv, *extra]) == 0
+        cap = capsys.readouterr()
+        return [json.loads(x) for x in cap.out.splitlines()], cap.err
+
+    tuned, err = run()
+    assert "LoRA adapters" in err
+    base, err = run("--base-only")
+    assert "--base-only" in err
+    assert [r["rollout_logprobs"] for r in tuned] != [r["rollout_logprobs"] for r in base]
+    model, tok = load_policy(path=policy)
+    load_adapter(model, policy.parent / "adapter")
+    params = SamplingParams(temperature=0.7, max_tokens=8, seed=3, n=2, stop_token_ids=tok.stop_token_ids)
+    outs = RolloutEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=tok).generate(
+        [tok.encode("12+7="), tok.encode("3*4=")], params
+    )
+    by_hand = [[float(x) for x in s.rollout_logprobs] for o in outs for s in o.samples]
+    assert [r["rollout_logprobs"] for r in tuned] == by_hand
+    # eval scores the trained policy too (the adapters said on stderr).
+    assert main(["eval", "--model", str(policy), "--json"]) == 0
+    assert "LoRA adapters" in capsys.readouterr().err
 
 
 HINT_ENV = """
