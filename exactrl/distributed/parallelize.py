@@ -5,7 +5,8 @@ code. On one device without torchrun (`Parallelism(DistContext.single())`) the t
 model and nothing here does anything. Under torchrun:
 
 - Trainer: the policy (and the reference model, and the critic) are `fully_shard`ed per decoder layer and at the
-  root, with parameters kept in fp32 (the sharded parameters *are* the master weights) and
+  root, with trainable parameters kept in fp32 (the sharded parameters *are* the master weights; frozen ones,
+  a LoRA base or the KL reference, stay in the model dtype) and
   `MixedPrecisionPolicy(param_dtype=<model dtype>, reduce_dtype=float32)`: the forward computes with the
   all-gathered parameters cast to the model dtype, gradients are reduce-scattered in fp32.
 - Engine: one per rank, on a full-weight replica in the model dtype, refreshed in place after every optimizer
@@ -88,7 +89,15 @@ class Parallelism:
 
         lm = model if isinstance(model, CausalLM) else model.backbone
         compute_dtype = lm.dtype
-        model.float()  # the sharded fp32 parameters are the masters
+        if all(p.requires_grad for p in model.parameters()):
+            model.float()  # the sharded fp32 parameters are the masters
+        else:
+            # Frozen weights (a LoRA base, a KL reference) never step: they stay in the model dtype, half the
+            # memory of fp32 shards, gathered as they are (the cast to the model dtype is then the identity, the
+            # same bits the engine replica holds). Only what trains gets fp32 masters.
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
         # cast_forward_inputs=False: the layers take fp32 inputs on purpose (the RoPE table is fp32 whatever the
         # model dtype, as on one device); FSDP's default would round them to the model dtype, and the trainer's
         # logprobs would then differ from the engine's (a bf16 model: every token).

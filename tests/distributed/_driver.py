@@ -139,11 +139,17 @@ def per_rank_job(job: dict) -> None:
 
 
 def main() -> None:
+    import exactrl.cli
+
+    # The jobs share the process group (cli_job keeps each command from leaving it); the launch leaves it once,
+    # at the end, the way a command does (a rank exiting with the group alive can die of SIGABRT after its work).
+    leave = exactrl.cli._end_process_group
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     for job in spec["jobs"]:
         {"cli": cli_job, "weights": weights_job, "per_rank": per_rank_job}[job["kind"]](job)
+    leave()
 
 
 if __name__ == "__main__":

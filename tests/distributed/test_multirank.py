@@ -134,6 +134,10 @@ def runs(tmp_path_factory):
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
     jobs += [cli("t2-lora", "grpo", STEPS, ckpt, *lora)]
+    # bf16: the frozen base stays 16-bit in the shards beside the fp32 adapters.
+    jobs += [cli("t2-lora16", "grpo", 2, ckpt, *lora, "model.dtype=bfloat16")]
+    # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step.
+    jobs += [cli("t2-kl", "grpo", 1, "algorithm.kl_coef=0.05", "model.dtype=bfloat16")]
     # `exactrl parity` on 2 ranks, bf16 (each rank's engine against the FSDP-sharded trainer forward); it exits
     # non-zero, failing the launch, on any mismatch (FSDP casting the layers' fp32 inputs made all 384 differ).
     parity = ["parity", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "4"]
@@ -292,6 +296,28 @@ def test_lora_at_world_size_2_is_exact_and_optimises_the_one_device_objective(ru
     full = _steps(runs / "t2-grpo")[1]["weight_sync/bytes"]
     for m in steps.values():
         assert 0 < m["weight_sync/bytes"] == m["perf/weight_sync_bytes"] < full / 5
+
+
+def test_a_bf16_lora_run_keeps_its_frozen_base_16_bit_in_the_shards_and_is_exact(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = runs / "t2-lora16"
+    steps = _steps(run)
+    assert sorted(steps) == [1, 2]
+    assert all(m["mismatch/num_mismatched_tokens"] == 0 < m["mismatch/num_tokens"] for m in steps.values())
+    # The shards: the adapters in fp32 (the masters), the frozen base in the model dtype (half the memory).
+    dcp_dir = run / "checkpoints" / "step-000002" / "dcp"
+    meta = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in meta.items() if k.startswith("policy.")}
+    assert any("lora_" in k for k in dtypes) and any("lora_" not in k for k in dtypes)
+    assert all((d == torch.float32) == ("lora_" in k) for k, d in dtypes.items()), dtypes
+    assert all(d == torch.bfloat16 for k, d in dtypes.items() if "lora_" not in k)
+
+
+def test_a_kl_reference_sharded_in_the_model_dtype_is_exact(runs):
+    (m,) = _steps(runs / "t2-kl").values()
+    assert m["mismatch/num_mismatched_tokens"] == 0 and m["mismatch/num_tokens"] > 0
+    assert math.isfinite(m["kl_ref"])
 
 
 def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_size_1(runs):
