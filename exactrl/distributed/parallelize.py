@@ -146,9 +146,9 @@ class Parallelism:
         moved = 0
         e = None
         for p, e in self._pairs if full else self._trained:
-            full = p.detach().to(e.dtype).full_tensor()
-            e.copy_(full)
-            moved += full.numel() * full.element_size()
+            gathered = p.detach().to(e.dtype).full_tensor()
+            e.copy_(gathered)
+            moved += gathered.numel() * gathered.element_size()
         if e is not None and e.is_cuda:
             torch.cuda.synchronize(e.device)
         return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": float(moved)}
