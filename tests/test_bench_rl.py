@@ -30,13 +30,16 @@ KEYS = [
 ]
 
 
+# `bench rl` at tiny scale on the CPU: 2 prompts x 2 samples, 1 warm-up + 2 timed steps.
+TINY = (
+    "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
+    "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
+    "--tokens-per-microbatch 64"
+).split()
+
+
 def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
-    argv = (
-        "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
-        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
-        "--tokens-per-microbatch 64"
-    )
-    assert main([*argv.split(), "--out-dir", str(tmp_path)]) == 0
+    assert main([*TINY, "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("rl-tiny-exact-cpu.json")
     rec = json.loads(path.read_text())
     assert all(k in rec for k in KEYS), [k for k in KEYS if k not in rec]
@@ -68,12 +71,7 @@ def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
 
 
 def test_profile_times_the_last_steps_generate_and_leaves_it_out_of_the_median(tmp_path, capsys):
-    argv = (
-        "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
-        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
-        "--tokens-per-microbatch 64 --profile"
-    )
-    assert main([*argv.split(), "--out-dir", str(tmp_path)]) == 0
+    assert main([*TINY, "--profile", "--out-dir", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "rl-tiny-exact-cpu.json").read_text())
     detail = rec["steps_detail"]
     assert [d.get("profiled", False) for d in detail] == [False, True]

@@ -6,6 +6,7 @@ A checkpoint directory `step-NNNNNN/` holds:
   policy/      an HF checkpoint (safetensors + tokenizer) of the full weights in the model dtype, written by
                rank 0 from the engine replica (the gathered weights), loadable by transformers
   adapter/     with LoRA: the adapters in PEFT's format (policy/ then holds the frozen base), as on one device
+               (the caller's `write_extra`)
   state.json   step, data position, totals (rank 0; every rank runs the same data stream)
 
 As on one device, the directory is assembled under a temporary name and renamed into place, and `latest` is
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +90,12 @@ def save_sharded_checkpoint(
     state: dict[str, Any],
     critic: nn.Module | None = None,
     keep: int = 2,
+    write_extra: Callable[[Path], object] | None = None,
     frozen_policy_from: Path | None = None,
 ) -> Path:
-    """Every rank calls this at the same step; returns the checkpoint's directory. `frozen_policy_from`: as in
-    `exactrl.train.checkpoint.write_policy` (rank 0 links the frozen base's files instead of writing them)."""
+    """Every rank calls this at the same step; returns the checkpoint's directory. `write_extra` (rank 0: more
+    files of the checkpoint, e.g. LoRA adapters) and `frozen_policy_from` as in
+    `exactrl.train.checkpoint.save_checkpoint`."""
     from exactrl.train.checkpoint import write_policy
 
     root = Path(ckpt_root)
@@ -106,11 +110,9 @@ def save_sharded_checkpoint(
     with torch.no_grad():
         dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"))
     if ctx.is_main:
-        from exactrl.model.lora import has_lora, save_adapter
-
         write_policy(engine_model, tmp / "policy", tokenizer, frozen_policy_from)
-        if has_lora(engine_model):  # the adapters in PEFT's format, as on one device (policy/ is the base)
-            save_adapter(engine_model, tmp / "adapter")
+        if write_extra is not None:
+            write_extra(tmp)
         meta = {"step": step, **state, "rng": rng_state(), "world_size": ctx.world_size}
         (tmp / "state.json").write_text(json.dumps(meta) + "\n")
         publish_checkpoint(root, tmp, name, keep)

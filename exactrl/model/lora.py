@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -408,8 +409,6 @@ def attach_checkpoint_adapter(
     """`exactrl eval` / `generate` on a LoRA run's checkpoint: its `policy/` is the base alone, so the adapters
     beside it are loaded (and said on stderr), unless `base_only` asks for the base. A checkpoint of a full
     fine-tune has no `adapter/`: nothing happens."""
-    import sys
-
     adapter = checkpoint_adapter(model_dir)
     if adapter is None:
         return

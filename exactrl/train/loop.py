@@ -900,6 +900,18 @@ class RLRun:
         # once, later checkpoints hard-link those files (`write_policy`) instead of writing the base again.
         lora = has_lora(self.model)
         frozen = self._frozen_policy if lora else None
+        # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
+        # policy itself on one device, the gathered replica under torchrun).
+        extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+        common = dict(
+            tokenizer=self.tok,
+            optimizers=self.optimizers,
+            critic=self.critic,
+            keep=self.cfg.train.keep_checkpoints,
+            state=state,
+            write_extra=extra,
+            frozen_policy_from=frozen,
+        )
         if self.parallel.sharded:
             path = save_sharded_checkpoint(
                 self.dist,
@@ -907,27 +919,10 @@ class RLRun:
                 self.step,
                 model=self.model,
                 engine_model=self.engine.model,
-                tokenizer=self.tok,
-                optimizers=self.optimizers,
-                critic=self.critic,
-                keep=self.cfg.train.keep_checkpoints,
-                state=state,
-                frozen_policy_from=frozen,
+                **common,
             )
         else:
-            path = save_checkpoint(
-                self.ckpt_root,
-                self.step,
-                model=self.model,
-                tokenizer=self.tok,
-                optimizers=self.optimizers,
-                critic=self.critic,
-                keep=self.cfg.train.keep_checkpoints,
-                state=state,
-                # LoRA: the adapters in PEFT's format next to the (frozen) base weights
-                write_extra=(lambda d: save_adapter(self.model, d / "adapter")) if lora else None,
-                frozen_policy_from=frozen,
-            )
+            path = save_checkpoint(self.ckpt_root, self.step, model=self.model, **common)
         self._frozen_policy = path / "policy" if lora else None
 
     def rl_step(self) -> dict[str, float]:

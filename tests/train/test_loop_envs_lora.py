@@ -68,17 +68,17 @@ def hashed(completion, answer, example):
 """
 
 
+def _lora_overrides(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """The shrunk quickstart with LoRA rank 4, into `out`. Rewards that vary within a group (a random tiny model
+    never gets an answer right): the updates are not zero."""
+    (tmp_path / "rw.py").write_text(REWARD)
+    reward = f'reward.functions=["{tmp_path / "rw.py"}:hashed"]'
+    return SMALL + [f"run.output_dir={out}", reward, "lora.rank=4", *extra]
+
+
 def test_lora_trains_adapters_only_exactly_and_resumes(tmp_path):
     out = tmp_path / "lora"
-    # Rewards that vary within a group (a random tiny model never gets an answer right): the updates are not zero.
-    (tmp_path / "rw.py").write_text(REWARD)
-    over = SMALL + [
-        f"run.output_dir={out}",
-        f'reward.functions=["{tmp_path / "rw.py"}:hashed"]',
-        "lora.rank=4",
-        "algorithm.kl_coef=0.05",
-        "train.save_every=1",
-    ]
+    over = _lora_overrides(tmp_path, out, "algorithm.kl_coef=0.05", "train.save_every=1")
     s = train(load_config(ROOT / "configs/quickstart.toml", over), out=lambda *a: None)
     assert s["mismatched_tokens_total"] == 0 and s["compared_tokens_total"] > 0
     rows = _rows(out)
@@ -115,14 +115,8 @@ def test_generate_and_eval_on_a_lora_checkpoint_use_its_adapters(tmp_path, capsy
     from exactrl.model.lora import load_adapter
 
     out = tmp_path / "lora"
-    (tmp_path / "rw.py").write_text(REWARD)
-    over = SMALL + [
-        f"run.output_dir={out}",
-        f'reward.functions=["{tmp_path / "rw.py"}:hashed"]',
-        "lora.rank=4",
-        "lora.alpha=64",
-        "train.lr=1e-2",  # adapters that move the tiny model's outputs in two steps
-    ]
+    # lora.alpha and lr: adapters that move the tiny model's outputs in two steps
+    over = _lora_overrides(tmp_path, out, "lora.alpha=64", "train.lr=1e-2")
     train(load_config(ROOT / "configs/quickstart.toml", over), out=lambda *a: None)
     policy = out / "checkpoints" / "step-000002" / "policy"
     argv = ["generate", "--model", str(policy), "--prompt", "12+7=", "--prompt", "3*4=", "-n", "2"]
