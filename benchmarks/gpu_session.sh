@@ -5,7 +5,7 @@
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
-#     [bench-rl-profile] [tail-check] [bench-rl-exact]
+#     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -198,5 +198,34 @@ if want profile-gen; then  # qwen3-1.7b generation, exact vs fast, GPU time by k
     timeout 240 python3 benchmarks/profile_steps.py --preset qwen3-1.7b --mode $m --what rollout --concurrency $c \
       --prompt-len 256 --max-tokens 256 --top 14 2>&1 | grep -v Warning | tail -18 | tee -a "$OUT/profile_gen.txt"
   done; done
+fi
+if want probe-train; then  # tenth session: where the training step's time goes (trace with idle gaps) and its GEMMs
+  timeout 200 python3 benchmarks/profile_steps.py --mode exact --what train --trace "$OUT/traces" --top 30 2>&1 \
+    | grep -v Warning | tail -80 | tee "$OUT/profile_train.txt"
+  timeout 150 python3 benchmarks/probe_train_gemm.py 2>&1 | grep -v Warning | tee "$OUT/probe_train_gemm.jsonl"
+fi
+if want probe-decode; then  # tenth session: decode attention tiles and deeper-K decode GEMM tiles (bits and time)
+  timeout 200 python3 benchmarks/probe_decode_attn.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode_attn.jsonl"
+  timeout 200 python3 benchmarks/probe_decode_gemm.py --bk 2>&1 | grep -v Warning | tee "$OUT/probe_gemm_bk.jsonl"
+  timeout 150 python3 benchmarks/profile_steps.py --mode exact --what rollout --concurrency 1 --max-tokens 64 \
+    --trace "$OUT/traces" --top 20 2>&1 | grep -v Warning | tail -60 | tee "$OUT/profile_c1.txt"
+fi
+if want split-check; then  # tenth session: split-KV decode (fixed key chunks): GPU tests, chunk-size probe, parity
+  timeout 300 python3 -m pytest -q -m gpu tests/ops/test_triton_gpu.py tests/engine/test_decode_graphs.py \
+    tests/train/test_graphs_gpu.py tests/train/test_optim_gpu.py -p no:cacheprovider 2>&1 | tail -6 \
+    | tee "$OUT/split_tests.txt"
+  timeout 200 python3 benchmarks/probe_decode_attn.py --split 2>&1 | grep '^{' | tee "$OUT/probe_split.jsonl"
+  timeout 200 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 4 --max-tokens 1536 \
+    --json 2>&1 | tail -2 | tee -a "$OUT/parity_long.txt"
+  for c in 1 16; do for mode in exact fast; do  # the long tail: few sequences, long contexts
+    timeout 120 $X bench rollout --preset qwen3-0.6b --mode $mode --device cuda --concurrency $c --prompt-len 1024 \
+      --max-tokens 512 --json 2>>"$OUT/split_rollout.log" | grep '^{' | tee -a "$OUT/split_rollout.jsonl"
+  done; done
+fi
+if want split-ab; then  # split-KV decode on and off (same bits), few sequences with long contexts, exact mode
+  for p in qwen3-0.6b qwen3-1.7b; do for c in 1 16; do for sk in off auto; do
+    timeout 120 $X bench rollout --preset $p --mode exact --device cuda --concurrency $c --prompt-len 1024 \
+      --max-tokens 512 --split-kv $sk --json 2>>"$OUT/split_ab.log" | grep '^{' | tee -a "$OUT/split_ab.jsonl"
+  done; done; done
 fi
 tar czf "$OUT/results.tgz" benchmarks/results

@@ -67,6 +67,15 @@ MID_CANDIDATES = [MatmulConfig(64, bn, 64, 8, 4, 5) for bn in (16, 32, 64, 128)]
     for tma in (True, False)
 ]
 MID_SIZES = (64, 96, 128, 192, 256, 384, 512)
+# --bk: deeper K blocks for decode (fewer, larger loads in a program's K loop: a one-row GEMM is a chain of
+# dependent loads), and 16-row tiles (another MMA instruction on Hopper): same bits as the training tile?
+BK_CANDIDATES = [
+    MatmulConfig(64, bn, bk, 8, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)
+] + [
+    MatmulConfig(16, bn, bk, 8, w, 4)
+    for bn, bk, w in ((32, 128, 1), (64, 128, 2), (32, 256, 2), (64, 256, 4))
+]
+BK_SIZES = (1, 16, 64)
 
 
 def main() -> None:
@@ -74,8 +83,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="narrower invariant GEMM tiles: same bits? how fast?")
     ap.add_argument("--mid", action="store_true", help="tiles and row counts between decode and training")
+    ap.add_argument("--bk", action="store_true", help="deeper K blocks and 16-row tiles for decode rows")
     args = ap.parse_args()
     candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
+    if args.bk:
+        candidates, sizes = BK_CANDIDATES, BK_SIZES
     dt = torch.bfloat16
     torch.manual_seed(0)
     for model in ("qwen3-0.6b", "qwen3-1.7b"):
@@ -87,6 +99,11 @@ def main() -> None:
             rec["us_default"] = {m: round(_time(lambda m=m, x=x, w=w: matmul(x[:m], w)), 1) for m in sizes}
             rec["us_cublas"] = {m: round(_time(lambda m=m, x=x, w=w: F.linear(x[:m], w)), 1) for m in sizes}
             for cfg in candidates:
+                try:
+                    matmul(x[:1], w, config=cfg)
+                except Exception as e:  # out of shared memory or registers: report and go on
+                    rec[f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"] = {"error": str(e)[:100]}
+                    continue
                 equal = True
                 for m, off in ((1, 0), (1, 137), (3, 5), (8, 200), (16, 17), (64, 236), (200, 100), (300, 0)):
                     y = matmul(x[off : off + m], w, config=cfg)

@@ -55,6 +55,25 @@ def _host_profile(step, top: int) -> None:
     pstats.Stats(pr).sort_stats("cumulative").print_stats(top)
 
 
+def _trace(prof, folder: str, name: str) -> None:
+    """Export the Chrome trace (gzipped) and print where the GPU sat idle."""
+    import gzip
+    import os
+    import sys
+
+    os.makedirs(folder, exist_ok=True)
+    raw = os.path.join(folder, f"{name}.json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(raw)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_gaps import analyse, load
+
+    print(f"\n== idle gaps: {name}")
+    print(json.dumps({"trace_gaps": name, **analyse(load(raw + ".gz"), top=20, min_us=10.0)}))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="exact", choices=["exact", "fast"])
@@ -75,6 +94,12 @@ def main() -> int:
         "--host",
         action="store_true",
         help="also profile the host (cProfile, by own time): rollout, 2 train steps",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="write Chrome traces (train: with Python stacks) into this folder and print their idle gaps "
+        "(benchmarks/trace_gaps.py)",
     )
     ap.add_argument(
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
@@ -118,6 +143,8 @@ def main() -> int:
         st = eng.stats
         print(json.dumps({"rollout_wall_s": wall, **{k: v for k, v in st.items()}}))
         _table(prof, f"rollout {args.preset} {args.mode} C={C} P={P} N={N} ({st['steps']} steps)", args.top)
+        if args.trace:
+            _trace(prof, args.trace, f"rollout-{args.preset}-{args.mode}-c{C}")
         if args.host:
             import cProfile
             import pstats
@@ -150,12 +177,15 @@ def main() -> int:
             step()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts, with_stack=bool(args.trace)) as prof:
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
         print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
         _table(prof, f"train {args.preset} {args.mode} 8x1024 graphs {args.graphs} (2 steps)", args.top)
+        if args.trace:
+            _trace(prof, args.trace, f"train-{args.preset}-{args.mode}-graphs-{args.graphs}")
         if args.host:
             _host_profile(step, args.top)
     return 0

@@ -186,6 +186,7 @@ def record_head(bench: str, args, device: str, preset: str | None = None) -> dic
         "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "dtype": args.dtype,
+        "split_kv": getattr(args, "split_kv", "auto"),
     }
 
 
@@ -587,6 +588,10 @@ def main(args) -> int:
         args.max_tokens = 2048 if args.what == "rl" else 256
     if getattr(args, "steps", None) is None:
         args.steps = 3 if args.what == "rl" else 5
+    if getattr(args, "split_kv", "auto") == "off":
+        from exactrl.ops.triton import attention as triton_attention
+
+        triton_attention.SPLIT_DECODE = False
     if args.what == "rl":
         from exactrl import bench_rl
 

@@ -365,6 +365,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["on", "off"],
         help="train: replay the step from CUDA graphs; rl: the engine's and the trainer's CUDA graphs",
     )
+    p.add_argument(
+        "--split-kv",
+        default="auto",
+        choices=["auto", "off"],
+        help="rollout, rl (CUDA): decode steps of few sequences split the keys over programs (auto), or never "
+        "(off: the before/after comparison of the split; the bits are the same)",
+    )
     rl = p.add_argument_group("rl (a whole GRPO step: generate, reward, train, weight sync)")
     rl.add_argument("--prompts", type=int, default=64, help="prompts per step")
     rl.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")

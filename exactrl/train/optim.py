@@ -209,7 +209,10 @@ class MasterAdamW:
                     "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
                 }
         steps = [state[m]["step"] for m in self.master]
-        torch._foreach_add_(steps, ok.float())  # skipped steps do not count, as with fused AdamW's found_inf
+        # Skipped steps do not count, as with fused AdamW's found_inf. A list of 0-d tensors, not the one tensor:
+        # `_foreach_add_(tensors, tensor)` reads the scalar back to the host, a device sync in mid-step.
+        ok_f = ok.float()
+        torch._foreach_add_(steps, [ok_f] * len(steps))
         groups = (
             self.master,
             grads,

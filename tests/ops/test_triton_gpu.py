@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attn_rows import decode_rows
 from norm_invariance import norm_row_failures as _norm_row_failures
 
 pytestmark = [
@@ -421,6 +422,27 @@ def test_attention_decode_prefill_equal_training(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_split_decode_long_contexts(dtype):
+    """Contexts of up to eight key chunks (ATTN_SPLIT_KEYS): decode rows at and around chunk edges, computed
+    split-KV and in one program, equal training's rows; chunks of another size give other bits (control)."""
+    from exactrl.ops.triton.attention import ATTN_SPLIT_KEYS
+
+    lens = [2048, 700, 257, 1500]
+    q, k, v = qkv(lens, dtype, seed=28)
+    train = ops.attention(q, k, v, AttentionBatch.packed(lens, device=DEV))
+    S = ATTN_SPLIT_KEYS
+    picks = sorted({0, 1, 63, 64, S - 1, S, S + 1, 2 * S, 3 * S - 7, 699, 1023, 1024, 1499, 2047})
+    rows, dec = decode_rows(lens, picks, DEV)
+    for split in (True, False):
+        got = attention_fwd(q[rows], k, v, dec, split=split)[0]
+        assert torch.equal(got, train[rows]), (
+            f"split={split}: {(got.float() - train[rows].float()).abs().max()}"
+        )
+    other = attention_fwd(q[rows], k, v, dec, split=True, split_keys=2 * S)[0]
+    assert not torch.equal(other, train[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_decode_sweep(dtype):
     """A decode step of m sequences equals the first m sequences of a 300-sequence decode step."""
     block_size = 16
@@ -577,20 +599,28 @@ def test_negative_control_cublas_is_not_batch_invariant():
     "K,N,bias", [(1024, 1024, False), (1000, 4096, True), (3072, 1000, False), (2048, 12288, True)]
 )
 def test_tile_family_equal_training_tile(dtype, K, N, bias):
-    """The 16-bit GEMM picks a tile per call (64-row tiles for decode and mid-size calls, the training tile for
-    large ones); every tile of the family gives a row the bits the training tile gives it in a 300-row call (odd
+    """The 16-bit GEMM picks a tile per call (64-row tiles for decode and mid-size calls, with K steps of 128 or 256
+    at most 64 rows, the training tile for large ones); every tile of the family gives a row the bits the training tile gives it in a 300-row call (odd
     K, bias included). Negative control: the same rows with the K order reversed differ, so the check can fail."""
-    from exactrl.ops.triton.matmul import _TILE_FAMILY, MATMUL_CONFIGS, MatmulConfig, matmul, tile_config
+    from exactrl.ops.triton.matmul import (
+        _DECODE_FAMILY,
+        _TILE_FAMILY,
+        MATMUL_CONFIGS,
+        MatmulConfig,
+        matmul,
+        tile_config,
+    )
 
     x = randn(300, K, dtype=dtype, seed=70)
     w = randn(N, K, dtype=dtype, scale=K**-0.5, seed=71)
     b = randn(N, dtype=dtype, seed=72) if bias else None
     full = matmul(x, w, b, config=MATMUL_CONFIGS[dtype])
-    for bm, bn in _TILE_FAMILY:
-        cfg = MatmulConfig(bm, bn, 64, 8, 4, 5)
+    tiles = [(bm, bn, 64, 5) for bm, bn in _TILE_FAMILY] + list(_DECODE_FAMILY)
+    for bm, bn, bk, stages in tiles:
+        cfg = MatmulConfig(bm, bn, bk, 8, 4, stages)
         for m, off in ((1, 0), (1, 211), (5, 37), (64, 236), (200, 100)):
             y = matmul(x[off : off + m], w, b, config=cfg)
-            assert torch.equal(y, full[off : off + m]), f"tile {bm}x{bn}: rows {off}..{off + m} differ"
+            assert torch.equal(y, full[off : off + m]), f"tile {bm}x{bn}x{bk}: rows {off}..{off + m} differ"
     picked = {
         (tile_config(m, N, 132, dtype).block_m, tile_config(m, N, 132, dtype).block_n) for m in (1, 64, 256)
     }

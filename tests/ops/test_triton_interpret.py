@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from attn_rows import decode_rows
 from norm_invariance import norm_row_failures as _norm_row_failures
 
 if not torch.cuda.is_available():
@@ -20,6 +21,7 @@ pytest.importorskip("triton")
 
 from exactrl.ops.batch import AttentionBatch  # noqa: E402
 from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch  # noqa: E402
+from exactrl.ops.triton import attention as attention_mod  # noqa: E402
 from exactrl.ops.triton import common  # noqa: E402
 from exactrl.ops.triton.attention import (  # noqa: E402
     AttnBwdConfig,
@@ -427,6 +429,26 @@ def test_attention_paged_equals_training(dtype, schedule):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_split_decode_equals_training(dtype, monkeypatch):
+    """Keys in chunks of 64 positions (up to four per sequence): a decode step run split-KV (chunk partials, then
+    the combine kernel) and run in one program gives every row training's bits, at chunk edges too, in a packed
+    step and through the paged cache. Negative control: other chunk edges change the bits."""
+    monkeypatch.setattr(attention_mod, "ATTN_SPLIT_KEYS", 64)
+    hq, hkv, dh = ATTN_SHAPES[1]
+    lens = [140, 9, 200]
+    q, k, v = _qkv(lens, hq, hkv, dh, dtype, seed=40)
+    train = ops.attention(q, k, v, AttentionBatch.packed(lens, device=DEVICE))
+    rows, dec = decode_rows(lens, [0, 8, 63, 64, 127, 128, 139, 199], DEVICE)
+    for split in (True, False):
+        got = attention_fwd(q[rows], k, v, dec, split=split)[0]
+        assert torch.equal(got, train[rows]), f"split={split}: {(got - train[rows]).abs().max()}"
+    other = attention_fwd(q[rows], k, v, dec, split=True, split_keys=128)[0]
+    assert not torch.equal(other, train[rows]), "chunks of 128 keys gave the bits of chunks of 64"
+    rollout = run_paged(q, k, v, lens, SCHEDULES["prefill_then_decode"], seed=3)
+    assert torch.equal(rollout, train)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_attention_grad(dtype, shape):
     hq, hkv, dh = shape
@@ -673,6 +695,8 @@ def _grid_follows_rows(g1: int, g2: int, r1: int, r2: int) -> bool:
 _TILE_KEYS = (
     "BLOCK_M",
     "BLOCK_N",
+    "BLOCK_K",  # the decode tiles' deeper K steps (checked by _gemm_tile_ok)
+    "EVEN_K",
     "GROUP_M",
     "num_warps",
     "num_stages",
@@ -687,14 +711,15 @@ def _family(kernel: str) -> str:
 
 
 def _gemm_tile_ok(meta: dict) -> bool:
-    """A GEMM launch of the 16-bit tile family (exactrl.ops.triton.matmul.tile_config): K tiles of the training
-    tile's BLOCK_K, row x column tiles of the family. Anything else (e.g. a BLOCK_K picked by the row count)
-    would change the per-element MMA chain."""
-    from exactrl.ops.triton.matmul import _TILE_FAMILY, MATMUL_CONFIGS
+    """A GEMM launch of the 16-bit tile family (exactrl.ops.triton.matmul.tile_config): a (rows, columns, K step)
+    tile of the family. Anything else (e.g. a K step that is not a multiple of the k = 16 MMA's, or a tile no GPU
+    test checked against the training tile) may change the per-element MMA chain."""
+    from exactrl.ops.triton.matmul import _DECODE_FAMILY, _TILE_FAMILY, MATMUL_CONFIGS
 
     base = MATMUL_CONFIGS[torch.bfloat16]
-    tiles = set(_TILE_FAMILY) | {(base.block_m, base.block_n)}
-    return meta.get("BLOCK_K") == base.block_k and (meta.get("BLOCK_M"), meta.get("BLOCK_N")) in tiles
+    tiles = {(bm, bn, base.block_k) for bm, bn in _TILE_FAMILY} | {(base.block_m, base.block_n, base.block_k)}
+    tiles |= {(bm, bn, bk) for bm, bn, bk, _ in _DECODE_FAMILY}
+    return (meta.get("BLOCK_M"), meta.get("BLOCK_N"), meta.get("BLOCK_K")) in tiles
 
 
 def _without_tile(meta: dict) -> dict:

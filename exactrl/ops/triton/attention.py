@@ -46,11 +46,17 @@ import triton.language as tl
 
 from exactrl.ops.batch import AttentionBatch
 from exactrl.ops.torch_ops import write_kv_cache  # one cache write for every backend
-from exactrl.ops.triton.common import mma, next_pow2
+from exactrl.ops.triton.common import mma, next_pow2, num_programs_cap
 
 # Key tile of the forward kernel, in positions. The engine's KV page size does not need to be a multiple of it
 # (keys are gathered through key_slots), but it is the unit of the "fully masked tile is a no-op" argument.
 ATTN_BLOCK_N = 64
+# Keys are reduced in chunks of ATTN_SPLIT_KEYS positions ([0, 256), [256, 512), ...): each chunk's tiles go into
+# an online softmax of their own, from scratch, and the chunks' results are folded into the total in order. The
+# chunk boundaries are fixed positions, like the tiles', so a decode step may compute the chunks in separate
+# programs (split-KV) and fold them afterwards in a second kernel with the same arithmetic: the same bits as one
+# program walking every chunk, and as training. A multiple of ATTN_BLOCK_N.
+ATTN_SPLIT_KEYS = 256
 # Query tile: ROWS (query, q-head) rows per program. Fixed, so decode pads to it rather than switching kernels.
 ATTN_ROWS = 64
 _LOG2E = 1.4426950408889634
@@ -132,14 +138,33 @@ def _fwd_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _fold(m_t, l_t, acc_t, m_c, l_c, acc_c):
+    # The running total (m_t, l_t, acc_t) with one chunk's own online-softmax result (m_c, l_c, acc_c) folded in.
+    # Every operation is elementwise per row (no reduction, explicit FMAs), so the training kernel, which folds in
+    # registers, and the split decode's combine kernel, which folds partials read from memory, get the same bits.
+    # A chunk with no visible key for a row (l_c == 0) leaves that row's total as it was, bit for bit; the first
+    # chunk folded into the empty total is that chunk exactly (a = 0, b = 1).
+    m_new = tl.maximum(m_t, m_c)
+    a = tl.where(m_new == m_t, 1.0, tl.exp2(m_t - m_new))
+    b = tl.where(m_new == m_c, 1.0, tl.exp2(m_c - m_new))
+    l_new = tl.fma(l_c, b, l_t * a)
+    acc_new = tl.fma(acc_c, b[:, None], acc_t * a[:, None])
+    seen = l_c > 0
+    return tl.where(seen, m_new, m_t), tl.where(seen, l_new, l_t), tl.where(seen[:, None], acc_new, acc_t)
+
+
 @triton.jit(do_not_specialize=["tiles_per_seq"])
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, q_pos_ptr, key_lens_ptr, slots_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse,
-    stride_slots, tiles_per_seq, head_dim, qk_scale,
+    stride_slots, tiles_per_seq, head_dim, qk_scale, max_chunks,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, CHUNK_TILES: tl.constexpr, PARTIAL: tl.constexpr,
 ):  # fmt: skip
+    # PARTIAL (split decode, one query per sequence): program_id(2) computes one chunk of keys and stores its
+    # (m, l, acc) for the combine kernel; otherwise a program walks every chunk and folds each into the total.
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // tiles_per_seq
@@ -170,29 +195,97 @@ def _attn_fwd_kernel(
     first_pos = tl.min(tl.where(row_ok, pos, 2147483647), axis=0)
     n_full = tl.minimum(first_pos + 1, key_len) // BLOCK_N
     slot_base = slots_ptr + b * stride_slots
+    j_lo = 0
+    j_hi = n_tiles
+    if PARTIAL:
+        j_lo = tl.program_id(2) * CHUNK_TILES
+        if j_lo >= n_tiles:  # past this sequence's keys: the combine kernel reads no partial from here
+            return
+        j_hi = tl.minimum(j_lo + CHUNK_TILES, n_tiles)
+    m_t = tl.full([ROWS], float("-inf"), tl.float32)
+    l_t = tl.zeros([ROWS], tl.float32)
+    acc_t = tl.zeros([ROWS, BLOCK_D], tl.float32)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    for j in range(0, n_full):
+    for j in range(j_lo, tl.minimum(n_full, j_hi)):
         m_i, l_i, acc = _fwd_tile(
             j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt,
             qk_scale, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
         )  # fmt: skip
-    for j in range(n_full, n_tiles):
+        if not PARTIAL:
+            if (j + 1) % CHUNK_TILES == 0:  # the chunk's last tile: fold it into the total, start the next
+                m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
+                m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                l_i = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for j in range(tl.maximum(n_full, j_lo), j_hi):
         m_i, l_i, acc = _fwd_tile(
             j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt,
             qk_scale, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
         )  # fmt: skip
-    out = acc / l_i[:, None]
+        if not PARTIAL:
+            if (j + 1) % CHUNK_TILES == 0:
+                m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
+                m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                l_i = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    if PARTIAL:
+        # The decode rows (query 0 of the tile, its G heads) of this chunk, at [sequence, KV head, chunk, head].
+        part = ((b * tl.num_programs(1) + kvh) * max_chunks + tl.program_id(2)) * G + r
+        keep = r < G
+        tl.store(part_m_ptr + part, m_i, mask=keep)
+        tl.store(part_l_ptr + part, l_i, mask=keep)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None])
+        return
+    # The last chunk, when it ended before its boundary (after a boundary fold l_i is 0: a no-op).
+    m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
+    out = acc_t / l_t[:, None]
     tl.store(
         out_ptr + row[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
     # log2-domain log-sum-exp of the scaled scores, for the backward (stored on every call: one kernel binary).
-    tl.store(lse_ptr + row * stride_lse + hq, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + row * stride_lse + hq, m_t + tl.log2(l_t), mask=row_ok)
+
+
+@triton.jit
+def _attn_combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, lse_ptr, cu_q_ptr, q_pos_ptr,
+    stride_ot, stride_oh, stride_lse, max_chunks, head_dim,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_TILES: tl.constexpr,
+):  # fmt: skip
+    # Split decode, second kernel: one program per (sequence, KV head) folds the chunks' partials in order,
+    # with the training kernel's _fold and its last two lines (out = acc / l, lse).
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.load(cu_q_ptr + b)
+    pos = tl.load(q_pos_ptr + row)
+    n_chunks = (pos // BLOCK_N) // CHUNK_TILES + 1
+    r = tl.arange(0, GP)
+    keep = r < G
+    d = tl.arange(0, BLOCK_D)
+    m_t = tl.full([GP], float("-inf"), tl.float32)
+    l_t = tl.zeros([GP], tl.float32)
+    acc_t = tl.zeros([GP, BLOCK_D], tl.float32)
+    base = (b * tl.num_programs(1) + kvh) * max_chunks
+    for c in range(0, n_chunks):
+        part = (base + c) * G + r
+        m_c = tl.load(part_m_ptr + part, mask=keep, other=float("-inf"))
+        l_c = tl.load(part_l_ptr + part, mask=keep, other=0.0)
+        acc_c = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=keep[:, None], other=0.0)
+        m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_c, l_c, acc_c)
+    out = acc_t / l_t[:, None]
+    hq = kvh * G + r
+    tl.store(
+        out_ptr + row * stride_ot + hq[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=keep[:, None] & (d < head_dim)[None, :],
+    )
+    tl.store(lse_ptr + row * stride_lse + hq, m_t + tl.log2(l_t), mask=keep)
 
 
 @triton.jit
@@ -436,18 +529,39 @@ def _geometry(q: torch.Tensor, k_store: torch.Tensor) -> tuple[int, int, int, in
     return hq, hkv, g, max(16, next_pow2(dh))
 
 
+# Whether decode steps may run split-KV (`_split_decode`); benchmarks turn it off for a before/after comparison
+# (`exactrl bench rollout --split-kv off`). Either way a row gets the same bits.
+SPLIT_DECODE = True
+
+
+def _split_decode(batch: AttentionBatch, hkv: int, device: torch.device) -> bool:
+    """A decode step (one query per sequence) whose (sequence, KV head) programs would leave most SMs idle runs
+    split-KV: one program per chunk of keys, then the combine kernel. The rule reads the batch's geometry only
+    (never its key lengths), so a CUDA graph captured for a bucket keeps one choice; either choice gives the same
+    bits. On an H100 (qwen3-0.6b heads, benchmarks/probe_decode_attn.py --split) it took one decode step's
+    attention from 46 to 12 us at one sequence of 1-2k keys, and from 16 to 12 us at 16 sequences of 128-384."""
+    return (
+        SPLIT_DECODE
+        and batch.max_seqlen_q == 1
+        and batch.num_seqs * hkv < 2 * num_programs_cap(device) * (16 if device.type == "cpu" else 1)
+    )
+
+
 def attention_fwd(
     q: torch.Tensor,
     k_store: torch.Tensor,
     v_store: torch.Tensor,
     batch: AttentionBatch,
     config: tuple[int, int, int, int] | None = None,
+    split: bool | None = None,
+    split_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, Dh]; k_store/v_store: [S, Hkv, Dh] indexed by batch.key_slots -> (out [T, Hq, Dh] in q.dtype,
     lse [T, Hq] fp32, log2 domain).
 
-    `config` (rows, block_n, num_warps, num_stages) is for benchmarks only: the exact ops always use the fixed
-    (ATTN_ROWS, ATTN_BLOCK_N, _FWD_LAUNCH[dtype])."""
+    split: run a decode step (batch.max_seqlen_q == 1) as split-KV (chunk partials + combine); None: by
+    `_split_decode`. `config` (rows, block_n, num_warps, num_stages) and `split_keys` are for benchmarks and tests
+    only: the exact ops always use the fixed (ATTN_ROWS, ATTN_BLOCK_N, _FWD_LAUNCH[dtype]) and ATTN_SPLIT_KEYS."""
     q, k_store, v_store = (_last_dim_contiguous(t) for t in (q, k_store, v_store))
     hq, hkv, g, block_d = _geometry(q, k_store)
     T, _, dh = q.shape
@@ -456,18 +570,42 @@ def attention_fwd(
     if T == 0:
         return out, lse
     rows, block_n, warps, stages = config or (ATTN_ROWS, ATTN_BLOCK_N, *_FWD_LAUNCH[q.dtype])
+    split_keys = split_keys or ATTN_SPLIT_KEYS
+    if split_keys % block_n:
+        raise ValueError(f"the key chunk ({split_keys}) must be a multiple of the key tile ({block_n})")
+    chunk_tiles = split_keys // block_n
+    if split is None:
+        split = _split_decode(batch, hkv, q.device)
+    elif split and batch.max_seqlen_q != 1:
+        raise ValueError("split-KV attention is for decode steps (one query per sequence)")
     p = rows // g
     tiles_per_seq = triton.cdiv(batch.max_seqlen_q, p)
     sm_scale = 1.0 / math.sqrt(dh)
     slots = batch.key_slots
-    grid = (batch.num_seqs * tiles_per_seq, hkv)
+    B = batch.num_seqs
+    # Chunks from the slot table's width (static in a decode graph), not from this step's key lengths.
+    max_chunks = triton.cdiv(slots.shape[1], split_keys) if split else 1
+    if split:
+        part_m = torch.empty((B, hkv, max_chunks, g), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((B, hkv, max_chunks, g, block_d), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = lse
+    grid = (B * tiles_per_seq, hkv, max_chunks)
     _attn_fwd_kernel[grid](
         q, k_store, v_store, out, lse, batch.cu_seqlens_q, batch.q_pos, batch.key_lens, slots,
+        part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1), v_store.stride(0), v_store.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), slots.stride(0), tiles_per_seq, dh, sm_scale * _LOG2E,
-        G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d, num_warps=warps,
-        num_stages=stages,
+        max_chunks, G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d,
+        CHUNK_TILES=chunk_tiles, PARTIAL=split, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if split:
+        _attn_combine_kernel[(B, hkv)](
+            part_m, part_l, part_acc, out, lse, batch.cu_seqlens_q, batch.q_pos,
+            out.stride(0), out.stride(1), lse.stride(0), max_chunks, dh,
+            G=g, GP=next_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, CHUNK_TILES=chunk_tiles, num_warps=4,
+        )  # fmt: skip
     return out, lse
 
 

@@ -4,13 +4,15 @@ Why a row's result cannot depend on M (the number of rows in the call) or on whe
 - The tile configuration never changes an output element's arithmetic. fp32: ONE configuration. 16-bit: a
   family of tiles (`tile_config`): the training tile (`MATMUL_CONFIGS`, 128 x 128) and 64-row tiles of 16, 32,
   64 or 128 columns, picked per call as the largest that still gives most SMs a tile (a decode step of one row
-  would otherwise stream the weight through N / 128 programs). Every tile keeps BLOCK_K = 64, the same in-order K
-  loop and the same tensor-core instruction (64-row wgmma of k = 16 on Hopper), so an element is the same chain
-  of MMAs into one fp32 accumulator with the same epilogue: a row gets the same bits from any of them. That
-  equality is a property of the hardware's MMA, checked rather than assumed: benchmarks/probe_decode_gemm.py
-  found every tile of the family (and more) equal to the training tile on every model shape at 1..512 rows
-  (H100, 2026-11-24), and the GPU tests (row sweeps over 1..300 rows, test_tile_family_equal_training_tile with
-  odd K and bias) fail on a GPU where they differ.
+  would otherwise stream the weight through N / 128 programs); calls of at most 64 rows take K steps of 128 or
+  256 (`_DECODE_FAMILY`). Every tile runs the same in-order K loop with the same tensor-core instruction (64-row
+  wgmma of k = 16 on Hopper; a K step of 128 is eight of them where a step of 64 is four, in the same order), so
+  an element is the same chain of MMAs into one fp32 accumulator with the same epilogue: a row gets the same
+  bits from any of them. That equality is a property of the hardware's MMA, checked rather than assumed:
+  benchmarks/probe_decode_gemm.py found every tile of the family (and more) equal to the training tile on every
+  model shape at 1..512 rows (H100, 2026-11-24; the deeper K steps with --bk, 2026-11-25), and the GPU tests
+  (row sweeps over 1..300 rows, test_tile_family_equal_training_tile with odd K and bias) fail on a GPU where
+  they differ.
 - The reduction over K runs in order, k-tile after k-tile, into one fp32 accumulator per output element:
   no split-K, no stream-K, no atomics. An output element's value is a fixed chain of MMAs over its own row of
   x and column of w; rows of a tile never mix (tensor-core MMAs compute each output element separately).
@@ -74,20 +76,33 @@ MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
 # The 16-bit tile family, largest first: (block_m, block_n) of the 64-row tiles after the training tile.
 _TILE_FAMILY = ((64, 128), (64, 64), (64, 32), (64, 16))
 _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
+# Calls of at most _DECODE_ROWS rows (decode steps): (block_m, block_n, block_k, num_stages), largest first. A
+# program of a one-row GEMM is a chain of dependent loads down K, and deeper K steps make it shorter: the same
+# k = 16 MMAs in the same order into the same accumulator, so the same bits (benchmarks/probe_decode_gemm.py
+# --bk found every such tile equal to the training tile on every qwen3-0.6b/1.7b shape, H100, 2026-11-25, and
+# faster at 1-64 rows: qwen3-1.7b's gate/up 30 -> 22 us, down 15.1 -> 13.0 us at one row).
+_DECODE_ROWS = 64
+_DECODE_FAMILY = ((64, 64, 128, 4), (64, 32, 128, 4), (64, 16, 256, 3))
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every launch; one entry per (rows, N) seen
 def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: the largest of the family (the training
-    tile first) with at least 70% of the SMs busy, else the narrowest (most tiles). On an H100 this rule picked the
-    fastest tile or one within 15% of it for every qwen3-0.6b/1.7b shape and row count probed, 1..512
-    (benchmarks/probe_decode_gemm.py)."""
+    tile first) with at least 70% of the SMs busy, else the narrowest (most tiles); at most 64 rows, from the
+    deeper-K decode tiles. On an H100 this rule picked the fastest tile or one within 15% of it for every
+    qwen3-0.6b/1.7b shape and row count probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
     base = MATMUL_CONFIGS[dtype]
     if dtype == torch.float32:
         return base
     need = programs * _MIN_SM_SHARE
     if triton.cdiv(m, base.block_m) * triton.cdiv(n, base.block_n) >= need:
         return base
+    if m <= _DECODE_ROWS:
+        pick = next(
+            (t for t in _DECODE_FAMILY if triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= need),
+            _DECODE_FAMILY[-1],
+        )
+        return MatmulConfig(pick[0], pick[1], pick[2], 8, 4, pick[3])
     for bm, bn in _TILE_FAMILY:
         if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= need:
             break
