@@ -5,7 +5,7 @@
 #     [attention-configs] [attention-fwd-configs] [profile] [tests-engine] [rollout-256] [rollout-1]
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
-#     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab]
+#     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -227,5 +227,14 @@ if want split-ab; then  # split-KV decode on and off (same bits), few sequences 
     timeout 120 $X bench rollout --preset $p --mode exact --device cuda --concurrency $c --prompt-len 1024 \
       --max-tokens 512 --split-kv $sk --json 2>>"$OUT/split_ab.log" | grep '^{' | tee -a "$OUT/split_ab.jsonl"
   done; done; done
+fi
+if want bench-rl-nosplit; then  # bench rl, exact, split-KV decode off: the before/after of the split on the RL step
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
+    --tokens-per-microbatch 4096 --out-dir $OUT/rl-nosplit"
+  timeout 270 $X bench rl $rl --mode exact --split-kv off 2>&1 | grep -v -i warn | tail -22 | tee "$OUT/bench_rl_nosplit.txt"
+fi
+if want split-wide; then  # split-KV vs not at 16..256 sequences with the engine's wide slot table (2,560 keys)
+  timeout 200 python3 benchmarks/probe_decode_attn.py --wide 2>&1 | grep '^{' | tee "$OUT/probe_split_wide.jsonl"
 fi
 tar czf "$OUT/results.tgz" benchmarks/results

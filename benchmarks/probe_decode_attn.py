@@ -133,6 +133,27 @@ def probe_split(c: int, lo: int, hi: int) -> dict:
     return rec
 
 
+def probe_split_wide(c: int, lo: int, hi: int, width: int = 2560) -> dict:
+    """As the engine's decode graphs see it: the slot table padded to `width` keys (max_model_len), so split-KV
+    launches programs for every chunk of the width and those past a sequence's keys exit at once. Unsplit vs
+    split at the fixed ATTN_SPLIT_KEYS."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    q, k, v, batch, ctx = _decode_inputs(c, lo, hi)
+    slots = batch.key_slots
+    wide = dataclasses.replace(batch, key_slots=F.pad(slots, (0, width - slots.shape[1])))
+    rec: dict = {"concurrency": c, "context": [lo, hi], "width": width}
+    with torch.no_grad():
+        one = attention_fwd(q, k, v, wide, split=False)[0]
+        two = attention_fwd(q, k, v, wide, split=True)[0]
+        rec["equal"] = bool(torch.equal(one, two))
+        rec["us_unsplit"] = round(_time(lambda: attention_fwd(q, k, v, wide, split=False)), 2)
+        rec["us_split"] = round(_time(lambda: attention_fwd(q, k, v, wide, split=True)), 2)
+    return rec
+
+
 def train_fold_cost() -> list[dict]:
     """The training forward at key chunks of 128 .. 4096 positions (4096: no fold within these sequences)."""
     from exactrl.ops.batch import AttentionBatch
@@ -157,6 +178,11 @@ def train_fold_cost() -> list[dict]:
 def main() -> None:
     import sys
 
+    if "--wide" in sys.argv:
+        for c in (16, 32, 48, 64, 128, 256):
+            for lo, hi in ((128, 384), (384, 1024), (1024, 2048)):
+                print(json.dumps(probe_split_wide(c, lo, hi)), flush=True)
+        return
     if "--split" in sys.argv:
         for rec in train_fold_cost():
             print(json.dumps(rec), flush=True)

@@ -5,10 +5,10 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 
 | op | kernel | invariance comes from |
 | --- | --- | --- |
-| linear | persistent GEMM, one tile config per dtype | in-order K reduction, no split-K, M not specialised |
+| linear | persistent GEMM, a tile family that keeps one K order | in-order K reduction, no split-K, M not specialised |
 | rms_norm, add_rms_norm | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
 | rope, silu_mul | elementwise | nothing to reduce |
-| attention | one kernel: training, prefill, decode | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op |
+| attention | one kernel: training, prefill, decode (+ a combine kernel for split-KV decode) | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op, fixed ATTN_SPLIT_KEYS chunks folded in order |
 | logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
 
 Constraints for callers (the engine): tensors in bf16, fp16 or fp32 (one dtype per model); head dim any size

@@ -16,7 +16,11 @@ Why a query row's output is the same bits in every batch, chunking and storage:
   tiles are fully masked, and a fully masked tile is an exact no-op: max(m, -inf) = m, exp2(m - m) = 1,
   exp2(-inf) = 0, so l * 1 + 0 = l and acc * 1 + dot(0, V) = acc, bit for bit (V is finite: keys past the
   sequence are loaded as zeros). Hence decode (1 query), a prefill chunk and a packed training row agree.
-- No split-KV: one program reduces all of a query's keys in order. Padding rows of a tile are never stored.
+- Keys are reduced in fixed chunks of ATTN_SPLIT_KEYS positions, folded into the total in chunk order (`_fold`).
+  A program of training or prefill walks every chunk and folds in registers; a decode step of few sequences
+  splits the chunks over programs (split-KV) and a combine kernel folds their partials in the same order with the
+  same `_fold`. A fixed split size and merge order, never a split count chosen by the batch: a row's arithmetic
+  is the same in every path. Padding rows of a tile are never stored.
 - The rows of a tile do not depend on the call's size (decode pads a tile of ROWS rows; it never switches
   kernels), and the number of rows/sequences is excluded from Triton's integer specialisation.
 
@@ -264,7 +268,8 @@ def _attn_combine_kernel(
     kvh = tl.program_id(1)
     row = tl.load(cu_q_ptr + b)
     pos = tl.load(q_pos_ptr + row)
-    n_chunks = (pos // BLOCK_N) // CHUNK_TILES + 1
+    # At most the chunks the first kernel had programs for (a position is always inside the slot table's width).
+    n_chunks = tl.minimum((pos // BLOCK_N) // CHUNK_TILES + 1, max_chunks)
     r = tl.arange(0, GP)
     keep = r < G
     d = tl.arange(0, BLOCK_D)
@@ -538,12 +543,15 @@ def _split_decode(batch: AttentionBatch, hkv: int, device: torch.device) -> bool
     """A decode step (one query per sequence) whose (sequence, KV head) programs would leave most SMs idle runs
     split-KV: one program per chunk of keys, then the combine kernel. The rule reads the batch's geometry only
     (never its key lengths), so a CUDA graph captured for a bucket keeps one choice; either choice gives the same
-    bits. On an H100 (qwen3-0.6b heads, benchmarks/probe_decode_attn.py --split) it took one decode step's
-    attention from 46 to 12 us at one sequence of 1-2k keys, and from 16 to 12 us at 16 sequences of 128-384."""
+    bits. On an H100 (qwen3-0.6b heads, benchmarks/probe_decode_attn.py --split, --wide) it took one decode
+    step's attention from 46 to 12 us at one sequence of 1-2k keys and from 75 to 53 us at 16 such sequences; at
+    32 sequences and more, with the engine's slot table of 2,560 keys (programs for every chunk of it), splitting
+    was as slow or slower (128-384 keys: 20.6 -> 25.5 us at 32, 44 -> 53 us at 64), hence at most one program per
+    SM before the split."""
     return (
         SPLIT_DECODE
         and batch.max_seqlen_q == 1
-        and batch.num_seqs * hkv < 2 * num_programs_cap(device) * (16 if device.type == "cpu" else 1)
+        and batch.num_seqs * hkv <= num_programs_cap(device) * (32 if device.type == "cpu" else 1)
     )
 
 
