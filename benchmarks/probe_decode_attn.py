@@ -127,8 +127,12 @@ def probe_split(c: int, lo: int, hi: int) -> dict:
             two = attention_fwd(q, k, v, batch, split=True, split_keys=keys)[0]
             rec[f"S{keys}"] = {
                 "equal": bool(torch.equal(one, two)),
-                "us_unsplit": round(_time(lambda s=keys: attention_fwd(q, k, v, batch, False, False, s)), 2),
-                "us_split": round(_time(lambda s=keys: attention_fwd(q, k, v, batch, None, True, s)), 2),
+                "us_unsplit": round(
+                    _time(lambda s=keys: attention_fwd(q, k, v, batch, split=False, split_keys=s)), 2
+                ),
+                "us_split": round(
+                    _time(lambda s=keys: attention_fwd(q, k, v, batch, split=True, split_keys=s)), 2
+                ),
             }
     return rec
 
@@ -169,7 +173,11 @@ def train_fold_cost() -> list[dict]:
         with torch.no_grad():
             for keys in (128, 256, 512, 4096):
                 rec[f"us_S{keys}"] = round(
-                    _time(lambda s=keys, x=(q, k, v, batch): attention_fwd(*x, None, False, s), reps=5), 1
+                    _time(
+                        lambda s=keys, x=(q, k, v, batch): attention_fwd(*x, split=False, split_keys=s),
+                        reps=5,
+                    ),
+                    1,
                 )
         out.append(rec)
     return out

@@ -1,6 +1,7 @@
 """Can a decode step (few rows) use a narrower tile of the invariant GEMM without changing a row's bits?
 
-The exact matmul runs ONE tile config per dtype (128 x 128 x 64, persistent, TMA). With a handful of rows the
+When this probe was written the exact matmul ran ONE tile config per dtype (128 x 128 x 64, persistent, TMA; the
+tile family of exactrl/ops/triton/matmul.py `tile_config` came out of it). With a handful of rows the
 weight is streamed by only cdiv(N, 128) programs (8 for N = 1024), far from the SMs' bandwidth. A config with
 the same BLOCK_K, the same in-order K loop and the same MMA instruction family but a narrower N tile would put
 more programs on the weight. This probe checks, per model shape, whether such configs give every row the bits

@@ -599,9 +599,10 @@ def test_negative_control_cublas_is_not_batch_invariant():
     "K,N,bias", [(1024, 1024, False), (1000, 4096, True), (3072, 1000, False), (2048, 12288, True)]
 )
 def test_tile_family_equal_training_tile(dtype, K, N, bias):
-    """The 16-bit GEMM picks a tile per call (64-row tiles for decode and mid-size calls, with K steps of 128 or 256
-    at most 64 rows, the training tile for large ones); every tile of the family gives a row the bits the training tile gives it in a 300-row call (odd
-    K, bias included). Negative control: the same rows with the K order reversed differ, so the check can fail."""
+    """The 16-bit GEMM picks a tile per call (64-row tiles for decode and mid-size calls, with K steps of 128 or
+    256 at most 64 rows, the training tile for large ones); every tile of the family gives a row the bits the
+    training tile gives it in a 300-row call (odd K, bias included). Negative control: the same rows with the K
+    order reversed differ, so the check can fail."""
     from exactrl.ops.triton.matmul import (
         _DECODE_FAMILY,
         _TILE_FAMILY,

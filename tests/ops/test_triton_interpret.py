@@ -430,15 +430,19 @@ def test_attention_paged_equals_training(dtype, schedule):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_split_decode_equals_training(dtype, monkeypatch):
-    """Keys in chunks of 64 positions (up to four per sequence): a decode step run split-KV (chunk partials, then
+    """Keys in chunks of 64 positions (up to four per sequence, four tiles each): a decode step run split-KV (chunk partials, then
     the combine kernel) and run in one program gives every row training's bits, at chunk edges too, in a packed
     step and through the paged cache. Negative control: other chunk edges change the bits."""
+    # Key tiles of 16 and chunks of 64: four tiles per chunk, so the fold edges and a chunk's first tile are
+    # not trivially every tile; poisoned partial buffers, so a combine reading an unwritten chunk fails.
+    monkeypatch.setattr(attention_mod, "ATTN_BLOCK_N", 16)
     monkeypatch.setattr(attention_mod, "ATTN_SPLIT_KEYS", 64)
+    monkeypatch.setattr(attention_mod, "POISON_PARTIALS", True)
     hq, hkv, dh = ATTN_SHAPES[1]
     lens = [140, 9, 200]
     q, k, v = _qkv(lens, hq, hkv, dh, dtype, seed=40)
     train = ops.attention(q, k, v, AttentionBatch.packed(lens, device=DEVICE))
-    rows, dec = decode_rows(lens, [0, 8, 63, 64, 127, 128, 139, 199], DEVICE)
+    rows, dec = decode_rows(lens, [0, 8, 15, 16, 63, 64, 65, 127, 128, 139, 199], DEVICE)
     for split in (True, False):
         got = attention_fwd(q[rows], k, v, dec, split=split)[0]
         assert torch.equal(got, train[rows]), f"split={split}: {(got - train[rows]).abs().max()}"
@@ -446,6 +450,18 @@ def test_attention_split_decode_equals_training(dtype, monkeypatch):
     assert not torch.equal(other, train[rows]), "chunks of 128 keys gave the bits of chunks of 64"
     rollout = run_paged(q, k, v, lens, SCHEDULES["prefill_then_decode"], seed=3)
     assert torch.equal(rollout, train)
+
+
+def test_attention_split_decode_with_empty_sequences(monkeypatch):
+    """A bucket's padding sequences own no query row: split-KV leaves them alone (the combine kernel once folded
+    unwritten partials into another sequence's row for them) and equals the unsplit step."""
+    monkeypatch.setattr(attention_mod, "POISON_PARTIALS", True)
+    hq, hkv, dh = ATTN_SHAPES[0]
+    q, k, v = _qkv([1, 1], hq, hkv, dh, torch.bfloat16, seed=50)
+    batch = AttentionBatch.packed([1, 1], device=DEVICE, num_seqs=4)
+    one = attention_fwd(q, k, v, batch, split=False)[0]
+    two = attention_fwd(q, k, v, batch, split=True)[0]
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

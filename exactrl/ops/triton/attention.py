@@ -267,6 +267,8 @@ def _attn_combine_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     row = tl.load(cu_q_ptr + b)
+    if row >= tl.load(cu_q_ptr + b + 1):  # a sequence without a query (a bucket's padding): nothing to fold
+        return
     pos = tl.load(q_pos_ptr + row)
     # At most the chunks the first kernel had programs for (a position is always inside the slot table's width).
     n_chunks = tl.minimum((pos // BLOCK_N) // CHUNK_TILES + 1, max_chunks)
@@ -537,6 +539,9 @@ def _geometry(q: torch.Tensor, k_store: torch.Tensor) -> tuple[int, int, int, in
 # Whether decode steps may run split-KV (`_split_decode`); benchmarks turn it off for a before/after comparison
 # (`exactrl bench rollout --split-kv off`). Either way a row gets the same bits.
 SPLIT_DECODE = True
+# Tests: fill the split's partial buffers first with values that look like a seen chunk carrying NaN, so that a
+# combine reading a chunk nobody wrote fails instead of folding garbage unseen. Off in use: it costs fills.
+POISON_PARTIALS = False
 
 
 def _split_decode(batch: AttentionBatch, hkv: int, device: torch.device) -> bool:
@@ -594,9 +599,15 @@ def attention_fwd(
     # Chunks from the slot table's width (static in a decode graph), not from this step's key lengths.
     max_chunks = triton.cdiv(slots.shape[1], split_keys) if split else 1
     if split:
-        part_m = torch.empty((B, hkv, max_chunks, g), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((B, hkv, max_chunks, g, block_d), dtype=torch.float32, device=q.device)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        if POISON_PARTIALS:  # a chunk nobody wrote looks seen (l = 1) and carries NaN into the output
+            part_m = torch.zeros((B, hkv, max_chunks, g), **f32)
+            part_l = torch.ones((B, hkv, max_chunks, g), **f32)
+            part_acc = torch.full((B, hkv, max_chunks, g, block_d), float("nan"), **f32)
+        else:
+            part_m = torch.empty((B, hkv, max_chunks, g), **f32)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty((B, hkv, max_chunks, g, block_d), **f32)
     else:
         part_m = part_l = part_acc = lse
     grid = (B * tiles_per_seq, hkv, max_chunks)
