@@ -19,30 +19,16 @@ from __future__ import annotations
 
 import json
 import random
-import time
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
+
 from exactrl.ops.batch import AttentionBatch
 from exactrl.ops.triton.attention import _FWD_LAUNCH, ATTN_BLOCK_N, ATTN_ROWS, attention_fwd
-
-
-def _time(fn, reps: int = 20) -> float:
-    """GPU microseconds per call, `reps` calls replayed from one CUDA graph."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / (10 * reps) * 1e6
 
 
 def _decode_inputs(c: int, lo: int, hi: int, hq: int = 16, hkv: int = 8, dh: int = 128, page: int = 16):
@@ -184,8 +170,6 @@ def train_fold_cost() -> list[dict]:
 
 
 def main() -> None:
-    import sys
-
     if "--wide" in sys.argv:
         for c in (16, 32, 48, 64, 128, 256):
             for lo, hi in ((128, 384), (384, 1024), (1024, 2048)):

@@ -158,6 +158,17 @@ def _fold(m_t, l_t, acc_t, m_c, l_c, acc_c):
     return tl.where(seen, m_new, m_t), tl.where(seen, l_new, l_t), tl.where(seen[:, None], acc_new, acc_t)
 
 
+@triton.jit
+def _chunk_edge(j, m_t, l_t, acc_t, m_i, l_i, acc, CHUNK_TILES: tl.constexpr):
+    # After key tile j: when it is its chunk's last, fold the chunk into the total and start the next one empty.
+    if (j + 1) % CHUNK_TILES == 0:
+        m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
+        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+        l_i = tl.zeros(l_i.shape, tl.float32)
+        acc = tl.zeros(acc.shape, tl.float32)
+    return m_t, l_t, acc_t, m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["tiles_per_seq"])
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, q_pos_ptr, key_lens_ptr, slots_ptr,
@@ -220,22 +231,14 @@ def _attn_fwd_kernel(
             qk_scale, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
         )  # fmt: skip
         if not PARTIAL:
-            if (j + 1) % CHUNK_TILES == 0:  # the chunk's last tile: fold it into the total, start the next
-                m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
-                m_i = tl.full([ROWS], float("-inf"), tl.float32)
-                l_i = tl.zeros([ROWS], tl.float32)
-                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+            m_t, l_t, acc_t, m_i, l_i, acc = _chunk_edge(j, m_t, l_t, acc_t, m_i, l_i, acc, CHUNK_TILES)
     for j in range(tl.maximum(n_full, j_lo), j_hi):
         m_i, l_i, acc = _fwd_tile(
             j, q, m_i, l_i, acc, k_base, v_base, slot_base, key_len, pos, d, d_ok, stride_kt, stride_vt,
             qk_scale, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
         )  # fmt: skip
         if not PARTIAL:
-            if (j + 1) % CHUNK_TILES == 0:
-                m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc)
-                m_i = tl.full([ROWS], float("-inf"), tl.float32)
-                l_i = tl.zeros([ROWS], tl.float32)
-                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+            m_t, l_t, acc_t, m_i, l_i, acc = _chunk_edge(j, m_t, l_t, acc_t, m_i, l_i, acc, CHUNK_TILES)
     if PARTIAL:
         # The decode rows (query 0 of the tile, its G heads) of this chunk, at [sequence, KV head, chunk, head].
         part = ((b * tl.num_programs(1) + kvh) * max_chunks + tl.program_id(2)) * G + r
