@@ -177,10 +177,39 @@ def measure_matmul_rate(device, dtype=torch.bfloat16) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
+def source_commit() -> str | None:
+    """The commit of the exactrl source tree that ran, with "+dirty" when it has uncommitted changes; None outside
+    a git checkout (an installed wheel). A result without its commit cannot be compared with a later one."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "exactrl"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def record_head(bench: str, args, device: str, preset: str | None = None) -> dict:
-    """The keys every benchmark record starts with: what ran, on which device and GPU, in which mode and dtype."""
+    """The keys every benchmark record starts with: what ran, on which device and GPU, in which mode and dtype,
+    from which commit and when (`benchmarks/bench_check.py` compares a record with the best recorded one)."""
     return {
         "bench": bench,
+        "commit": source_commit(),
+        "date": time.strftime("%Y-%m-%d"),
         "preset": preset or args.preset,
         "mode": args.mode,
         "device": device,
