@@ -336,3 +336,32 @@ def test_run_without_a_correctness_function_reports_no_accuracy(
     assert not any("eval/accuracy" in r or "train/accuracy" in r for r in rows)
     assert "held-out accuracy n/a -> n/a (no correctness function" in printed
     assert "| acc - |" in printed
+
+
+def test_report_names_what_the_accuracy_counts(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from exactrl.report import accuracy_label, report_figure
+
+    assert accuracy_label(tmp_path) == ""  # no summary yet
+    for fn, label in [
+        ("rw.py:correct", "rw.py:correct > 0.5"),
+        ("environment", "episode reward > 0.5"),
+        (None, "not reported: no correctness function (reward.accuracy)"),
+    ]:
+        (tmp_path / "summary.json").write_text(json.dumps({"accuracy_function": fn}))
+        assert accuracy_label(tmp_path) == label
+    rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 1.0, "train/accuracy": 0.0}]
+    fig = report_figure(rows, accuracy_label(tmp_path))
+    assert fig.axes[1].get_title().endswith("not reported: no correctness function (reward.accuracy)")
+
+
+def test_twin_table_says_what_the_accuracy_counts() -> None:
+    from exactrl.guard.twin import twin_table
+
+    keys = ["steps", "final_reward", "final_reward_last_tenth", "accuracy_before", "accuracy_after"]
+    keys += ["kl_k3_mean", "kl_k3_max", "logprob_abs_diff_max_mean", "logprob_abs_diff_max_max"]
+    keys += ["grad_norm_mean", "step_s_mean", "minutes"]
+    run = dict.fromkeys(keys, None) | {"label": "exact", "mismatched_tokens": 0, "compared_tokens": 8}
+    table = twin_table({"runs": {"exact": run | {"accuracy": "numeric_match > 0.5"}, "fast": run}})
+    assert table.endswith("Held-out accuracy: numeric_match > 0.5.")
+    assert "Held-out accuracy" not in twin_table({"runs": {"exact": run | {"accuracy": ""}}})
