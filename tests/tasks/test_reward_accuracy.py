@@ -365,3 +365,26 @@ def test_twin_table_says_what_the_accuracy_counts() -> None:
     table = twin_table({"runs": {"exact": run | {"accuracy": "numeric_match > 0.5"}, "fast": run}})
     assert table.endswith("Held-out accuracy: numeric_match > 0.5.")
     assert "Held-out accuracy" not in twin_table({"runs": {"exact": run | {"accuracy": ""}}})
+
+
+def test_eval_command_accuracy_is_the_correctness_functions(
+    user_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`exactrl eval --set reward.functions=[...]` with a bonus that every completion earns: the summed reward is
+    above 0.5 everywhere (the old accuracy: 1.0), the accuracy is numeric_match's."""
+    from exactrl.cli import main
+
+    model = user_dir / "tiny"
+    bonus = f"{(user_dir / 'rw.py').resolve()}:always_one"
+    argv = ["eval", "--model", str(model), "--task", "arithmetic", "--num", "8", "--max-tokens", "4"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster on a shared machine
+    try:
+        assert main(["init-model", "--preset", "tiny", "--out", str(model)]) == 0
+        capsys.readouterr()
+        assert main([*argv, "--json", "--set", f'reward.functions=["{bonus}", "numeric_match"]']) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["eval/reward"] == 1.0 + rec["eval/reward/numeric_match"]
+    assert rec["eval/accuracy"] == rec["eval/reward/numeric_match"] < 1.0
