@@ -35,7 +35,7 @@ def _run(cfg, args) -> int:
     plan = _run_dir_plan(cfg, args) if os.environ.get("RANK", "0") == "0" else None
     config_dir = Path(args.config).resolve().parent if getattr(args, "config", None) else None
     summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan, config_dir=config_dir)
-    if summary.get("all_reward_calls_failed"):
+    if summary.get("reward_failure"):  # every reward call failed, or every call of the correctness function
         return 3
     return 130 if summary.get("stopped_early") else 0
 

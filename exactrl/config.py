@@ -423,10 +423,22 @@ class RewardConfig:
     """Longest reward-model input in tokens; longer ones keep their end (where the score is read)."""
     model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Reward model weights' dtype."""
+    accuracy: str = "auto"
+    """Which reward function is the correctness verdict that accuracy counts (a sample is correct when its unweighted score is > 0.5), named as in functions; "auto" = the built-in numeric_match / exact_match if exactly one is listed, else the first function that is not "format", else none (accuracy not reported); "off" = no accuracy. Multi-turn runs (env.name set): always the environment's verdict, episode reward > 0.5 (keep "auto")."""
+    max_error_share: float = 0.5
+    """A reward function failing (error, non-finite value, timeout) on more than this share of a step's calls is logged as a warning with its first error's file and line; 0 = any failure."""
 
     def validate(self) -> None:
         if not self.functions and not self.model:
             _fail("reward.functions", "must name at least one reward function (or set reward.model)")
+        if self.accuracy not in ("auto", "off") and self.accuracy not in self.functions:
+            _fail(
+                "reward.accuracy",
+                f"= {self.accuracy!r} must name one of reward.functions {self.functions} (as listed), "
+                '"auto" or "off"',
+            )
+        if not (math.isfinite(self.max_error_share) and 0.0 <= self.max_error_share <= 1.0):
+            _fail("reward.max_error_share", f"must be within [0, 1], got {self.max_error_share!r}")
         for i, name in enumerate(self.functions):
             if not name.strip():
                 _fail(f"reward.functions[{i}]", "must not be empty")
@@ -810,6 +822,13 @@ class RunConfig:
                 "train.max_tokens_per_microbatch",
                 f"({self.train.max_tokens_per_microbatch}) must fit one full sequence: "
                 f"task.max_prompt_tokens + sampling.max_tokens = {seq_len}",
+            )
+        if self.env.name is not None and self.reward.accuracy != "auto":
+            # Episodes are scored by the environment, not by reward.functions: there is no function to name.
+            _fail(
+                "reward.accuracy",
+                f"= {self.reward.accuracy!r} with env.name = {self.env.name!r}: a multi-turn run's accuracy is the "
+                'environment\'s verdict (episode reward > 0.5); leave reward.accuracy = "auto"',
             )
 
 

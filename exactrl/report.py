@@ -74,8 +74,25 @@ def episode_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def report_figure(rows: list[dict]):
-    """The report as a matplotlib Figure: 2 x 2 panels, and a third row for a multi-turn run's episodes."""
+def accuracy_label(run_dir: str | Path) -> str:
+    """What the run's accuracy counts, from its summary.json (`accuracy_function`), for the plot titles: "" when
+    the summary does not say (a run still going, or one from before the field)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if "accuracy_function" not in summary:
+        return ""
+    fn = summary["accuracy_function"]
+    if fn is None:
+        return "not reported: no correctness function (reward.accuracy)"
+    return "episode reward > 0.5" if fn == "environment" else f"{fn} > 0.5"
+
+
+def report_figure(rows: list[dict], accuracy: str = ""):
+    """The report as a matplotlib Figure: 2 x 2 panels, and a third row for a multi-turn run's episodes.
+    accuracy: what the accuracy counts (`accuracy_label`), shown in the held-out panel's title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +112,7 @@ def report_figure(rows: list[dict]):
     ax = axes[0, 1]
     ax.plot(*_series(evals, "eval/accuracy"), "o-", label="held-out accuracy")
     ax.set_ylim(0, 1)
-    ax.set_title("held-out accuracy (step 0 = before RL)")
+    ax.set_title("held-out accuracy (step 0 = before RL)" + (f"\n{accuracy}" if accuracy else ""))
     ax.set_xlabel("RL step")
     ax = axes[1, 0]
     ax.plot(*_series(steps, "response_length/mean"), label="mean")
@@ -138,7 +155,7 @@ def draw_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the run's report.png (or `out`); returns its path."""
     import matplotlib.pyplot as plt
 
-    fig = report_figure(read_metrics(run_dir))
+    fig = report_figure(read_metrics(run_dir), accuracy_label(run_dir))
     path = Path(out) if out else Path(run_dir) / "report.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from exactrl.config import RunConfig, apply_overrides, load_config
-from exactrl.report import read_metrics
+from exactrl.report import accuracy_label, read_metrics
 
 TIS_MODES = ("token-tis", "seq-tis")
 MIS_MODES = ("token-mis", "seq-mis", "icepop")
@@ -177,6 +177,7 @@ def run_stats(run_dir: Path) -> dict[str, Any]:
         "grad_norm_mean": _mean(grad),
         "step_s_mean": _mean(step_s),
         "minutes": summary.get("minutes"),
+        "accuracy": accuracy_label(run_dir),  # what the accuracy counts (the same for every variant)
     }
 
 
@@ -219,6 +220,9 @@ def twin_table(summary: dict[str, Any]) -> str:
             f"{_fmt(s['grad_norm_mean'], '.3f')} | {_fmt(s['step_s_mean'], '.2f')} | "
             f"{_fmt(s.get('minutes'), '.1f')} |"
         )
+    counts = sorted({s["accuracy"] for s in summary["runs"].values() if s.get("accuracy")})
+    if counts:
+        lines.append(f"\nHeld-out accuracy: {' / '.join(counts)}.")
     return "\n".join(lines)
 
 
@@ -232,7 +236,7 @@ def draw_twin(root: Path, runs: list[Variant], path: Path) -> Path:
 
     panels = [
         ("reward/mean", "reward (train samples)", None),
-        ("eval/accuracy", "held-out accuracy (step 0 = before RL)", None),
+        ("eval/accuracy", "held-out accuracy (step 0 = before RL)", None),  # the correctness verdict's
         ("mismatch/kl_k3", "trainer vs rollout KL (k3)", 1e-16),
         ("mismatch/logprob_abs_diff_max", "max |trainer - rollout logprob|", 1e-9),
         ("grad_norm", "grad norm", None),

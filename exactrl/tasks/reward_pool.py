@@ -31,11 +31,14 @@ import pickle
 import signal
 import sys
 import time
+import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from exactrl.tasks import verl_score
 
 # How long a worker may take to start and import the reward functions (a reward file may import heavy packages).
 START_TIMEOUT_S = 120.0
@@ -43,14 +46,28 @@ START_TIMEOUT_S = 120.0
 # (for a coroutine that blocks the event loop).
 ASYNC_GRACE_S = 1.0
 
+# Rewards become float32 tensors in the loop; a larger finite score would turn into inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+# exactrl's own files: an exception's place is looked for outside them (the user's reward file).
+_PACKAGE_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
 # A function reference a worker can resolve: ("spec", "file.py:fn" or "module:fn", base_dir) or ("pickled", bytes).
 FunctionRef = tuple[str, Any, Any]
 
 
-def as_score(value: Any, error: BaseException | None) -> tuple[float, str | None]:
-    """(score, None) for a finite real result, else (0.0, what went wrong)."""
+def as_score(value: Any, error: BaseException | None, fn: Any = None) -> tuple[float, str | None]:
+    """(score, None) for a finite real result, else (0.0, what went wrong). A mapping with a "score" key (what a
+    verl `compute_score` may return, with extra keys beside it) counts as its score. `fn` (the function called)
+    lets an exception's description name the line of the user's file it came from."""
     if error is not None:
-        return 0.0, f"{type(error).__name__}: {error}"
+        return 0.0, describe_error(error, fn)
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            return (
+                0.0,
+                f"returned a {type(value).__name__} without a 'score' key (keys: {sorted(map(str, value))[:8]})",
+            )
+        value = value["score"]
     if isinstance(value, (str, bytes)) or value is None:
         return 0.0, f"returned {type(value).__name__}, not a number"
     try:
@@ -58,8 +75,47 @@ def as_score(value: Any, error: BaseException | None) -> tuple[float, str | None
     except Exception as e:  # noqa: BLE001 - e.g. a multi-element tensor
         return 0.0, f"returned {type(value).__name__}, not a number ({e})"
     if not math.isfinite(score):
-        return 0.0, f"returned non-finite {score}"
+        return 0.0, f"returned non-finite {score!r}"
+    if abs(score) > FLOAT32_MAX:
+        # Finite here, but the step's rewards are float32 tensors: it would become inf there and every metric nan.
+        return (
+            0.0,
+            f"returned {score!r}, beyond float32's range (+-{FLOAT32_MAX:.4g}), where rewards are kept",
+        )
     return score, None
+
+
+def describe_error(error: BaseException, fn: Any = None) -> str:
+    """ "Type: message (at file:line in function)", the place being the traceback's last frame in the file that
+    defines `fn` (the user's reward file), else its last frame outside exactrl, else its last frame."""
+    text = f"{type(error).__name__}: {error}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return text
+    home = _defining_file(fn)
+    pick = next((f for f in reversed(frames) if home is not None and _real(f.filename) == home), None)
+    if pick is None:
+        pick = next(
+            (f for f in reversed(frames) if not _real(f.filename).startswith(_PACKAGE_DIR)), frames[-1]
+        )
+    return f"{text} (at {pick.filename}:{pick.lineno} in {pick.name})"
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def _defining_file(fn: Any) -> str | None:
+    """The source file of a function, of a wrapped function (a verl adapter), or of a callable object's class."""
+    if fn is None:
+        return None
+    target = inspect.unwrap(fn) if callable(fn) else fn
+    for obj in (target, type(target)):
+        try:
+            return _real(inspect.getfile(obj))
+        except (TypeError, OSError):
+            continue
+    return None
 
 
 def as_scores(values: Any, n: int) -> list[tuple[float, str | None]]:
@@ -90,7 +146,7 @@ def flags_of(fn: Any) -> tuple[bool, bool]:
 def _resolve(ref: FunctionRef) -> Any:
     kind, what, base_dir = ref
     if kind == "pickled":
-        return pickle.loads(what)  # bytes our own parent process produced, never a file
+        return verl_score.adapt(pickle.loads(what))  # bytes our own parent process produced, never a file
     from exactrl.tasks.rewards import resolve_reward
 
     return resolve_reward(what, base_dir=base_dir)
@@ -119,7 +175,7 @@ async def _gather(
         except asyncio.TimeoutError:
             return 0.0, "timeout"
         except BaseException as e:  # noqa: BLE001
-            return as_score(None, e)
+            return as_score(None, e, fn)
         return as_score(value, None)
 
     return list(await asyncio.gather(*(one(a) for a in samples)))
@@ -157,19 +213,19 @@ def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], 
             out = []
             for args in payload:
                 progress[1] = time.monotonic()
-                out.append(as_score(*_call(fn, args)))
+                out.append(as_score(*_call(fn, args), fn))
                 progress[0] += 1
             conn.send(("ok", out))
         elif kind == "batch":
             value, error = _call(fn, payload)
             n = len(payload[0])
-            conn.send(("ok", [as_score(None, error)] * n if error is not None else as_scores(value, n)))
+            conn.send(("ok", [as_score(None, error, fn)] * n if error is not None else as_scores(value, n)))
         elif kind == "gather":
             samples, timeout_s = payload
             try:
                 conn.send(("ok", asyncio.run(_gather(fn, samples, timeout_s))))
             except BaseException as e:  # noqa: BLE001
-                conn.send(("ok", [as_score(None, e)] * len(samples)))
+                conn.send(("ok", [as_score(None, e, fn)] * len(samples)))
         else:
             conn.send(("ok", [(0.0, f"unknown request {kind!r}")]))
 

@@ -27,9 +27,19 @@ Which number is "the final number" (first rule that applies wins):
   rambles on with new `a+b=c` lines after its answer, and those later numbers are not its answer.
   LaTeX fractions `\\frac{a}{b}` (also `\\dfrac`, `\\tfrac`) with numeric parts are read as `a/b`.
 
+A function with verl's signature, `compute_score(data_source, solution_str, ground_truth, extra_info)`, works as it
+is (`exactrl.tasks.verl_score`); any function may return a dict `{"score": s, ...}`.
+
+Accuracy is the share of samples that the task's correctness function scores above `CORRECT_ABOVE` (0.5), never the
+summed reward: with a format bonus in the list, a wrong answer in the right format must not count as correct. Which
+function is the verdict: `accuracy_function` (reward.accuracy, by default the built-in correctness function, else
+the first listed function that is not a shaping reward, else none: accuracy is then not reported).
+
 Guarding (`RewardComputer`): built-ins run in the calling process; every other function runs in a worker process
 that is killed and replaced when a call runs past `timeout_s` (see `RewardComputer` and `exactrl.tasks.reward_pool`).
-A call that raises, returns something that is not a finite real number, or times out scores 0.0 and is counted.
+A call that raises, returns something that is not a finite real number within float32's range (the dtype the loop
+keeps rewards in: 1e300 would become inf there), or times out scores 0.0 and is counted per function; an error's
+description names the line of the user's file it came from.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from exactrl.tasks import reward_pool
+from exactrl.tasks import reward_pool, verl_score
 from exactrl.tasks.base import Example
 
 logger = logging.getLogger(__name__)
@@ -230,6 +240,47 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "format": format_reward,
 }
 
+# ---------------------------------------------------------------------------------------------------------------
+# Accuracy: which function's verdict says "correct"
+
+# The built-ins that judge the answer, and those that only shape the reward: what `accuracy_function` picks from.
+CORRECTNESS_REWARDS = ("numeric_match", "exact_match")
+SHAPING_REWARDS = ("format",)
+# A sample is correct when the correctness function scores it above this, unweighted (reward.weights shape the
+# reward, not the verdict). 1 vs 0, 1 vs -1 and full vs partial credit (a 0.1 for a well-formed wrong answer) all
+# split here; "equal to the function's maximum" would need a maximum that a user function does not declare.
+CORRECT_ABOVE = 0.5
+
+
+def accuracy_function(names: Sequence[str], accuracy: str = "auto") -> str | None:
+    """Which of the reward functions `names` is the correctness verdict that accuracy counts, or None.
+
+    accuracy: a name from `names`; "off" (no accuracy); or "auto": the one built-in correctness function
+    (`CORRECTNESS_REWARDS`) if exactly one is listed, else the first function that is not a known shaping reward
+    (`SHAPING_REWARDS`), else None (accuracy is not reported rather than read off a shaping reward)."""
+    if accuracy == "off":
+        return None
+    if accuracy != "auto":
+        if accuracy not in names:
+            raise ValueError(
+                f"reward.accuracy = {accuracy!r} is not one of the reward functions {list(names)}; name one of "
+                'them exactly as listed, "auto" or "off"'
+            )
+        return accuracy
+    builtins = [n for n in names if n in CORRECTNESS_REWARDS]
+    if len(builtins) == 1:
+        return builtins[0]
+    return next((n for n in names if n not in SHAPING_REWARDS), None)
+
+
+def no_accuracy_notice(names: Sequence[str]) -> str:
+    """The one line said when no correctness function can be identified."""
+    return (
+        f"reward: none of {list(names)} is a correctness function (built-ins: {', '.join(CORRECTNESS_REWARDS)}; "
+        f"{', '.join(SHAPING_REWARDS)} only shapes the reward): accuracy is not reported; set reward.accuracy to "
+        f"the function whose score > {CORRECT_ABOVE:g} means a correct answer"
+    )
+
 
 def _plugin_search_dirs(base_dir: str | Path | None) -> list[Path]:
     """Where relative reward file paths and plug-in modules are looked up: the config's directory, then the cwd."""
@@ -270,12 +321,15 @@ def _load_file_module(module_path: str, name: str, base_dir: str | Path | None) 
 def resolve_reward(name: str | RewardFn, base_dir: str | Path | None = None) -> RewardFn:
     """A built-in by name, a plug-in, or a callable as is.
 
+    A function with verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info)` comes
+    back wrapped as a reward function (`exactrl.tasks.verl_score`).
+
     Plug-ins are `"path/to/file.py:function"` (a relative path is looked up in `base_dir`, the config file's
     directory, then in the current directory) or `"module:function"` (imported with `base_dir` and the current
     directory on the import path). `function` may be a dotted attribute path (`"module:Class.attr"`).
     """
     if callable(name):
-        return name
+        return verl_score.adapt(name)
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
@@ -311,7 +365,10 @@ def resolve_reward(name: str | RewardFn, base_dir: str | Path | None = None) -> 
             ) from None
     if not callable(obj):
         raise ValueError(f"reward plug-in {name!r} is not callable (got {type(obj).__name__})")
-    return obj
+    try:
+        return verl_score.adapt(obj)
+    except ValueError as e:
+        raise ValueError(f"reward plug-in {name!r}: {e}") from None
 
 
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -334,8 +391,11 @@ class RewardResult:
     per_function: dict[str, list[float]]
     num_errors: dict[str, int]
     num_timeouts: dict[str, int]
-    # The first error of each function in this batch, as "ExceptionType: message", for the log.
+    # The first error of each function in this batch, as "ExceptionType: message (at file:line in function)".
     first_error: dict[str, str] = field(default_factory=dict)
+    # correct[i]: the correctness function scored sample i above CORRECT_ABOVE (a failed call is not correct);
+    # None when the computer has no correctness function (`RewardComputer.accuracy_fn`).
+    correct: list[bool] | None = None
 
 
 @dataclass
@@ -363,9 +423,15 @@ class RewardComputer:
       * with `isolation="inline"` every function runs in this thread, with no timeout (for a debugger, or for
         callables that cannot be sent to another process, such as lambdas).
 
-    A call that raises, returns something that is not a finite real number (a batched one: not one per sample), or
-    runs past the timeout scores 0.0 and is counted; the batch goes on. `calls` and `failures` count calls per
-    function over the computer's life; `all_calls_failed()` says whether every call of the run failed.
+    A call that raises, returns something that is not a finite real number within float32's range (a batched one:
+    not one per sample), or runs past the timeout scores 0.0 and is counted; the batch goes on. A function that
+    fails on more than `max_error_share` of a batch's calls is logged as a warning with its first error and the
+    line of the user's file it came from. `calls` and `failures` count calls per function over the computer's life;
+    `all_calls_failed()` says whether every call of the run failed, `accuracy_failure()` whether every call of the
+    correctness function did.
+
+    accuracy: which function's verdict is accuracy (`accuracy_function`: a listed name, "auto" or "off");
+    the result's `correct` holds it per sample, `accuracy_fn` names it.
     """
 
     def __init__(
@@ -377,6 +443,8 @@ class RewardComputer:
         *,
         base_dir: str | Path | None = None,
         isolation: str = "process",
+        accuracy: str = "auto",
+        max_error_share: float = 0.5,
     ) -> None:
         if not functions:
             raise ValueError("need at least one reward function")
@@ -394,6 +462,12 @@ class RewardComputer:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if not 0.0 <= max_error_share <= 1.0:
+            raise ValueError(f"max_error_share must be within [0, 1], got {max_error_share}")
+        self.accuracy_fn = accuracy_function(names, accuracy)
+        if self.accuracy_fn is None and accuracy == "auto":
+            logger.warning(no_accuracy_notice(names))
+        self.max_error_share = float(max_error_share)
         self.names = names
         self.weights = weights
         self.timeout_s = float(timeout_s)
@@ -401,6 +475,7 @@ class RewardComputer:
         self.isolation = isolation
         self.calls = dict.fromkeys(names, 0)
         self.failures = dict.fromkeys(names, 0)
+        self.first_errors: dict[str, str] = {}  # each function's first error over the computer's life
         self._terms: list[_Term] = []
         refs: list[reward_pool.FunctionRef] = []
         for name, fn, w in zip(names, functions, weights):
@@ -440,6 +515,10 @@ class RewardComputer:
         `base_dir` is the config file's directory, where relative reward files are looked up first."""
         functions: list[Any] = list(reward.functions)
         weights = list(reward.weights) if reward.weights else [1.0] * len(functions)
+        # Chosen among the listed functions only: a reward model's score is a preference, not a verdict.
+        accuracy = accuracy_function(functions, getattr(reward, "accuracy", "auto"))
+        if accuracy is None and getattr(reward, "accuracy", "auto") == "auto":
+            logger.warning(no_accuracy_notice(functions))
         if reward.model:
             from exactrl.tasks.reward_model import RewardModel
 
@@ -461,7 +540,14 @@ class RewardComputer:
                 )
             )
             weights.append(reward.model_weight)
-        return cls(functions, weights, reward.timeout_s, base_dir=base_dir)
+        return cls(
+            functions,
+            weights,
+            reward.timeout_s,
+            base_dir=base_dir,
+            accuracy=accuracy if accuracy is not None else "off",
+            max_error_share=getattr(reward, "max_error_share", 0.5),
+        )
 
     @property
     def num_killed_workers(self) -> int:
@@ -536,7 +622,7 @@ class RewardComputer:
             try:
                 values = _run_maybe_async(term.fn, (completions, answers, examples))
             except Exception as e:  # noqa: BLE001
-                return [reward_pool.as_score(None, e)] * n
+                return [reward_pool.as_score(None, e, term.fn)] * n
             return reward_pool.as_scores(values, n)
         out = []
         for c, a, e in zip(completions, answers, examples):
@@ -544,7 +630,7 @@ class RewardComputer:
                 value, error = _run_maybe_async(term.fn, (c, a, e)), None
             except Exception as err:  # noqa: BLE001
                 value, error = None, err
-            out.append(reward_pool.as_score(value, error))
+            out.append(reward_pool.as_score(value, error, term.fn))
         return out
 
     def _result(self, outcome: dict[str, list[tuple[float, str | None]]], n: int) -> RewardResult:
@@ -563,20 +649,30 @@ class RewardComputer:
             num_errors[name], num_timeouts[name] = errors, timeouts
             self.calls[name] += n
             self.failures[name] += errors + timeouts
+            if first is not None:
+                self.first_errors.setdefault(name, first)
             if errors or timeouts:
-                logger.warning(
-                    "reward %r: %d errors, %d timeouts (> %.3gs) in %d samples%s",
+                # Loud past the share (a broken function), quiet below it (the counts are in the metrics).
+                loud = errors + timeouts > self.max_error_share * n
+                logger.log(
+                    logging.WARNING if loud else logging.INFO,
+                    "reward %r failed on %d of %d calls (%d errors, %d timeouts > %.3g s)%s%s",
                     name,
+                    errors + timeouts,
+                    n,
                     errors,
                     timeouts,
                     self.timeout_s,
-                    n,
+                    f", more than reward.max_error_share = {self.max_error_share:g}" if loud else "",
                     f"; first error: {first}" if first is not None else "",
                 )
         rewards = [
             sum(w * per_function[name][i] for name, w in zip(self.names, self.weights)) for i in range(n)
         ]
-        return RewardResult(rewards, per_function, num_errors, num_timeouts, first_error)
+        correct = None
+        if self.accuracy_fn is not None:
+            correct = [score > CORRECT_ABOVE for score in per_function[self.accuracy_fn]]
+        return RewardResult(rewards, per_function, num_errors, num_timeouts, first_error, correct)
 
     def all_calls_failed(self) -> bool:
         """True when reward functions were called and every call (of every function) failed: the run learned from
@@ -589,9 +685,33 @@ class RewardComputer:
         broken = [n for n in self.names if self.calls[n] > 0 and self.failures[n] == self.calls[n]]
         if not broken:
             return None
-        which = ", ".join(f"{n!r} ({self.calls[n]} calls)" for n in broken)
+        which = "; ".join(f"{n!r} ({self.calls[n]} calls{self._first_error_text(n)})" for n in broken)
         head = "every reward call failed" if self.all_calls_failed() else "every call failed for"
-        return f"{head}: {which}; see the warnings above for the first error (reward.timeout_s = {self.timeout_s:g})"
+        return f"{head}: {which}"
+
+    def accuracy_failure(self) -> str | None:
+        """A line for the run's summary when the correctness function was called and every call failed: accuracy
+        then counts nothing and the policy never got the reward that says what is right. None otherwise."""
+        name = self.accuracy_fn
+        if name is None or self.calls[name] == 0 or self.failures[name] < self.calls[name]:
+            return None
+        return (
+            f"every call of the correctness function {name!r} failed ({self.calls[name]} calls"
+            f"{self._first_error_text(name)})"
+        )
+
+    def run_failure(self) -> str | None:
+        """Why a run that used this computer must not end as a success, or None: every reward call failed, or
+        every call of the correctness function did (whatever the other functions scored)."""
+        if self.all_calls_failed():
+            return self.failure_summary()
+        return self.accuracy_failure()
+
+    def _first_error_text(self, name: str) -> str:
+        first = self.first_errors.get(name)
+        if first is not None:
+            return f"; first error: {first}"
+        return f"; every failure a timeout, reward.timeout_s = {self.timeout_s:g}"
 
 
 def _chunks(n: int, parts: int) -> list[list[int]]:

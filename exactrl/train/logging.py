@@ -246,8 +246,12 @@ def step_line(m: dict[str, Any]) -> str:
 
     mism = m.get("mismatch/num_mismatched_tokens")
     mism_s = "-" if mism is None else f"{int(mism)}/{int(m.get('mismatch/num_tokens', 0))}"
+    # Failed reward calls (errors, timeouts) show next to the reward they lowered; acc is the correctness verdict
+    # (train/accuracy, "-" when the run has no correctness function).
+    failed = m.get("reward/errors") or 0
+    failed_s = f" ({int(failed)} failed)" if failed else ""
     return (
-        f"step {m['step']:>4} | reward {f('reward/mean')} | acc {f('train/accuracy', '.2f')} | "
+        f"step {m['step']:>4} | reward {f('reward/mean')}{failed_s} | acc {f('train/accuracy', '.2f')} | "
         f"len {f('response_length/mean', '.1f')} | loss {f('loss', '.4f')} | kl {f('kl_ref', '.4f')} | "
         f"ent {f('entropy', '.3f')} | mismatch {mism_s} | {f('perf/tokens_per_s', '.0f')} tok/s | "
         f"{f('perf/step_s', '.1f')} s"

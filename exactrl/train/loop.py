@@ -12,7 +12,7 @@ import json
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
 from exactrl.tasks.prompts import PromptEncoder, PromptFilter
+from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
@@ -132,13 +133,17 @@ def evaluate(
     stop_token_ids: list[int] | None = None,
     env: EnvSetup | None = None,
 ) -> dict[str, float]:
-    """Accuracy and pass@k over held-out examples. Accuracy: the share of samples with reward > 0.5, over
-    every sample of every example: with one greedy sample (the default) the greedy answers' accuracy; with k
-    samples at T > 0 the mean over them (pass@1 estimated from k samples, steadier than the first sample's).
+    """Accuracy and pass@k over held-out examples. Accuracy: the share of samples the correctness function
+    (`rewards.accuracy_fn`, reward.accuracy) scores above 0.5, over every sample of every example: with one greedy
+    sample (the default) the greedy answers' accuracy; with k samples at T > 0 the mean over them (pass@1 estimated
+    from k samples, steadier than the first sample's). Never the summed reward: a format bonus is not a correct
+    answer. Without a correctness function the accuracy keys are left out (not reported, rather than invented);
+    eval/reward (the summed reward) and eval/reward/<function> are always there.
 
     env: a multi-turn run's environment. A tool agent is measured with its tool: every example is an episode
-    through the environment (tool calls answered, as in training), scored by the environment's reward, and the
-    episodes' metrics are logged under eval/env/...; `rewards` is not used then."""
+    through the environment (tool calls answered, as in training), scored by the environment's reward, whose
+    verdict (episode reward > 0.5) is the accuracy, and the episodes' metrics are logged under eval/env/...;
+    `rewards` is not used then."""
     if not examples:
         return {}
     ids = [encode(ex) for ex in examples]
@@ -163,6 +168,7 @@ def evaluate(
         flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
         r = torch.tensor(flat, dtype=torch.float32).view(len(examples), samples)
         extra = {f"eval/{k}": v for k, v in eb.metrics.items()}
+        correct: torch.Tensor | None = r > CORRECT_ABOVE  # the environment's verdict
     else:
         outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
         completions, answers, exs = [], [], []
@@ -172,17 +178,15 @@ def evaluate(
                 answers.append(ex.answer)
                 exs.append(ex)
         res = rewards(completions, answers, exs)
-        r = torch.tensor(res.rewards).view(len(examples), samples)
-    correct = r > 0.5
-    out = {
-        "eval/accuracy": float(correct.float().mean()),
-        "eval/reward": float(r.mean()),
-        "eval/num_examples": float(len(examples)),
-        **extra,
-    }
-    if samples > 1:
-        out[f"eval/pass@{samples}"] = float(correct.any(1).float().mean())
-        out["eval/mean_accuracy"] = float(correct.float().mean())
+        r = torch.tensor(res.rewards, dtype=torch.float32).view(len(examples), samples)
+        extra = {f"eval/reward/{k}": sum(v) / len(v) for k, v in res.per_function.items() if v}
+        correct = None if res.correct is None else torch.tensor(res.correct).view(len(examples), samples)
+    out = {"eval/reward": float(r.mean()), "eval/num_examples": float(len(examples)), **extra}
+    if correct is not None:
+        out["eval/accuracy"] = float(correct.float().mean())
+        if samples > 1:
+            out[f"eval/pass@{samples}"] = float(correct.any(1).float().mean())
+            out["eval/mean_accuracy"] = float(correct.float().mean())
     return out
 
 
@@ -230,6 +234,8 @@ class StepRollouts:
     advantage_metrics: dict[str, float]
     completions: list[str]  # this rank's, decoded (for sample logging)
     answers: list[str]
+    # Single-turn: failed calls per reward function over the whole step, {"<fn>/errors": n, "<fn>/timeouts": n}.
+    reward_failures: dict[str, int] = field(default_factory=dict)
 
 
 class RLRun:
@@ -419,10 +425,12 @@ class RLRun:
             before = self.evaluate()
             self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
             self.logger.log({"step": 0, **before, "phase": "before_rl"})
-            self.out(
-                f"held-out accuracy before RL: {before.get('eval/accuracy', float('nan')):.3f} "
-                f"on {len(self.eval_examples)} examples"
+            acc = before.get("eval/accuracy")
+            unjudged = not cfg.env.name and self.rewards is not None and self.rewards.accuracy_fn is None
+            acc_s = (
+                f"{acc:.3f}" if acc is not None else "n/a (no correctness function)" if unjudged else "n/a"
             )
+            self.out(f"held-out accuracy before RL: {acc_s} on {len(self.eval_examples)} examples")
         elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
             # Resuming: put the post-SFT weights in place before the reference copy is taken in build_trainer;
             # the checkpoint then overwrites the policy's weights.
@@ -656,7 +664,7 @@ class RLRun:
             )
         res = self.rewards(completions, answers, exs)
         errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
-        return self.with_advantages(
+        sr = self.with_advantages(
             rollouts,
             res.rewards,
             res.per_function,
@@ -666,6 +674,13 @@ class RLRun:
             baseline,
             refused=refused,
         )
+        # Per function, over every rank: a broken function is named in the metrics, not only summed.
+        for part in self.dist.all_gather_object((res.num_errors, res.num_timeouts)):
+            for kind, counts in zip(("errors", "timeouts"), part):
+                for name, n in counts.items():
+                    key = f"{name}/{kind}"
+                    sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
+        return sr
 
     def episodes(
         self, step: int, examples: list[Example], prompt_ids: list[list[int]], index: list[int]
@@ -864,7 +879,16 @@ class RLRun:
         if not a.needs_critic:  # GAE's token-level advantages are logged by the trainer
             m.update(advantage_metrics(sr.advantages[:, None], torch.ones(len(sr.advantages), 1)))
         m.update(response_length_metrics(lengths, torch.tensor(sr.truncated)))
-        m["train/accuracy"] = float((r > 0.5).float().mean())
+        # Accuracy is the correctness verdict, never the summed reward (a format bonus is not a right answer):
+        # a multi-turn episode's is its environment's reward; a single-turn sample's is the correctness function's
+        # score (reward.accuracy); without one it is not reported.
+        acc_fn = self.rewards.accuracy_fn if self.rewards is not None else None
+        if self.cfg.env.name:
+            m["train/accuracy"] = float((r > CORRECT_ABOVE).float().mean())
+        elif acc_fn is not None and acc_fn in per_fn:
+            m["train/accuracy"] = float((per_fn[acc_fn] > CORRECT_ABOVE).float().mean())
+        for key, n in sr.reward_failures.items():
+            m[f"reward/{key}"] = float(n)
         self.totals["reward_errors"] += sr.reward_errors
         m["reward/errors"] = float(sr.reward_errors)
         m["prompts/skipped_total"] = float(self.totals["skipped_prompts"])
@@ -1062,10 +1086,17 @@ class RLRun:
                 "skipped_records_total": getattr(self.task, "num_skipped", 0),
             }
         )
-        if self.rewards is not None and self.rewards.all_calls_failed():
-            # The policy was trained on zero rewards: the run must not look like a success.
-            self.summary["all_reward_calls_failed"] = True
-            self.summary["reward_failure"] = self.rewards.failure_summary()
+        if self.rewards is not None:
+            self.summary["accuracy_function"] = (
+                "environment" if self.cfg.env.name else self.rewards.accuracy_fn
+            )
+            failure = self.rewards.run_failure()
+            if failure is not None:
+                # Trained on zero rewards, or without the reward that says what is right, with an accuracy that
+                # counts nothing: the run must not look like a success (exit status 3).
+                self.summary["all_reward_calls_failed"] = self.rewards.all_calls_failed()
+                self.summary["accuracy_function_failed"] = self.rewards.accuracy_failure() is not None
+                self.summary["reward_failure"] = failure
         self.clock.stamp(self.summary)
         s = self.summary
         if s.get("accuracy_before_rl") is not None and s.get("accuracy_after_rl") is not None:
@@ -1140,12 +1171,31 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
     return (
         f"\n== {s['algorithm']} ({'exact' if s['exact'] else 'fast'} mode): {s['rl_steps']} RL steps in "
         f"{s['minutes']:.1f} min\n"
-        f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}\n"
+        f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
+        f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
         f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
         + (
-            f"\n   !! {s['reward_failure']}. The policy was trained on zero rewards: exit status 3"
+            f"\n   !! {s['reward_failure']}. "
+            + (
+                "The policy was trained on zero rewards"
+                if s.get("all_reward_calls_failed")
+                else "The policy never got its correctness reward and accuracy counts nothing"
+            )
+            + ": exit status 3"
             if s.get("reward_failure")
             else ""
         )
     )
+
+
+def _accuracy_source(s: dict[str, Any]) -> str:
+    """What the accuracy counts, for the summary line (reward.accuracy)."""
+    fn = s.get("accuracy_function")
+    if "accuracy_function" not in s:  # a summary from before accuracy_function was recorded
+        return ""
+    if fn is None:
+        return " (no correctness function: see reward.accuracy)"
+    if fn == "environment":
+        return " (episode reward > 0.5)"
+    return f" ({fn} > 0.5)"

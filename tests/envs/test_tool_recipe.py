@@ -128,6 +128,8 @@ class _ZeroRewards:
     def __call__(self, completions, answers, examples):
         class R:
             rewards = [0.0] * len(completions)
+            per_function = {"zero": rewards}
+            correct = [False] * len(completions)  # the correctness verdict accuracy counts
 
         return R()
 
@@ -157,6 +159,8 @@ def test_held_out_accuracy_with_several_samples_is_their_mean():
         def __call__(self, completions, answers, examples):
             class R:
                 rewards = [float(i % 2) for i in range(len(completions))]
+                per_function = {"every_second": rewards}
+                correct = [r > 0.5 for r in rewards]  # the correctness verdict accuracy counts
 
             return R()
 

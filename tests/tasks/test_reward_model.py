@@ -119,6 +119,8 @@ def test_reward_model_in_the_computer_and_refusals(tmp_path: Path) -> None:
     examples = _examples()[:3]
     with RewardComputer.from_config(cfg, device="cpu", base_dir=tmp_path) as rc:
         res = rc(["4", "blue", ""], ["4", "red", "x"], examples)
+        # The model's score is a preference, not a verdict: accuracy stays the listed correctness function's.
+        assert rc.accuracy_fn == "exact_match" and res.correct == [True, False, False]
     rm_scores = RewardModel(path)(["4", "blue", ""], ["", "", ""], examples)
     assert res.per_function["reward_model"] == pytest.approx(rm_scores, abs=1e-5)
     assert res.rewards == pytest.approx(

@@ -35,7 +35,7 @@ def wrong_count(completions, answers, examples):
 wrong_count.batched = True
 
 async def slow_match(completion, answer, example):
-    await asyncio.sleep(0.3)  # concurrent: 8 calls must not take 8 x 0.3 s
+    await asyncio.sleep(1.0)  # concurrent: 8 calls must not take 8 x 1 s
     return 1.0 if completion.strip() == answer else 0.0
 
 async def async_batch(completions, answers, examples):
@@ -131,7 +131,8 @@ def test_batched_and_async_functions(plugin_dir: Path) -> None:
     assert "1 scores for 8 samples" in res.first_error[names[1]]
     assert res.per_function[names[2]] == [float(i % 2) for i in range(n)]
     assert res.per_function[names[3]] == [2.0] * n
-    assert elapsed < 1.5, elapsed  # sequential awaits would take 2.4 s
+    # Sequential awaits would take 8 s (4 per worker), concurrent ones about 1 s: a wide gap, for a loaded machine.
+    assert elapsed < 5.0, elapsed
 
 
 def test_busy_loop_is_killed_within_the_timeout(plugin_dir: Path) -> None:
@@ -148,7 +149,7 @@ def test_busy_loop_is_killed_within_the_timeout(plugin_dir: Path) -> None:
         start = time.monotonic()
         res = rc(completions, ["4"] * 8, [EX] * 8)
         elapsed = time.monotonic() - start
-        assert elapsed < timeout + 1.0, elapsed
+        assert elapsed < 30.0, elapsed  # the loop never ends: only a kill returns at all (generous for load)
         assert res.per_function["rewards/myrewards.py:busy"] == [1.0] * 5 + [0.0] + [1.0] * 2
         assert (
             res.num_timeouts["rewards/myrewards.py:busy"] == 1
@@ -167,7 +168,7 @@ def test_async_hang_and_worker_death_are_counted(plugin_dir: Path) -> None:
     with RewardComputer(names, timeout_s=0.3, base_dir=plugin_dir, max_workers=1) as rc:
         start = time.monotonic()
         res = rc(["hang", "ok", "die", "ok"], ["4"] * 4, [EX] * 4)
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 30.0  # the hang is 60 s: cancelled at 0.3 s (generous for load)
         assert res.per_function[names[0]] == [0.0, 1.0, 1.0, 1.0] and res.num_timeouts[names[0]] == 1
         assert res.per_function[names[1]] == [1.0, 1.0, 0.0, 1.0] and res.num_errors[names[1]] == 1
         assert "exit code 3" in res.first_error[names[1]]
