@@ -38,6 +38,7 @@ from exactrl.ops import Ops
 
 # The decoder's linear projections by their HF module names: every one LoRA may target.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LORA_INITS = ("default", "gaussian")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -175,6 +176,14 @@ def add_lora(model: CausalLM, spec: LoraSpec, seed: int = 0) -> list[nn.Paramete
     drawn in fp32 from a generator seeded with `seed`, part by part in layer order, then cast."""
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
+    mlp_targets = [t for t in spec.target_modules if t in _MLP_TARGETS]
+    if model.config.is_moe and mlp_targets:
+        # The routed experts are stacked weights run by one grouped op (`ops.moe_experts`), not projections an
+        # adapter can wrap; adapting only the dense layers' and the shared expert's MLPs would be a silent half.
+        raise ValueError(
+            f"LoRA target_modules {mlp_targets}: the {model.config.architecture} model routes its MLPs through "
+            "experts, which take no adapters; target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+        )
     model.requires_grad_(False)
     g = torch.Generator().manual_seed(seed)
     wanted = set(spec.target_modules)

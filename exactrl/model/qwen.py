@@ -1,7 +1,9 @@
-"""The dense decoder of Qwen2, Qwen3 and Llama, written once for both paths.
+"""The decoder of Qwen2, Qwen3, Llama and the Qwen MoE models, written once for both paths.
 
-The three families are one decoder with options (`ModelConfig`): Qwen3 adds a per-head q/k RMSNorm, Qwen2 has
-q/k/v biases, Llama may have attention (q/k/v/o) and MLP biases; each may scale its RoPE (`exactrl.model.rope`).
+The families are one decoder with options (`ModelConfig`): Qwen3 adds a per-head q/k RMSNorm, Qwen2 has q/k/v
+biases, Llama may have attention (q/k/v/o) and MLP biases; each may scale its RoPE (`exactrl.model.rope`).
+Qwen3-MoE and Qwen2-MoE are Qwen3 and Qwen2 whose sparse layers replace the MLP by a mixture of experts
+(`exactrl.model.moe`).
 
 Single-device code over flat token streams (`[T, ...]`, packed sequences, no padding inside the model). The
 forward takes token ids, absolute positions and an `AttentionBatch` that says either "these are whole packed
@@ -22,90 +24,9 @@ import torch
 from torch import nn
 
 from exactrl.model.config import ModelConfig
+from exactrl.model.layers import MLP, Linear, PackedLinear, RMSNorm, pack_state_dict
+from exactrl.model.moe import SparseMoeBlock
 from exactrl.ops import AttentionBatch, Ops, get_ops
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-
-class Linear(nn.Module):
-    """Holds a weight (and bias), and optionally a LoRA adapter (`exactrl.model.lora`); the arithmetic is the ops
-    backend's."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.lora = None  # a LoRA module once `add_lora` targets this projection
-
-    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]: the base product, then the adapter's low-rank term added (when enabled)."""
-        y = ops.linear(x, self.weight, self.bias)
-        if self.lora is not None and self.lora.enabled:
-            (y,) = self.lora(ops, x, (y,))
-        return y
-
-
-class PackedLinear(Linear):
-    """Projections of one input stacked into one weight: `parts` names each part (its HF module name, in row
-    order) and its output width. The parent module registers `pack_state_dict` so its state dict holds the
-    parts under their own names."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(parts.values()), bias)
-        self.parts = dict(parts)
-
-    def forward(self, ops: Ops, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, in] -> one [T, out] output per part, in order (`Ops.packed_linear`), each with its part's
-        adapter term added (when enabled)."""
-        outs = ops.packed_linear(x, self.weight, self.bias, list(self.parts.values()))
-        if self.lora is not None and self.lora.enabled:
-            outs = self.lora(ops, x, outs)
-        return outs
-
-
-def pack_state_dict(parent: nn.Module, packed_name: str) -> None:
-    """Make `parent`'s state dict name `parent.<packed_name>` by its parts (HF's names): split on `state_dict()`
-    (views of the packed tensor, no copy), concatenated on `load_state_dict()`."""
-    packed: PackedLinear = getattr(parent, packed_name)
-
-    def split_on_save(module, state_dict, prefix, local_metadata) -> None:
-        for kind in ("weight", "bias"):
-            t = state_dict.pop(f"{prefix}{packed_name}.{kind}", None)
-            if t is None:
-                continue
-            for part, piece in zip(packed.parts, t.split(list(packed.parts.values()), dim=0)):
-                state_dict[f"{prefix}{part}.{kind}"] = piece
-
-    def pack_on_load(
-        module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
-    ):
-        for kind in ("weight", "bias"):
-            names = [f"{prefix}{part}.{kind}" for part in packed.parts]
-            present = [n for n in names if n in state_dict]
-            if not present:
-                continue
-            if len(present) < len(names):  # leave them for load_state_dict to report as missing / unexpected
-                missing_keys.extend(n for n in names if n not in state_dict)
-                continue
-            pieces = [state_dict.pop(n) for n in names]
-            rest = tuple(getattr(packed, kind).shape[1:])  # (in_features,) for the weight, () for the bias
-            bad = [
-                f"{n}: shape {tuple(t.shape)}, the model needs {(rows, *rest)}"
-                for n, t, rows in zip(names, pieces, packed.parts.values())
-                if tuple(t.shape) != (rows, *rest)
-            ]
-            if bad:  # the packed entry stays missing: load_state_dict reports both
-                errors.extend(bad)
-                continue
-            state_dict[f"{prefix}{packed_name}.{kind}"] = torch.cat(pieces, dim=0)
-
-    parent.register_state_dict_post_hook(split_on_save)
-    parent.register_load_state_dict_pre_hook(pack_on_load)
 
 
 class Attention(nn.Module):
@@ -138,29 +59,14 @@ class Attention(nn.Module):
         return self.o_proj(ops, o.reshape(T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(
-            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
-        )
-        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias)
-        pack_state_dict(self, "gate_up_proj")
-
-    def forward(self, ops: Ops, x):
-        gate, up = self.gate_up_proj(ops, x)
-        h = ops.silu_mul(gate, up)
-        return self.down_proj(ops, h)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # A mixture of experts or the dense MLP, by transformers' rule for this layer (ModelConfig.is_moe_layer).
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(
         self,
@@ -192,12 +98,12 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Qwen2/Qwen3/Llama causal LM. `forward` returns final hidden states; `logprobs`/`logits` apply the LM head
+    """Qwen2/Qwen3/Llama (and their MoE) causal LM. `forward` returns final hidden states; `logprobs`/`logits` apply the LM head
     through the ops backend (fp32 log-softmax, temperature inside the op)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, fp32_lm_head: bool = False):
@@ -311,10 +217,11 @@ class CausalLM(nn.Module):
         self.ops = ops
 
     def flops_per_token(self, context: int = 0) -> float:
-        """Forward matmul FLOPs per token (2 * params in matmuls + attention at the given context length)."""
+        """Forward matmul FLOPs per token (2 * params in matmuls + attention at the given context length); a
+        mixture of experts counts the k experts a token is routed to (`num_active_params`)."""
         cfg = self.config
         # The embedding lookup does no matmul; a tied LM head is counted once in num_params and does one.
-        n = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+        n = cfg.num_active_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
         attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
         return 2.0 * n + attn
 
@@ -339,4 +246,15 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["CausalLM", "ModelConfig", "build_model", "count_params"]
+__all__ = [
+    "MLP",
+    "CausalLM",
+    "Linear",
+    "ModelConfig",
+    "PackedLinear",
+    "RMSNorm",
+    "SparseMoeBlock",
+    "build_model",
+    "count_params",
+    "pack_state_dict",
+]

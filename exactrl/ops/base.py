@@ -64,6 +64,37 @@ class Ops(Protocol):
         """gate, up: [T, I] -> silu(gate) * up, [T, I]."""
         ...
 
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] router output of `linear` (model dtype) -> (weights [T, k] fp32, ids [T, k] int64).
+
+        probs = softmax(logits.float(), -1); the k largest probabilities in descending order, ties broken towards
+        the lowest expert id; with norm_topk_prob the k weights are divided by their fp32 sum (summed in rank
+        order). Row-local: a row's result never depends on other rows. Differentiable w.r.t. logits (through the
+        weights)."""
+        ...
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [T, D] model dtype; gate_up: [E, 2*I, D] (expert e's gate rows, then its up rows); down: [E, D, I];
+        weights: [T, k] fp32; ids: [T, k] int64 -> [T, D] in x.dtype.
+
+        For token t and rank r (e = ids[t, r]): g, u = the two halves of x_t @ gate_up[e]^T (model dtype, fp32
+        accumulation), h = silu_mul(g, u), o_r = h @ down[e]^T (model dtype, fp32 accumulation);
+        out_t = (sum over r = 0..k-1 in rank order of weights[t, r] * o_r.float(), in fp32).to(x.dtype).
+        Exact backends: every row's bits are independent of how many tokens each expert received, of where the
+        row sits in its expert's group and of the other rows in the call (the dense `linear` rule, applied per
+        expert). Differentiable w.r.t. x, gate_up, down and weights; the exact backends' backward is
+        deterministic."""
+        ...
+
     def attention(
         self,
         q: torch.Tensor,

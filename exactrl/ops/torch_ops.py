@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from exactrl.ops.batch import BLOCK_N, AttentionBatch
+from exactrl.ops.moe_torch import experts_exact, experts_fast, route_topk
 
 ROW_MULTIPLE = 16  # linear pads its rows to a multiple of this (and at least this many)
 LOGPROB_CHUNK_ROWS = 1024  # rows of [rows, vocab] fp32 logits alive at once in logprobs
@@ -309,6 +310,15 @@ class ExactTorchOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul_torch(gate, up)
 
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_topk(logits, top_k, norm_topk_prob)
+
+    def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
+        # Per expert through this backend's invariant linear (exactrl/ops/moe_torch.py says why that suffices).
+        return experts_exact(self.linear, self.silu_mul, x, gate_up, down, weights, ids)
+
     def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None) -> torch.Tensor:
         if kv_cache is None:
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -348,6 +358,19 @@ class FastOps(ExactTorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' router: torch.topk (no promise about ties), the renormalising sum in torch's own order.
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
+        return experts_fast(x, gate_up, down, weights, ids)
 
     def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None) -> torch.Tensor:
         if kv_cache is None:

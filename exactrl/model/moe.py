@@ -1,0 +1,108 @@
+"""The sparse MLP of Qwen3-MoE and Qwen2-MoE: a router, routed experts and (Qwen2-MoE) a gated shared expert.
+
+    logits = gate(x)                                   # [T, E], the invariant `linear`
+    weights, ids = ops.moe_route(logits, k, norm)      # fp32 softmax top-k, ties to the lowest expert id
+    out = ops.moe_experts(x, gate_up, down, weights, ids)
+    out = out + sigmoid(shared_expert_gate(x)) * shared_expert(x)   # Qwen2-MoE only, as transformers adds it
+
+The routed experts are stacked parameters (`gate_up` [E, 2I, D]: expert e's gate rows then its up rows; `down`
+[E, D, I]) so that a backend can run them as one grouped GEMM; the state dict speaks the hub's per-expert names
+(`mlp.experts.{e}.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`), which is what transformers writes
+and loads, whatever layout it keeps in memory. The engine and the trainer run this same module through the same
+ops, so the trainer's router picks the experts the engine's did by itself: no routing replay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exactrl.model.config import ModelConfig
+from exactrl.model.layers import MLP, Linear
+from exactrl.ops import Ops
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """E routed experts as two stacked parameters; `state_dict()` names them per expert as HF does (views, no
+    copy), `load_state_dict()` stacks them back."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        d, i = self.gate_up.shape[2], self.intermediate_size
+        return {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+
+
+def _split_experts(module: Experts, state_dict, prefix: str, local_metadata) -> None:
+    gate_up = state_dict.pop(f"{prefix}gate_up", None)
+    down = state_dict.pop(f"{prefix}down", None)
+    i = module.intermediate_size
+    for e in range(module.num_experts):
+        if gate_up is not None:
+            state_dict[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :i]
+            state_dict[f"{prefix}{e}.up_proj.weight"] = gate_up[e, i:]
+        if down is not None:
+            state_dict[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+
+def _stack_experts(
+    module: Experts, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+) -> None:
+    names = {p: [f"{prefix}{e}.{p}.weight" for e in range(module.num_experts)] for p in _PROJS}
+    every = [n for ns in names.values() for n in ns]
+    present = [n for n in every if n in state_dict]
+    if not present:
+        return  # a state dict in exactrl's own stacked names, or nothing for this module: load as usual
+    if len(present) < len(every):  # left for load_state_dict to report: the stacked entries stay missing
+        missing_keys.extend(n for n in every if n not in state_dict)
+        return
+    shapes = module.hf_shapes()
+    bad = [
+        f"{n}: shape {tuple(state_dict[n].shape)}, the model needs {shapes[p]}"
+        for p, ns in names.items()
+        for n in ns
+        if tuple(state_dict[n].shape) != shapes[p]
+    ]
+    if bad:
+        errors.extend(bad)
+        return
+    pieces = {p: [state_dict.pop(n) for n in ns] for p, ns in names.items()}
+    gate_up = [torch.cat((g, u), dim=0) for g, u in zip(pieces["gate_proj"], pieces["up_proj"])]
+    state_dict[f"{prefix}gate_up"] = torch.stack(gate_up)
+    state_dict[f"{prefix}down"] = torch.stack(pieces["down_proj"])
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` ([E, D], HF `mlp.gate.weight`), routed `experts`, and for Qwen2-MoE the `shared_expert` (a
+    dense MLP of shared_expert_intermediate_size) with its sigmoid `shared_expert_gate` ([1, D])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.has_shared_expert:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D] in x.dtype."""
+        logits = self.gate(ops, x)
+        weights, ids = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
+        out = ops.moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
+        if self.shared_expert is not None:
+            # transformers' order and dtypes: sigmoid of the gate in the model dtype, times the shared output,
+            # added to the routed output (each product and sum rounded once to the model dtype).
+            shared = torch.sigmoid(self.shared_expert_gate(ops, x)) * self.shared_expert(ops, x)
+            out = out + shared
+        return out
