@@ -898,42 +898,50 @@ class RLRun:
             [v for p in self.dist.all_gather_object(res.rewards) for v in p], dtype=torch.float32
         )
 
-    def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
-        """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
+    def mismatch_report(self, step: int, rollouts: list[Rollout], err: MismatchError) -> Path | None:
+        """Write `mismatch-<step + 1>/` from every rank's offending sequences (a collective): what `exactrl parity
+        --replay` needs. Returns its path on rank 0 (None on the others, or when no sequence was kept)."""
         from exactrl.guard.report import MismatchSequence, write_mismatch_report
 
         seqs = [
             MismatchSequence(
-                request_id=sr.rollouts[i].request_id,
-                sample_index=sr.rollouts[i].sample_index,
-                prompt_ids=sr.rollouts[i].prompt_ids,
-                completion_ids=sr.rollouts[i].completion_ids,
+                request_id=rollouts[i].request_id,
+                sample_index=rollouts[i].sample_index,
+                prompt_ids=rollouts[i].prompt_ids,
+                completion_ids=rollouts[i].completion_ids,
                 rollout_logprobs=r_lp,
                 trainer_logprobs=t_lp,
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
+        if not self.dist.is_main or not every:
+            return None
+        sp = self.sampling_params()
+        # No optimizer step touched the batch (abort or skip_step): the engine's weights are the sampling weights.
+        return write_mismatch_report(
+            self.out_dir,
+            step + 1,
+            cfg=self.cfg,
+            model=self.engine.model,
+            tokenizer=self.tok,
+            sequences=every,
+            sampling={
+                "seed": sp.seed,
+                "temperature": sp.temperature,
+                "top_k": sp.top_k,
+                "top_p": sp.top_p,
+                "max_tokens": sp.max_tokens,
+                "n": sp.n,
+                "stop": list(sp.stop),
+                "stop_token_ids": list(sp.stop_token_ids),
+            },
+        )
+
+    def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
+        """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
+        where = self.mismatch_report(step, sr.rollouts, err)
         if self.dist.is_main:
-            sp = self.sampling_params()
-            where = write_mismatch_report(
-                self.out_dir,
-                step + 1,
-                cfg=self.cfg,
-                model=self.engine.model,
-                tokenizer=self.tok,
-                sequences=every,
-                sampling={
-                    "seed": sp.seed,
-                    "temperature": sp.temperature,
-                    "top_k": sp.top_k,
-                    "top_p": sp.top_p,
-                    "max_tokens": sp.max_tokens,
-                    "n": sp.n,
-                    "stop": list(sp.stop),
-                    "stop_token_ids": list(sp.stop_token_ids),
-                },
-            )
             self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
             self.logger.close()
             self.out(f"\n!! {err}\n   replay it: exactrl parity --replay {where}")
@@ -942,12 +950,18 @@ class RLRun:
             )
 
     def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
-        """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
+        """One trainer step on the rollouts; the weights change in place, so the engine samples from them next.
+        A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
         self.trainer.s.kl_coef = self.kl_ctl.value
         m = self.trainer.step(rollouts)
         bar.update(1)
         bar.close()
+        skipped = self.trainer.skipped_mismatch
+        if skipped is not None:  # as real a difference as an abort's: the run goes on, the evidence stays
+            where = self.mismatch_report(step, rollouts, skipped)
+            if where is not None:
+                self.out(f"step {step + 1} skipped: {skipped}\n   replay it: exactrl parity --replay {where}")
         return m
 
     def step_metrics(self, m: dict[str, float], sr: StepRollouts) -> dict[str, float]:
