@@ -26,7 +26,7 @@ from exactrl.distributed.checkpoint import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device
+from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device, under_torchrun
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -67,9 +67,16 @@ class _StopFlag:
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
+        # Under torchrun a rank often gets one stop twice: from the scheduler or the terminal (which signal every
+        # process of the job) and again from torchrun's agent, which passes every signal on to its ranks. A repeat
+        # must not abort the checkpoint then; the agent's SIGKILL after its shutdown timeout is the hard stop.
+        repeats_abort = not under_torchrun()
+
         def handler(signum, frame):
-            if self.stop:  # a second signal: give up waiting
-                raise KeyboardInterrupt
+            if self.stop:  # a second signal: give up waiting (one process), or the same stop again (torchrun)
+                if repeats_abort:
+                    raise KeyboardInterrupt
+                return
             self.stop = True
             self.signum = signum
             self.signal_name = signal.Signals(signum).name

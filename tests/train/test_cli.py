@@ -442,10 +442,13 @@ def _rl_steps(run: Path) -> list[int]:
     return [r["step"] for r in rows if "mismatch/num_tokens" in r]
 
 
-def test_sigterm_checkpoints_mid_run_and_resume_continues(config, tmp_path, capsys):
+@pytest.mark.parametrize("nproc", [None, pytest.param(2, marks=pytest.mark.slow)])
+def test_sigterm_checkpoints_mid_run_and_resume_continues(config, tmp_path, capsys, nproc):
     """What a scheduler does before preemption: SIGTERM to `exactrl train` in the middle of its RL steps. The
     step in flight finishes, a checkpoint is written (save_every = 0: no other could exist), the exit status is
-    143; `--resume` continues from that checkpoint, not from the start."""
+    143; `--resume` continues from that checkpoint, not from the start. With --nproc 2 the signal goes to the
+    launcher alone: torchrun's agent and both ranks get it, and every rank stops at the same step (a sharded
+    checkpoint, resumed here at world size 1)."""
     run = tmp_path / "run"
     root = Path(__file__).resolve().parents[2]
     argv = ["train", str(config), "--set", f"run.output_dir={run}", "--set", "sft.steps=0"]
@@ -456,6 +459,7 @@ def test_sigterm_checkpoints_mid_run_and_resume_continues(config, tmp_path, caps
             "-m",
             "exactrl.cli",
             *argv,
+            *(["--nproc", str(nproc)] if nproc else []),
             "--set",
             "train.steps=500",
             "--set",
@@ -487,6 +491,7 @@ def test_sigterm_checkpoints_mid_run_and_resume_continues(config, tmp_path, caps
     assert (
         summary["stopped_early"] is True and summary["stopped_by"] == "SIGTERM" and summary["rl_steps"] == k
     )
+    assert (run / "checkpoints" / latest / "dcp").is_dir() == bool(nproc)
     capsys.readouterr()
     assert main([*argv, "--set", f"train.steps={k + 1}", "--set", "train.save_every=0", "--resume"]) == 0
     assert f"resumed from {run / 'checkpoints' / latest} at step {k}" in capsys.readouterr().out
@@ -587,3 +592,26 @@ def test_resume_from_a_corrupt_checkpoint_is_refused_before_anything_changes(
     assert main(["train", str(config), "--set", f"run.output_dir={run}", "--resume"]) == 2
     assert "'step-000001', which is not a checkpoint folder" in capsys.readouterr().err
     assert _tree(run) == before
+
+
+def test_a_repeated_stop_signal_aborts_one_process_but_not_a_torchrun_rank(monkeypatch):
+    """A rank under torchrun gets one stop twice (from the scheduler or terminal, and from torchrun's agent): the
+    repeat must not abort its checkpoint. One process: a second Ctrl-C still gives up waiting."""
+    from exactrl.train.loop import _StopFlag
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(KeyboardInterrupt), _StopFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.stop and flag.signal_name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        with _StopFlag() as flag:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the agent's copy
+    except KeyboardInterrupt:
+        pytest.fail("the agent's copy of the stop signal aborted the rank (no checkpoint)")
+    assert flag.stop and flag.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
