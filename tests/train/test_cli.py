@@ -572,6 +572,12 @@ def test_resume_into_another_model_shape_is_refused_before_anything_changes(
     assert f"cannot resume from {run / 'checkpoints' / 'step-000001'}" in err
     assert "architecture qwen3 (checkpoint) vs llama (this config's model)" in err
     assert _tree(run) == before  # config.toml, metrics.jsonl: untouched
+    # Trainable state the checkpoint lacks: LoRA adapters, a PPO critic.
+    assert main([*argv, "--set", "lora.rank=4"]) == 2
+    assert "holds no LoRA adapters (no adapter/), and this config trains them" in capsys.readouterr().err
+    assert main([*argv, "--set", "algorithm.name=ppo"]) == 2
+    assert "critic.safetensors is missing" in capsys.readouterr().err
+    assert _tree(run) == before
 
 
 def test_resume_from_a_corrupt_checkpoint_is_refused_before_anything_changes(
