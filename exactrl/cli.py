@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -302,7 +301,9 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "exactrl.cli", *_without_nproc(argv)]
     print(f"exactrl: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    from exactrl.distributed.launch import call_forwarding_signals
+
+    return call_forwarding_signals(cmd)  # SIGTERM / Ctrl-C reach the ranks, which checkpoint and stop
 
 
 def _quiet_unless_rank0() -> None:

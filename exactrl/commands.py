@@ -24,7 +24,8 @@ def _run_dir_plan(cfg, args):
 
 
 def _run(cfg, args) -> int:
-    """Train, and exit 130 (as a shell does after Ctrl-C) when the run was stopped before its end."""
+    """Train, and exit as a shell reports the signal when a signal stopped the run before its end (after its
+    checkpoint): 130 after Ctrl-C, 143 after SIGTERM (a scheduler's preemption)."""
     import os
 
     from exactrl.train.loop import train
@@ -37,7 +38,9 @@ def _run(cfg, args) -> int:
     summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan, config_dir=config_dir)
     if summary.get("reward_failure"):  # every reward call failed, or every call of the correctness function
         return 3
-    return 130 if summary.get("stopped_early") else 0
+    if not summary.get("stopped_early"):
+        return 0
+    return 143 if summary.get("stopped_by") == "SIGTERM" else 130
 
 
 def cmd_train(args) -> int:
@@ -47,7 +50,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    """SFT only: the warm start of the config, then save the checkpoint and evaluate."""
+    """SFT only: the warm start of the config, then save the checkpoint and evaluate. --resume continues an
+    interrupted SFT from its last checkpoint (sft-checkpoints/)."""
     from exactrl.config import load_config
 
     cfg = load_config(args.config, (args.set or []) + ["train.steps=0"])
@@ -247,6 +251,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="the run's TOML config")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     p.add_argument("--overwrite", action="store_true", help="start over in a non-empty run.output_dir")
+    p.add_argument(
+        "--resume", action="store_true", help="continue an interrupted SFT from its last checkpoint"
+    )
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser(

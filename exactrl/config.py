@@ -733,12 +733,15 @@ class SFTConfig:
     """Linear learning-rate warmup over this many SFT steps."""
     checkpoint: str | None = None
     """Start RL from this existing SFT checkpoint directory instead of running SFT."""
+    save_every: int = 100
+    """Write a resumable SFT checkpoint (weights, optimizer, data position) to <output_dir>/sft-checkpoints every this many SFT steps; 0 = only when the run is stopped (Ctrl-C, SIGTERM). `--resume` continues SFT from the last one; they are removed once SFT has finished."""
 
     def validate(self) -> None:
         _check_at_least(self.steps, 0, "sft.steps")
         _check_positive(self.lr, "sft.lr")
         _check_at_least(self.batch_size, 1, "sft.batch_size")
         _check_at_least(self.warmup_steps, 0, "sft.warmup_steps")
+        _check_at_least(self.save_every, 0, "sft.save_every")
         if self.checkpoint is not None and self.steps > 0:
             _fail("sft.checkpoint", "and sft.steps > 0 are exclusive: load a checkpoint or run SFT, not both")
 

@@ -434,6 +434,34 @@ def attach_checkpoint_adapter(
     )
 
 
+def _adapter_tensors(tensors: dict[str, torch.Tensor], wfile: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{module path: {"lora_A": A, "lora_B": B}} from an adapter file's tensors. PEFT's saved files name a weight
+    `<prefix><module>.lora_A.weight`; its in-memory state dict, and files written from it by some PEFT versions
+    and tools, keep the adapter's name: `<module>.lora_A.<adapter name>.weight` ("default" unless named). Both
+    layouts load; a file that mixes several adapter names (which one would be meant?) is refused by name."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    names: set[str] = set()
+    for k, t in tensors.items():
+        parts = k.removeprefix(_PEFT_PREFIX).split(".")
+        # [... module path ..., "lora_A" | "lora_B", (adapter name,) "weight"]
+        at = next(
+            (i for i in (len(parts) - 2, len(parts) - 3) if i > 0 and parts[i] in ("lora_A", "lora_B")), None
+        )
+        if at is None or parts[-1] != "weight":
+            raise ValueError(f"{wfile}: tensor {k!r} is not a LoRA A or B weight")
+        if at == len(parts) - 3:
+            names.add(parts[at + 1])
+        module, ab = ".".join(parts[:at]), parts[at]
+        if ab in found.get(module, {}):
+            raise ValueError(f"{wfile}: {module} has {ab} twice (tensor {k!r})")
+        found.setdefault(module, {})[ab] = t
+    if len(names) > 1:
+        raise ValueError(
+            f"{wfile}: tensors of several adapters ({', '.join(sorted(names))}); save one adapter per directory"
+        )
+    return found
+
+
 @torch.no_grad()
 def load_adapter(model: CausalLM, adapter_dir: str | Path, seed: int = 0) -> LoraSpec:
     """Load a PEFT LoRA adapter into `model`. A model without adapters gets them (shaped by the files); a
@@ -450,17 +478,7 @@ def load_adapter(model: CausalLM, adapter_dir: str | Path, seed: int = 0) -> Lor
     with safe_open(str(wfile), framework="pt") as sf:
         for k in sf.keys():
             tensors[k] = sf.get_tensor(k)
-    # PEFT writes "<module>.lora_A.weight"; some versions keep the adapter name ("...lora_A.default.weight").
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for k, t in tensors.items():
-        core = k.removeprefix(_PEFT_PREFIX).replace(".default.weight", ".weight")
-        for ab in ("lora_A", "lora_B"):
-            suffix = f".{ab}.weight"
-            if core.endswith(suffix):
-                found.setdefault(core[: -len(suffix)], {})[ab] = t
-                break
-        else:
-            raise ValueError(f"{wfile}: tensor {k!r} is not a LoRA A or B weight")
+    found = _adapter_tensors(tensors, wfile)
     names = sorted(
         {p.rsplit(".", 1)[1] for p in found}, key=lambda n: LORA_TARGETS.index(n) if n in LORA_TARGETS else 99
     )

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from exactrl.model.hf import load_model, save_model
+from exactrl.model.files import CheckpointError
+from exactrl.model.hf import load_model, read_config, save_model
+from exactrl.model.lora import ADAPTER_WEIGHTS, LoraSpec, read_adapter_config
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 
@@ -160,11 +163,186 @@ def _prune(root: Path, keep: int, current: str) -> None:
 
 
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    f = Path(ckpt_root) / "latest"
+    """The checkpoint `latest` points at; None when there is no `latest`. A `latest` that names a missing folder
+    is refused (ResumeError): a run with checkpoints must not silently start over."""
+    root = Path(ckpt_root)
+    f = root / "latest"
     if not f.is_file():
         return None
-    p = Path(ckpt_root) / f.read_text().strip()
-    return p if p.is_dir() else None
+    name = f.read_text().strip()
+    p = root / name
+    if not name or not p.is_dir():
+        others = sorted(x.name for x in root.iterdir() if x.is_dir() and x.name.startswith("step-"))
+        raise ResumeError(
+            f"{f} names {name!r}, which is not a checkpoint folder in {root}"
+            + (
+                f" (there: {', '.join(others)}; write one of those names into {f} to resume from it)"
+                if others
+                else ""
+            )
+        )
+    return p
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be loaded into this run; raised before anything in the run folder changes."""
+
+
+# ModelConfig fields that decide the tensors' names and shapes: a checkpoint differing in one cannot load.
+_SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+def safetensors_header(f: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} from a safetensors file's header, after checking that the file is as long as the
+    header says (a file cut short by a crash or a full disk is caught here, before any tensor is read)."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise CheckpointError(f"{f}: truncated safetensors file ({size} bytes, no complete header)")
+        try:
+            meta = json.loads(fh.read(n))
+            entries = {k: v for k, v in meta.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in entries.values()), default=0)
+            shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in entries.items()}
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{f}: corrupt safetensors header ({e})") from None
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{f}: {size} bytes, but its header describes {8 + n + end}: the file is truncated or corrupt"
+        )
+    return shapes
+
+
+def check_resumable(
+    path: str | Path,
+    model: CausalLM,
+    *,
+    critic: bool = False,
+    lora: Any = None,
+) -> dict[str, Any]:
+    """Read-only checks that the checkpoint at `path` loads into `model` (and this run's critic and LoRA
+    adapters), made before the run folder changes: a resume that cannot load is refused with every reason, not
+    found out after config.toml and metrics.jsonl were rewritten. Checks state.json, the policy's config.json
+    (model shape), every safetensors file's header and length, the optimizer file (or DCP folder), the critic,
+    and the adapters against `lora` (the run's [lora] section; None = no LoRA). Returns state.json.
+    Raises ResumeError naming the checkpoint and what does not fit."""
+    path = Path(path)
+    problems: list[str] = []
+    state: dict[str, Any] = {}
+    try:
+        state = json.loads((path / "state.json").read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"state.json is unreadable ({type(e).__name__}: {e})")
+    policy = path / "policy"
+    try:
+        theirs = read_config(policy)
+    except (OSError, ValueError) as e:
+        problems.append(str(e))
+    else:
+        ours = model.config
+        diff = [
+            f"{k} {getattr(theirs, k)} (checkpoint) vs {getattr(ours, k)} (this config's model)"
+            for k in _SHAPE_FIELDS
+            if getattr(theirs, k) != getattr(ours, k)
+        ]
+        if diff:
+            problems.append("its model has another shape: " + "; ".join(diff))
+        else:
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            problems += _tensor_problems(policy, expected)
+    if (path / "dcp").is_dir():
+        if not (path / "dcp" / ".metadata").is_file():
+            problems.append("dcp/.metadata is missing (an incomplete sharded checkpoint)")
+    else:
+        opt = path / "optimizer.pt"
+        if not opt.is_file() or not zipfile.is_zipfile(opt):
+            problems.append(f"{opt.name} is {'not a readable torch file' if opt.is_file() else 'missing'}")
+        if critic:
+            f = path / "critic.safetensors"
+            if not f.is_file():
+                problems.append(
+                    "critic.safetensors is missing: this config trains a critic (PPO), the run did not"
+                )
+            else:
+                problems += _header_problems(f)
+    problems += _adapter_problems(path / "adapter", lora)
+    if problems:
+        raise ResumeError(f"cannot resume from {path}:\n  - " + "\n  - ".join(problems))
+    return state
+
+
+def _header_problems(f: Path) -> list[str]:
+    try:
+        safetensors_header(f)
+    except CheckpointError as e:
+        return [str(e)]
+    return []
+
+
+def _tensor_problems(policy: Path, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    files = sorted(policy.glob("*.safetensors"))
+    if not files:
+        return [f"{policy}: no *.safetensors files"]
+    out, seen = [], {}
+    for f in files:
+        try:
+            seen.update(safetensors_header(f))
+        except CheckpointError as e:
+            out.append(str(e))
+    if out:
+        return out
+    bad = [f"{k} {seen[k]} vs {v}" for k, v in expected.items() if k in seen and seen[k] != v]
+    if bad:
+        out.append(f"{policy}: tensor shapes differ from this config's model: {', '.join(bad[:4])}")
+    return out
+
+
+def _adapter_problems(adapter: Path, lora: Any) -> list[str]:
+    rank = int(getattr(lora, "rank", 0) or 0) if lora is not None else 0
+    if not adapter.is_dir():
+        if rank > 0:
+            return [
+                f"it holds no LoRA adapters (no {adapter.name}/), and this config trains them (lora.rank = {rank})"
+            ]
+        return []
+    if rank == 0:
+        return [
+            f"it holds LoRA adapters ({adapter.name}/), and this config has LoRA off (lora.rank = 0): the trained "
+            "adapters would be dropped"
+        ]
+    try:
+        info = read_adapter_config(adapter)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    out = []
+    spec = LoraSpec(rank=rank, alpha=float(lora.alpha), rslora=bool(lora.rslora))
+    theirs = LoraSpec(rank=info.rank, alpha=info.alpha, rslora=info.rslora)
+    if (info.rank, theirs.scale) != (rank, spec.scale):
+        out.append(
+            f"its adapters have rank {info.rank} / scale {theirs.scale}, this config's lora: rank {rank} / "
+            f"scale {spec.scale}"
+        )
+    targets = list(getattr(lora, "target_modules", []) or [])
+    if targets and info.target_modules and sorted(info.target_modules) != sorted(targets):
+        out.append(f"its adapters target {sorted(info.target_modules)}, this config's lora {sorted(targets)}")
+    f = adapter / ADAPTER_WEIGHTS
+    out += _header_problems(f) if f.is_file() else [f"{f} is missing"]
+    return out
 
 
 def load_checkpoint(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,7 @@ from exactrl.distributed.checkpoint import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device
+from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device, under_torchrun
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -36,40 +37,67 @@ from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
 from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
-from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
-from exactrl.train.sft import run_sft
+from exactrl.train.sft import (
+    SFT_CHECKPOINTS,
+    SFTCheckpointing,
+    SFTResumePoint,
+    run_sft,
+    sft_resume_point,
+    truncate_sft_log,
+    write_sft_model,
+)
 from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout, TrainerSettings
 
 
 class _StopFlag:
-    """Ctrl-C sets the flag: the current step finishes, a checkpoint is written, the run exits cleanly."""
+    """Ctrl-C (SIGINT) or SIGTERM sets the flag: the current step finishes, a checkpoint is written, the run exits
+    cleanly. SIGTERM is what a cluster scheduler (Slurm, Kubernetes) and torchrun's agent send before they kill a
+    job: treated like Ctrl-C, a preempted run keeps its work. A second signal gives up waiting."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.stop = False
-        self._old = None
+        self.signal_name: str | None = None  # the signal that asked to stop ("SIGINT", "SIGTERM")
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
+        # Under torchrun a rank often gets one stop twice: from the scheduler or the terminal (which signal every
+        # process of the job) and again from torchrun's agent, which passes every signal on to its ranks. A repeat
+        # must not abort the checkpoint then; the agent's SIGKILL after its shutdown timeout is the hard stop.
+        repeats_abort = not under_torchrun()
+
         def handler(signum, frame):
-            if self.stop:  # a second Ctrl-C: give up waiting
-                raise KeyboardInterrupt
+            if self.stop:  # a second signal: give up waiting (one process), or the same stop again (torchrun)
+                if repeats_abort:
+                    raise KeyboardInterrupt
+                return
             self.stop = True
+            self.signum = signum
+            self.signal_name = signal.Signals(signum).name
+            what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
             print(
-                "\nCtrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to abort)", flush=True
+                f"\n{what}: finishing this step, then writing a checkpoint ({what} again to abort)",
+                flush=True,
             )
 
-        try:
-            self._old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread
-            self._old = None
+        for sig in self.SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: signals are not ours to take
+                break
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
 
 
 def build_task(cfg: RunConfig):
@@ -316,18 +344,30 @@ class RLRun:
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
-        if resume and self.resume_from is None:
+        # Without an RL checkpoint, SFT's own resume point: an unfinished SFT continues from its last checkpoint,
+        # a finished one is not run again (its weights are sft/).
+        self.sft_point = SFTResumePoint()
+        if resume and self.resume_from is None and cfg.sft.steps > 0 and not cfg.sft.checkpoint:
+            self.sft_point = sft_resume_point(self.out_dir)
+        self.check_resume_point()
+        sft_resuming = self.sft_point.finished is not None or self.sft_point.checkpoint is not None
+        if resume and self.resume_from is None and not sft_resuming:
             self.out(f"no checkpoint under {self.ckpt_root}: starting from scratch")
-        # Everything loaded: now the run directory may change (old files of --overwrite go, config.toml is written).
+        # Everything loaded and every checkpoint to resume from checked: now the run directory may change (old
+        # files of --overwrite go, config.toml is written).
         if self.dist.is_main and self.plan is not None:
             self.plan.commit(cfg)
         self.dist.barrier()
         # With nothing to resume from the run starts over, and so does its metrics.jsonl.
         self.logger: MetricsLogger | _NoLogger = (
-            MetricsLogger.from_config(cfg, resume=self.resume_from is not None)
+            MetricsLogger.from_config(cfg, resume=self.resume_from is not None or sft_resuming)
             if self.dist.is_main
             else _NoLogger()
         )
+        if sft_resuming and isinstance(self.logger, MetricsLogger):
+            # Keep the SFT records of the steps the resumed weights hold; the rest is logged again.
+            keep = None if self.sft_point.finished is not None else self.sft_point.state.get("sft_step", 0)
+            truncate_sft_log([self.logger.path, self.logger.samples_path], keep)
         self.eval_examples = self._eval_examples()
         self.ev_kw = dict(
             samples=cfg.task.eval_samples,
@@ -354,6 +394,36 @@ class RLRun:
         a = cfg.algorithm
         self.kl_ctl = KLController(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.stream: Any = None  # the task's training-example iterator, opened by run()
+        self.flag: _StopFlag | None = None  # the signal flag, while run() runs
+
+    def check_resume_point(self) -> None:
+        """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
+        another model shape (a --allow-config-change of model.*), LoRA or critic that the checkpoint lacks or
+        has, a truncated or corrupt file. The run's time so far comes from the checkpoint (RunClock)."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
+            sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
+            if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
+                raise ValueError(
+                    f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "
+                    "(no config.json)"
+                )
+        elif self.sft_point.checkpoint is not None:
+            self.sft_point.state = check_resumable(self.sft_point.checkpoint, self.model)
+            self.clock.resume_from(self.sft_point.state.get("summary", {}))
+        elif self.sft_point.finished is not None:
+            self.clock.resume_from(self.sft_point.finished)
+
+    def stop_requested(self) -> bool:
+        """Whether a signal (Ctrl-C, SIGTERM) asked the run to stop, on any rank: a collective (every rank asks at
+        the same point), so that every rank stops, and checkpoints, at the same step."""
+        mine = self.flag is not None and self.flag.stop
+        stop = self.dist.max(1.0 if mine else 0.0) > 0
+        if stop:
+            name = self.flag.signal_name if self.flag is not None and self.flag.signal_name else None
+            self.summary["stopped_by"] = name or "a signal to another rank"
+        return stop
 
     # -- setup stages ----------------------------------------------------------------------------------------
     def fits(self, ids: list[int]) -> bool:
@@ -393,34 +463,21 @@ class RLRun:
                     cfg.sft.checkpoint, device=self.device, dtype=model.dtype, exact=self.exact
                 )
                 model.load_state_dict(loaded.state_dict())
-            elif cfg.sft.steps > 0:
-                self.out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
-                with _StopFlag() as sft_flag:
-                    sft = run_sft(
-                        cfg,
-                        model,
-                        self.tok,
-                        self.encode,
-                        self.task,
-                        lambda r: self.logger.log({"step": 0, **r}),
-                        should_stop=lambda: sft_flag.stop,
-                        out=self.out,
-                        demonstrate=self.demonstrations(),
-                    )
-                self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
-                if sft.filter is not None and sft.filter.skipped:
-                    self.summary["sft_skipped_prompts_total"] = sft.filter.skipped
-                if self.dist.is_main:
-                    from exactrl.model.hf import save_model
+            elif self.sft_point.finished is not None:
+                # SFT finished in an earlier invocation that stopped before its first RL checkpoint.
+                from exactrl.model.hf import load_model
 
-                    save_model(model, sft_dir, tokenizer=self.tok)
-                if sft.stopped:
-                    self.stopped_in_sft = True
-                    self.summary["sft_steps_done"] = sft.steps_done
-                    self.out(
-                        f"stopped during SFT after step {sft.steps_done} of {cfg.sft.steps}; its weights are in "
-                        f"{sft_dir} (sft.checkpoint can start RL from them); RL is skipped"
-                    )
+                loaded = load_model(sft_dir, device=self.device, dtype=model.dtype, exact=self.exact)
+                model.load_state_dict(loaded.state_dict())
+                done = self.sft_point.finished
+                if done.get("skipped_prompts"):
+                    self.summary["sft_skipped_prompts_total"] = done["skipped_prompts"]
+                self.out(
+                    f"resume: SFT finished earlier ({done.get('steps_done')} steps): its weights from {sft_dir}"
+                )
+            elif cfg.sft.steps > 0:
+                self.sft_warm_start(sft_dir)
+                if self.stopped_in_sft:
                     return
             before = self.evaluate()
             self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
@@ -440,6 +497,54 @@ class RLRun:
                 cfg.sft.checkpoint or sft_dir, device=self.device, dtype=model.dtype, exact=self.exact
             )
             model.load_state_dict(loaded.state_dict())
+
+    def sft_warm_start(self, sft_dir: Path) -> None:
+        """Run SFT (from its last checkpoint when resuming), checkpointing every sft.save_every steps and at a
+        stop; write sft/ (the weights and how far SFT got). A finished SFT's checkpoints are removed."""
+        cfg, model = self.cfg, self.model
+        ck = SFTCheckpointing(
+            root=self.out_dir / SFT_CHECKPOINTS,
+            tokenizer=self.tok,
+            every=cfg.sft.save_every,
+            keep=cfg.train.keep_checkpoints,
+            resume_from=self.sft_point.checkpoint,
+            write=self.dist.is_main,
+            barrier=self.dist.barrier,
+            extra_state=lambda: {self.clock.KEY: self.clock.total_s()},
+        )
+        if ck.resume_from is None:
+            self.out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
+        sft = run_sft(
+            cfg,
+            model,
+            self.tok,
+            self.encode,
+            self.task,
+            lambda r: self.logger.log({"step": 0, **r}),
+            should_stop=self.stop_requested,
+            out=self.out,
+            demonstrate=self.demonstrations(),
+            checkpoints=ck,
+        )
+        self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        skipped = sft.filter.skipped if sft.filter is not None else 0
+        if skipped:
+            self.summary["sft_skipped_prompts_total"] = skipped
+        if self.dist.is_main:
+            extra = {"skipped_prompts": skipped, self.clock.KEY: self.clock.total_s()}
+            write_sft_model(
+                model, self.tok, sft_dir, steps_done=sft.steps_done, steps=cfg.sft.steps, extra=extra
+            )
+            if not sft.stopped:  # sft/ holds the finished SFT: its resume points are of no more use
+                shutil.rmtree(ck.root, ignore_errors=True)
+        self.dist.barrier()
+        if sft.stopped:
+            self.stopped_in_sft = True
+            self.summary["sft_steps_done"] = sft.steps_done
+            self.out(
+                f"stopped during SFT after step {sft.steps_done} of {cfg.sft.steps}: `--resume` continues SFT from "
+                f"{sft.checkpoint}; the weights so far are also in {sft_dir}"
+            )
 
     def demonstrations(self) -> Any:
         """Multi-turn: the environment's worked episodes for the SFT warm start (tool calls and their results,
@@ -815,42 +920,50 @@ class RLRun:
             [v for p in self.dist.all_gather_object(res.rewards) for v in p], dtype=torch.float32
         )
 
-    def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
-        """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
+    def mismatch_report(self, step: int, rollouts: list[Rollout], err: MismatchError) -> Path | None:
+        """Write `mismatch-<step + 1>/` from every rank's offending sequences (a collective): what `exactrl parity
+        --replay` needs. Returns its path on rank 0 (None on the others, or when no sequence was kept)."""
         from exactrl.guard.report import MismatchSequence, write_mismatch_report
 
         seqs = [
             MismatchSequence(
-                request_id=sr.rollouts[i].request_id,
-                sample_index=sr.rollouts[i].sample_index,
-                prompt_ids=sr.rollouts[i].prompt_ids,
-                completion_ids=sr.rollouts[i].completion_ids,
+                request_id=rollouts[i].request_id,
+                sample_index=rollouts[i].sample_index,
+                prompt_ids=rollouts[i].prompt_ids,
+                completion_ids=rollouts[i].completion_ids,
                 rollout_logprobs=r_lp,
                 trainer_logprobs=t_lp,
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
+        if not self.dist.is_main or not every:
+            return None
+        sp = self.sampling_params()
+        # No optimizer step touched the batch (abort or skip_step): the engine's weights are the sampling weights.
+        return write_mismatch_report(
+            self.out_dir,
+            step + 1,
+            cfg=self.cfg,
+            model=self.engine.model,
+            tokenizer=self.tok,
+            sequences=every,
+            sampling={
+                "seed": sp.seed,
+                "temperature": sp.temperature,
+                "top_k": sp.top_k,
+                "top_p": sp.top_p,
+                "max_tokens": sp.max_tokens,
+                "n": sp.n,
+                "stop": list(sp.stop),
+                "stop_token_ids": list(sp.stop_token_ids),
+            },
+        )
+
+    def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
+        """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
+        where = self.mismatch_report(step, sr.rollouts, err)
         if self.dist.is_main:
-            sp = self.sampling_params()
-            where = write_mismatch_report(
-                self.out_dir,
-                step + 1,
-                cfg=self.cfg,
-                model=self.engine.model,
-                tokenizer=self.tok,
-                sequences=every,
-                sampling={
-                    "seed": sp.seed,
-                    "temperature": sp.temperature,
-                    "top_k": sp.top_k,
-                    "top_p": sp.top_p,
-                    "max_tokens": sp.max_tokens,
-                    "n": sp.n,
-                    "stop": list(sp.stop),
-                    "stop_token_ids": list(sp.stop_token_ids),
-                },
-            )
             self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
             self.logger.close()
             self.out(f"\n!! {err}\n   replay it: exactrl parity --replay {where}")
@@ -859,12 +972,18 @@ class RLRun:
             )
 
     def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
-        """One trainer step on the rollouts; the weights change in place, so the engine samples from them next."""
+        """One trainer step on the rollouts; the weights change in place, so the engine samples from them next.
+        A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
         self.trainer.s.kl_coef = self.kl_ctl.value
         m = self.trainer.step(rollouts)
         bar.update(1)
         bar.close()
+        skipped = self.trainer.skipped_mismatch
+        if skipped is not None:  # as real a difference as an abort's: the run goes on, the evidence stays
+            where = self.mismatch_report(step, rollouts, skipped)
+            if where is not None:
+                self.out(f"step {step + 1} skipped: {skipped}\n   replay it: exactrl parity --replay {where}")
         return m
 
     def step_metrics(self, m: dict[str, float], sr: StepRollouts) -> dict[str, float]:
@@ -1000,25 +1119,30 @@ class RLRun:
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg, tr = self.cfg, self.cfg.train
-        self.warm_start()
-        if self.stopped_in_sft:
-            return self.finish()
-        self.build_trainer()
-        self.restore()
-        self.stream = self.task.train_examples(seed=cfg.run.seed)
-        with _StopFlag() as flag:
-            while self.step < tr.steps:
+        # One flag from the warm start to the last step: a signal anywhere stops at the next safe point.
+        with _StopFlag() as self.flag:
+            self.warm_start()
+            if self.stopped_in_sft:
+                return self.finish()
+            self.build_trainer()
+            self.restore()
+            self.stream = self.task.train_examples(seed=cfg.run.seed)
+            # A signal before this invocation's first RL step (during the warm start's evaluation, the trainer's
+            # build): the run so far is checkpointed now (a restored checkpoint is that already).
+            stop = self.step < tr.steps and self.stop_requested()
+            if stop and self.resume_from is None:
+                self.checkpoint()
+            while self.step < tr.steps and not stop:
                 m = self.rl_step()
                 self.log_step(m)
                 # Under torchrun every rank must stop (and checkpoint, a collective) at the same step.
-                stop = self.dist.max(1.0 if flag.stop else 0.0) > 0
+                stop = self.stop_requested()
                 at_end = self.step == tr.steps and tr.save_at_end
                 if (tr.save_every and self.step % tr.save_every == 0) or at_end or stop:
                     self.checkpoint()
-                if stop:
-                    self.stopped_early = self.step < tr.steps
-                    self.out(f"stopped at step {self.step}; resume with --resume")
-                    break
+            if stop:
+                self.stopped_early = self.step < tr.steps
+                self.out(f"stopped at step {self.step}; resume with --resume")
         return self.finish()
 
     def log_step(self, m: dict[str, float]) -> None:

@@ -35,6 +35,8 @@ RUN_FILES = (
     "checkpoints",
     "tensorboard",
     "sft",
+    "sft.tmp",
+    "sft-checkpoints",
     "wandb",
 )
 
@@ -58,6 +60,7 @@ HARMLESS_KEYS = frozenset(
         "run.log_samples_every",
         "train.steps",  # resuming to train further is what --resume is for
         "train.save_every",
+        "sft.save_every",  # resumed SFT ends with the same bits whatever the checkpoint cadence
         "train.save_at_end",
         "train.keep_checkpoints",
         "train.max_nan_steps",

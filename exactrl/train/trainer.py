@@ -223,6 +223,9 @@ class PolicyTrainer:
         self.model, self.s, self.opt = model, settings, optimizer
         self.ref_model, self.critic, self.critic_opt = ref_model, critic, critic_optimizer
         self.steps_done = 0
+        # The last step's mismatch (message and offending sequences) when on_mismatch = "skip_step" dropped it:
+        # the loop writes the same replay report for it as for an abort. None after a step that was not skipped.
+        self.skipped_mismatch: MismatchError | None = None
         # Under torchrun every count that normalises the loss and every metric is global; on one process these
         # collectives are the identity.
         self.dist = dist or DistContext.single()
@@ -319,6 +322,7 @@ class PolicyTrainer:
     def step(self, rollouts: list[Rollout]) -> dict[str, float]:
         """One RL update: prepare the step's tensors, check exactness, queue every minibatch's update, then read
         the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied."""
+        self.skipped_mismatch = None
         batch = self.prepare(rollouts)
         if not self._grads and not self.sharded:  # the graphs add into these buffers in place
             self._grads = self.opt.persistent_grads(self.opt.params)
@@ -357,18 +361,17 @@ class PolicyTrainer:
         b.mismatched = b.metrics["mismatch/num_mismatched_tokens"] > 0
 
     def _refuse(self, b: StepBatch, rollouts: list[Rollout], out: dict[str, float]) -> dict[str, float]:
-        """A mismatch in exact mode: no update was applied. skip_step: say so in the metrics; abort: raise."""
+        """A mismatch in exact mode: no update was applied. skip_step: say so in the metrics and keep the mismatch
+        (`skipped_mismatch`); abort: raise it."""
         out.update(b.metrics)
         out["mismatch/step_skipped"] = 1.0
         out["optimizer_steps"] = 0.0
-        if self.s.on_mismatch == "skip_step":
-            return out
         seqs = self._offending(b)
         n_bad = int(out.get("mismatch/num_mismatched_tokens", 0))
         n_all = int(out.get("mismatch/num_tokens", 0))
         head = (
             f"step {self.steps_done}: {n_bad} of {n_all} rollout logprobs differ from the trainer's at the sampling "
-            "weights (run.on_mismatch = 'abort'); no optimizer step was applied"
+            f"weights (run.on_mismatch = '{self.s.on_mismatch}'); no optimizer step was applied"
         )
         if seqs:
             i, p, r_lp, t_lp = seqs[0]
@@ -380,6 +383,9 @@ class PolicyTrainer:
                 f"; first on this rank: {who}, completion position {p}, token id {ro.completion_ids[p]}: engine "
                 f"{float(r_lp[p]).hex()} ({float(r_lp[p]):.9g}), trainer {float(t_lp[p]).hex()} ({float(t_lp[p]):.9g})"
             )
+        if self.s.on_mismatch == "skip_step":
+            self.skipped_mismatch = MismatchError(head, seqs)
+            return out
         raise MismatchError(head, seqs)
 
     @staticmethod

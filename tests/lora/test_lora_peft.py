@@ -105,6 +105,63 @@ def test_bad_adapters_are_refused_by_name(tmp_path):
         load_adapter(tiny(), d)
 
 
+def _rename_keys(d, rename) -> None:
+    """Rewrite the adapter file in `d` with every key passed through `rename`."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(d / ADAPTER_WEIGHTS))
+    save_file({rename(k): v for k, v in sd.items()}, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def _with_name(name: str):
+    """PEFT's in-memory naming: `...lora_A.<adapter name>.weight`."""
+    return lambda k: k.replace(".lora_A.weight", f".lora_A.{name}.weight").replace(
+        ".lora_B.weight", f".lora_B.{name}.weight"
+    )
+
+
+@pytest.mark.parametrize("layout", ["plain", "default", "named"])
+def test_adapter_keys_with_and_without_the_adapter_name_load_the_same(tmp_path, layout):
+    """Files that keep the adapter's name in their keys (`lora_A.default.weight`, as PEFT's state dict and some
+    PEFT versions and tools write them; or another name) load exactly what the plain layout loads: every A into
+    its A and every B into its B, bit for bit, and the model computes the same logprobs."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = lora_model(torch.bfloat16, rank=4, alpha=8.0, targets=targets)
+    trained_looking(model, seed=7)  # B != 0 and A, B of different values: a swap or a miss shows
+    from safetensors.torch import load_file
+
+    d = save_adapter(model, tmp_path / "a")
+    if layout != "plain":
+        name = "default" if layout == "default" else "my_task"
+        _rename_keys(d, _with_name(name))
+        assert all(f".{name}.weight" in k for k in load_file(str(d / ADAPTER_WEIGHTS)))
+    fresh = tiny(torch.bfloat16)
+    spec = load_adapter(fresh, d)
+    assert spec.rank == 4 and spec.target_modules == tuple(targets)
+    ours, theirs = adapter_parameters(model), adapter_parameters(fresh)
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert torch.equal(_our_logprobs(fresh), _our_logprobs(model))
+    # negative control: the base alone computes other logprobs, so the comparison above can fail
+    assert not torch.equal(_our_logprobs(tiny(torch.bfloat16)), _our_logprobs(model))
+
+
+def test_adapter_keys_of_several_adapters_or_twice_are_refused(tmp_path):
+    model = lora_model(rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
+    d = save_adapter(model, tmp_path / "a")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(d / ADAPTER_WEIGHTS))
+    q = [k for k in sd if ".q_proj." in k]
+    mixed = {(_with_name("one")(k) if k in q else _with_name("two")(k)): v for k, v in sd.items()}
+    save_file(mixed, str(d / ADAPTER_WEIGHTS))
+    with pytest.raises(ValueError, match="several adapters \\(one, two\\)"):
+        load_adapter(tiny(), d)
+    twice = {**sd, _with_name("default")(q[0]): sd[q[0]].clone()}
+    save_file(twice, str(d / ADAPTER_WEIGHTS))
+    with pytest.raises(ValueError, match="has lora_[AB] twice"):
+        load_adapter(tiny(), d)
+
+
 transformers = pytest.importorskip("transformers")
 
 

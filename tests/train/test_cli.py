@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from exactrl.cli import main
 
@@ -417,3 +421,203 @@ def test_bench_writes_under_the_output_dir_it_is_given(tmp_path, capsys):
     (written,) = (tmp_path / "out").iterdir()
     assert json.loads(written.read_text())["bench"] == "rollout"
     assert str(written) in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nothing lost (trust issue): SIGTERM checkpoints, SFT resumes from its own checkpoints, a resume that cannot
+# load is refused before the run folder changes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tree(run: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `run` with its size and modification time: what "nothing changed" compares."""
+    return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*")}
+
+
+def _rl_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r["step"] for r in rows if "mismatch/num_tokens" in r]
+
+
+@pytest.mark.parametrize("nproc", [None, pytest.param(2, marks=pytest.mark.slow)])
+def test_sigterm_checkpoints_mid_run_and_resume_continues(config, tmp_path, capsys, nproc):
+    """What a scheduler does before preemption: SIGTERM to `exactrl train` in the middle of its RL steps. The
+    step in flight finishes, a checkpoint is written (save_every = 0: no other could exist), the exit status is
+    143; `--resume` continues from that checkpoint, not from the start. With --nproc 2 the signal goes to the
+    launcher alone: torchrun's agent and both ranks get it, and every rank stops at the same step (a sharded
+    checkpoint, resumed here at world size 1)."""
+    run = tmp_path / "run"
+    root = Path(__file__).resolve().parents[2]
+    argv = ["train", str(config), "--set", f"run.output_dir={run}", "--set", "sft.steps=0"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "exactrl.cli",
+            *argv,
+            *(["--nproc", str(nproc)] if nproc else []),
+            "--set",
+            "train.steps=500",
+            "--set",
+            "train.save_every=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not _rl_steps(run):  # mid-run: at least one RL step is done
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "no RL step within 180 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    assert "SIGTERM: finishing this step, then writing a checkpoint" in out
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    k = int(latest.removeprefix("step-"))
+    assert 1 <= k < 500 and _rl_steps(run)[-1] == k
+    summary = json.loads((run / "summary.json").read_text())
+    assert (
+        summary["stopped_early"] is True and summary["stopped_by"] == "SIGTERM" and summary["rl_steps"] == k
+    )
+    assert (run / "checkpoints" / latest / "dcp").is_dir() == bool(nproc)
+    capsys.readouterr()
+    assert main([*argv, "--set", f"train.steps={k + 1}", "--set", "train.save_every=0", "--resume"]) == 0
+    assert f"resumed from {run / 'checkpoints' / latest} at step {k}" in capsys.readouterr().out
+    assert json.loads((run / "summary.json").read_text())["rl_steps"] == k + 1
+    assert _rl_steps(run) == list(range(1, k + 2))  # each step logged once: none lost, none twice
+
+
+def test_sigterm_in_sft_resumes_sft_from_its_checkpoint_to_the_same_bits(
+    config, tmp_path, monkeypatch, capsys
+):
+    """SIGTERM while SFT step 3 of 4 runs: SFT stops after it with a checkpoint; `--resume` runs step 4 alone and
+    ends with the weights of an uninterrupted SFT, bit for bit (data position, optimizer and lr schedule restored).
+    A later resume skips the finished SFT; sft/ of unknown progress is never overwritten silently."""
+    from safetensors.torch import load_file
+
+    import exactrl.train.sft as sft_mod
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    base = ["sft", str(config), "--set", "sft.steps=4", "--set", "sft.batch_size=4"]
+    assert main([*base, "--set", f"run.output_dir={ref}"]) == 0
+
+    real, calls = sft_mod.sft_step, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and stop_at_3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's SIGTERM while step 3 runs
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft_mod, "sft_step", counted)
+    stop_at_3 = True
+    argv = [*base, "--set", f"run.output_dir={run}", "--set", "sft.save_every=2"]
+    assert main(argv) == 143
+    assert len(calls) == 3
+    assert (run / "sft-checkpoints" / "latest").read_text().strip() == "step-000003"
+    assert json.loads((run / "sft" / "sft_state.json").read_text())["finished"] is False
+    assert "continues SFT from" in capsys.readouterr().out
+
+    stop_at_3, calls[:] = False, []
+    assert main([*argv, "--resume"]) == 0
+    assert len(calls) == 1  # step 4 only: not restarted from step 0
+    assert "SFT: continuing from step 3 of 4" in capsys.readouterr().out
+    ours, theirs = (
+        load_file(str(run / "sft" / "model.safetensors")),
+        load_file(str(ref / "sft" / "model.safetensors")),
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.loads((run / "sft" / "sft_state.json").read_text())["finished"] is True
+    assert not (run / "sft-checkpoints").exists()  # a finished SFT needs no resume points
+    sft_rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["sft_step"] for r in sft_rows if "sft_step" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 3  # no SFT step logged twice
+
+    # A resume of a run whose SFT finished (no RL checkpoint yet): SFT is not run again.
+    calls[:] = []
+    assert main(["train", *argv[1:], "--set", "train.steps=1", "--resume"]) == 0
+    assert calls == [] and "SFT finished earlier (4 steps)" in capsys.readouterr().out
+
+    # sft/ without its state (an older run) and no RL or SFT checkpoint: refused, nothing touched.
+    shutil.rmtree(run / "checkpoints")
+    (run / "sft" / "sft_state.json").unlink()
+    before = _tree(run)
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "would start SFT over and overwrite them" in err and "sft.checkpoint=" in err
+    assert _tree(run) == before and calls == []
+
+
+def test_resume_into_another_model_shape_is_refused_before_anything_changes(
+    config, small_run, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    before = _tree(run)
+    argv = ["train", str(config), "--set", f"run.output_dir={run}", "--resume", "--allow-config-change"]
+    assert main([*argv, "--set", "model.preset=tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume from {run / 'checkpoints' / 'step-000001'}" in err
+    assert "architecture qwen3 (checkpoint) vs llama (this config's model)" in err
+    assert _tree(run) == before  # config.toml, metrics.jsonl: untouched
+    # Trainable state the checkpoint lacks: LoRA adapters, a PPO critic.
+    assert main([*argv, "--set", "lora.rank=4"]) == 2
+    assert "holds no LoRA adapters (no adapter/), and this config trains them" in capsys.readouterr().err
+    assert main([*argv, "--set", "algorithm.name=ppo"]) == 2
+    assert "critic.safetensors is missing" in capsys.readouterr().err
+    assert _tree(run) == before
+
+
+def test_resume_from_a_corrupt_checkpoint_is_refused_before_anything_changes(
+    config, small_run, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    weights = run / "checkpoints" / "step-000001" / "policy" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # cut short, as by a full disk
+    before = _tree(run)
+    assert main(["train", str(config), "--set", f"run.output_dir={run}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(weights) in err and "truncated or corrupt" in err
+    assert _tree(run) == before
+    # `latest` naming a checkpoint that is gone: refused too, not a silent start over.
+    shutil.rmtree(run / "checkpoints" / "step-000001")
+    before = _tree(run)
+    assert main(["train", str(config), "--set", f"run.output_dir={run}", "--resume"]) == 2
+    assert "'step-000001', which is not a checkpoint folder" in capsys.readouterr().err
+    assert _tree(run) == before
+
+
+def test_a_repeated_stop_signal_aborts_one_process_but_not_a_torchrun_rank(monkeypatch):
+    """A rank under torchrun gets one stop twice (from the scheduler or terminal, and from torchrun's agent): the
+    repeat must not abort its checkpoint. One process: a second Ctrl-C still gives up waiting."""
+    from exactrl.train.loop import _StopFlag
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(KeyboardInterrupt), _StopFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.stop and flag.signal_name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        with _StopFlag() as flag:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the agent's copy
+    except KeyboardInterrupt:
+        pytest.fail("the agent's copy of the stop signal aborted the rank (no checkpoint)")
+    assert flag.stop and flag.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back

@@ -55,11 +55,19 @@ def _cfg(tmp_path: Path, **over) -> object:
     return config_from_dict(d)
 
 
+# Several differing tokens in one sequence, as a real fault shows (a kernel off on some rows): the first one (1)
+# is one ulp off, a later one (2) is the largest difference, the last one (3) one ulp again. A report or message
+# that names the largest, or the last, difference instead of the first names position 2 or 3.
+SEVERAL = {1: None, 2: 0.5, 3: None}  # position -> added value (None: one ulp toward 0)
+
+
 @pytest.fixture
 def fault_at_call(monkeypatch):
-    """`fault_at_call(k)`: the k-th generate call (1-based) records its first sample's logprob one ulp off."""
+    """`fault_at_call(k)`: the k-th generate call (1-based) records its first sample's logprob one ulp off.
+    `fault_at_call(k, SEVERAL)`: several logprobs of the first sample long enough for them, as SEVERAL says."""
 
-    def arm(k: int) -> None:
+    def arm(k: int, faults: dict[int, float | None] | None = None) -> None:
+        faults = faults or {0: None}
         calls = {"n": 0}
         original = engine_mod._Generation.collect
 
@@ -67,9 +75,11 @@ def fault_at_call(monkeypatch):
             original(self, outputs)
             calls["n"] += 1
             if calls["n"] == k:
-                smp = next(o for o in outputs if o.samples).samples[0]
+                need = max(faults) + 1
+                smp = next(s for o in outputs for s in o.samples if len(s.token_ids) >= need)
                 lp = smp.rollout_logprobs
-                lp[0] = torch.nextafter(lp[0], torch.tensor(0.0))
+                for pos, add in faults.items():
+                    lp[pos] = torch.nextafter(lp[pos], torch.tensor(0.0)) if add is None else lp[pos] + add
 
         monkeypatch.setattr(engine_mod._Generation, "collect", collect)
 
@@ -146,3 +156,88 @@ def test_warn_trains_on_and_counts(tmp_path, fault_at_call):
     assert rows[2]["optimizer_steps"] == 1 and "mismatch/step_skipped" not in rows[2]
     assert s["mismatched_tokens_total"] == 1 and s["mismatch_skipped_steps_total"] == 0
     assert any("warning: step 2" in x for x in lines)
+
+
+def _snapshot(run: RLRun) -> dict:
+    """Every parameter and every optimizer's state (fp32 masters, moments, step counts, lr), cloned."""
+
+    def clone(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clone(v) for v in x]
+        return x
+
+    return {
+        "params": {k: clone(v) for k, v in run.model.named_parameters()},
+        "optimizers": {k: clone(o.state_dict()) for k, o in run.optimizers.items()},
+    }
+
+
+def _differences(a, b, where: str = "") -> list[str]:
+    """The places where two snapshots are not bitwise equal (torch.equal on every tensor)."""
+    if isinstance(a, torch.Tensor):
+        return [] if torch.equal(a, b) else [where]
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, list):
+        assert len(a) == len(b), where
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [where]
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_skip_step_leaves_weights_and_optimizer_bitwise_and_a_replay_report(
+    tmp_path, fault_at_call, monkeypatch, minibatches
+):
+    """skip_step must apply nothing: every parameter and all optimizer state (masters, moments, step count) are
+    bitwise what they were before the skipped step (negative control: the steps around it change them), and the
+    skipped step leaves the replay report an abort leaves, naming the first differing position."""
+    fault_at_call(3, SEVERAL)  # step 2
+    seen: dict[int, tuple[dict, dict, dict]] = {}
+    original = RLRun.update
+
+    def spy(self, step, rollouts):
+        before = _snapshot(self)
+        m = original(self, step, rollouts)
+        seen[step + 1] = (before, _snapshot(self), m)
+        return m
+
+    monkeypatch.setattr(RLRun, "update", spy)
+    cfg = _cfg(tmp_path, run__on_mismatch="skip_step", algorithm__minibatches_per_rollout=minibatches)
+    s = train(cfg, out=lambda *a: None)
+    before, after, m = seen[2]
+    assert m["mismatch/step_skipped"] == 1 and m["mismatch/num_mismatched_tokens"] == 3
+    assert _differences(before, after) == []
+    b, a, m = seen[3]  # negative control: the step after it was applied and changed both
+    changed = _differences(b, a)
+    assert m["optimizer_steps"] >= 1 and any(d.startswith(".params") for d in changed)
+    assert any(".exp_avg" in d for d in changed) and any(d.endswith(".step") for d in changed)
+    assert s["rl_steps"] == 3 and s["mismatch_skipped_steps_total"] == 1
+    # The replay report of the skipped step, as an abort leaves it.
+    run = tmp_path / "run"
+    report = json.loads((run / "mismatch-000002" / "report.json").read_text())
+    (seq,) = report["sequences"]
+    assert report["step"] == 2 and seq["num_differing"] == 3 and seq["first_differing_position"] == 1
+    assert (run / "mismatch-000002" / "policy" / "config.json").is_file()
+    assert not (run / "mismatch-000001").exists() and not (run / "mismatch-000003").exists()
+
+
+def test_abort_names_the_first_differing_position(tmp_path, fault_at_call):
+    """Several tokens of one sequence differ; the first (position 1, one ulp) is not the largest difference
+    (position 2) nor the last (position 3): the message and the report name position 1."""
+    from exactrl.guard import abort_message
+
+    fault_at_call(2, SEVERAL)  # step 1
+    with pytest.raises(MismatchError) as err:
+        train(_cfg(tmp_path), out=lambda *a: None)
+    msg = str(err.value)
+    assert "3 of " in msg and "completion position 1," in msg
+    assert [p for _, p, _, _ in err.value.sequences] == [1]  # what the replay report is written from
+    report_dir = tmp_path / "run" / "mismatch-000001"
+    (rec,) = json.loads((report_dir / "report.json").read_text())["sequences"]
+    assert rec["first_differing_position"] == 1 and rec["num_differing"] == 3
+    assert "completion token 1 " in abort_message(report_dir)
