@@ -515,20 +515,21 @@ def _combine_bwd_kernel(
     TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """For token t and rank r: d(o_r) = (w[t, r] * gy[t]).to(dtype) at o_r's sorted row, and
-    d(w[t, r]) = sum over D of gy[t] * o_r in fp32, BLOCK_D columns at a time in order."""
+    d(w[t, r]) = sum over D of gy[t] * o_r in fp32: per lane over the BLOCK_D-column steps in order, then one
+    reduction over the lanes."""
     t = tl.program_id(0).to(tl.int64)
     for r in tl.static_range(TOP_K):
         j = tl.load(pos_ptr + t * TOP_K + r)
         w = tl.load(w_ptr + t * TOP_K + r)
-        dot = 0.0
+        dot = tl.zeros([BLOCK_D], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             ok = cols < D
             gy = tl.load(gy_ptr + t * stride_gy + cols, mask=ok, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + j * stride_o + cols, mask=ok, other=0.0).to(tl.float32)
-            dot = dot + tl.sum(gy * o, axis=0)
+            dot += gy * o
             tl.store(do_ptr + j * stride_o + cols, (w * gy).to(do_ptr.dtype.element_ty), mask=ok)
-        tl.store(gw_ptr + t * TOP_K + r, dot)
+        tl.store(gw_ptr + t * TOP_K + r, tl.sum(dot, axis=0))
 
 
 def combine(src: torch.Tensor, plan: RoutePlan, weights: torch.Tensor | None, T: int) -> torch.Tensor:
