@@ -250,12 +250,25 @@ class RoutePlan:
 
 
 @triton.jit(do_not_specialize=["S"])
-def _invert_kernel(order_ptr, tok_ptr, pos_ptr, S, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _plan_kernel(
+    order_ptr, bounds_ptr, tok_ptr, pos_ptr, tile_begin_ptr, S, E,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """The sort's permutation -> each sorted row's token and each pair's sorted position; program 0 also turns
+    the group bounds into the row-tile table (one launch instead of a handful of small torch ops)."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = j < S
     p = tl.load(order_ptr + j, mask=ok, other=0)
     tl.store(tok_ptr + j, p // TOP_K, mask=ok)
     tl.store(pos_ptr + p, j, mask=ok)  # a permutation: every address written once
+    if tl.program_id(0) == 0:
+        offs_e = tl.arange(0, BLOCK_E)
+        e_ok = offs_e < E
+        first = tl.load(bounds_ptr + offs_e, mask=e_ok, other=0)
+        end = tl.load(bounds_ptr + 1 + offs_e, mask=e_ok, other=0)
+        tiles_end = tl.cumsum((end - first + (BLOCK_M - 1)) // BLOCK_M, axis=0)
+        tl.store(tile_begin_ptr + 1 + offs_e, tiles_end, mask=e_ok)
+        tl.store(tile_begin_ptr, 0)
 
 
 def route_plan(ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
@@ -271,14 +284,26 @@ def route_plan(ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
     # order of the weight gradient's reduction over the expert's tokens.
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=dev, dtype=sorted_ids.dtype))
-    tiles = (bounds[1:] - bounds[:-1] + (block_m - 1)) // block_m
-    tile_begin = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(tiles, 0, out=tile_begin[1:])
     tok = torch.empty(S, dtype=torch.int64, device=dev)
     pos = torch.empty(S, dtype=torch.int64, device=dev)
     if S:
+        tile_begin = torch.empty(E + 1, dtype=torch.int64, device=dev)
         block = 1024
-        _invert_kernel[(triton.cdiv(S, block),)](order, tok, pos, S, TOP_K=k, BLOCK=block)
+        _plan_kernel[(triton.cdiv(S, block),)](
+            order,
+            bounds,
+            tok,
+            pos,
+            tile_begin,
+            S,
+            E,
+            TOP_K=k,
+            BLOCK_M=block_m,
+            BLOCK=block,
+            BLOCK_E=next_pow2(E),
+        )
+    else:
+        tile_begin = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     # Each non-empty expert wastes less than one tile: sum_e cdiv(n_e, BM) <= cdiv(S, BM) + min(E, S).
     max_tiles = triton.cdiv(S, block_m) + min(E, S)
     return RoutePlan(tok, pos, bounds, tile_begin, E, k, block_m, max_tiles)
@@ -314,54 +339,55 @@ def _grouped_gemm_kernel(
     j = pid // num_pid_n  # column tiles of one row tile are neighbours: its rows are read from L2
     pid_n = pid % num_pid_n
     e = _tile_expert(tile_begin_ptr, j, E, BLOCK_E)
-    if e < E:
-        first = tl.load(bounds_ptr + e)
-        end = tl.load(bounds_ptr + e + 1)
-        rows = first + (j - tl.load(tile_begin_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        if GATHER:
-            src = tl.load(tok_ptr + rows, mask=row_ok, other=0)
+    # Tiles past the last expert's (the grid is sized for the worst case) run no K step and store nothing. No
+    # branch around the body: the K loop stays the kernel's top-level loop, as in the dense kernel.
+    live = e < E
+    e = tl.minimum(e, E - 1)
+    first = tl.load(bounds_ptr + e)
+    end = tl.where(live, tl.load(bounds_ptr + e + 1), first)
+    rows = first + (j - tl.load(tile_begin_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    if GATHER:
+        src = tl.load(tok_ptr + rows, mask=row_ok, other=0)
+    else:
+        src = rows
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N read column 0 and rows past the group are masked to zero; neither is stored, and
+    # neither enters another element's chain (rows and columns never mix in the MMA).
+    offs_bn = tl.where(offs_n < N, offs_n, 0)
+    a_ptrs = a_ptr + src[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_bn[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.where(live, tl.cdiv(K, BLOCK_K), 0)):
+        # K in order into one fp32 accumulator: the dense kernel's chain (no split-K).
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs)
         else:
-            src = rows
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Columns past N read column 0 and rows past the group are masked to zero; neither is stored, and
-        # neither enters another element's chain (rows and columns never mix in the MMA).
-        offs_bn = tl.where(offs_n < N, offs_n, 0)
-        a_ptrs = a_ptr + src[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-        w_ptrs = (
-            w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_bn[None, :] * stride_wn
-        )
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(0, tl.cdiv(K, BLOCK_K)):
-            # K in order into one fp32 accumulator: the dense kernel's chain (no split-K).
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(w_ptrs)
-            else:
-                k_left = K - kt * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = mma(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
-        rows64 = rows.to(tl.int64)
-        ok = row_ok[:, None] & (offs_n[None, :] < N)
-        o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
-        if DSILU:
-            # d(h) rounds to the model dtype as a `linear` backward would, then silu_mul's backward in fp32
-            # (the arithmetic of exactrl/ops/triton/elementwise.py's backward kernel).
-            dh = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            g_ptrs = gu_ptr + rows64[:, None] * stride_gm + offs_n[None, :]
-            g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-            u = tl.load(g_ptrs + N, mask=ok, other=0.0).to(tl.float32)
-            sig = 1.0 / (1.0 + tl.exp(-g))
-            silu = (g * sig).to(out_ptr.dtype.element_ty).to(tl.float32)
-            dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))
-            tl.store(o_ptrs, dg.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(o_ptrs + N, (dh * silu).to(out_ptr.dtype.element_ty), mask=ok)
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = mma(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    rows64 = rows.to(tl.int64)
+    ok = row_ok[:, None] & (offs_n[None, :] < N)
+    o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
+    if DSILU:
+        # d(h) rounds to the model dtype as a `linear` backward would, then silu_mul's backward in fp32
+        # (the arithmetic of exactrl/ops/triton/elementwise.py's backward kernel).
+        dh = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        g_ptrs = gu_ptr + rows64[:, None] * stride_gm + offs_n[None, :]
+        g = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(g_ptrs + N, mask=ok, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        silu = (g * sig).to(out_ptr.dtype.element_ty).to(tl.float32)
+        dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))
+        tl.store(o_ptrs, dg.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(o_ptrs + N, (dh * silu).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def grouped_linear(
