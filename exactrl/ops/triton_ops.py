@@ -16,7 +16,8 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 Constraints for callers (the engine): tensors in bf16, fp16 or fp32 (one dtype per model); head dim any size
 (padded to a power of two >= 16 inside the kernel); Hq a multiple of Hkv with Hq / Hkv <= 64; KV page size a
 multiple of exactrl.ops.batch.BLOCK_N (16), as AttentionBatch already checks; TF32 off
-(`set_exact_environment(True)`) for the torch matmuls in the backward.
+(`set_exact_environment(True)`) for the torch matmuls in the backward; moe_experts' ids in 0..E-1 and distinct
+within a token, as moe_route returns them (not checked: that would synchronise with the host).
 """
 
 from __future__ import annotations

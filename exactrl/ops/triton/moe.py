@@ -17,14 +17,16 @@ Why a token's bits cannot depend on the batch (the dense rule of exactrl/ops/tri
   where a row sits in its group, only decide which tile computes the row and which rows are masked, never how.
 - The tile geometry (`moe_tile_config`) depends on the dtype and on the call's routed row count, never on a
   group's size, and the K step (BLOCK_K) is one per dtype: members of the family differ in BLOCK_N only, which
-  does not touch an element's arithmetic (column tiles are separate elements). With the dense kernel's K step
-  and MMA, a routed row's bits are the bits of the dense `linear(x_t, W_e)` (checked in the tests: on the
-  GPU against the dense kernel, whose tile family shares that chain; in the interpreter against the dense
-  kernel at the same K step).
+  does not touch an element's arithmetic (column tiles are separate elements).
+- Dense bits: both tiles are members of the dense kernel's tile family (64-row tiles, pointer loads, the same
+  K step and MMA: wgmma m64nXk16 on Hopper), so a routed row should carry the bits of the dense
+  `linear(x_t, W_e)` and the whole op those of the dense MLP composed expert by expert and combined in rank
+  order. The interpreter tests show it at the same K step; tests/ops/test_moe_triton_gpu.py checks it end to
+  end on the GPU (test_experts_equal_dense_composition).
 - Routed row counts never reach the kernels as arguments: group bounds and the tile table live in device
   tensors, and grids and buffers are sized for the worst case (T*k routed rows, cdiv(T*k, BLOCK_M) + min(E, T*k)
   row tiles), from T, k and E alone. No host synchronisation, no data-dependent shape: a decode step runs in a
-  CUDA graph and replays with any routing (idle tiles exit at once).
+  CUDA graph and replays with any routing (tiles past the last expert's run no K step and store nothing).
 - The combine sums a token's k weighted outputs in rank order (r = 0 .. k-1) in fp32, mul then add, each
   rounded (no FMA contraction): `sum_r weights[t, r] * o_r.float()`, then one cast to the model dtype.
 
@@ -67,7 +69,8 @@ class MoETileConfig:
 # 32 for fp32), so that a routed row runs the dense kernel's chain of MMAs. 64-row tiles: Hopper's smallest
 # wgmma M, and the least padding per expert (an expert's last tile is on average half empty: E * 32 wasted rows).
 # 16-bit, few routed rows (decode): 64-column tiles put twice the programs on the weights, which is all a
-# decode step reads; many rows: 128 columns, fewer re-reads of the gathered rows.
+# decode step reads; many rows: 128 columns, fewer re-reads of the gathered rows. Not yet measured: the choice
+# is a starting point for `benchmarks/probe_moe.py --sweep`, which times the alternatives and checks their bits.
 _MOE_DECODE_ROWS = 1024
 _MOE_CONFIGS: dict[torch.dtype, tuple[MoETileConfig, MoETileConfig]] = {
     torch.bfloat16: (MoETileConfig(64, 64, 64, 4, 4), MoETileConfig(64, 128, 64, 4, 4)),
