@@ -35,6 +35,9 @@ if torch.cuda.is_available():
 SWEEP = [1, 2, 3, 5, 7, 8, 15, 16, 17, 64, 255, 256, 300]
 D, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, moe_intermediate_size, experts, experts per token
 DEV = "cuda"
+# bf16 against float64: each of the chain's roundings (gate/up, h, o; in the backward d(o), d(h), d(gate/up))
+# adds about 0.2%; torch's bf16 MoE on the CPU measured 0.6-0.7% on a smaller layer. Twice that, and a margin.
+TOL = 2e-2
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
@@ -226,7 +229,7 @@ def test_experts_backward():
     refs = [t.double().requires_grad_(True) for t in (x, gate_up, down, w)]
     reference_loop(*refs, ids).backward(gy.double())
     for name, g, r in zip(("x", "gate_up", "down", "weights"), got, refs):
-        assert rel_err(g, r.grad) < 1e-2, f"d{name}"
+        assert rel_err(g, r.grad) < TOL, f"d{name}"
     again = grads(ops.moe_experts, x, gate_up, down, w, ids, gy)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "the backward is not deterministic"
     # Expert 0's gradient from only its own tokens (every other group changes): the same bits.
@@ -235,11 +238,11 @@ def test_experts_backward():
     assert torch.equal(sub[1][0], got[1][0]) and torch.equal(sub[2][0], got[2][0])
     fast = grads(FastCudaOps().moe_experts, x, gate_up, down, w, ids, gy)
     for name, g, f in zip(("x", "gate_up", "down", "weights"), got, fast):
-        assert rel_err(f, g) < 2e-2, f"fast d{name}"
+        assert rel_err(f, g) < 1.5 * TOL, f"fast d{name}"
 
 
 def test_fast_path_close_to_exact():
     x, gate_up, down, w, ids = layer(torch.bfloat16)
     exact = ops.moe_experts(x, gate_up, down, w, ids)
-    assert rel_err(FastCudaOps().moe_experts(x, gate_up, down, w, ids), exact) < 1e-2
-    assert rel_err(exact, reference_loop(x.double(), gate_up.double(), down.double(), w.double(), ids)) < 1e-2
+    assert rel_err(FastCudaOps().moe_experts(x, gate_up, down, w, ids), exact) < TOL
+    assert rel_err(exact, reference_loop(x.double(), gate_up.double(), down.double(), w.double(), ids)) < TOL
