@@ -232,10 +232,12 @@ def test_experts_backward():
         assert rel_err(g, r.grad) < TOL, f"d{name}"
     again = grads(ops.moe_experts, x, gate_up, down, w, ids, gy)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "the backward is not deterministic"
-    # Expert 0's gradient from only its own tokens (every other group changes): the same bits.
-    mine = (ids == 0).any(1)
+    # An expert's gradient from only its own tokens (every other group changes size and its group moves): the
+    # same bits. The busiest expert after expert 0 (the first group would not move).
+    e = 1 + int(torch.bincount(ids.flatten(), minlength=E)[1:].argmax())
+    mine = (ids == e).any(1)
     sub = grads(ops.moe_experts, x[mine], gate_up, down, w[mine], ids[mine], gy[mine])
-    assert torch.equal(sub[1][0], got[1][0]) and torch.equal(sub[2][0], got[2][0])
+    assert torch.equal(sub[1][e], got[1][e]) and torch.equal(sub[2][e], got[2][e])
     fast = grads(FastCudaOps().moe_experts, x, gate_up, down, w, ids, gy)
     for name, g, f in zip(("x", "gate_up", "down", "weights"), got, fast):
         assert rel_err(f, g) < 1.5 * TOL, f"fast d{name}"
