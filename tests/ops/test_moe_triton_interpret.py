@@ -27,6 +27,7 @@ from exactrl.ops.triton.elementwise import silu_mul  # noqa: E402
 from exactrl.ops.triton.matmul import MatmulConfig, linear, matmul  # noqa: E402
 from exactrl.ops.triton.moe import (  # noqa: E402
     MoETileConfig,
+    grouped_gate_up_silu,
     grouped_linear,
     moe_tile_config,
     route_plan,
@@ -270,6 +271,21 @@ def test_experts_equal_dense_composition(dtype):
             j = by_id[:, r : r + 1]
             acc = acc + w.gather(1, j) * o_ref.gather(1, j[..., None].expand(-1, -1, D))[:, 0].float()
         assert not torch.equal(acc, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_silu_epilogue_same_bits(dtype):
+    """The gate/up GEMM with silu_mul in its epilogue (half-width column tiles, two accumulators) gives the bits
+    of the plain grouped GEMM followed by the silu_mul kernel, and stores the same gate/up rows."""
+    x = randn(T, D, dtype=dtype, seed=26)
+    gate_up, _ = expert_weights(dtype)
+    _, ids = uneven_routing(T, seed=27)
+    plan = route_plan(ids, E, moe_tile_config(T * K, dtype).block_m)
+    gu = grouped_linear(x, gate_up, plan, gather=True)
+    h, kept = grouped_gate_up_silu(x, gate_up, plan, keep_gu=True)
+    assert torch.equal(kept, gu)
+    assert torch.equal(h, silu_mul(gu[:, :INTER], gu[:, INTER:]))
+    assert torch.equal(grouped_gate_up_silu(x, gate_up, plan, keep_gu=False)[0], h)
 
 
 def test_tile_family_same_bits():

@@ -6,7 +6,8 @@ by construction, so a token picks the same experts and weights in any batch.
 
 `moe_experts(x, gate_up, down, weights, ids)` -> [T, D]: every token's k (token, rank) pairs are sorted by
 expert, stably (within an expert by token index), on the device (`route_plan`); the expert MLPs run as grouped
-GEMMs over that order; a combine kernel sums each token's k outputs in rank order, in fp32.
+GEMMs over that order (the gate/up GEMM with silu_mul in its epilogue, storing gate/up only when the backward
+needs them); a combine kernel sums each token's k outputs in rank order, in fp32.
 
 Why a token's bits cannot depend on the batch (the dense rule of exactrl/ops/triton/matmul.py, per expert):
 - A grouped GEMM program computes a BLOCK_M-row tile of ONE expert's rows: the tile table says which expert
@@ -331,10 +332,14 @@ def _grouped_gemm_kernel(
     a_ptr, tok_ptr, w_ptr, out_ptr, gu_ptr, bounds_ptr, tile_begin_ptr,
     N, K, E,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_gm,
-    GATHER: tl.constexpr, DSILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, SILU: tl.constexpr, STORE_GU: tl.constexpr, DSILU: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile) per program. GATHER: row j's input is a[tok[j]] (x, read in place), else a[j].
+    SILU (the forward's gate/up GEMM): w is gate_up [E, 2N, K]; the program computes gate columns n and up
+    columns N + n (two accumulators, each its own chain) and stores h = silu_mul(gate, up) [S, N], and with
+    STORE_GU the gate/up rows [S, 2N] into gu (kept for the backward).
     DSILU (the backward's d(h) GEMM): out is d(gate_up) [S, 2N]; the epilogue applies silu_mul's backward with
     the forward's gate/up rows from gu, instead of storing d(h)."""
     pid = tl.program_id(0)
@@ -362,22 +367,41 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + src[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_bn[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(0, tl.where(live, tl.cdiv(K, BLOCK_K), 0)):
         # K in order into one fp32 accumulator: the dense kernel's chain (no split-K).
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(w_ptrs)
+            if SILU:
+                b_up = tl.load(w_ptrs + N * stride_wn)
         else:
             k_left = K - kt * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if SILU:
+                b_up = tl.load(w_ptrs + N * stride_wn, mask=offs_k[:, None] < k_left, other=0.0)
         acc = mma(a, b, acc)
+        if SILU:
+            acc_up = mma(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     rows64 = rows.to(tl.int64)
     ok = row_ok[:, None] & (offs_n[None, :] < N)
     o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
-    if DSILU:
+    if SILU:
+        # gate and up round to the model dtype as the GEMM's output would, then silu_mul's arithmetic (that of
+        # exactrl/ops/triton/elementwise.py's forward kernel: silu rounded, then the product rounded once).
+        g = acc.to(out_ptr.dtype.element_ty)
+        u = acc_up.to(out_ptr.dtype.element_ty)
+        if STORE_GU:
+            gu_ptrs = gu_ptr + rows64[:, None] * stride_gm + offs_n[None, :]
+            tl.store(gu_ptrs, g, mask=ok)
+            tl.store(gu_ptrs + N, u, mask=ok)
+        gf = g.to(tl.float32)
+        silu = (gf / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptrs, (silu * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    elif DSILU:
         # d(h) rounds to the model dtype as a `linear` backward would, then silu_mul's backward in fp32
         # (the arithmetic of exactrl/ops/triton/elementwise.py's backward kernel).
         dh = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -436,11 +460,61 @@ def grouped_linear(
         a, plan.tok, w, out, gu, plan.bounds, plan.tile_begin,
         N, K, E,
         a.stride(0), a.stride(1), w.stride(0), swn, swk, out.stride(0), gu.stride(0),
-        GATHER=gather, DSILU=dsilu_gu is not None, EVEN_K=K % cfg.block_k == 0, BLOCK_E=next_pow2(E),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GATHER=gather, SILU=False, STORE_GU=False, DSILU=dsilu_gu is not None, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_E=next_pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def grouped_gate_up_silu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    plan: RoutePlan,
+    keep_gu: bool,
+    config: MoETileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [T, D], gate_up: [E, 2I, D] -> (h [S, I], gu [S, 2I] or None): the routed rows' gate/up GEMM with
+    silu_mul in its epilogue, in sorted order. h has the bits of `silu_mul` on the halves of
+    `grouped_linear(x, gate_up, plan, gather=True)` (every element is its own chain; the epilogue is silu_mul's
+    arithmetic). Each program covers block_n / 2 columns of each half: the tile's registers and weight bytes
+    stay those of the plain GEMM. keep_gu: also store gate/up (the backward needs them)."""
+    if x.dtype != gate_up.dtype:
+        raise TypeError(f"grouped_gate_up_silu: x and gate_up dtypes differ ({x.dtype} vs {gate_up.dtype})")
+    E, I2, K = gate_up.shape
+    inter = I2 // 2
+    if x.shape[1] != K or E != plan.num_experts or I2 % 2:
+        raise ValueError(
+            f"grouped_gate_up_silu: x {tuple(x.shape)} and gate_up {tuple(gate_up.shape)} do not match "
+            f"({plan.num_experts} experts in the plan)"
+        )
+    S = plan.tok.shape[0]
+    cfg = config or moe_tile_config(S, x.dtype)
+    if cfg.block_m != plan.block_m:
+        raise ValueError(
+            f"grouped_gate_up_silu: tile rows {cfg.block_m} differ from the plan's {plan.block_m}"
+        )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    h = torch.empty((S, inter), dtype=x.dtype, device=x.device)
+    gu = torch.empty((S, I2), dtype=x.dtype, device=x.device) if keep_gu else None
+    if S == 0 or inter == 0:
+        return h, gu
+    if K == 0:  # gate = up = 0: silu(0) * 0
+        return h.zero_(), gu.zero_() if gu is not None else None
+    half = max(16, cfg.block_n // 2)
+    grid = (plan.max_tiles * triton.cdiv(inter, half),)
+    gu_arg = gu if gu is not None else h
+    _grouped_gemm_kernel[grid](
+        x, plan.tok, gate_up, h, gu_arg, plan.bounds, plan.tile_begin,
+        inter, K, E,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), h.stride(0),
+        gu_arg.stride(0),
+        GATHER=True, SILU=True, STORE_GU=gu is not None, DSILU=False, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_E=next_pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=half, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return h, gu
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -609,11 +683,9 @@ def _check_experts(x, gate_up, down, weights, ids) -> None:
     kernel_dtype_ok(x)
 
 
-def _experts_fwd(x, gate_up, down, weights, plan, config=None):
-    inter = down.shape[2]
-    gu = grouped_linear(x, gate_up, plan, gather=True, config=config)  # [S, 2I]: gate | up
-    h = silu_mul_fwd(gu[:, :inter], gu[:, inter:])  # the dense path's silu_mul kernel, on strided halves
-    o = grouped_linear(h, down, plan, gather=False, config=config)  # [S, D]
+def _experts_fwd(x, gate_up, down, weights, plan, keep_gu: bool):
+    h, gu = grouped_gate_up_silu(x, gate_up, plan, keep_gu)  # [S, I], and [S, 2I] gate | up for the backward
+    o = grouped_linear(h, down, plan, gather=False)  # [S, D]
     return combine(o, plan, weights, x.shape[0]), gu, o
 
 
@@ -621,7 +693,7 @@ class _MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up, down, weights, ids):  # type: ignore[override]
         plan = route_plan(ids, gate_up.shape[0], moe_tile_config(ids.numel(), x.dtype).block_m)
-        out, gu, o = _experts_fwd(x, gate_up, down, weights, plan)
+        out, gu, o = _experts_fwd(x, gate_up, down, weights, plan, keep_gu=True)
         # h is not kept: the backward recomputes it from gu (one elementwise pass; saves [S, I] per layer).
         ctx.save_for_backward(
             x, gate_up, down, weights, gu, o, plan.tok, plan.pos, plan.bounds, plan.tile_begin
@@ -680,4 +752,4 @@ def moe_experts(
     if needs_grad:
         return _MoEExperts.apply(x, gate_up, down, weights, ids)
     plan = route_plan(ids, gate_up.shape[0], moe_tile_config(ids.numel(), x.dtype).block_m)
-    return _experts_fwd(x, gate_up, down, weights, plan)[0]
+    return _experts_fwd(x, gate_up, down, weights, plan, keep_gu=False)[0]
