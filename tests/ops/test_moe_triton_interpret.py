@@ -392,3 +392,16 @@ def test_fast_path_close_to_exact(dtype):
     exact = experts_grads(x, gate_up, down, w, ids, gy)
     for got, want in zip(grads, exact):
         assert rel_err(got, want) < 2 * TOL[dtype]
+
+
+def test_experts_grad_frozen_experts():
+    """Frozen expert weights (a frozen base): only dX and d(weights) are computed, with the bits they have when
+    every input takes a gradient."""
+    x = randn(T, D, seed=28)
+    gate_up, down = expert_weights(torch.float32)
+    w, ids = uneven_routing(T, seed=29)
+    gy = randn(T, D, seed=30)
+    full = experts_grads(x, gate_up, down, w, ids, gy)
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ops.moe_experts(xl, gate_up, down, wl, ids).backward(gy)
+    assert torch.equal(xl.grad, full[0]) and torch.equal(wl.grad, full[3])
