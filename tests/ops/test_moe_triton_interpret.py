@@ -213,8 +213,9 @@ def k_step_by_call_size(x, gate_up, down, w, ids):
 
 
 def test_experts_row_check_negative_control():
-    """The same check finds the rows of an MoE whose K step depends on the call size, and of the fast path
-    (cuBLAS/MKL per group: fp32 rows of small GEMMs differ on the CPU, docs' measured fact)."""
+    """The same check finds the rows of an MoE whose K step depends on the call size, and (on the CPU) of the
+    fast path: torch._grouped_mm runs a GEMM per group there, and fp32 rows of small GEMMs differ (DESIGN.md's
+    measured fact)."""
     x = randn(T, D, seed=10)
     gate_up, down = expert_weights(torch.float32)
     w, ids = uneven_routing(T, seed=11)
