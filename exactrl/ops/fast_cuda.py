@@ -9,6 +9,8 @@ negative control of every exactness test (parity shows its mismatches).
 | attention, prefill/decode | exactrl's paged Triton kernel (the exact one) | (the same kernel as exact mode) |
 | norms, RoPE, SiLU | exactrl's fused Triton kernels | (row-local: nothing to give up) |
 | logprobs, logits | exactrl's fused Triton LM-head + log-softmax kernels (forward and backward) | (the same kernels as exact mode) |
+| moe_experts | `torch._grouped_mm` (CUTLASS grouped GEMM) over the rows sorted by expert, combine in the model dtype | the library picks its kernel by shape; the combine rounds each weighted output to the model dtype |
+| moe_route | exactrl's Triton router (the exact one) | (row-local: nothing to give up) |
 
 The fused norm/RoPE/SiLU and logprob kernels are shared with exact mode because a fast path fuses them too and
 we have no faster non-invariant version of them (a row is reduced by one program either way; no split over the
@@ -23,6 +25,8 @@ chunks: exactrl/ops/triton/attention.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,3 +86,68 @@ class FastCudaOps(TritonOps):
         return self._varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, m, m, window_size=(-1, 0))
 
     # logprobs, logits, scale_logits, logprobs_from_logits: TritonOps' fused kernels (see the module docstring).
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed expert MLPs as a fast MoE layer runs them: the (token, rank) pairs sorted by expert, two
+        grouped GEMMs (`torch._grouped_mm`) with silu_mul between, each weighted output rounded to the model
+        dtype and a token's k summed (transformers' combine). Where `_grouped_mm` is unavailable (not bf16,
+        no Hopper, old torch): one cuBLAS GEMM per expert, which needs the per-expert counts on the host (a
+        sync: that fallback cannot be captured in a CUDA graph)."""
+        T, k = ids.shape
+        E, inter = gate_up.shape[0], down.shape[2]
+        flat = ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat)  # no order promised within an expert: nothing here is invariant
+        xs = x.index_select(0, order // k)
+        if grouped_mm_ok(x, gate_up, down):
+            ends = torch.searchsorted(
+                sorted_ids, torch.arange(1, E + 1, device=x.device, dtype=flat.dtype), out_int32=True
+            )
+            gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)
+            h = self.silu_mul(gu[:, :inter], gu[:, inter:])
+            o = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)
+        else:
+            o = _per_expert_mlps(xs, gate_up, down, torch.bincount(flat, minlength=E).tolist(), self.silu_mul)
+        # Back to (token, rank) order, then transformers' combine: weight and sum in the model dtype.
+        y = o.new_empty(o.shape).index_copy(0, order, o).view(T, k, -1)
+        return (y * weights.to(x.dtype).unsqueeze(-1)).sum(1)
+
+
+def grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: this torch has it, bf16 on a Hopper-or-newer GPU (the
+    CUTLASS kernel; the CPU build also runs bf16 and fp32, which the interpreter tests use), and every row
+    16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    row_bytes = (x.shape[1] * x.element_size(), down.shape[2] * x.element_size())
+    return all(b % 16 == 0 for b in row_bytes) and x.shape[0] > 0
+
+
+def _per_expert_mlps(
+    xs: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: list[int],
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """xs: [S, D] rows sorted by expert, counts[e] rows each -> [S, D]: each expert's rows through its MLP with
+    cuBLAS."""
+    inter = down.shape[2]
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            gu = F.linear(xs[start : start + n], gate_up[e])
+            outs.append(F.linear(silu_mul(gu[:, :inter], gu[:, inter:]), down[e]))
+        start += n
+    return torch.cat(outs) if outs else xs.new_zeros(xs.shape)

@@ -10,11 +10,14 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 | rope, silu_mul | elementwise | nothing to reduce |
 | attention | one kernel: training, prefill, decode (+ a combine kernel for split-KV decode) | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op, fixed ATTN_SPLIT_KEYS chunks folded in order |
 | logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
+| moe_route | one program per token: fp32 softmax, top-k | row-local, ties to the lowest expert id |
+| moe_experts | device-side sort by expert, grouped GEMMs, rank-order combine | the dense GEMM's K chain per expert, tiles cut per expert, no routed count on the host |
 
 Constraints for callers (the engine): tensors in bf16, fp16 or fp32 (one dtype per model); head dim any size
 (padded to a power of two >= 16 inside the kernel); Hq a multiple of Hkv with Hq / Hkv <= 64; KV page size a
 multiple of exactrl.ops.batch.BLOCK_N (16), as AttentionBatch already checks; TF32 off
-(`set_exact_environment(True)`) for the torch matmuls in the backward.
+(`set_exact_environment(True)`) for the torch matmuls in the backward; moe_experts' ids in 0..E-1 and distinct
+within a token, as moe_route returns them (not checked: that would synchronise with the host).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from exactrl.ops.triton.logprobs import (
     scaled_logits,
 )
 from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear, packed_linear
+from exactrl.ops.triton.moe import moe_experts, moe_route
 from exactrl.ops.triton.norm import add_rms_norm, rms_norm, rms_norm_rope
 
 __all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
@@ -106,3 +110,18 @@ class TritonOps:
         self, raw: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
     ) -> torch.Tensor:
         return logprobs_from_logits(raw.contiguous(), targets, temperature)[0]
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe_route(logits, top_k, norm_topk_prob)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return moe_experts(x, gate_up, down, weights, ids)
