@@ -55,7 +55,7 @@ def cmd_init_model(args) -> int:
     if args.list:
         for name, c in PRESETS.items():
             print(
-                f"{name:14} {c.architecture:6} {c.num_layers:>3} layers  hidden {c.hidden_size:>5}  "
+                f"{name:17} {c.architecture:9} {c.num_layers:>3} layers  hidden {c.hidden_size:>5}  "
                 f"heads {c.num_heads:>3}/{c.num_kv_heads:<3} vocab {c.vocab_size}"
             )
         return 0
@@ -68,7 +68,10 @@ def cmd_init_model(args) -> int:
             f"unknown preset {args.preset!r}; presets: {_preset_names()} (--list shows their shapes)"
         )
 
-    model, tok = load_policy(preset_name=args.preset, device="cpu", dtype=args.dtype, seed=args.seed)
+    overrides = {"num_layers": args.num_layers} if args.num_layers else None
+    model, tok = load_policy(
+        preset_name=args.preset, device="cpu", dtype=args.dtype, seed=args.seed, preset_overrides=overrides
+    )
     save_model(model, args.out, tokenizer=tok)
     print(
         f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {args.dtype}) to {args.out}"
@@ -347,6 +350,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the presets and their shapes, then exit")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights dtype")
     p.add_argument("--seed", type=int, default=0, help="random init seed")
+    p.add_argument(
+        "--num-layers", type=int, default=None, help="keep the preset's shape but only this many layers"
+    )
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,8 +31,10 @@ def load_policy(
     fp32_lm_head: bool = False,
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
+    preset_overrides: dict[str, Any] | None = None,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Build or load the policy and its tokenizer on `device` in `dtype`."""
+    """Build or load the policy and its tokenizer on `device` in `dtype`. preset_overrides: fields of the preset's
+    ModelConfig to replace (e.g. {"num_layers": 4}: a large shape with fewer layers)."""
     if (preset_name is None) == (path is None):
         raise ValueError(
             "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
@@ -45,7 +48,7 @@ def load_policy(
         tok = Tokenizer.load(tokenizer_path) if tokenizer_path else byte_tokenizer()
         cfg = preset(preset_name)
         check_vocab(tok, cfg.vocab_size, tokenizer_path, f"preset {preset_name}")
-        cfg = preset(preset_name, eos_token_id=tok.eos_token_id)
+        cfg = preset(preset_name, eos_token_id=tok.eos_token_id, **(preset_overrides or {}))
         model = build_model(
             cfg, device=device, dtype=torch_dtype, exact=exact, seed=seed, fp32_lm_head=fp32_lm_head
         )
