@@ -3,7 +3,9 @@ name, and this one imports neither torch nor the engine, so a worker starts in a
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -51,11 +53,13 @@ def broken_factory():
 
 
 def _parse(text: str) -> int:
-    return int(text)  # raises on a turn that is not a number: the error's place is this line, in this file
+    # Raises inside the json module for a turn that is not a number; the error's place is still this line: the
+    # last frame in the environment's own file.
+    return int(json.loads(text))
 
 
 class Parser(Environment):
-    """Raises inside a helper of its own file at the first step (a random model writes no number)."""
+    """Raises at the first step (a random model writes no number), in a library its helper calls."""
 
     def step(self, turn):
         return StepResult(observation=str(_parse(turn.text + "?")))
@@ -78,8 +82,9 @@ class BusyLoop(Environment):
             while True:
                 n += 1
                 if n % 200_000 == 0 and self.beat:  # written whole (a kill may come mid-write)
-                    Path(self.beat + ".tmp").write_text(str(n))
-                    os.replace(self.beat + ".tmp", self.beat)
+                    tmp = f"{self.beat}.{os.getpid()}.{threading.get_ident()}"
+                    Path(tmp).write_text(str(n))
+                    os.replace(tmp, self.beat)
         return StepResult(observation=[66, 67], reward=float(self.turns))
 
 

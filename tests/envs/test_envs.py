@@ -229,6 +229,11 @@ def test_a_busy_looping_sync_env_is_stopped_within_its_timeout_and_the_run_goes_
     hung = [e for e in spun if "took more than 0.5 s" in e.error]  # the others were lost with its worker
     assert hung and all(timeout <= e.last_call_s < timeout + 1.0 for e in hung)
     assert all(e.last_call_s < timeout + 1.0 for e in spun)
+    # The spinning code is dead (a thread would spin on): its heartbeat file stops changing.
+    n = _beats(beat)
+    assert n > 0
+    time.sleep(0.3)
+    assert _beats(beat) == n
     m = b.metrics
     assert m["env/errors"] == 0 and m["env/timeouts"] == 2 + (2 if workers == 1 else 0)
     assert m["env/workers_stopped"] >= 1
@@ -238,11 +243,6 @@ def test_a_busy_looping_sync_env_is_stopped_within_its_timeout_and_the_run_goes_
         assert all(
             e.finish_reason == "env_timeout" and "lost with its worker" in e.error for e in b.groups[1]
         )
-    # The spinning code is dead: its heartbeat file stops changing.
-    n = _beats(beat)
-    assert n > 0
-    time.sleep(0.3)
-    assert _beats(beat) == n
     # The run goes on: the next batch of episodes works.
     _, b = _run(BusyLoop, n=2, timeout_s=timeout, workers=workers)
     assert b.metrics["env/finish_max_turns"] == 4
@@ -254,12 +254,12 @@ def test_environment_errors_say_where_and_a_failing_environment_is_loud():
     share of failed calls passes env.max_error_share."""
     import sample_envs
 
-    line = next(i for i, x in enumerate(open(sample_envs.__file__), 1) if "return int(text)" in x)
+    line = next(i for i, x in enumerate(open(sample_envs.__file__), 1) if "return int(json.loads(text))" in x)
     where = f"{sample_envs.__file__}:{line} in _parse"
     for isolation in ("process", "thread"):
         _, b = _run(Parser, isolation=isolation, max_error_share=0.5)
         for e in (e for g in b.groups for e in g):
-            assert e.finish_reason == "env_error" and e.error.startswith("ValueError: invalid literal")
+            assert e.finish_reason == "env_error" and e.error.startswith("JSONDecodeError: ")
             assert e.error.endswith(f"(at {where})"), e.error
         assert b.metrics["env/calls"] == 4 and b.metrics["env/error_share"] == 1.0
         settings = EpisodeSettings(max_error_share=0.5)
