@@ -397,11 +397,17 @@ class EnvWorkerPool:
     def num_workers(self) -> int:
         return len(self._workers)
 
+    @property
+    def num_episodes(self) -> int:
+        """Episodes whose environment a worker holds (or held, for those lost with a stopped worker)."""
+        return len(self._home) + len(self._lost)
+
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
     def close(self) -> None:
-        """Stop every worker: asked first, killed if it does not end (a hung call never answers)."""
+        """Stop every worker: asked first, killed if it does not end (a hung call never answers). The pool
+        may be used again: it starts new workers as calls come."""
         for w in self._workers:
             try:
                 if w.state != "busy":

@@ -696,6 +696,7 @@ class RLRun:
             params,
             request_ids=[step * a.prompts_per_step + i for i in index],
             progress=bar.update,
+            pool=self.env.pool(),  # the environment's worker processes, started once for the run
         )
         bar.close()
         for line in env_report(eb, self.env.settings):  # what failed, where in the environment's file

@@ -27,6 +27,7 @@ from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs import (
     AsyncEnvironment,
+    EnvSetup,
     EpisodeSettings,
     StepResult,
     Turn,
@@ -90,7 +91,17 @@ def _engine(tok=None):
 
 
 def _run(
-    make_env, n_prompts=2, n=2, timeout_s=5.0, max_turns=3, tok=None, temperature=1.0, examples=None, **kw
+    make_env,
+    n_prompts=2,
+    n=2,
+    timeout_s=5.0,
+    max_turns=3,
+    tok=None,
+    temperature=1.0,
+    examples=None,
+    pool=None,
+    progress=None,
+    **kw,
 ):
     eng = _engine(tok)
     tok = eng.tokenizer
@@ -100,7 +111,9 @@ def _run(
         max_turns=max_turns, max_tokens_per_turn=6, max_episode_tokens=96, timeout_s=timeout_s, **kw
     )
     params = SamplingParams(temperature=temperature, n=n, seed=1)
-    return eng, run_episodes(eng, tok, examples, prompts, make_env, settings, params)
+    return eng, run_episodes(
+        eng, tok, examples, prompts, make_env, settings, params, pool=pool, progress=progress
+    )
 
 
 class AsyncCounter(AsyncEnvironment):
@@ -300,6 +313,33 @@ def test_where_calls_run_and_what_cannot_go_to_a_worker(tmp_path):
         sys.path.remove(str(tmp_path))
 
 
+def test_the_worker_processes_are_kept_across_calls_and_replaced_after_a_hang():
+    """EnvSetup.pool: the run's workers start once, not every step; a worker stopped for a hung call is replaced
+    in the next call; an exception out of run_episodes stops the workers that still hold episodes."""
+    setup = EnvSetup(BusyLoop, BusyLoop, EpisodeSettings(workers=2))
+    assert EnvSetup(CalculatorEnv, CalculatorEnv, EpisodeSettings()).pool() is None  # in this process
+    pool = setup.pool()
+    assert setup.pool() is pool
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    pids = set(pool.pids())
+    assert len(pids) == 2 and b.metrics["env/finish_max_turns"] == 4 and pool.num_episodes == 0
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    assert set(pool.pids()) == pids and b.metrics["env/workers_stopped"] == 0
+    spin = [Example("Q0:", "spin"), Example("Q1:", "1")]
+    _, b = _run(BusyLoop, pool=pool, workers=2, timeout_s=0.5, examples=spin)
+    assert b.metrics["env/workers_stopped"] >= 1 and b.metrics["env/timeouts"] >= 2
+    assert len(set(pool.pids()) & pids) <= 1  # the stopped one is gone
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    assert b.metrics["env/finish_max_turns"] == 4 and pool.num_workers == 2
+
+    def interrupted(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(BusyLoop, pool=pool, workers=2, examples=spin, progress=interrupted)
+    assert pool.num_workers == 0 and pool.num_episodes == 0
+
+
 # -- the episode token cap counts the observations ---------------------------------------------------------------
 def test_the_token_cap_counts_every_observation():
     """prompt + model turns + observations <= env.max_episode_tokens. An observation that leaves room for one
@@ -313,7 +353,10 @@ def test_the_token_cap_counts_every_observation():
     params = SamplingParams(temperature=1.0, n=3, seed=2)
 
     def run(cap):
-        settings = EpisodeSettings(max_turns=5, max_tokens_per_turn=6, max_episode_tokens=cap)
+        # In this process: the cap is the driver's and the engine's business, wherever the environment runs.
+        settings = EpisodeSettings(
+            max_turns=5, max_tokens_per_turn=6, max_episode_tokens=cap, isolation="thread"
+        )
         return [
             e
             for g in run_episodes(eng, tok, [ex], [tok.encode(ex.prompt)], make, settings, params).groups
