@@ -24,7 +24,7 @@ from exactrl.train.trainer import PolicyTrainer, Rollout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _episodes(tmp_path: Path):
+def _episodes(tmp_path: Path, env: str = "sample_envs:VaryingReward", out=lambda *a: None):
     over = [
         f"run.output_dir={tmp_path / 'run'}",
         "run.progress=false",
@@ -36,14 +36,14 @@ def _episodes(tmp_path: Path):
         "algorithm.group_size=4",
         "sampling.temperature=1.0",
         "sampling.max_tokens=4",
-        "env.name=sample_envs:VaryingReward",  # tests/envs/sample_envs.py, run in worker processes
+        f"env.name={env}",  # tests/envs/sample_envs.py, run in worker processes
         "env.max_turns=2",
         "env.max_episode_tokens=48",
         "train.lr=1e-3",
         "train.warmup_steps=0",
     ]
     cfg = load_config(ROOT / "configs/quickstart.toml", over)
-    run = RLRun(cfg, out=lambda *a: None)
+    run = RLRun(cfg, out=out)
     try:
         base = copy.deepcopy(run.model)  # the sampling weights, before any update
         run.stream = run.task.train_examples(seed=cfg.run.seed)
@@ -96,3 +96,14 @@ def test_observation_tokens_never_enter_the_policy_loss(tmp_path):
     changed[0].advantage += 0.5
     w3, _ = _step(cfg, base, changed)
     assert not all(torch.equal(a, c) for a, c in zip(w, w3))
+
+
+def test_a_step_prints_its_first_environment_error_with_where_it_was_raised(tmp_path):
+    """RLRun.episodes prints env_report's lines: the first error with the file and line in the environment that
+    raised it, and the warning past env.max_error_share (every call fails here)."""
+    lines: list[str] = []
+    _, _, sr = _episodes(tmp_path, env="sample_envs:Parser", out=lines.append)
+    assert sr.advantage_metrics["env/errors"] == 8 and sr.advantage_metrics["env/error_share"] == 1.0
+    first = [x for x in lines if x.startswith("step 1: environment errors: 8 of 8 calls; first: episode")]
+    assert len(first) == 1 and "JSONDecodeError" in first[0] and "sample_envs.py:" in first[0]
+    assert any(x.startswith("step 1: WARNING: the environment failed on 100% of its calls") for x in lines)
