@@ -18,9 +18,10 @@ A worker is a fresh interpreter (`python -c`, the same executable), started with
 `forkserver` or `spawn` either, whose children re-run the parent's main module (Python 3.11 does not preload it in
 the fork server): under `exactrl train` that imports torch and the whole package, seconds per worker, where this
 start imports the environment's module alone (about 0.1 s). On Linux a worker dies with the trainer's process
-(PR_SET_PDEATHSIG), so a crash of the trainer leaves no spinning environment behind. A worker that cannot build its factory
-(e.g. the module is not importable from the worker) says so once it starts, and the pool raises
-`EnvWorkerStartError`: a configuration mistake is said, not turned into a run of zero rewards.
+(PR_SET_PDEATHSIG), so a crash of the trainer leaves no spinning environment behind. A worker that cannot build
+its factory (e.g. the module is not importable from the worker, or the class lives in the script that was run,
+`__main__`) says so once it starts, and the pool raises `EnvWorkerStartError`: a configuration mistake is said,
+not turned into a run of zero rewards.
 
 Messages, parent -> worker: ("start", key, (example, turn)) builds the episode's environment, resets it and runs
 its first step; ("step", key, turn); ("drop", key) forgets the episode's environment (no answer); None stops.
@@ -82,7 +83,9 @@ def _die_with_parent(parent_pid: int) -> None:
         try:
             import ctypes
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            # PR_SET_PDEATHSIG: killed when the parent's thread that started this process ends (the trainer's
+            # main thread, which runs the episodes), so a crashed trainer leaves no spinning environment.
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
@@ -178,7 +181,10 @@ class _Worker:
 
 
 # The worker's first line: exactrl importable from where this process found it, then the worker's loop.
-_BOOT = "import sys; sys.path.insert(0, {root!r}); from exactrl.envs.workers import worker_main; worker_main({fd}, {pid})"
+_BOOT = (
+    "import sys; sys.path.insert(0, {root!r}); "
+    "from exactrl.envs.workers import worker_main; worker_main({fd}, {pid})"
+)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
