@@ -755,9 +755,15 @@ class EnvConfig:
     max_turns: int = 4
     """Most model turns per episode; an episode still going after its last turn ends with the last step's reward (0 for the built-ins)."""
     max_episode_tokens: int = 1024
-    """Most tokens per episode: prompt + every model turn + every observation."""
+    """Most tokens per episode: prompt + every model turn + every observation. A turn samples at most what is left; an observation that would leave no room for one more model token ends the episode (finish "max_tokens", the observation not appended)."""
     timeout_s: float = 30.0
-    """Time limit of each environment call (reset, step); a call past it, or one that raises, ends its episode with reward 0, counted in env/timeouts and env/errors."""
+    """Time limit of each environment call (reset + the first step: twice this); a call past it ends its episode with reward 0, counted in env/timeouts; a call that raises or returns garbage, in env/errors (its text, with the file and line that raised, is printed)."""
+    isolation: str = "auto"
+    """Where a synchronous environment's calls run: "process" (worker processes; a hung or busy-looping call is stopped at env.timeout_s by killing its worker, which also ends the other episodes that worker held), "thread" (a thread per call in the trainer's process: cheapest, but a hung call cannot be stopped), or "auto" (the built-ins calculator and guess, which cannot hang, in threads; any "module:ClassName" environment in processes). An AsyncEnvironment always runs on an event loop, where a call past its time is cancelled."""
+    workers: int = 4
+    """Worker processes for isolation "process": episodes are spread over them and stay on one (an environment keeps state across its episode's calls); more workers lose fewer episodes when one call hangs."""
+    max_error_share: float = 0.1
+    """A step whose environment calls fail (errors and timeouts) on more than this share prints a warning with the first failure; env/error_share logs the share every step."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor, e.g. {call_cost = 0.05, format_penalty = 0.1} for the calculator (taken off the reward per tool call / for a final answer that is more than a number); an option the environment does not take is refused by name."""
 
@@ -771,6 +777,12 @@ class EnvConfig:
         _check_at_least(self.max_turns, 1, "env.max_turns")
         _check_at_least(self.max_episode_tokens, 2, "env.max_episode_tokens")
         _check_positive(self.timeout_s, "env.timeout_s")
+        isolations = ("auto", "process", "thread")
+        if self.isolation not in isolations:
+            _fail("env.isolation", f"must be one of {isolations}, got {self.isolation!r}")
+        _check_at_least(self.workers, 1, "env.workers")
+        if not (isinstance(self.max_error_share, (int, float)) and 0 <= self.max_error_share <= 1):
+            _fail("env.max_error_share", f"must be in [0, 1], got {self.max_error_share!r}")
 
 
 @dataclass

@@ -6,10 +6,10 @@ answers with an observation (text, tokenized by the run's tokenizer, or token id
 turn on top of it, or it ends the episode with a reward. One environment object serves ONE episode (so it may
 keep state); the rollout makes a new one per episode from the class (or any zero-argument factory).
 
-Two flavours with the same shape: `Environment` (plain methods, run in a worker thread) and `AsyncEnvironment`
-(coroutines, run on an event loop: the one to use for anything that waits on I/O, e.g. a sandbox or a reward
-server on localhost). Either may raise or hang: the episode then ends with reward 0 and the run goes on
-(exactrl.envs.rollout, "Guarding").
+Two flavours with the same shape: `Environment` (plain methods, run in a worker process that can be stopped, or
+for the built-ins in a thread of the trainer's process) and `AsyncEnvironment` (coroutines, run on an event loop:
+the one to use for anything that waits on I/O, e.g. a sandbox or a reward server on localhost). Either may raise
+or hang: the episode then ends with reward 0 and the run goes on (exactrl.envs.rollout, "Guarding").
 
 A custom environment::
 
@@ -27,10 +27,14 @@ A custom environment::
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import math
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from exactrl.tasks.base import Example
 
@@ -105,6 +109,49 @@ class AsyncEnvironment:
 
 
 EnvFactory = Callable[[], "Environment | AsyncEnvironment"]
+
+
+def check_step_result(res: object) -> str | None:
+    """None if `res` is a StepResult the driver can use, else what is wrong with it (the episode's error)."""
+    if not isinstance(res, StepResult):
+        return f"step() returned {type(res).__name__}, expected StepResult"
+    r = res.reward
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        return f"reward must be a finite number, got {r!r}"
+    if not res.done and res.observation is not None and not isinstance(res.observation, (str, list)):
+        return f"observation must be a str or a list of token ids, got {type(res.observation).__name__}"
+    return None
+
+
+def env_class(make: EnvFactory) -> type | None:
+    """The class a factory builds: the class itself, or a functools.partial of it; None for any other callable
+    (what it builds is known only once it is called)."""
+    target = make.func if isinstance(make, functools.partial) else make
+    return target if isinstance(target, type) else None
+
+
+def source_file(obj: Any) -> str | None:
+    """The file that defines `obj` (a class, a function, a partial of either, or an instance), if Python knows it."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    if not (isinstance(target, type) or inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target)
+    try:
+        return inspect.getsourcefile(target)
+    except (TypeError, OSError):
+        return None
+
+
+def describe_error(e: BaseException, user_file: str | None = None) -> str:
+    """'Type: message (at file:line in function)': the place is the last traceback frame in `user_file` (the
+    environment's own file, so a failure inside a library the environment calls points at the environment's line
+    that called it), else the last frame of all."""
+    text = f"{type(e).__name__}: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return text
+    mine = [f for f in frames if user_file is not None and f.filename == user_file]
+    at = (mine or frames)[-1]
+    return f"{text} (at {at.filename}:{at.lineno} in {at.name})"
 
 
 def builtin_envs() -> dict[str, type]:

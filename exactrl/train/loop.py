@@ -142,6 +142,9 @@ def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
         max_tokens_per_turn=cfg.sampling.max_tokens,
         max_episode_tokens=cfg.env.max_episode_tokens,
         timeout_s=cfg.env.timeout_s,
+        isolation=cfg.env.isolation,
+        workers=cfg.env.workers,
+        max_error_share=cfg.env.max_error_share,
     )
     return EnvSetup(cls, make, settings)
 
@@ -794,7 +797,7 @@ class RLRun:
         in the engine (a turn resumes on the conversation's cached KV); the environment gives the reward. The
         trainer gets the engine's token ids, observations masked out of the loss."""
         from exactrl.envs import run_episodes
-        from exactrl.envs.rollout import env_stop
+        from exactrl.envs.rollout import env_report, env_stop
 
         cfg, a = self.cfg, self.cfg.algorithm
         assert self.env is not None
@@ -813,8 +816,11 @@ class RLRun:
             params,
             request_ids=[step * a.prompts_per_step + i for i in index],
             progress=bar.update,
+            pool=self.env.pool(),  # the environment's worker processes, started once for the run
         )
         bar.close()
+        for line in env_report(eb, self.env.settings):  # what failed, where in the environment's file
+            self.out(f"step {step + 1}: {line}")
         rollouts: list[Rollout] = []
         rewards: list[float] = []
         completions, answers = [], []

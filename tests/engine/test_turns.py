@@ -40,7 +40,10 @@ def _episodes(exact=True, kv_blocks=14, n=2, temperature=0.8, prefix_caching=Tru
     )
     prompts = [[10 + i, 20, 30 + 2 * i, 40] * (3 + i) for i in range(3)]
     examples = [Example("p", "0") for _ in prompts]
-    settings = EpisodeSettings(max_turns=4, max_tokens_per_turn=10, max_episode_tokens=160)
+    # In this process: these tests are about the engine (worker processes: tests/envs/test_envs.py).
+    settings = EpisodeSettings(
+        max_turns=4, max_tokens_per_turn=10, max_episode_tokens=160, isolation="thread"
+    )
     params = SamplingParams(temperature=temperature, n=n, seed=5, stop=list(stop))
     if record is not None:  # watch every batch the scheduler makes
         orig = Scheduler.schedule

@@ -2,11 +2,23 @@
 sync and async), metrics, the [env] config keys, and token ids that are the engine's, never a re-tokenization."""
 
 import asyncio
+import functools
+import sys
 import time
 from fractions import Fraction
 
 import pytest
 import torch
+from sample_envs import (
+    BusyLoop,
+    Counter,
+    FixedObservation,
+    Flaky,
+    Garbage,
+    NaNReward,
+    Parser,
+    broken_factory,
+)
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -15,7 +27,7 @@ from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs import (
     AsyncEnvironment,
-    Environment,
+    EnvSetup,
     EpisodeSettings,
     StepResult,
     Turn,
@@ -24,6 +36,8 @@ from exactrl.envs import (
 )
 from exactrl.envs.calculator import CalcError, CalculatorEnv, calculate, format_number
 from exactrl.envs.guess import GuessNumberEnv
+from exactrl.envs.rollout import env_report
+from exactrl.envs.workers import EnvWorkerPool, EnvWorkerStartError
 from exactrl.model import build_model, preset
 from exactrl.model.tokenizer import byte_tokenizer
 from exactrl.tasks.base import Example
@@ -76,27 +90,30 @@ def _engine(tok=None):
     return RolloutEngine(_MODEL["m"], EngineConfig(num_kv_blocks=64), tokenizer=tok or byte_tokenizer())
 
 
-def _run(make_env, n_prompts=2, n=2, timeout_s=5.0, max_turns=3, tok=None, temperature=1.0):
+def _run(
+    make_env,
+    n_prompts=2,
+    n=2,
+    timeout_s=5.0,
+    max_turns=3,
+    tok=None,
+    temperature=1.0,
+    examples=None,
+    pool=None,
+    progress=None,
+    **kw,
+):
     eng = _engine(tok)
     tok = eng.tokenizer
-    examples = [Example(f"Q{i}:", str(i)) for i in range(n_prompts)]
+    examples = examples or [Example(f"Q{i}:", str(i)) for i in range(n_prompts)]
     prompts = [tok.encode(e.prompt) for e in examples]
     settings = EpisodeSettings(
-        max_turns=max_turns, max_tokens_per_turn=6, max_episode_tokens=96, timeout_s=timeout_s
+        max_turns=max_turns, max_tokens_per_turn=6, max_episode_tokens=96, timeout_s=timeout_s, **kw
     )
     params = SamplingParams(temperature=temperature, n=n, seed=1)
-    return eng, run_episodes(eng, tok, examples, prompts, make_env, settings, params)
-
-
-class Counter(Environment):
-    """Observations as token ids, of a length growing with the turn; a reward of 0.25 per turn."""
-
-    def reset(self, example):
-        self.turns = 0
-
-    def step(self, turn):
-        self.turns += 1
-        return StepResult(observation=[65] * self.turns, reward=0.25 * self.turns, tool_calls=1)
+    return eng, run_episodes(
+        eng, tok, examples, prompts, make_env, settings, params, pool=pool, progress=progress
+    )
 
 
 class AsyncCounter(AsyncEnvironment):
@@ -124,38 +141,9 @@ def test_sync_and_async_envs_run_several_turns():
     assert b.metrics["env/finish_max_turns"] == 4
 
 
-class Flaky(Environment):
-    """Sample 0 of prompt 0 raises at its second turn, sample 1 of prompt 0 hangs there; prompt 1 is fine."""
-
-    def reset(self, example):
-        self.q, self.turns = example.answer, 0
-
-    def step(self, turn):
-        self.turns += 1
-        if self.q == "0" and self.turns == 2:
-            if turn.token_ids[0] % 2 == 0:
-                raise RuntimeError("tool crashed")
-            time.sleep(3.0)  # abandoned after the timeout; the thread finishes on its own
-        return StepResult(observation="x")
-
-
 class AsyncHang(AsyncEnvironment):
     async def step(self, turn):
         await asyncio.sleep(60)  # cancelled at the timeout
-
-
-class Garbage(Environment):
-    def step(self, turn):
-        return {"observation": "not a StepResult"}
-
-
-class NaNReward(Environment):
-    def step(self, turn):
-        return StepResult(done=True, reward=float("nan"))
-
-
-def _broken_factory():
-    raise OSError("sandbox unavailable")
 
 
 def test_a_bad_environment_ends_its_episode_with_reward_zero_and_the_run_goes_on():
@@ -167,7 +155,7 @@ def test_a_bad_environment_ends_its_episode_with_reward_zero_and_the_run_goes_on
     for env, reason in (
         (Garbage, "StepResult"),
         (NaNReward, "finite"),
-        (_broken_factory, "sandbox unavailable"),
+        (broken_factory, "sandbox unavailable"),
     ):
         _, b = _run(env)
         assert all(e.finish_reason == "env_error" and reason in e.error for g in b.groups for e in g)
@@ -226,3 +214,170 @@ def test_env_config_section():
     cfg.env.timeout_s = 0
     with pytest.raises(ConfigError, match="env.timeout_s"):
         cfg.validate()
+
+
+# -- synchronous environments in worker processes ----------------------------------------------------------------
+def _beats(path) -> int:
+    return int(path.read_text()) if path.exists() else 0
+
+
+@pytest.mark.parametrize("workers", [4, 1])
+def test_a_busy_looping_sync_env_is_stopped_within_its_timeout_and_the_run_goes_on(tmp_path, workers):
+    """One episode's second call spins forever (pure Python, no I/O). It ends at env.timeout_s (plus the
+    engine step that notices), counted as a timeout, not an error; its worker process is killed, so the loop
+    stops running (a thread would spin, and take the GIL, until the process ends). With a worker per episode the
+    other episodes finish; with one worker for all, the episodes it held end with it (reward 0, timeouts)."""
+    beat = tmp_path / "beat"
+    examples = [Example("Q0:", "spin", {"beat": str(beat)}), Example("Q1:", "1")]
+    timeout = 0.5
+    t0 = time.perf_counter()
+    _, b = _run(BusyLoop, n=2, timeout_s=timeout, examples=examples, workers=workers)
+    assert time.perf_counter() - t0 < 30  # the episodes' whole run; the spinning call alone never ends
+    spun = [e for e in b.groups[0] if e.num_turns == 2]  # both samples of prompt 0 spin at their second call
+    assert len(spun) == 2
+    for e in spun:
+        assert e.finish_reason == "env_timeout" and e.reward == 0.0 and e.env_calls == 2
+        assert "took more than 0.5 s" in e.error or "lost with its worker" in e.error
+    # The step that hung returned within its limit plus a little (the engine step that noticed).
+    hung = [e for e in spun if "took more than 0.5 s" in e.error]  # the others were lost with its worker
+    assert hung and all(timeout <= e.last_call_s < timeout + 1.0 for e in hung)
+    assert all(e.last_call_s < timeout + 1.0 for e in spun)
+    # The spinning code is dead (a thread would spin on): its heartbeat file stops changing.
+    n = _beats(beat)
+    assert n > 0
+    time.sleep(0.3)
+    assert _beats(beat) == n
+    m = b.metrics
+    assert m["env/errors"] == 0 and m["env/timeouts"] == 2 + (2 if workers == 1 else 0)
+    assert m["env/workers_stopped"] >= 1
+    if workers == 4:
+        assert all(e.finish_reason == "max_turns" and e.reward == 3.0 for e in b.groups[1])
+    else:  # the other episodes of the stopped worker lost their environment with it
+        assert all(
+            e.finish_reason == "env_timeout" and "lost with its worker" in e.error for e in b.groups[1]
+        )
+    # The run goes on: the next batch of episodes works.
+    _, b = _run(BusyLoop, n=2, timeout_s=timeout, workers=workers)
+    assert b.metrics["env/finish_max_turns"] == 4
+
+
+def test_environment_errors_say_where_and_a_failing_environment_is_loud():
+    """An exception's text names the file and line in the environment's own module (the last traceback frame
+    there), in the worker process and in a thread alike; env_report prints the first one, and warns when the
+    share of failed calls passes env.max_error_share."""
+    import sample_envs
+
+    line = next(i for i, x in enumerate(open(sample_envs.__file__), 1) if "return int(json.loads(text))" in x)
+    where = f"{sample_envs.__file__}:{line} in _parse"
+    for isolation in ("process", "thread"):
+        _, b = _run(Parser, isolation=isolation, max_error_share=0.5)
+        for e in (e for g in b.groups for e in g):
+            assert e.finish_reason == "env_error" and e.error.startswith("JSONDecodeError: ")
+            assert e.error.endswith(f"(at {where})"), e.error
+        assert b.metrics["env/calls"] == 4 and b.metrics["env/error_share"] == 1.0
+        settings = EpisodeSettings(max_error_share=0.5)
+        lines = env_report(b, settings)
+        assert lines[0].startswith("environment errors: 4 of 4 calls; first: episode (request ")
+        assert where in lines[0] and "WARNING" in lines[1] and "env.max_error_share = 0.5" in lines[1]
+    _, b = _run(Counter)
+    assert env_report(b, EpisodeSettings()) == [] and b.metrics["env/error_share"] == 0.0
+
+
+def test_where_calls_run_and_what_cannot_go_to_a_worker(tmp_path):
+    from exactrl.envs.rollout import isolation_of
+
+    assert (
+        isolation_of(CalculatorEnv, "auto") == "thread" and isolation_of(GuessNumberEnv, "auto") == "thread"
+    )
+    assert isolation_of(Counter, "auto") == "process" and isolation_of(broken_factory, "auto") == "process"
+    assert isolation_of(functools.partial(FixedObservation, length=2), "auto") == "process"
+    assert isolation_of(CalculatorEnv, "process") == "process" and isolation_of(Counter, "thread") == "thread"
+    assert isolation_of(AsyncCounter, "process") == "thread"  # on the event loop, where a timeout cancels
+    with pytest.raises(ValueError, match="cannot be sent to a worker process.*env.isolation = 'thread'"):
+        _run(lambda: Counter())
+    # A module the worker cannot import (not on the sys.path it gets) is said, not scored 0 quietly.
+    (tmp_path / "gone_env.py").write_text(
+        "from exactrl.envs import Environment\nclass Gone(Environment):\n    pass\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from gone_env import Gone
+
+        pool = EnvWorkerPool(Gone, 1, sys_path=[p for p in sys.path if p != str(tmp_path)])
+        pool.call((0, 0), _turn("x"), 5.0, example=Example("p", "a"), first=True)
+        with pytest.raises(EnvWorkerStartError, match="No module named 'gone_env'"):
+            for _ in range(100):  # the worker says so once it starts
+                pool.pump(1.0)
+        pool.close()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_the_worker_processes_are_kept_across_calls_and_replaced_after_a_hang():
+    """EnvSetup.pool: the run's workers start once, not every step; a worker stopped for a hung call is replaced
+    in the next call; an exception out of run_episodes stops the workers that still hold episodes."""
+    setup = EnvSetup(BusyLoop, BusyLoop, EpisodeSettings(workers=2))
+    assert EnvSetup(CalculatorEnv, CalculatorEnv, EpisodeSettings()).pool() is None  # in this process
+    pool = setup.pool()
+    assert setup.pool() is pool
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    pids = set(pool.pids())
+    assert len(pids) == 2 and b.metrics["env/finish_max_turns"] == 4 and pool.num_episodes == 0
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    assert set(pool.pids()) == pids and b.metrics["env/workers_stopped"] == 0
+    spin = [Example("Q0:", "spin"), Example("Q1:", "1")]
+    _, b = _run(BusyLoop, pool=pool, workers=2, timeout_s=0.5, examples=spin)
+    assert b.metrics["env/workers_stopped"] >= 1 and b.metrics["env/timeouts"] >= 2
+    assert len(set(pool.pids()) & pids) <= 1  # the stopped one is gone
+    _, b = _run(BusyLoop, pool=pool, workers=2)
+    assert b.metrics["env/finish_max_turns"] == 4 and pool.num_workers == 2
+
+    def interrupted(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(BusyLoop, pool=pool, workers=2, examples=spin, progress=interrupted)
+    assert pool.num_workers == 0 and pool.num_episodes == 0
+
+
+# -- the episode token cap counts the observations ---------------------------------------------------------------
+def test_the_token_cap_counts_every_observation():
+    """prompt + model turns + observations <= env.max_episode_tokens. An observation that leaves room for one
+    more model token is appended and the next turn gets just that token; one that would leave none ends the
+    episode ("max_tokens") without being appended. Turns are 6 tokens, observations 5."""
+    eng = _engine()
+    tok = eng.tokenizer
+    ex = Example("Q0:", "0")
+    P = len(tok.encode(ex.prompt))
+    make = functools.partial(FixedObservation, length=5)
+    params = SamplingParams(temperature=1.0, n=3, seed=2)
+
+    def run(cap):
+        # In this process: the cap is the driver's and the engine's business, wherever the environment runs.
+        settings = EpisodeSettings(
+            max_turns=5, max_tokens_per_turn=6, max_episode_tokens=cap, isolation="thread"
+        )
+        return [
+            e
+            for g in run_episodes(eng, tok, [ex], [tok.encode(ex.prompt)], make, settings, params).groups
+            for e in g
+        ]
+
+    for cap, completion, turns, obs, reward in (
+        (
+            P + 6 + 5 + 1,
+            12,
+            [(0, 6), (11, 12)],
+            [(6, 11)],
+            2.0,
+        ),  # the observation fits with one token to spare
+        (P + 6 + 5, 6, [(0, 6)], [], 1.0),  # it would fill the cap: the episode ends before it
+        (P + 6 + 5 + 6 + 5 + 3, 25, [(0, 6), (11, 17), (22, 25)], [(6, 11), (17, 22)], 3.0),
+    ):
+        eps = run(cap)
+        assert len(eps) == 3
+        for e in eps:
+            assert len(e.token_ids) == P + completion <= cap
+            assert e.turns == turns and e.observations == obs
+            assert e.finish_reason == "max_tokens" and e.reward == reward
+            assert sum(e.loss_mask) == sum(t - s for s, t in turns)

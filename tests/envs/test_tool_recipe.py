@@ -139,7 +139,7 @@ def test_held_out_evaluation_runs_the_episodes_through_the_environment():
     model = build_model(preset("tiny"), dtype=torch.float32, exact=True, seed=0)
     engine = RolloutEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=tok)
     examples = [Example(f"{i}*3=", str(3 * i)) for i in range(4)]
-    settings = EpisodeSettings(max_turns=3, max_tokens_per_turn=4, max_episode_tokens=64)
+    settings = EpisodeSettings(max_turns=3, max_tokens_per_turn=4, max_episode_tokens=64, isolation="thread")
     env = EnvSetup(_TwoTurns, _TwoTurns, settings)
     kw = dict(max_tokens=4, samples=2, temperature=1.0)
     res = evaluate(engine, tok, PromptEncoder(tok, None), examples, _ZeroRewards(), env=env, **kw)
