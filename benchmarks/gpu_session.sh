@@ -6,6 +6,7 @@
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
+#     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-sweep]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -151,6 +152,44 @@ if want price || want price-train; then  # exact / fast / transformers training 
       timeout 300 $X bench train --preset $p --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 20 \
         $vs --json 2>>"$OUT/price_train.log" | grep '^{' | tee -a "$OUT/price_train.jsonl"
     done
+  done
+fi
+# Mixture of experts. The qwen3-30b-a3b layer shape with MOE_LAYERS of its 48 layers (a full-depth policy's
+# training state does not fit one GPU): a random-init checkpoint written once per machine.
+MOE_LAYERS=${MOE_LAYERS:-4}
+MOE_DIR=/tmp/qwen3-30b-a3b-l$MOE_LAYERS
+moe_model() { [[ -f $MOE_DIR/config.json ]] || $X init-model --preset qwen3-30b-a3b --num-layers $MOE_LAYERS \
+  --out $MOE_DIR --dtype bfloat16 2>&1 | tail -1 | tee -a "$OUT/moe_model.txt"; }
+if want moe-tests; then  # the MoE kernels and the MoE model on the GPU (bits, graphs, backward, HF closeness)
+  timeout 500 python3 -m pytest -q -m gpu tests/ops/test_moe_triton_gpu.py tests/model -k "moe or Moe or MoE" \
+    -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/moe_tests.txt"
+fi
+if want moe-probe; then  # one MoE layer's experts, exact vs fast, decode and training sizes
+  timeout 300 python3 benchmarks/probe_moe.py 2>&1 | tail -14 | tee "$OUT/moe_probe.txt"
+fi
+if want moe-sweep; then
+  timeout 300 python3 benchmarks/probe_moe.py --sweep 2>&1 | tail -40 | tee "$OUT/moe_sweep.txt"
+fi
+if want moe-parity; then  # engine vs trainer, exact (preemption, prefix sharing) and the fast control
+  moe_model
+  for p in "--preset tiny-moe" "--preset tiny-qwen2-moe" "--model $MOE_DIR"; do
+    timeout 300 $X parity $p --device cuda --dtype bfloat16 --num-prompts 16 --max-tokens 128 \
+      --samples-per-prompt 4 --kv-blocks 96 --prefill-chunk 32 --temperature 0.7 --json 2>&1 | tail -1 | tee -a "$OUT/moe_parity.txt"
+    timeout 200 $X parity $p --device cuda --dtype bfloat16 --mode fast --num-prompts 8 --max-tokens 64 \
+      --json 2>&1 | tail -1 | tee -a "$OUT/moe_parity.txt"
+  done
+fi
+if want moe-price; then  # exact / fast MoE rollout at 1/16/64/256 sequences and the training step
+  moe_model
+  for c in 1 16 64 256; do
+    for mode in exact fast; do
+      timeout 300 $X bench rollout --model $MOE_DIR --mode $mode --device cuda --concurrency $c --prompt-len 128 \
+        --max-tokens 256 --json 2>>"$OUT/moe_price.log" | grep '^{' | tee -a "$OUT/moe_price.jsonl"
+    done
+  done
+  for mode in exact fast; do
+    timeout 300 $X bench train --model $MOE_DIR --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 10 \
+      --json 2>>"$OUT/moe_price.log" | grep '^{' | tee -a "$OUT/moe_price.jsonl"
   done
 fi
 if want kernels; then
