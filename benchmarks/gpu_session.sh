@@ -174,9 +174,9 @@ if want moe-parity; then  # engine vs trainer, exact (preemption, prefix sharing
   moe_model
   for p in "--preset tiny-moe" "--preset tiny-qwen2-moe" "--model $MOE_DIR"; do
     timeout 300 $X parity $p --device cuda --dtype bfloat16 --num-prompts 16 --max-tokens 128 \
-      --samples-per-prompt 4 --kv-blocks 96 --prefill-chunk 32 --temperature 0.7 --json 2>&1 | tail -1 | tee -a "$OUT/moe_parity.txt"
+      --samples-per-prompt 4 --kv-blocks 96 --prefill-chunk 32 --temperature 0.7 --json 2>&1 | tail -4 | tee -a "$OUT/moe_parity.txt"
     timeout 200 $X parity $p --device cuda --dtype bfloat16 --mode fast --num-prompts 8 --max-tokens 64 \
-      --json 2>&1 | tail -1 | tee -a "$OUT/moe_parity.txt"
+      --json 2>&1 | tail -4 | tee -a "$OUT/moe_parity.txt"
   done
 fi
 if want moe-price; then  # exact / fast MoE rollout at 1/16/64/256 sequences and the training step

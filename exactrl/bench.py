@@ -203,14 +203,45 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def decode_weight_bytes(model, tokens: int) -> float:
+    """Weight bytes one decode step of `tokens` sequences reads. Dense: every weight. An MoE's routed experts:
+    only those hit, E * (1 - (1 - k/E)^tokens) per sparse layer in expectation when the router spreads tokens
+    evenly (as a random-init router does), so the memory roofline is not overstated by the experts no token
+    reads."""
+    from exactrl.model.moe import Experts
+
+    total = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    cfg = model.config
+    for m in model.modules():
+        if isinstance(m, Experts):
+            e, k = m.num_experts, cfg.num_experts_per_tok
+            hit = e * (1.0 - (1.0 - k / e) ** tokens)
+            stacked = sum(p.numel() * p.element_size() for p in (m.gate_up, m.down))
+            total -= stacked * (1.0 - hit / e)
+    return total
+
+
+def source_hash() -> str:
+    """sha1 (12 hex digits) of the exactrl/ sources that ran: names a result's code even when it ran from an
+    uncommitted tree (a copy on a lent GPU machine)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def record_head(bench: str, args, device: str, preset: str | None = None) -> dict:
     """The keys every benchmark record starts with: what ran, on which device and GPU, in which mode and dtype,
     from which commit and when (`benchmarks/bench_check.py` compares a record with the best recorded one)."""
     return {
         "bench": bench,
         "commit": source_commit(),
+        "source": source_hash(),
         "date": time.strftime("%Y-%m-%d"),
-        "preset": preset or args.preset,
+        "preset": preset or (Path(args.model).name if getattr(args, "model", None) else args.preset),
         "mode": args.mode,
         "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
@@ -351,9 +382,10 @@ def _rollout_on_rank(args, ctx) -> dict:
     wall = time.perf_counter() - t
     peak_gb, peak_kind = peak_memory_gb(device)  # weights, KV cache, graphs: before the bandwidth probe below
     n_out = sum(len(s.token_ids) for o in outs for s in o.samples)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = decode_weight_bytes(model, C)
     kvpt = kv_bytes_per_token(model)
-    # Decode step k (k = 1..N-1) reads all weights and the KV of every running sequence: C * (P + k) tokens.
+    # Decode step k (k = 1..N-1) reads the weights (of an MoE, the experts its C tokens hit) and the KV of every
+    # running sequence: C * (P + k) tokens.
     decode_bytes = sum(weight_bytes + C * (P + k) * kvpt for k in range(1, N))
     decode_s = engine.stats.get("decode_s", 0.0)
     rec = {
