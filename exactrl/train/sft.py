@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from exactrl.config import episode_token_limit
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.tasks.base import Example
@@ -193,7 +194,7 @@ def run_sft(
     # A record that does not fit is skipped and named (file:line), as in RL; sequences must also fit a microbatch.
     limit = min(cfg.engine.max_model_len, cfg.train.max_tokens_per_microbatch)
     if demonstrate is not None:  # a worked episode is held to the episode's limit, as the RL episodes are
-        limit = min(limit, cfg.env.max_episode_tokens)
+        limit = min(limit, episode_token_limit(cfg))
     res.filter = PromptFilter(cfg.task.max_prompt_tokens, limit, cfg.sampling.max_tokens, log=out)
     max_skips = 2 * getattr(task, "num_train", 5_000) + 1
     batches = sft_batches(stream, encode, tok, s.batch_size, res.filter, max_skips, demonstrate)
