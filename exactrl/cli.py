@@ -486,9 +486,7 @@ def _main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"exactrl {args.command}{_rank_note()}: error: {e}", file=sys.stderr)
         return 2  # the process group is left to the exit: the other ranks may still be inside a collective
-    except (
-        OSError
-    ) as e:  # a disk or a folder refused (no space, no permission, read-only): one line, the path
+    except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
         print(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", file=sys.stderr)
         return 1
     _end_process_group()
