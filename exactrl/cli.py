@@ -184,12 +184,13 @@ def cmd_generate(args) -> int:
         return _generate_episodes(args, engine, tok, prompts, params)
     if args.answer or args.env_option:
         raise ValueError("--answer and --env-option are for episodes: add --env NAME")
-    outs = engine.generate([tok.encode(p) for p in prompts], params)
+    ids = [tok.encode(p) for p in prompts]
+    outs = engine.generate(ids, params)
     failed = 0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if out.error is not None:  # refused (too long, empty): said by index, the other prompts still run
             failed += 1
-            _prompt_refused(i, len(prompts), prompt, out.error)
+            _prompt_refused(i, prompt, out.error + _length_hint(len(ids[i]), engine), len(prompts))
             continue
         for s in out.samples:
             rec = {
@@ -221,16 +222,26 @@ def _generate_prompts(args) -> list[str]:
     return prompts
 
 
-def _prompt_refused(i: int, total: int, prompt: str, error: str) -> None:
-    """One line on stderr for a prompt the engine refused: which one (1-based, as printed), how it starts, why,
-    and for a length refusal which flag moves the limit."""
+def _prompt_refused(i: int, prompt: str, error: str, total: int) -> None:
+    """One line on stderr for a prompt the engine refused: which one (1-based, as printed), how it starts, why."""
     head = prompt if len(prompt) <= 40 else prompt[:40] + "..."
-    hint = ""
-    if "exceeds max_model_len" in error:
-        hint = " (raise --max-model-len)"
-    elif "max_position_embeddings" in error:
-        hint = " (the model cannot go further: shorten the prompt)"
-    print(f"exactrl generate: error: prompt {i + 1} of {total} {head!r}: {error}{hint}", file=sys.stderr)
+    print(f"exactrl generate: error: prompt {i + 1} of {total} {head!r}: {error}", file=sys.stderr)
+
+
+def _length_hint(num_tokens: int, engine, episode_tokens: int | None = None) -> str:
+    """Which flag lets a prompt of num_tokens tokens (plus one new token) in, if any does."""
+    positions = engine.model.config.max_position_embeddings
+    if (
+        episode_tokens is not None
+        and episode_tokens < engine.max_model_len
+        and num_tokens + 1 > episode_tokens
+    ):
+        return " (raise --max-episode-tokens)"
+    if num_tokens + 1 <= engine.max_model_len:
+        return ""  # not a length refusal
+    if num_tokens + 1 <= positions:
+        return f" (raise --max-model-len; the model has {positions} positions)"
+    return " (the model has no more positions: shorten the prompt)"
 
 
 def _refusal_status(failed: int, total: int) -> int:
@@ -270,12 +281,14 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
         timeout_s=args.env_timeout,
     )
     examples = [Example(p, a) for p, a in zip(prompts, answers)]
-    batch = run_episodes(engine, tok, examples, [tok.encode(p) for p in prompts], make, settings, params)
+    ids = [tok.encode(p) for p in prompts]
+    batch = run_episodes(engine, tok, examples, ids, make, settings, params)
     failed = 0
     for i, (prompt, group, err) in enumerate(zip(prompts, batch.groups, batch.errors)):
         if err is not None:
             failed += 1
-            _prompt_refused(i, len(prompts), prompt, err)
+            hint = _length_hint(len(ids[i]), engine, settings.max_episode_tokens)
+            _prompt_refused(i, prompt, err + hint, len(prompts))
             continue
         for e in group:
             parts = sorted([(s, t, "model") for s, t in e.turns] + [(s, t, "env") for s, t in e.observations])

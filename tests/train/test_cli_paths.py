@@ -70,7 +70,7 @@ def test_generate_refuses_a_prompt_over_max_model_len_and_runs_the_others(capsys
     assert rc == 1
     assert [r["prompt"] for r in _json_lines(out.out)] == ["1+1="]  # the other prompt was generated
     assert "prompt 1 of 2" in out.err and "300 tokens" in out.err and "max_model_len (100)" in out.err
-    assert "--max-model-len" in out.err and "Traceback" not in out.err
+    assert "raise --max-model-len; the model has 2048 positions" in out.err and "Traceback" not in out.err
 
 
 def test_generate_refuses_a_prompt_past_the_models_positions_and_runs_the_others(capsys):
@@ -82,7 +82,7 @@ def test_generate_refuses_a_prompt_past_the_models_positions_and_runs_the_others
     assert rc == 1
     assert [r["prompt"] for r in _json_lines(out.out)] == ["1+1="]
     assert "prompt 2 of 2" in out.err and "2100 tokens" in out.err
-    assert "max_position_embeddings (2048)" in out.err
+    assert "max_position_embeddings (2048)" in out.err and "shorten the prompt" in out.err
 
 
 def test_generate_without_a_prompt_is_a_usage_error(tmp_path, capsys):
@@ -115,6 +115,7 @@ def test_generate_with_an_environment_reports_a_refused_prompt(capsys):
     out = capsys.readouterr()
     assert rc == 1
     assert "Guess:" in out.out and "prompt 1 of 2" in out.err and "300 tokens" in out.err
+    assert "raise --max-episode-tokens" in out.err
 
 
 # --- output folders and full disks: one line that names the path ------------------------------------------
