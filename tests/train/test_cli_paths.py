@@ -275,3 +275,12 @@ def test_train_takes_the_reward_file_of_the_working_directory(project, capsys):
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r and r.get("step", 0) >= 1]
     assert rewards and all(r == 1.0 for r in rewards)
+
+
+def test_a_missing_checkpoint_names_the_run_s_checkpoints(tmp_path, monkeypatch, capsys):
+    """The README's eval line with another step than the run wrote: the error lists the steps there are."""
+    (tmp_path / "runs" / "q" / "checkpoints" / "step-000020" / "policy").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["eval", "--no-run-config", "--model", "runs/q/checkpoints/step-000200/policy"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no such directory" in err and "holds step-000020" in err
