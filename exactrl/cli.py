@@ -162,12 +162,9 @@ def cmd_generate(args) -> int:
     from exactrl.engine.sampler import SamplingParams
     from exactrl.model.lora import attach_checkpoint_adapter
 
+    prompts = _generate_prompts(args)  # before the model loads: a missing prompt is said at once
     model, tok = _load(args)
     attach_checkpoint_adapter(model, args.model, args.base_only, "generate")
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -179,14 +176,24 @@ def cmd_generate(args) -> int:
         stop_token_ids=tok.stop_token_ids,
     )
     engine = RolloutEngine(
-        model, EngineConfig(block_size=args.block_size, num_kv_blocks=args.kv_blocks), tokenizer=tok
+        model,
+        EngineConfig(
+            block_size=args.block_size, num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len
+        ),
+        tokenizer=tok,
     )
     if args.env:
         return _generate_episodes(args, engine, tok, prompts, params)
     if args.answer or args.env_option:
         raise ValueError("--answer and --env-option are for episodes: add --env NAME")
-    outs = engine.generate([tok.encode(p) for p in prompts], params)
-    for prompt, out in zip(prompts, outs):
+    ids = [tok.encode(p) for p in prompts]
+    outs = engine.generate(ids, params)
+    failed = 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if out.error is not None:  # refused (too long, empty): said by index, the other prompts still run
+            failed += 1
+            _prompt_refused(i, prompt, out.error + _length_hint(len(ids[i]), engine), len(prompts))
+            continue
         for s in out.samples:
             rec = {
                 "prompt": prompt,
@@ -199,6 +206,51 @@ def cmd_generate(args) -> int:
                 print(json.dumps(rec))
             else:
                 print(f"[{s.finish_reason}] {prompt!r} -> {rec['completion']!r}")
+    return _refusal_status(failed, len(prompts))
+
+
+def _generate_prompts(args) -> list[str]:
+    """The prompts of `generate`: every --prompt, then each non-blank line of --prompts-file; none is a usage
+    error (the command would otherwise print nothing and succeed)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        where = f" (--prompts-file {args.prompts_file} has no non-blank line)" if args.prompts_file else ""
+        raise ValueError(
+            f"no prompt to generate from{where}: give --prompt TEXT (repeatable) or --prompts-file FILE"
+        )
+    return prompts
+
+
+def _prompt_refused(i: int, prompt: str, error: str, total: int) -> None:
+    """One line on stderr for a prompt the engine refused: which one (1-based, as printed), how it starts, why."""
+    head = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+    print(f"exactrl generate: error: prompt {i + 1} of {total} {head!r}: {error}", file=sys.stderr)
+
+
+def _length_hint(num_tokens: int, engine, episode_tokens: int | None = None) -> str:
+    """Which flag lets a prompt of num_tokens tokens (plus one new token) in, if any does."""
+    positions = engine.model.config.max_position_embeddings
+    if (
+        episode_tokens is not None
+        and episode_tokens < engine.max_model_len
+        and num_tokens + 1 > episode_tokens
+    ):
+        return " (raise --max-episode-tokens)"
+    if num_tokens + 1 <= engine.max_model_len:
+        return ""  # not a length refusal
+    if num_tokens + 1 <= positions:
+        return f" (raise --max-model-len; the model has {positions} positions)"
+    return " (the model has no more positions: shorten the prompt)"
+
+
+def _refusal_status(failed: int, total: int) -> int:
+    """Exit status of `generate`: 1 when any prompt was refused (the others were generated), else 0."""
+    if failed:
+        print(f"exactrl generate: {failed} of {total} prompts refused (see above)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -227,14 +279,18 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
     settings = EpisodeSettings(
         max_turns=args.max_turns,
         max_tokens_per_turn=args.max_tokens,
-        max_episode_tokens=min(args.max_episode_tokens, engine.config.max_model_len),
+        max_episode_tokens=min(args.max_episode_tokens, engine.max_model_len),
         timeout_s=args.env_timeout,
     )
     examples = [Example(p, a) for p, a in zip(prompts, answers)]
-    batch = run_episodes(engine, tok, examples, [tok.encode(p) for p in prompts], make, settings, params)
+    ids = [tok.encode(p) for p in prompts]
+    batch = run_episodes(engine, tok, examples, ids, make, settings, params)
+    failed = 0
     for i, (prompt, group, err) in enumerate(zip(prompts, batch.groups, batch.errors)):
         if err is not None:
-            print(f"prompt {i + 1} {prompt!r}: refused by the engine: {err}", file=sys.stderr)
+            failed += 1
+            hint = _length_hint(len(ids[i]), engine, settings.max_episode_tokens)
+            _prompt_refused(i, prompt, err + hint, len(prompts))
             continue
         for e in group:
             parts = sorted([(s, t, "model") for s, t in e.turns] + [(s, t, "env") for s, t in e.observations])
@@ -276,7 +332,7 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
                 f"calls, {e.tool_errors} tool errors, {len(e.completion_ids)} tokens "
                 f"({e.num_observation_tokens} from the environment)"
             )
-    return 0
+    return _refusal_status(failed, len(prompts))
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -405,6 +461,13 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="longest prompt + completion in tokens (capped at the model's max_position_embeddings); a longer "
+        "prompt is refused by index, the others are generated, and the exit status is 1",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per sample (per episode with --env)")
     p.add_argument(
         "--base-only",
@@ -441,12 +504,29 @@ def _main(argv: list[str] | None = None) -> int:
             return launch_torchrun(args.nproc, argv)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        rank = os.environ.get("RANK")
-        where = f" (rank {rank})" if rank is not None else ""
-        print(f"exactrl {args.command}{where}: error: {e}", file=sys.stderr)
+        print(f"exactrl {args.command}{_rank_note()}: error: {e}", file=sys.stderr)
         return 2  # the process group is left to the exit: the other ranks may still be inside a collective
+    except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
+        print(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", file=sys.stderr)
+        return 1
     _end_process_group()
     return code
+
+
+def _rank_note() -> str:
+    rank = os.environ.get("RANK")
+    return f" (rank {rank})" if rank is not None else ""
+
+
+def os_error_text(e: OSError) -> str:
+    """An OS error in one line that names its path: an OutputError says what was being written; another error
+    with a file name gives that name and the system's reason."""
+    from exactrl.model.files import OutputError
+
+    if isinstance(e, OutputError) or e.filename is None:
+        return str(e)
+    where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+    return f"{where}: {e.strerror or e}"
 
 
 def _end_process_group() -> None:

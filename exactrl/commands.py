@@ -34,8 +34,7 @@ def _run(cfg, args) -> int:
     # if rank 0 refuses). The plan commits (clears an --overwrite's old files, writes config.toml) once
     # everything has loaded.
     plan = _run_dir_plan(cfg, args) if os.environ.get("RANK", "0") == "0" else None
-    config_dir = Path(args.config).resolve().parent if getattr(args, "config", None) else None
-    summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan, config_dir=config_dir)
+    summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan)
     if summary.get("reward_failure"):  # every reward call failed, or every call of the correctness function
         return 3
     if not summary.get("stopped_early"):
@@ -141,14 +140,13 @@ def cmd_eval(args) -> int:
             "engine.max_model_len - max tokens) left out",
             file=sys.stderr,
         )
-    rewards = RewardComputer.from_config(
-        cfg.reward, device=device, base_dir=Path(config).resolve().parent if config else None
-    )
+    # Relative reward files and modules: from the working directory, as every path (exactrl.config).
+    rewards = RewardComputer.from_config(cfg.reward, device=device)
     engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
     # A tool agent is scored with its tool, as train scores it: episodes through the run's environment.
     env = None
     if cfg.env.name:
-        env = env_setup(cfg, [str(Path(config).resolve().parent)] if config else None)
+        env = env_setup(cfg)
     res = evaluate(
         engine,
         tok,
@@ -168,11 +166,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from exactrl.model.files import writing
     from exactrl.report import draw_report, episode_summary, read_metrics
 
     for line in episode_summary(read_metrics(args.run_dir)):  # a multi-turn run's episodes, in numbers
         print(line)
-    print(draw_report(args.run_dir, args.out))
+    with writing(args.out or Path(args.run_dir) / "report.png", "the report"):
+        print(draw_report(args.run_dir, args.out))
     return 0
 
 

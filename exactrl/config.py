@@ -406,7 +406,7 @@ class RewardConfig:
     """Reward functions applied to each completion; the reward is their weighted sum."""
 
     functions: list[str] = field(default_factory=lambda: ["numeric_match"])
-    """Reward functions: built-in names (e.g. "numeric_match"), "path/to/file.py:function" (relative to the config file's directory, then the current one) or "module:function"; user functions run in worker processes."""
+    """Reward functions: built-in names (e.g. "numeric_match"), "path/to/file.py:function" (a relative path is from the working directory) or "module:function"; user functions run in worker processes."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty = all 1.0."""
     timeout_s: float = 5.0
@@ -754,8 +754,8 @@ class EnvConfig:
     """Environment: "calculator" (<calc>expr</calc> tool calls, then an answer), "guess" (guess the number), or "module:ClassName" (an exactrl.envs.Environment or AsyncEnvironment subclass); unset = no environment. A model turn ends at a stop token, at sampling.stop or the environment's stop strings, or after sampling.max_tokens tokens."""
     max_turns: int = 4
     """Most model turns per episode; an episode still going after its last turn ends with the last step's reward (0 for the built-ins)."""
-    max_episode_tokens: int = 1024
-    """Most tokens per episode: prompt + every model turn + every observation. A turn samples at most what is left; an observation that would leave no room for one more model token ends the episode (finish "max_tokens", the observation not appended)."""
+    max_episode_tokens: int | None = None
+    """Most tokens per episode: prompt + every model turn + every observation; unset = engine.max_model_len (at most train.max_tokens_per_microbatch). A turn samples at most what is left; an observation that would leave no room for one more model token ends the episode (finish "max_tokens", the observation not appended)."""
     timeout_s: float = 30.0
     """Time limit of each environment call (reset + the first step: twice this); a call past it ends its episode with reward 0, counted in env/timeouts; a call that raises or returns garbage, in env/errors (its text, with the file and line that raised, is printed)."""
     isolation: str = "auto"
@@ -775,7 +775,8 @@ class EnvConfig:
         if self.options and self.name is None:
             _fail("env.options", "is set but env.name is not: options are for an environment")
         _check_at_least(self.max_turns, 1, "env.max_turns")
-        _check_at_least(self.max_episode_tokens, 2, "env.max_episode_tokens")
+        if self.max_episode_tokens is not None:
+            _check_at_least(self.max_episode_tokens, 2, "env.max_episode_tokens")
         _check_positive(self.timeout_s, "env.timeout_s")
         isolations = ("auto", "process", "thread")
         if self.isolation not in isolations:
@@ -830,7 +831,7 @@ class RunConfig:
                 ("engine.max_model_len", self.engine.max_model_len),
                 ("train.max_tokens_per_microbatch", self.train.max_tokens_per_microbatch),
             ):
-                if self.env.max_episode_tokens > limit:
+                if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > limit:
                     _fail(key, f"({limit}) must be >= env.max_episode_tokens ({self.env.max_episode_tokens})")
         if seq_len > self.train.max_tokens_per_microbatch:
             _fail(
@@ -845,6 +846,14 @@ class RunConfig:
                 f"= {self.reward.accuracy!r} with env.name = {self.env.name!r}: a multi-turn run's accuracy is the "
                 'environment\'s verdict (episode reward > 0.5); leave reward.accuracy = "auto"',
             )
+
+
+def episode_token_limit(cfg: RunConfig) -> int:
+    """The most tokens of one episode: env.max_episode_tokens, or when unset what both the engine
+    (engine.max_model_len) and one training microbatch hold, so that turning an environment on needs no other key."""
+    if cfg.env.max_episode_tokens is not None:
+        return cfg.env.max_episode_tokens
+    return min(cfg.engine.max_model_len, cfg.train.max_tokens_per_microbatch)
 
 
 def resolve_device(cfg: RunConfig | str) -> str:
@@ -1219,7 +1228,84 @@ def load_config(
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         validate()
+    if path is not None and isinstance(cfg, RunConfig):
+        check_path_anchors(cfg, Path(path).resolve().parent)
     return cfg
+
+
+# Relative paths: one rule. Every relative path of a run (run.output_dir, data, models, checkpoints, reward files,
+# environment and reward modules), written in the config file, given with --set or with a flag, is resolved from
+# the working directory, never from the config file's folder. That is what run.output_dir and the recipes'
+# data and model paths always did, and what keeps a run's saved config.toml (in its output_dir, far from the
+# original config) meaning the same files.
+_PATH_KEYS = (
+    "model.path",
+    "model.tokenizer",
+    "task.path",
+    "task.eval_path",
+    "sft.checkpoint",
+    "lora.path",
+    "reward.model",
+)
+
+
+def relative_path_refs(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """Every relative file or module a config names: (key, what is written, the path or module looked up)."""
+    refs: list[tuple[str, str, str]] = []
+    for key in _PATH_KEYS:
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section, None), name, None)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            refs.append((key, value, value))
+    specs = [("reward.functions", f) for f in cfg.reward.functions if isinstance(f, str)]
+    if cfg.env.name:
+        specs.append(("env.name", cfg.env.name))
+    for key, spec in specs:
+        target, sep, _ = spec.rpartition(":")
+        if not sep or not target:
+            continue  # a built-in name
+        if target.endswith(".py"):
+            if not Path(target).expanduser().is_absolute():
+                refs.append((key, spec, target))
+        else:  # "package.module:attr": its top package is a file or folder on the import path
+            refs.append((key, spec, "module:" + target.split(".")[0]))
+    return refs
+
+
+def _found_in(folder: Path, target: str) -> bool:
+    if target.startswith("module:"):
+        top = target[len("module:") :]
+        return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+    return (folder / Path(target).expanduser()).exists()
+
+
+def check_path_anchors(cfg: RunConfig, config_dir: Path, cwd: Path | None = None) -> None:
+    """Refuse a relative path that is missing from the working directory but present next to the config file:
+    the one mistake the working-directory rule invites. Raises ConfigError naming the key, both places and the
+    path to write instead. A path found in neither place is left to whatever loads it (that names the file)."""
+    import importlib.util
+
+    cwd = (cwd or Path.cwd()).resolve()
+    if config_dir.resolve() == cwd:
+        return
+    for key, written, target in relative_path_refs(cfg):
+        if _found_in(cwd, target) or not _found_in(config_dir, target):
+            continue
+        if target.startswith("module:"):
+            module = target[len("module:") :]
+            if importlib.util.find_spec(module) is not None:
+                continue  # importable as installed: the file next to the config is not what it names
+            fix = f"move it into the working directory, or run exactrl from {config_dir}"
+            what = f"module {module!r}"
+        else:
+            rel = os.path.relpath(config_dir / target, cwd)
+            fix = f"write {written.replace(target, rel, 1)!r}"
+            what = repr(target)
+        _fail(
+            key,
+            f"= {written!r}: {what} is not in the working directory {cwd} but is next to the config file, in "
+            f"{config_dir}. Relative paths are resolved from the working directory: {fix}",
+        )
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

@@ -98,6 +98,19 @@ class RolloutEngine:
             "cow_copies": 0,
         }
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine runs: config.max_model_len, or the model's
+        max_position_embeddings when that is smaller (its RoPE table ends there)."""
+        return min(self.config.max_model_len, self.model.config.max_position_embeddings)
+
+    def _length_limit(self) -> str:
+        """The limit `max_model_len` is, in words, for a refusal."""
+        positions = self.model.config.max_position_embeddings
+        if positions < self.config.max_model_len:
+            return f"the model's max_position_embeddings ({positions})"
+        return f"max_model_len ({self.config.max_model_len})"
+
     def _ensure_runner(self, tokens_needed: int) -> ModelRunner:
         """The KV cache for a call: a fixed size when configured, else sized for the call's worst case (within
         the memory budget) and grown, never shrunk, when a later call needs more."""
@@ -111,7 +124,7 @@ class RolloutEngine:
             or r.kv_caches[0][0].dtype != self.model.dtype
             or r.decode_mode != mode
             or r.max_num_seqs != cfg.max_num_seqs
-            or r.max_model_len != min(cfg.max_model_len, self.model.config.max_position_embeddings)
+            or r.max_model_len != self.max_model_len
         ):
             r = None  # the model moved, changed dtype or the engine's shape changed: rebuild
         if cfg.num_kv_blocks:
@@ -178,7 +191,9 @@ class RolloutEngine:
 
     def _admissible(self, prompts: list[list[int]], outputs: list[RequestOutput]) -> list[int]:
         """Indices of the prompts the engine can run; the others get their output's `error` set."""
-        max_len, vocab = self.config.max_model_len, self.model.config.vocab_size
+        # The effective limit: a prompt admitted past the model's positions would fail inside a step and take
+        # every other prompt of the call down with it.
+        max_len, vocab = self.max_model_len, self.model.config.vocab_size
         valid: list[int] = []
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -186,7 +201,7 @@ class RolloutEngine:
             elif len(p) + 1 > max_len:
                 outputs[i].error = (
                     f"prompt has {len(p)} tokens; with at least one new token that exceeds "
-                    f"max_model_len {max_len}"
+                    f"{self._length_limit()}"
                 )
             elif min(p) < 0 or max(p) >= vocab:
                 outputs[i].error = f"prompt has token ids outside the vocabulary [0, {vocab})"
@@ -208,7 +223,7 @@ class RolloutEngine:
         max_total_tokens set: multi-turn sequences (episodes; see `start_turns`) whose whole conversation holds
         at most that many tokens, each turn at most params.max_tokens."""
         cfg = self.config
-        limit = cfg.max_model_len if max_total_tokens is None else min(max_total_tokens, cfg.max_model_len)
+        limit = self.max_model_len if max_total_tokens is None else min(max_total_tokens, self.max_model_len)
         max_new = lambda p: min(params.max_tokens, limit - len(p))  # noqa: E731
         grow = lambda p: limit - len(p) if max_total_tokens is not None else max_new(p)  # noqa: E731
         tokens_needed = sum(

@@ -37,7 +37,7 @@ class TurnSession:
     ) -> None:
         params.validate()
         self.engine = engine
-        self.max_total_tokens = min(int(max_total_tokens), engine.config.max_model_len)
+        self.max_total_tokens = min(int(max_total_tokens), engine.max_model_len)
         request_ids = engine._check_request_ids(prompts, request_ids)
         outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
         valid = engine._admissible(prompts, outputs)

@@ -164,7 +164,7 @@ def builtin_envs() -> dict[str, type]:
 
 def resolve_env(name: str, search_dirs: list[str] | None = None) -> type:
     """An environment class: a built-in name, or "package.module:ClassName" (imported, never a pickle). The
-    module is looked up in `search_dirs` (the config's directory), then the current directory, then sys.path."""
+    module is looked up in `search_dirs` (none from the CLI), then the current directory, then sys.path."""
     envs = builtin_envs()
     if name in envs:
         return envs[name]
@@ -176,7 +176,7 @@ def resolve_env(name: str, search_dirs: list[str] | None = None) -> type:
     import os
     import sys
 
-    for d in [*(search_dirs or []), os.getcwd()][::-1]:  # a file next to the config or in the cwd, as rewards
+    for d in [*(search_dirs or []), os.getcwd()][::-1]:  # given folders, then the working directory
         if d not in sys.path:
             sys.path.insert(0, d)
     try:

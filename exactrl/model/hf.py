@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from exactrl.model.config import ModelConfig
-from exactrl.model.files import CheckpointError, read_json
+from exactrl.model.files import CheckpointError, read_json, writing
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import get_ops
@@ -163,42 +163,43 @@ def save_model(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Write `model` (and the tokenizer) as an HF checkpoint that transformers can load."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # copy=True: the q/k/v and gate/up entries are views of one packed tensor, and safetensors wants owners.
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    cfg = model.config
-    eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
-    hf = cfg.to_hf(dtype_name(model.dtype))
-    hf["eos_token_id"] = eos
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    gen = {"eos_token_id": tokenizer.stop_token_ids if tokenizer is not None else eos, "do_sample": True}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    for old in out.glob("*.safetensors"):
-        old.unlink()
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        index = out / "model.safetensors.index.json"
-        if index.exists():
-            index.unlink()
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
-        )
-    if tokenizer is not None:
-        tokenizer.save(out)
+    with writing(out_dir, "the model"):  # a full disk or a refused folder is named, not a traceback
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # copy=True: the q/k/v and gate/up entries are views of one packed tensor, and safetensors wants owners.
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+        cfg = model.config
+        eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
+        hf = cfg.to_hf(dtype_name(model.dtype))
+        hf["eos_token_id"] = eos
+        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        gen = {"eos_token_id": tokenizer.stop_token_ids if tokenizer is not None else eos, "do_sample": True}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        for old in out.glob("*.safetensors"):
+            old.unlink()
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+            index = out / "model.safetensors.index.json"
+            if index.exists():
+                index.unlink()
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(out / fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            )
+        if tokenizer is not None:
+            tokenizer.save(out)

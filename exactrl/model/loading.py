@@ -42,6 +42,7 @@ def load_policy(
     device = resolve_device(device)
     torch_dtype = dtype_from_name(dtype)
     if path is not None:
+        check_model_dir(path)
         model = load_model(path, device=device, dtype=torch_dtype, exact=exact, fp32_lm_head=fp32_lm_head)
         tok = Tokenizer.load(tokenizer_path or path)
     else:
@@ -65,3 +66,21 @@ def check_vocab(tok: Tokenizer, model_vocab: int, tok_source: object, model_sour
             f"tokenizer vocab/model vocab mismatch: the tokenizer ({tok_source or 'built-in byte tokenizer'}) has "
             f"{tok.vocab_size} tokens but the model ({model_source}) has vocab_size {model_vocab}"
         )
+
+
+def check_model_dir(path: str | Path) -> None:
+    """A checkpoint directory that is not there: say so, where a relative path was looked for (the working
+    directory), and, under a run's checkpoints/ folder, which checkpoints it does hold."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return
+    where = "" if p.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    if p.exists():
+        raise FileNotFoundError(f"model {path}: not a directory{where}")
+    note = ""
+    for parent in p.parents:
+        if parent.name == "checkpoints" and parent.is_dir():
+            steps = sorted(c.name for c in parent.iterdir() if c.is_dir() and c.name.startswith("step-"))
+            note = f"; {parent} holds {', '.join(steps) if steps else 'no checkpoint'}"
+            break
+    raise FileNotFoundError(f"model {path}: no such directory{where}{note}")

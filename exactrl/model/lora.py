@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from exactrl.model.files import writing
 from exactrl.model.qwen import CausalLM, Linear, PackedLinear
 from exactrl.ops import Ops
 
@@ -327,8 +328,9 @@ def save_adapter(model: CausalLM, out_dir: str | Path, base_model_name_or_path: 
     mods = lora_modules(model)
     names = sorted({path.rsplit(".", 1)[1] for m in mods for _, path in m.targets}, key=LORA_TARGETS.index)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with writing(out, "the LoRA adapter"):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(adapter_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     doc = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -348,7 +350,8 @@ def save_adapter(model: CausalLM, out_dir: str | Path, base_model_name_or_path: 
         "alpha_pattern": {},
         "inference_mode": True,
     }
-    (out / ADAPTER_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+    with writing(out, "the LoRA adapter"):
+        (out / ADAPTER_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
     return out
 
 

@@ -512,7 +512,8 @@ class RewardComputer:
     ) -> RewardComputer:
         """The computer a `[reward]` config section describes (`exactrl.config.RewardConfig`, read by attribute):
         its functions and, with `reward.model`, the learned reward model on `device`, weighted by model_weight.
-        `base_dir` is the config file's directory, where relative reward files are looked up first."""
+        `base_dir`: where relative reward files and modules are looked up first (the CLI leaves it unset: the
+        working directory)."""
         functions: list[Any] = list(reward.functions)
         weights = list(reward.weights) if reward.weights else [1.0] * len(functions)
         # Chosen among the listed functions only: a reward model's score is a preference, not a verdict.

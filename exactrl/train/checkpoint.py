@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from exactrl.model.files import CheckpointError
+from exactrl.model.files import CheckpointError, writing
 from exactrl.model.hf import load_model, read_config, save_model
 from exactrl.model.lora import ADAPTER_WEIGHTS, LoraSpec, read_adapter_config
 from exactrl.model.qwen import CausalLM
@@ -116,23 +116,24 @@ def save_checkpoint(
     """Write checkpoint `step-N` under `ckpt_root` atomically (see `publish_checkpoint`); `frozen_policy_from`
     as in `write_policy`."""
     root = Path(ckpt_root)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_policy(model, tmp / "policy", tokenizer, frozen_policy_from)
-    if critic is not None:
-        save_file(
-            {k: v.detach().to("cpu", copy=True).contiguous() for k, v in critic.state_dict().items()},
-            str(tmp / "critic.safetensors"),
-        )
-    torch.save({k: v.state_dict() for k, v in optimizers.items()}, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_state()}) + "\n")
-    if write_extra is not None:  # more files of the same checkpoint (LoRA adapters), inside the atomic rename
-        write_extra(tmp)
-    return publish_checkpoint(root, tmp, name, keep)
+    with writing(root / name, "the checkpoint"):  # no space, no permission: one line naming the path
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write_policy(model, tmp / "policy", tokenizer, frozen_policy_from)
+        if critic is not None:
+            save_file(
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in critic.state_dict().items()},
+                str(tmp / "critic.safetensors"),
+            )
+        torch.save({k: v.state_dict() for k, v in optimizers.items()}, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_state()}) + "\n")
+        if write_extra is not None:  # more files of this checkpoint (LoRA adapters), inside the atomic rename
+            write_extra(tmp)
+        return publish_checkpoint(root, tmp, name, keep)
 
 
 def publish_checkpoint(root: Path, tmp: Path, name: str, keep: int) -> Path:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from exactrl.model.files import writing
+
 
 def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
@@ -89,10 +91,11 @@ class MetricsLogger:
         out_dir = Path(out_dir)
         self.path = out_dir / "metrics.jsonl"
         self.samples_path = out_dir / "samples.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for p in (self.path, self.samples_path):
-                p.unlink(missing_ok=True)
+        with writing(self.path, "metrics"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                for p in (self.path, self.samples_path):
+                    p.unlink(missing_ok=True)
         self.tb = None
         if tensorboard:
             try:
@@ -139,7 +142,8 @@ class MetricsLogger:
                 rec = json.loads(line)
                 if rec.get("step", -1) <= step and rec.get("phase") != "after_rl":
                     keep.append(line)
-            path.write_text("".join(k + "\n" for k in keep))
+            with writing(path, "metrics"):
+                path.write_text("".join(k + "\n" for k in keep))
 
     def log_samples(
         self,
@@ -156,7 +160,7 @@ class MetricsLogger:
             if answers is not None:
                 rec["answer"] = answers[i]
             rows.append(rec)
-        with open(self.samples_path, "a") as f:
+        with writing(self.samples_path, "samples"), open(self.samples_path, "a") as f:
             for rec in rows:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         if self.tb is not None:
@@ -177,7 +181,7 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
+        with writing(self.path, "metrics"), open(self.path, "a") as f:  # a full disk names the file
             f.write(json.dumps(clean, sort_keys=True) + "\n")
         if self.tb is not None:
             step = int(record.get("step", 0))

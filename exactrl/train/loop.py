@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from exactrl.algorithms import KLController, advantage_metrics, compute_advantages, reward_metrics
-from exactrl.config import RunConfig
+from exactrl.config import RunConfig, episode_token_limit
 from exactrl.distributed.checkpoint import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -31,6 +31,7 @@ from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup
+from exactrl.model.files import writing
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
@@ -140,7 +141,7 @@ def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
     settings = EpisodeSettings(
         max_turns=cfg.env.max_turns,
         max_tokens_per_turn=cfg.sampling.max_tokens,
-        max_episode_tokens=cfg.env.max_episode_tokens,
+        max_episode_tokens=episode_token_limit(cfg),
         timeout_s=cfg.env.timeout_s,
         isolation=cfg.env.isolation,
         workers=cfg.env.workers,
@@ -229,13 +230,13 @@ def train(
     overwrite: bool = False,
     allow_config_change: bool = False,
     run_dir: RunDirPlan | None = None,
-    config_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the whole job described by cfg; returns the summary written to summary.json.
 
     Nothing is written to cfg.run.output_dir before the model, data and rewards have loaded; a non-empty dir
     needs resume or overwrite (`rundir.check_run_dir`; `run_dir` is a plan the caller already checked).
-    config_dir: where the config file lives (reward files named relative to it are found there)."""
+    Relative paths (data, models, reward files, environment modules) are resolved from the working directory
+    (`exactrl.config.check_path_anchors`)."""
     run = RLRun(
         cfg,
         resume=resume,
@@ -243,7 +244,6 @@ def train(
         overwrite=overwrite,
         allow_config_change=allow_config_change,
         run_dir=run_dir,
-        config_dir=config_dir,
     )
     try:
         return run.run()
@@ -284,7 +284,6 @@ class RLRun:
         overwrite: bool = False,
         allow_config_change: bool = False,
         run_dir: RunDirPlan | None = None,
-        config_dir: str | Path | None = None,
     ) -> None:
         self.clock = RunClock()
         cfg.validate()
@@ -334,14 +333,14 @@ class RLRun:
         # An environment that cannot load (or refuses its env.options) is said now, not after the warm start.
         self.env: EnvSetup | None = None
         if cfg.env.name:
-            self.env = env_setup(cfg, [str(Path(config_dir).resolve())] if config_dir else [])
+            self.env = env_setup(cfg)
         self.task = build_task(cfg)
         self.encode = make_encoder(cfg, self.tok)
         # Too-long prompts are skipped and named (file:line), with the key to change.
         self.prompt_filter = PromptFilter(
             cfg.task.max_prompt_tokens, cfg.engine.max_model_len, cfg.sampling.max_tokens, log=self.out
         )
-        self.rewards = RewardComputer.from_config(cfg.reward, device=self.device, base_dir=config_dir)
+        self.rewards = RewardComputer.from_config(cfg.reward, device=self.device)
         # The [engine] section's fields are a subset of the engine's own config: passed through by name.
         self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -434,7 +433,7 @@ class RLRun:
 
     def _room_for_a_turn(self, ids: list[int]) -> bool:
         """Multi-turn: an episode's prompt must leave room for at least one turn (always true otherwise)."""
-        return not self.cfg.env.name or 0 < len(ids) < self.cfg.env.max_episode_tokens
+        return not self.cfg.env.name or 0 < len(ids) < episode_token_limit(self.cfg)
 
     def _eval_examples(self) -> list[Example]:
         # Too-long held-out prompts are left out like too-long training prompts (the engine would reject them).
@@ -1233,7 +1232,8 @@ class RLRun:
             s["accuracy_gain"] = s["accuracy_after_rl"] - s["accuracy_before_rl"]
         s["world_size"] = self.dist.world_size
         if self.dist.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+            with writing(self.out_dir / "summary.json", "the run summary"):
+                (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
             try:
                 from exactrl.report import draw_report
 

@@ -23,6 +23,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from exactrl.config import ConfigError, RunConfig, _toml_value, config_from_dict, config_to_dict, save_config
+from exactrl.model.files import writing
 
 # What a run writes into its output_dir: the only names `--overwrite` deletes (never anything else in the dir,
 # so pointing output_dir at a folder with other files in it cannot lose them).
@@ -147,13 +148,14 @@ class RunDirPlan:
 
     def commit(self, cfg: RunConfig) -> None:
         """Delete the old run's files (--overwrite), create the directory, write config.toml."""
-        for p in self.to_delete:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out_dir / "config.toml")
+        with writing(self.out_dir, "the run directory (run.output_dir)"):
+            for p in self.to_delete:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.toml")
 
 
 def check_run_dir(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from exactrl.config import episode_token_limit
 from exactrl.model.hf import save_model
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
@@ -244,7 +245,7 @@ def run_sft(
     # A record that does not fit is skipped and named (file:line), as in RL; sequences must also fit a microbatch.
     limit = min(cfg.engine.max_model_len, cfg.train.max_tokens_per_microbatch)
     if demonstrate is not None:  # a worked episode is held to the episode's limit, as the RL episodes are
-        limit = min(limit, cfg.env.max_episode_tokens)
+        limit = min(limit, episode_token_limit(cfg))
     res.filter = PromptFilter(cfg.task.max_prompt_tokens, limit, cfg.sampling.max_tokens, log=out)
     start = 0
     if checkpoints is not None and checkpoints.resume_from is not None:
