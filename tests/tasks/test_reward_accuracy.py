@@ -7,6 +7,7 @@ step metrics, summary and exit status)."""
 from __future__ import annotations
 
 import json
+import os
 import logging
 from pathlib import Path
 
@@ -282,9 +283,12 @@ def _train(
     out_dir = user_dir / "out"
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is faster on a shared machine
+    cwd = os.getcwd()
+    os.chdir(user_dir)  # relative paths in a config (the reward file) resolve from the working directory
     try:
         code = main(["train", str(config), "--set", f"run.output_dir={out_dir}"])
     finally:
+        os.chdir(cwd)
         torch.set_num_threads(torch_threads)
     printed = capsys.readouterr()
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
