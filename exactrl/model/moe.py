@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from exactrl.model.config import ModelConfig
 from exactrl.model.layers import MLP, Linear
@@ -41,9 +42,17 @@ class Experts(nn.Module):
         return {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
 
 
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded (FSDP2 DTensor) stack gathered once, as a plain tensor; anything else as it is. Slicing the
+    DTensor per expert would gather the whole stack again for every slice (3 * E all-gathers of the stack per
+    layer); gathered once, the per-expert entries are views of one full tensor. Either way every rank must call
+    `state_dict()` (a collective, as any full state dict of a sharded model is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _split_experts(module: Experts, state_dict, prefix: str, local_metadata) -> None:
-    gate_up = state_dict.pop(f"{prefix}gate_up", None)
-    down = state_dict.pop(f"{prefix}down", None)
+    gate_up = _full(state_dict.pop(f"{prefix}gate_up", None))
+    down = _full(state_dict.pop(f"{prefix}down", None))
     i = module.intermediate_size
     for e in range(module.num_experts):
         if gate_up is not None:
