@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 MOE = ("model.preset=tiny-moe",)
 CKPT = "train.save_every=1"
+ZLOSS = ("train.moe_z_loss_coef=0.01",)
 NUM_EXPERTS, SPARSE_LAYERS = 8, (1, 2, 3)  # tiny-moe: layer 0 is dense
 
 
@@ -65,6 +66,7 @@ def runs(tmp_path_factory):
         return {"kind": "cli", "argv": _argv(tmp, name, "grpo", steps, *MOE, *extra, resume=resume)}
 
     plain("p1")  # world size 1, today's single-device path
+    plain("p1-z", *ZLOSS)
     launch(1, [cli("t1", STEPS, CKPT)], "ws1")  # world size 1 under torchrun: sharded (DCP) checkpoints
     _crashed_after(tmp / "t1", tmp / "r12", 2)
     jobs = [
@@ -72,6 +74,7 @@ def runs(tmp_path_factory):
         cli("t2-fast", 1, "run.exact=false"),
         cli("r12", STEPS, CKPT, resume=True),
     ]
+    jobs += [cli("t2-aux", 2, *ZLOSS, "train.moe_aux_loss_coef=0.01"), cli("t2-z", STEPS, *ZLOSS)]
     jobs += [
         {"kind": "weights", "preset": "tiny-moe", "out": str(tmp / "weights.json")},
         {"kind": "weights", "preset": "tiny-moe", "out": str(tmp / "weights-nosync.json"), "skip_sync": True},
@@ -84,12 +87,12 @@ def runs(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("run", ["p1", "t1", "t2", "t4"])
+@pytest.mark.parametrize("run", ["p1", "t1", "t2", "t4", "t2-aux"])
 def test_moe_has_no_mismatched_token_at_any_world_size(runs, run):
     summary = json.loads((runs / run / "summary.json").read_text())
-    assert summary["world_size"] == {"p1": 1, "t1": 1, "t2": 2, "t4": 4}[run]
+    assert summary["world_size"] == {"p1": 1, "t1": 1, "t2": 2, "t4": 4, "t2-aux": 2}[run]
     steps = _steps(runs / run)
-    assert len(steps) == (2 if run == "t4" else STEPS)
+    assert len(steps) == (2 if run in ("t4", "t2-aux") else STEPS)
     for step, m in steps.items():
         all_tokens = round(m["response_length/mean"] * 16)  # every rank's completion tokens
         assert m["mismatch/num_tokens"] == all_tokens > 0, (run, step)
@@ -108,6 +111,30 @@ def test_moe_world_sizes_optimise_the_same_objective(runs):
     print("MoE ws1 vs ws2:", _agree(runs / "p1", runs / "t2", list(range(1, STEPS + 1)), rtol=1e-5))
     print("MoE ws1 vs ws4:", _agree(runs / "p1", runs / "t4", [1, 2], rtol=1e-5))
     print("MoE ws1 vs ws1 torchrun:", _agree(runs / "p1", runs / "t1", list(range(1, STEPS + 1)), rtol=1e-5))
+
+
+def test_moe_router_metrics_are_global(runs):
+    """Step 1 samples from the same weights at every world size: the same tokens reach the same experts, so the
+    load metrics summed over every rank's tokens are the one-device values, bit for bit (a rank's own share would
+    differ); the entropy and the z-loss are means over all tokens, equal up to rounding."""
+    one = _steps(runs / "p1")[1]
+    assert one["moe/aux_loss"] > 0 and one["moe/router_entropy"] > 0
+    for run in ("t2", "t4"):
+        m = _steps(runs / run)[1]
+        for key in ("moe/load_max_over_mean", "moe/load_max_over_mean_worst", "moe/idle_experts"):
+            assert m[key] == one[key], (run, key)
+        assert m["moe/router_entropy"] == pytest.approx(one["moe/router_entropy"], rel=1e-6)
+        assert m["moe/z_loss"] == pytest.approx(one["moe/z_loss"], rel=1e-6)
+
+
+def test_moe_z_loss_at_world_size_2_is_the_one_device_objective(runs):
+    """The z-loss is a mean over every rank's tokens (unlike the per-microbatch load-balancing loss, whose value
+    depends on how tokens are grouped): with it on, world size 2 optimises what world size 1 does."""
+    print(
+        "MoE z-loss ws1 vs ws2:", _agree(runs / "p1-z", runs / "t2-z", list(range(1, STEPS + 1)), rtol=1e-5)
+    )
+    # It trains: the runs' losses include it and differ from those without it.
+    assert _steps(runs / "p1-z")[1]["loss"] != _steps(runs / "p1")[1]["loss"]
 
 
 @pytest.mark.parametrize("resumed", ["r21", "r12"])
