@@ -7,7 +7,7 @@ Pure functions over lists of per-layer tensors (one entry per sparse layer, in l
 - `load_balancing_loss`: the Switch Transformer loss as transformers computes it for Qwen2/Qwen3-MoE
   (`load_balancing_loss_func`, which the models scale by `router_aux_loss_coef`): the router probabilities and the
   top-k choices of every layer pooled, E * sum over ranks r and experts e of (the fraction of tokens whose rank-r
-  choice is e) * (the mean probability of e). It is k at a perfectly even load, up to k * E at a collapsed one.
+  choice is e) * (the mean probability of e). It is k at an even load, about E when one expert holds every token's probability.
   Only the probabilities carry gradient (the choices are integers).
 - `router_z_loss_sum`: ST-MoE's z-loss, logsumexp(router logits)^2 per token and layer, summed (the caller
   divides by the step's count, so it is a mean that does not depend on how the tokens were split).

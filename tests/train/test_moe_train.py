@@ -233,3 +233,39 @@ def test_the_collector_records_the_forward_router_outputs_only_while_attached(sa
     with pytest.raises(RuntimeError, match="already attached"), collect_router_outputs(model):
         with collect_router_outputs(model):
             pass
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CPU recipe
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_the_moe_recipe_is_the_quickstart_on_a_mixture_of_experts():
+    """configs/quickstart-moe.toml loads and validates, names an MoE preset, runs in exact mode with the router
+    losses off, and differs from configs/quickstart.toml (tuned by hand; its figures are the recipe's baseline)
+    only where it says so: the run's name and folder and the model."""
+    from pathlib import Path
+
+    from exactrl.config import config_to_dict, load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    moe, dense = load_config(root / "quickstart-moe.toml"), load_config(root / "quickstart.toml")
+    moe.validate()
+    cfg = preset(moe.model.preset)
+    assert cfg.num_experts > cfg.num_experts_per_tok >= 1 and any(
+        cfg.is_moe_layer(i) for i in range(cfg.num_layers)
+    )
+    assert moe.run.exact and moe.train.moe_aux_loss_coef == 0 and moe.train.moe_z_loss_coef == 0
+    a, b = _flat(config_to_dict(moe)), _flat(config_to_dict(dense))
+    assert {k for k in a if a[k] != b.get(k)} == {"run.name", "run.output_dir", "model.preset"}
+    assert moe.run.output_dir == "runs/quickstart-moe"
