@@ -3,8 +3,9 @@ the weights differing from the trainer's, as a broken weight sync would leave it
 differing layer and, in that sparse layer, whether the router picked different experts (which token, which
 experts) or the same experts gave different bits (which expert); `exactrl parity --replay` reports it.
 
-Faults: every weight of one expert's down projection one ulp up; one router row pushed up (the experts change);
-the attention output projection one ulp up (the difference comes in before the router). Clean: nothing differs.
+Faults: every weight of one expert's down projection one ulp up; one router row flipped (the experts change); every
+router weight one ulp up (the same experts, other routing weights); the attention output projection one ulp up (the
+difference comes in before the router). Clean: nothing differs.
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def test_a_changed_router_names_the_token_and_both_sides_experts(model):
     # The first token that used expert e now goes elsewhere on the engine's side.
     assert e in x.trainer_experts and e not in x.engine_experts
     assert f"engine experts {x.engine_experts}, trainer experts {x.trainer_experts}" in p.describe()
+
+
+def test_router_weights_one_ulp_off_with_the_same_experts_are_named(model):
+    """Every router weight one ulp up: the logits move, the top-k does not (here): the routing weights differ."""
+    undo = _on_engine_path(model, LAYER, lambda m: m.mlp.gate.weight, _ulp_up)
+    try:
+        p = probe_layers(model, PROMPT, COMPLETION)
+    finally:
+        undo()
+    assert p.layer == LAYER and p.experts is not None, p.describe()
+    assert p.experts.finding == "router_logits" and p.experts.engine_experts == p.experts.trainer_experts
+    assert "the router picked the same experts for every token, but its logits differ" in p.describe()
 
 
 def test_a_fault_before_the_router_is_not_blamed_on_the_experts(model):
