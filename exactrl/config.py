@@ -700,9 +700,20 @@ class TrainConfig:
     """Number of most recent checkpoints kept on disk; older ones are deleted."""
     max_nan_steps: int = 3
     """Abort after this many consecutive steps with a non-finite loss or gradient (those steps are skipped)."""
+    moe_aux_loss_coef: float = 0.0
+    """Mixture of experts: weight of the router's load-balancing loss (the Switch loss transformers scales by a
+    checkpoint's `router_aux_loss_coef`, e.g. 0.001), added to the policy loss per microbatch. Off by default in
+    RL: a pretrained router is already balanced, and a second objective beside the reward moves the routing, hence
+    the sampling policy, for reasons the reward does not see; turn it on when `moe/load_max_over_mean` drifts up.
+    It changes no logprob (the exactness check is unaffected); the `moe/*` metrics are logged either way."""
+    moe_z_loss_coef: float = 0.0
+    """Mixture of experts: weight of the router z-loss (ST-MoE: mean over tokens and sparse layers of
+    logsumexp(router logits)^2), which keeps router logits small; e.g. 0.001. Off by default for the reason above."""
 
     def validate(self) -> None:
         _check_at_least(self.steps, 0, "train.steps")
+        _check_nonneg(self.moe_aux_loss_coef, "train.moe_aux_loss_coef")
+        _check_nonneg(self.moe_z_loss_coef, "train.moe_z_loss_coef")
         _check_positive(self.lr, "train.lr")
         _check_positive(self.critic_lr, "train.critic_lr")
         _check_nonneg(self.weight_decay, "train.weight_decay")

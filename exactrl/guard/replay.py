@@ -8,7 +8,9 @@ Per recorded sequence:
 3. the recomputed engine logprobs are compared with the recomputed trainer logprobs (a divergence that replays:
    a kernel, a model option, a path that differs), and each side with what the run recorded (a recorded value
    that does not reproduce points at the run's machine or state: a fault that did not happen again);
-4. where the recomputed sides differ, the layer probe (exactrl.guard.layers) names the first differing layer.
+4. where the recomputed sides differ, the layer probe (exactrl.guard.layers) names the first differing layer; in a
+   mixture-of-experts layer, whether the router picked different experts (which token, which experts) or the same
+   experts gave different bits (which expert).
 
 Any difference left (tokens, recomputed divergence, a recorded value that does not reproduce) is a failure.
 """
@@ -59,6 +61,9 @@ class SequenceReplay:
     lines: list[str] = field(default_factory=list)
     layer: int | None = None
     layer_note: str | None = None
+    experts: dict | None = None
+    """A sparse first differing layer: `exactrl.guard.layers.ExpertProbe` as a dict (finding, position, token_id,
+    engine_experts, trainer_experts, expert)."""
 
     @property
     def ok(self) -> bool:
@@ -195,6 +200,7 @@ def replay_report(
 
             p = probe_layers(model, s.prompt_ids, s.completion_ids, cfg.engine.max_model_len)
             r.layer, r.layer_note = p.layer, p.describe()
+            r.experts = asdict(p.experts) if p.experts is not None else None
             r.lines.append(f"  {r.layer_note}")
             if s.first_differing_layer is not None and s.first_differing_layer != p.layer:
                 r.lines.append(f"  (the run's probe found layer {s.first_differing_layer})")

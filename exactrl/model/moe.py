@@ -14,8 +14,13 @@ ops, so the trainer's router picks the experts the engine's did by itself: no ro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from exactrl.model.config import ModelConfig
 from exactrl.model.layers import MLP, Linear
@@ -41,9 +46,17 @@ class Experts(nn.Module):
         return {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
 
 
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded (FSDP2 DTensor) stack gathered once, as a plain tensor; anything else as it is. Slicing the
+    DTensor per expert would gather the whole stack again for every slice (3 * E all-gathers of the stack per
+    layer); gathered once, the per-expert entries are views of one full tensor. Either way every rank must call
+    `state_dict()` (a collective, as any full state dict of a sharded model is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _split_experts(module: Experts, state_dict, prefix: str, local_metadata) -> None:
-    gate_up = state_dict.pop(f"{prefix}gate_up", None)
-    down = state_dict.pop(f"{prefix}down", None)
+    gate_up = _full(state_dict.pop(f"{prefix}gate_up", None))
+    down = _full(state_dict.pop(f"{prefix}down", None))
     i = module.intermediate_size
     for e in range(module.num_experts):
         if gate_up is not None:
@@ -80,6 +93,67 @@ def _stack_experts(
     state_dict[f"{prefix}down"] = torch.stack(pieces["down_proj"])
 
 
+@dataclass
+class RouterRecord:
+    """What one sparse layer's router decided in one forward: the tensors the forward itself used.
+
+    layer: the decoder layer index; logits: [T, E] in the model dtype (attached to the autograd graph when the
+    forward ran with grad, so a loss on them trains the router); weights: [T, k] fp32; ids: [T, k] int64."""
+
+    layer: int
+    logits: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+class RouterCollector:
+    """The router outputs of the forwards run while it is attached (`collect_router_outputs`), in call order.
+
+    A seam between the model and whoever reads its routing (the trainer's router metrics and auxiliary losses,
+    the guard's layer probe): an object the caller holds and attaches to the blocks of one model, never module-
+    global state, so the engine sampling from the same model object (one device) records nothing."""
+
+    def __init__(self, layers: dict[int, int]) -> None:
+        self._layers = layers  # id(block) -> decoder layer index
+        self.records: list[RouterRecord] = []
+
+    def record(self, block: SparseMoeBlock, logits, weights, ids) -> None:
+        self.records.append(RouterRecord(self._layers[id(block)], logits, weights, ids))
+
+
+def _layer_index(name: str, ordinal: int) -> int:
+    """The decoder layer of a block named `...layers.<i>.mlp` (the index in the checkpoint's names)."""
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return ordinal
+
+
+@contextmanager
+def collect_router_outputs(model: nn.Module) -> Iterator[RouterCollector]:
+    """Attach a fresh RouterCollector to every SparseMoeBlock of `model` for the duration of the block (a dense
+    model: it records nothing). Detach before a backward that recomputes the forward (activation checkpointing),
+    or the recomputation would be recorded a second time."""
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    collector = RouterCollector({id(m): _layer_index(n, k) for k, (n, m) in enumerate(blocks)})
+    for n, m in blocks:
+        if m.router_collector is not None:
+            raise RuntimeError(f"{n}: a router collector is already attached (nested collect_router_outputs)")
+    try:
+        for _, m in blocks:
+            m.router_collector = collector
+        yield collector
+    finally:
+        for _, m in blocks:
+            m.router_collector = None
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` has a sparse (mixture-of-experts) layer."""
+    return any(isinstance(m, SparseMoeBlock) for m in model.modules())
+
+
 class SparseMoeBlock(nn.Module):
     """Router `gate` ([E, D], HF `mlp.gate.weight`), routed `experts`, and for Qwen2-MoE the `shared_expert` (a
     dense MLP of shared_expert_intermediate_size) with its sigmoid `shared_expert_gate` ([1, D])."""
@@ -94,11 +168,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # Set only inside `collect_router_outputs` (the trainer's training forward, the guard's probe).
+        self.router_collector: RouterCollector | None = None
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D] in x.dtype."""
         logits = self.gate(ops, x)
         weights, ids = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
+        if self.router_collector is not None:
+            self.router_collector.record(self, logits, weights, ids)
         out = ops.moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
             # transformers' order and dtypes: sigmoid of the gate in the model dtype, times the shared output,

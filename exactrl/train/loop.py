@@ -1287,6 +1287,8 @@ def trainer_settings(cfg: RunConfig) -> TrainerSettings:
         max_tokens_per_microbatch=tr.max_tokens_per_microbatch,
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
+        moe_aux_loss_coef=tr.moe_aux_loss_coef,
+        moe_z_loss_coef=tr.moe_z_loss_coef,
         exact=cfg.run.exact,
         on_mismatch=cfg.run.on_mismatch,
         norm_constant=float(cfg.sampling.max_tokens),

@@ -28,6 +28,7 @@ from exactrl.algorithms import (
     value_loss,
 )
 from exactrl.distributed.env import DistContext
+from exactrl.model.moe import collect_router_outputs, has_experts
 from exactrl.model.qwen import CausalLM
 from exactrl.train.critic import ValueModel
 from exactrl.train.graphs import MicrobatchGraphs, accumulate_grads
@@ -41,6 +42,7 @@ from exactrl.train.packing import (
     packed_microbatches,
     response_logprobs,
 )
+from exactrl.train.router import load_balancing_loss, router_metrics, router_stats, router_z_loss_sum
 
 
 @dataclass
@@ -112,6 +114,10 @@ class TrainerSettings:
     # and never reaches the loss. None for pad_microbatches: pad exactly when graphs are used.
     cuda_graphs: bool = True
     pad_microbatches: bool | None = None
+    # Mixture of experts: the router's auxiliary losses (train.moe_aux_loss_coef, train.moe_z_loss_coef), added
+    # to the policy loss from the router outputs of the training forward; 0 = off (the metrics are logged anyway).
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
 
 
 def _pad(flat: torch.Tensor, seq_idx: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -156,10 +162,13 @@ class _Acc:
     maxs: dict[str, float] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)
     num_minibatches: int = 0
+    # Mixture of experts: summed `router_stats` [L, E + 2] of every training forward, and their layers.
+    router: torch.Tensor | None = None
+    router_layers: list[int] | None = None
 
     # Losses computed with the minibatch's global divisor: each microbatch holds its share of the minibatch's
     # loss, so shares add up within a minibatch and the step reports the mean over minibatches.
-    SHARE_KEYS = ("pg_loss", "vf_loss")
+    SHARE_KEYS = ("pg_loss", "vf_loss", "moe/aux_loss", "moe/z_loss")
 
     def add(self, metrics: dict[str, float], weight: float) -> None:
         for k, v in metrics.items():
@@ -179,6 +188,9 @@ class _Acc:
         """Fold every rank's accumulators into global ones (the same on every rank)."""
         if not dist.distributed:
             return
+        if self.router is not None:  # every rank runs as many forwards of the same model: one shape
+            summed = dist.all_reduce(self.router.flatten().tolist())
+            self.router = torch.tensor(summed, dtype=torch.float64).view(self.router.shape)
         merged = dist.all_gather_object(
             (self.sums, self.weighted, self.weights, self.mins, self.maxs, self.shares)
         )
@@ -200,6 +212,8 @@ class _Acc:
         out.update(self.maxs)
         out.update({k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.weighted.items()})
         out.update({k: v / max(1, self.num_minibatches) for k, v in self.shares.items()})
+        if self.router is not None:
+            out.update(router_metrics(self.router, self.router_layers))
         return out
 
 
@@ -229,14 +243,24 @@ class PolicyTrainer:
         # Under torchrun every count that normalises the loss and every metric is global; on one process these
         # collectives are the identity.
         self.dist = dist or DistContext.single()
+        self.moe = has_experts(model)
+        if not self.moe and (settings.moe_aux_loss_coef or settings.moe_z_loss_coef):
+            raise ValueError(
+                f"train.moe_aux_loss_coef = {settings.moe_aux_loss_coef} and train.moe_z_loss_coef = "
+                f"{settings.moe_z_loss_coef}: router losses need a mixture-of-experts model, and this one has no "
+                "sparse layer; set both to 0"
+            )
         # FSDP2-sharded parameters get their gradients from autograd's backward (its hooks reduce-scatter them),
         # not from `torch.autograd.grad` into persistent buffers, and its collectives are not captured in graphs.
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         on_cuda = model.device.type == "cuda"
-        graphs = settings.cuda_graphs and on_cuda and not self.sharded
+        # A mixture of experts groups tokens by expert with host-side counts (ops.moe_experts), which a graph
+        # capture cannot hold: its microbatches run eagerly.
+        graphs = settings.cuda_graphs and on_cuda and not self.sharded and not self.moe
         self.padded = graphs if settings.pad_microbatches is None else settings.pad_microbatches
         self._grads: list[torch.Tensor] = []
         self._metric_names: list[str] = []
+        self._router_layers: list[int] = []  # the sparse layers of the router statistics, in their order
         self.graphs = MicrobatchGraphs(
             self._policy_body, enabled=graphs, watched=lambda: [*self.opt.params, *self._grads]
         )
@@ -248,7 +272,10 @@ class PolicyTrainer:
         buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures."""
         s = self.s
         bucket, _, use_loss_kl = key
-        lp, ent = microbatch_logprobs(self.model, x, bucket, s.temperature)
+        # The router outputs this very forward used (nothing for a dense model); detached from the blocks before
+        # the backward, whose activation-checkpointing recomputation must not record them again.
+        with collect_router_outputs(self.model) as router:
+            lp, ent = microbatch_logprobs(self.model, x, bucket, s.temperature)
         m = x["mask"]
         divisor, norm_constant = x["divisor"], x["norm_constant"]
         loss, pm = policy_loss_terms(
@@ -273,6 +300,12 @@ class PolicyTrainer:
                 kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
             )
             pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
+        extra: dict[str, torch.Tensor] = {}
+        if router.records:
+            logits, ids = [r.logits for r in router.records], [r.ids for r in router.records]
+            total = self._add_router_loss(total, logits, ids, x, pm)
+            extra["router"] = router_stats(logits, ids, x["router_mask"], logits[0].shape[1])
+            self._router_layers = [r.layer for r in router.records]
         # Exact mode's old logprobs are the engine's: count the loss tokens whose logprob here differs (bitwise).
         pm["mismatch/sum"] = masked_sum((lp.detach() != x["old_lp"]).float(), m)
         pm["total"] = total.detach()
@@ -284,7 +317,36 @@ class PolicyTrainer:
         return {
             "metrics": torch.stack([v.detach().reshape(()).to(torch.float64) for v in pm.values()]),
             "lp": lp.detach(),
+            **extra,
         }
+
+    def _add_router_loss(
+        self,
+        total: torch.Tensor,
+        logits: list[torch.Tensor],
+        ids: list[torch.Tensor],
+        x: dict[str, torch.Tensor],
+        pm: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """`total` plus the router terms of one microbatch (a mixture of experts), from the forward's own router
+        outputs (per sparse layer: logits [T, E], ids [T, k]); their values go to `pm` whether or not they train.
+
+        Load balancing (transformers' Switch loss, see exactrl.train.router) is a product of two means over the
+        microbatch's tokens, not a sum over tokens: each microbatch's value is weighted by its share of the
+        minibatch's tokens over every rank (x["router_tokens"]), as transformers computes it per forward batch.
+        The z-loss is a sum over tokens divided by that global count: a mean that no split changes. Both enter the
+        loss only, never a logprob: the exactness check sees the same numbers with them on."""
+        s = self.s
+        mask, n_all = x["router_mask"], x["router_tokens"]
+        lb = load_balancing_loss(logits, ids, mask, logits[0].shape[1]) * (mask.sum() / n_all)
+        z = router_z_loss_sum(logits, mask) / (len(logits) * n_all)
+        pm["moe/aux_loss"], pm["moe/z_loss"] = lb.detach(), z.detach()
+        # Off means absent from the graph (not a zero weight: 0 * inf would make the step non-finite).
+        if s.moe_aux_loss_coef:
+            total = total + s.moe_aux_loss_coef * lb
+        if s.moe_z_loss_coef:
+            total = total + s.moe_z_loss_coef * z
+        return total
 
     # -- forward pieces ----------------------------------------------------------------------------------
     def _rollout_batches(self, rollouts: list[Rollout]) -> Iterator[tuple[list[int], PackedBatch]]:
@@ -520,12 +582,15 @@ class PolicyTrainer:
         ]
         # Every rank runs as many microbatches as the rank with the most; the extra ones carry no loss token.
         num_micro = int(self.dist.max(len(micros)))
+        # A mixture of experts: the tokens (prompts included) of the minibatch over every rank, the router losses'
+        # denominator.
+        router_tokens = int(self.dist.sum(sum(len(b.seqs[i]) - 1 for i in mb_idx))) if self.moe else 0
         micros += [[]] * (num_micro - len(micros))
         # Every microbatch is queued before any result is read: one device sync per minibatch.
         done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         for k, ids in enumerate(micros):
             _set_gradient_sync(self.model, k == num_micro - 1)  # sharded: one reduce-scatter per minibatch
-            lp, m, metric_vec = self._policy_microbatch(b, ids, divisor)
+            lp, m, metric_vec = self._policy_microbatch(b, ids, divisor, router_tokens, acc)
             done.append((ids, m, metric_vec, lp[: len(ids)].clone() if check_mismatch and ids else None))
             if self.critic is not None:
                 _set_gradient_sync(self.critic, k == num_micro - 1)
@@ -546,10 +611,11 @@ class PolicyTrainer:
         return _QueuedMinibatch(done, vecs, norm, critic_norm, check_mismatch, divisor, gate)
 
     def _policy_microbatch(
-        self, b: StepBatch, ids: list[int], divisor: int
+        self, b: StepBatch, ids: list[int], divisor: int, router_tokens: int = 0, acc: _Acc | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward, loss and backward of the policy on rollouts `ids` (eager or a CUDA graph replay).
-        Returns (the trainer's logprobs [B, C], the loss mask [B, C], the metric vector)."""
+        Returns (the trainer's logprobs [B, C], the loss mask [B, C], the metric vector); a mixture of experts
+        adds its router statistics to `acc`."""
         s = self.s
         # No ids: a microbatch that only joins the other ranks' collectives (one 2-token sequence, no loss token).
         tm = TrainMicrobatch.build(
@@ -575,7 +641,17 @@ class PolicyTrainer:
             assert b.ref_lp is not None
             x["ref_lp"] = _rows(b.ref_lp, ids, B, C)
             x["kl_coef"] = torch.tensor(float(s.kl_coef))
+        if self.moe:
+            # The real tokens come first in the microbatch, padding (its own sequences) after; a microbatch with
+            # no rollout (it only joins the other ranks' collectives) has none.
+            real = sum(len(b.seqs[i]) - 1 for i in ids)
+            x["router_mask"] = (torch.arange(tm.bucket.tokens) < real).float()
+            x["router_tokens"] = torch.tensor(float(max(1, router_tokens)))
         out = self.graphs.run((tm.bucket, b.weights is not None, b.use_loss_kl), x)
+        if "router" in out and acc is not None:
+            stats = out["router"].clone()  # a graph's output buffer is overwritten by the next replay
+            acc.router = stats if acc.router is None else acc.router + stats
+            acc.router_layers = self._router_layers
         return out["lp"], m, out["metrics"].clone()
 
     def _value_microbatch(self, b: StepBatch, ids: list[int], divisor: int) -> dict[str, float]:

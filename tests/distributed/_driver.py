@@ -7,11 +7,13 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
   {"kind": "cli", "argv": [...]}                   `exactrl <argv>` through exactrl.cli.main (the real entry point)
   {"kind": "cli", "argv": [...], "fail_rank": R}   the same, but rank R raises in its first training update (the
                                                    other ranks are inside a collective by then): a rank failing
-  {"kind": "weights", "out": "FILE.json", "skip_sync": bool}
-                                                   trains a bf16 tiny model a step under FSDP2 and compares, for every
-                                                   parameter, the engine replica's tensor with the bits the trainer's
-                                                   forward computes with (captured inside that forward), on every
-                                                   rank; skip_sync: the negative control (no weight sync)
+  {"kind": "weights", "out": "FILE.json", "skip_sync": bool, "preset": "tiny"}
+                                                   trains a bf16 model of the preset (default tiny) a step under FSDP2
+                                                   and compares, for every parameter, the engine replica's tensor with
+                                                   the bits the trainer's forward computes with (captured inside that
+                                                   forward), on every rank; skip_sync: the negative control (no weight
+                                                   sync). Also the sharded model's state_dict() (HF names, per-expert
+                                                   for a mixture of experts) against the replica's
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
                                                    (10 + 1.5 * rank), written by rank 0
 A job that fails exits the process with a non-zero status (torchrun then stops the other ranks).
@@ -86,7 +88,7 @@ def weights_job(job: dict) -> None:
 
     set_exact_environment(True)
     ctx = init_from_env("cpu")
-    model, _ = load_policy(preset_name="tiny", device="cpu", dtype="bfloat16", seed=0)
+    model, _ = load_policy(preset_name=job.get("preset", "tiny"), device="cpu", dtype="bfloat16", seed=0)
     par = Parallelism(ctx)
     replica = par.engine_model(model)
     par.parallelize(model)
@@ -114,12 +116,26 @@ def weights_job(job: dict) -> None:
         used = _forward_weights(model, lambda: response_logprobs(model, pb, 1.0))
     engine = dict(replica.named_parameters())
     report = {"rank": ctx.rank, "params": len(engine), "captured": len(used), "differ": [], "not_plain": []}
+    report["expert_stacks"] = [n for n in engine if n.endswith(("experts.gate_up", "experts.down"))]
     for name, e in engine.items():
         t = used.get(name)
         if t is None or isinstance(t, DTensor) or t.dtype != e.dtype:
             report["not_plain"].append(name)
         elif not torch.equal(t, e):
             report["differ"].append(name)
+    # The sharded model's state dict in HF names (every rank calls it: sharded stacks are gathered): full plain
+    # tensors whose model-dtype cast is the replica's, after the sync (the masters are fp32).
+    sharded_sd = model.state_dict()
+    replica_sd = replica.state_dict()
+    experts = {k: v for k, v in sharded_sd.items() if ".experts." in k}
+    report["state_dict_keys"] = sorted(sharded_sd) == sorted(replica_sd)
+    report["state_dict_experts"] = len(experts)
+    report["state_dict_dtensor_experts"] = [k for k, v in experts.items() if isinstance(v, DTensor)]
+    report["state_dict_differ"] = [
+        k
+        for k, v in experts.items()
+        if not isinstance(v, DTensor) and not torch.equal(v.to(replica_sd[k].dtype), replica_sd[k])
+    ]
     # Every rank's report, written by rank 0.
     reports = ctx.all_gather_object(report)
     if ctx.is_main:

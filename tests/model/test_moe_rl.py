@@ -1,6 +1,7 @@
-"""GRPO on the tiny MoE preset: a few RL steps on the CPU in exact mode, every rollout logprob bitwise equal to the
-trainer's on every step (the guard compares them before each update), while the updates move the router and the
-experts (so later steps sample from changed routing)."""
+"""RL on the tiny MoE preset, a few steps on the CPU in exact mode, every rollout logprob bitwise equal to the
+trainer's on every step (the guard compares them before each update): GRPO, whose updates move the router and the
+experts (so later steps sample from changed routing); PPO with a critic (fast mode the negative control); and
+multi-turn episodes of the guessing game with the router's auxiliary losses on."""
 
 from __future__ import annotations
 
@@ -90,3 +91,73 @@ def test_grpo_on_tiny_moe_is_exact_every_step(tmp_path, plugin):
     start = init.state_dict()
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.2.mlp.experts.0.down_proj.weight"):
         assert not torch.equal(saved[name], start[name].float()), name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PPO with a critic, and multi-turn episodes, on tiny-moe
+# ----------------------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = [
+    "model.preset=tiny-moe",
+    "train.steps=2",
+    "train.warmup_steps=0",
+    "sft.steps=0",
+    "algorithm.rollouts_per_step=8",
+    "algorithm.group_size=4",
+    "task.num_eval=4",
+    "task.eval_every=0",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "sampling.temperature=0.9",
+    "sampling.max_tokens=4",
+]
+
+
+def _run(tmp_path: Path, config: str, *extra: str) -> tuple[dict, list[dict]]:
+    from exactrl.config import load_config
+
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(ROOT / "configs" / config, [*SHORT, f"run.output_dir={out}", *extra])
+        summary = train(cfg, out=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    return summary, rows
+
+
+def test_ppo_with_a_critic_on_tiny_moe_is_exact(tmp_path, plugin):
+    """PPO: the critic (a value head on its own copy of the MoE backbone) trains beside the policy; every
+    rollout logprob equals the trainer's, and the router metrics are logged. Fast mode is the negative control."""
+    summary, rows = _run(tmp_path, "quickstart-ppo.toml", f'reward.functions=["{PLUGIN}:hashed"]')
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["mismatch/num_tokens"] > 0 and r["mismatch/num_mismatched_tokens"] == 0, r["step"]
+        assert r["critic/grad_norm"] > 0 and 1.0 <= r["moe/load_max_over_mean"] <= 8.0
+    assert summary["mismatched_tokens_total"] == 0
+    _, fast = _run(tmp_path / "fast", "quickstart-ppo.toml", f"reward.functions=[\"{PLUGIN}:hashed\"]",
+                   "run.exact=false", "train.steps=1")  # fmt: skip
+    assert fast[0]["mismatch/num_mismatched_tokens"] > 0
+
+
+def test_multi_turn_episodes_on_tiny_moe_are_exact_with_the_router_losses_on(tmp_path):
+    """The guessing game: observations prefilled on the cached conversation and masked out of the loss; every
+    model token of every turn compared, none differs, with the load-balancing and z losses in the objective."""
+    summary, rows = _run(
+        tmp_path,
+        "quickstart.toml",
+        "env.name=guess",
+        "env.max_turns=3",
+        "env.max_episode_tokens=64",
+        "train.moe_aux_loss_coef=0.01",
+        "train.moe_z_loss_coef=0.001",
+    )
+    assert max(r["env/turns_mean"] for r in rows) > 1
+    for r in rows:
+        assert r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] == 8 * r["env/model_tokens_mean"]
+        assert r["mismatch/num_mismatched_tokens"] == 0
+        assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0
+    assert summary["mismatched_tokens_total"] == 0
