@@ -7,8 +7,8 @@ step metrics, summary and exit status)."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from pathlib import Path
 
 import pytest
