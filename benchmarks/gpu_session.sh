@@ -6,7 +6,7 @@
 #     [tests-all] [parity-llama] [guard] [fsdp] [rl-gpu] [hf-parity] [lora-8b] [exact-tests] [fast-tests] [probe-gemm]
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
-#     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-sweep]
+#     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -190,6 +190,30 @@ if want moe-price; then  # exact / fast MoE rollout at 1/16/64/256 sequences and
   for mode in exact fast; do
     timeout 300 $X bench train --model $MOE_DIR --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 10 \
       --json 2>>"$OUT/moe_price.log" | grep '^{' | tee -a "$OUT/moe_price.jsonl"
+  done
+fi
+if want moe-train-price; then  # the training rows of moe-price alone
+  moe_model
+  for mode in exact fast; do
+    timeout 300 $X bench train --model $MOE_DIR --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 10 \
+      --json 2>>"$OUT/moe_price.log" | grep '^{' | tee -a "$OUT/moe_train_price.jsonl"
+  done
+fi
+if want moe-rl; then  # exact GRPO steps on the MoE shape: full fine-tune, then LoRA on the attention projections
+  moe_model
+  base="--set model.path=$MOE_DIR --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
+    --set train.save_every=0 --set train.save_at_end=false --set train.steps=3 --set algorithm.rollouts_per_step=64 --set task.num_eval=16 --set task.eval_every=0
+    --set run.progress=false --set engine.max_model_len=256 --set sampling.max_tokens=64"
+  timeout 400 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/moe-full 2>&1 \
+    | grep -v Warning | tail -4 | tee "$OUT/moe_rl.txt"
+  timeout 400 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/moe-lora --set lora.rank=16 \
+    --set 'lora.target_modules=["q_proj","k_proj","v_proj","o_proj"]' 2>&1 | grep -v Warning | tail -4 \
+    | tee -a "$OUT/moe_rl.txt"
+  for d in moe-full moe-lora; do
+    python3 -c "import json; rows=[json.loads(l) for l in open('$OUT/$d/metrics.jsonl') if '\"loss\"' in l]
+print('$d', json.dumps([{k: r.get(k) for k in ('step','mismatch/num_tokens','mismatch/num_mismatched_tokens','perf/gpu_memory_peak_gb','perf/generate_s','perf/train_s','moe/load_max_over_mean','moe/router_entropy')} for r in rows]))" \
+      | tee -a "$OUT/moe_rl.txt"
+    rm -rf "$OUT/$d"
   done
 fi
 if want kernels; then
