@@ -259,7 +259,7 @@ def test_offload_moves_the_state_and_keeps_the_bits(monkeypatch):
         )
 
 
-def test_offload_refused_under_fsdp_and_named_modes():
+def test_offload_modes_are_named():
     with pytest.raises(ValueError, match="offload must be one of"):
         MasterAdamW(build_model(preset("tiny")), lr=1e-3, offload="all")
 
