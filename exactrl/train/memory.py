@@ -16,7 +16,7 @@ Phases, per rank, as the run lays memory out today (docs/memory.md):
 - training: the resident state, the KV cache (kept across steps), the gradients, one microbatch's activations
   (in the graph pool when training graphs are on), the LM head's logprob chunk and its backward's transients.
 - optimizer: the resident state, the KV cache, the gradients, and the masters and moments on the device for the
-  step (offload brings them in for it).
+  step (with offload, one group of them at a time: the step streams them through).
 
 The byte counts of weights, masters, moments and gradients are exact (a test counts the real tensors); the
 activation term is a per-token count of the tensors autograd keeps for the backward, checked on the GPU
@@ -162,6 +162,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
     from exactrl.model.lora import apply_lora_config
     from exactrl.model.qwen import CausalLM
     from exactrl.train.critic import ValueModel
+    from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, offload_chunks
 
     mcfg = model_config(cfg)
     with torch.device("meta"):
@@ -172,6 +173,14 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         apply_lora_config(policy, lora_cfg, seed=cfg.run.seed)
     params = list(policy.parameters())
     trainable = [p for p in params if p.requires_grad]
+    # The offloaded step streams masters and moments (12 bytes per element) through the device in these groups.
+    chunk = lambda ps: max(  # noqa: E731
+        (
+            sum(ps[i].numel() for i in g) * 12
+            for g in offload_chunks([p.numel() for p in ps], 12, OFFLOAD_CHUNK_BYTES)
+        ),
+        default=0,
+    )
     layer = max(_numel(lay.parameters()) for lay in policy.model.layers)
     out = {
         "policy_params": _numel(params),
@@ -181,12 +190,15 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         "critic_params": 0,
         "critic_trainable": 0,
         "critic_head_fp32": 0,
+        "offload_chunk_bytes": chunk(trainable),
     }
     if critic is not None:
         cp = [p for n, p in critic.named_parameters() if n != "value_head"]
         out["critic_params"] = _numel(cp)
         out["critic_trainable"] = _numel(p for p in cp if p.requires_grad)
         out["critic_head_fp32"] = critic.value_head.numel()
+        ctrain = [p for p in critic.parameters() if p.requires_grad]
+        out["offload_chunk_bytes"] = max(out["offload_chunk_bytes"], chunk(ctrain))
     return out
 
 
@@ -388,10 +400,16 @@ def plan_memory(
         "generation", {**held, "kv_cache": kv, "engine_working_set": decode_working_set(cfg, mcfg, b, cuda)}
     )
     train = Phase("training", {**held, "kv_cache": kv, **grads, **train_extra, **act})
-    step_terms = {**resident, **opt_state, "kv_cache": kv, **grads}
-    if has_master and not sharded and not cuda:
-        # The CPU (torch AdamW) path gives the masters fp32 copies of the gradients; the Triton step reads them.
-        step_terms["master_grads_fp32"] = c["policy_trainable"] * 4
+    if offload and has_master:
+        # The offloaded step streams the masters and moments through the device a group at a time.
+        step_terms = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], "kv_cache": kv, **grads}
+        if not cuda:  # the CPU path's fp32 gradient copies, of one group
+            step_terms["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
+    else:
+        step_terms = {**resident, **opt_state, "kv_cache": kv, **grads}
+        if has_master and not sharded and not cuda:
+            # The CPU (torch AdamW) path gives the masters fp32 copies of the gradients; the Triton step reads them.
+            step_terms["master_grads_fp32"] = c["policy_trainable"] * 4
     step = Phase("optimizer", step_terms)
     counts_out = {
         **c,

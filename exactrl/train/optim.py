@@ -24,6 +24,24 @@ from torch.distributed.tensor import DTensor
 from exactrl.distributed.env import DistContext
 
 OFFLOAD_MODES = ("none", "optimizer")
+# With offload the step streams the state through the device in groups of parameters of at most this many bytes of
+# masters and moments (one parameter alone may be more): the step's peak is one group, not the whole state.
+OFFLOAD_CHUNK_BYTES = 1 << 30
+
+
+def offload_chunks(numels: list[int], bytes_per_element: int, limit: int) -> list[list[int]]:
+    """Consecutive groups of parameter indices whose state (`bytes_per_element` per element) stays within
+    `limit` bytes, a parameter larger than the limit in a group of its own."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        b = n * bytes_per_element
+        if not chunks or size + b > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += b
+    return chunks
 
 
 class MasterAdamW:
@@ -38,6 +56,7 @@ class MasterAdamW:
         eps: float = 1e-8,
         dist: DistContext | None = None,
         offload: str = "none",
+        offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
     ):
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"MasterAdamW offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -86,6 +105,8 @@ class MasterAdamW:
         # Offload: the device the step runs on, and one host buffer per offloaded tensor, reused every step (the
         # pinned allocations cost more than the copies). Keyed by (master index, "master" | moment name).
         self.offload = offload
+        self._chunks = offload_chunks([m.numel() for m in self.master], 12, offload_chunk_bytes)
+        self._chunk_tables: dict[int, object] = {}  # AdamWTables per chunk (the streamed Triton step)
         self._host: dict[tuple[int, str], torch.Tensor] = {}
         self.on_host = False  # the offloaded tensors are in their host buffers now
         if offload == "optimizer":
@@ -150,6 +171,9 @@ class MasterAdamW:
         `found_inf` and `grad_scale`) takes the skip flag and the clip factor as device scalars and leaves weights,
         moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
         where reading is free, the norm is read and the update is skipped or made by the host."""
+        if self.on_host and self.has_master and (self._triton_ready() or not self.on_cuda):
+            # Masters of a 16-bit model: the step streams the state through the device, a group at a time.
+            return self._streamed_step(max_norm, skip)
         if self.on_host:
             self.to_device()
         try:
@@ -157,6 +181,100 @@ class MasterAdamW:
         finally:
             if self.offload == "optimizer":
                 self.to_host()
+
+    def _streamed_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
+        """The offloaded step, group by group: the norm and the clip factor from every gradient first (the
+        16-bit gradients stay on the device), then each group's masters and moments come in, step, and go back.
+        AdamW is elementwise and the factor is global, so every element gets the bits of the one-group step: the
+        same kernel (the Triton AdamW on CUDA, torch's loop on the CPU) on the same values."""
+        triton = self._triton_ready()
+        grads16 = [p.grad for p in self.params]
+        if not triton and all(g is None for g in grads16):
+            self.zero_grad()
+            return None
+        if triton:
+            norm, ok, scale = _device_clip(grads16, max_norm, skip)
+            ok_f = ok.float()
+        else:
+            # The CPU path's norm, from the 16-bit gradients: their fp64 values are those of the fp32 copies the
+            # unstreamed step takes the norm of (each cast is exact), so the same bits.
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.double()) for g in grads16 if g is not None])
+            )
+            norm_f = float(norm)
+            if not math.isfinite(norm_f) or (skip is not None and bool(skip)):
+                self.zero_grad()
+                return torch.tensor(float("nan"), dtype=torch.float64)
+            factor = max_norm / (norm_f + 1e-6) if max_norm > 0 and norm_f > max_norm else None
+        for c, idx in enumerate(self._chunks):
+            self.to_device(idx)
+            if triton:
+                self._triton_chunk(c, idx, grads16, scale, ok, ok_f)
+            else:
+                self._cpu_chunk(idx, factor)
+            self.to_host(idx)
+        self.zero_grad()
+        self.on_host = True
+        if triton:
+            return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+        return norm
+
+    def _cpu_chunk(self, idx: list[int], factor: float | None) -> None:
+        """torch's AdamW on one group: the group's masters take fp32 gradients, every other master has none
+        (torch steps only parameters with a gradient), the clip factor as in the unstreamed step."""
+        grads = []
+        for i in idx:
+            p, m = self.params[i], self.master[i]
+            if p.grad is not None:
+                m.grad = p.grad.to(torch.float32, copy=True)
+                grads.append(m.grad)
+        if not grads:
+            return
+        if factor is not None:
+            torch._foreach_mul_(grads, factor)
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_([self.params[i] for i in idx], [self.master[i] for i in idx])
+        for i in idx:
+            self.master[i].grad = None
+
+    def _triton_chunk(self, c: int, idx: list[int], grads, scale, ok, ok_f) -> None:
+        from exactrl.ops.triton.adamw import AdamWTables, adamw_step
+
+        group = self.opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        masters = [self.master[i] for i in idx]
+        state = self.opt.state
+        for m in masters:
+            if m not in state or not state[m]:
+                state[m] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=m.device),
+                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+                }
+        steps = [state[m]["step"] for m in masters]
+        torch._foreach_add_(steps, [ok_f] * len(steps))
+        tables = self._chunk_tables.get(c)
+        if tables is None:
+            tables = self._chunk_tables[c] = AdamWTables([m.numel() for m in masters], self.device)
+        tables.point_at(
+            masters,
+            [grads[i] for i in idx],
+            [state[m]["exp_avg"] for m in masters],
+            [state[m]["exp_avg_sq"] for m in masters],
+            [self.params[i] for i in idx],
+        )
+        t = steps[0].double()
+        scalars = torch.stack([scale, 1 - beta1**t, 1 - beta2**t, (~ok).double()]).float()
+        adamw_step(
+            tables,
+            scalars,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
 
     def _step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
         if self.sharded:
@@ -289,12 +407,13 @@ class MasterAdamW:
         self.zero_grad()
 
     # -- offload ---------------------------------------------------------------------------------------------
-    def _offloaded(self) -> list[tuple[tuple[int, str], torch.Tensor]]:
-        """(key, tensor) of what offload moves: the masters when they are copies of 16-bit parameters (fp32
-        parameters and FSDP shards are the model's own weights, which the forward needs), and every AdamW moment
-        that exists (torch creates them at the first step)."""
+    def _offloaded(self, idx: list[int] | None = None) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        """(key, tensor) of what offload moves (of the masters `idx`, default all): the masters when they are
+        copies of 16-bit parameters (fp32 parameters and FSDP shards are the model's own weights, which the
+        forward needs), and every AdamW moment that exists (torch creates them at the first step)."""
         out = []
-        for i, m in enumerate(self.master):
+        for i in range(len(self.master)) if idx is None else idx:
+            m = self.master[i]
             if self.has_master:
                 out.append(((i, "master"), m.data))
             st = self.opt.state.get(m, {})
@@ -311,10 +430,11 @@ class MasterAdamW:
         else:
             self.opt.state[m][name] = t
 
-    def to_host(self) -> None:
-        """Move the masters and moments into their host buffers (queued, not waited for)."""
+    def to_host(self, idx: list[int] | None = None) -> None:
+        """Move the masters and moments (of the masters `idx`, default all) into their host buffers (queued, not
+        waited for)."""
         pin = self.on_cuda
-        for key, t in self._offloaded():
+        for key, t in self._offloaded(idx):
             host = self._host.get(key)
             if host is None:
                 host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -322,17 +442,20 @@ class MasterAdamW:
             if host is not t:
                 host.copy_(t, non_blocking=True)
                 self._put(key, host)
-        self.on_host = True
+        if idx is None:
+            self.on_host = True
 
-    def to_device(self) -> None:
-        """Bring the masters and moments to the step's device (queued: stream order makes the step wait)."""
-        for key, t in self._offloaded():
+    def to_device(self, idx: list[int] | None = None) -> None:
+        """Bring the masters and moments (of the masters `idx`, default all) to the step's device (queued: stream
+        order makes the step wait)."""
+        for key, t in self._offloaded(idx):
             # A fresh device buffer even on the CPU, where host and device are one memory: the state really moves,
             # as it does on a GPU, and a test can see it.
             dev = torch.empty(t.shape, dtype=t.dtype, device=self.device)
             dev.copy_(t, non_blocking=True)
             self._put(key, dev)
-        self.on_host = False
+        if idx is None:
+            self.on_host = False
 
     def synchronize(self) -> None:
         """Wait for the copies to the host buffers (before the host reads them: a checkpoint)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def test_state_bytes_equal_the_real_tensors(name):
     assert terms["policy_adamw_moments"] == nbytes(moments)
     # The trainer's persistent gradients: one per trainable parameter in the model dtype.
     assert terms["policy_grads"] == nbytes(opt.params)
+    # With offload the step holds one group of masters and moments at a time.
+    streamed = plan_memory(apply_overrides(cfg, ["train.offload=optimizer"]), device="cuda").phase("optimizer")
+    on = stepped(build_model(preset(name), dtype=torch.bfloat16), offload="optimizer")
+    groups = [nbytes(t for k, t in on._offloaded(idx)) for idx in on._chunks]
+    assert streamed.terms["optimizer_state_chunk"] == max(groups)
+    assert "policy_adamw_moments" not in streamed.terms
 
 
 def test_lora_and_critic_bytes_equal_the_real_tensors():
@@ -212,51 +219,67 @@ def test_plan_command_prints_a_table_and_one_json_line(capsys):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_offload_moves_the_state_and_keeps_the_bits(monkeypatch):
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 200_000], ids=["one-group", "streamed"])
+def test_offload_moves_the_state_and_keeps_the_bits(monkeypatch, chunk_bytes):
+    """Offload on vs off over steps that clip, and one skipped (a non-finite gradient): the same weights, masters
+    and moments bit for bit; the step reads its state from buffers other than the host ones; in several groups
+    when the state is over offload_chunk_bytes, each master stepped once per step."""
     base = build_model(preset("tiny"), dtype=torch.bfloat16)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    on = MasterAdamW(a, lr=1e-3, weight_decay=0.1, offload="optimizer")
-    off = MasterAdamW(b, lr=1e-3, weight_decay=0.1)
-    host = lambda: {k: t.data_ptr() for k, t in on._offloaded()}  # noqa: E731
-    seen: list[dict] = []
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    on = MasterAdamW(a, offload="optimizer", offload_chunk_bytes=chunk_bytes, **kw)
+    off = MasterAdamW(b, **kw)
+    assert (len(on._chunks) == 1) if chunk_bytes > 1 << 20 else (len(on._chunks) > 10)
+    host_ptrs = lambda: {t.data_ptr() for t in on._host.values()}  # noqa: E731
+    stepped_ptrs: list[list[int]] = []  # per opt.step call: the data of the masters it steps and their moments
+    stepped_ids: list[int] = []
     real_step = on.opt.step
 
-    def spy():  # what the step itself reads: the masters and moments, in fresh "device" buffers
-        seen.append({k: t.data_ptr() for k, t in on._offloaded()})
+    def spy():
+        ptrs = []
+        for i, m in enumerate(on.master):
+            if m.grad is not None:
+                stepped_ids.append(i)
+                st = on.opt.state.get(m, {})
+                ptrs += [m.data_ptr()] + [st[k].data_ptr() for k in ("exp_avg", "exp_avg_sq") if k in st]
+        # Compared now, with the host buffers of this moment (on the CPU a freed buffer's address may come back
+        # as a later host buffer's).
+        assert not set(ptrs) & host_ptrs(), "the step read host buffers"
+        stepped_ptrs.append(ptrs)
         return real_step()
 
     monkeypatch.setattr(on.opt, "step", spy)
-    for step in range(3):
+    for step in range(4):
         g = torch.Generator().manual_seed(step)
         for pa, pb in zip(on.params, off.params):
-            pa.grad = (torch.randn(pa.shape, generator=g) * 0.1).to(pa.dtype)
+            pa.grad = (torch.randn(pa.shape, generator=g) * (0.1 if step != 1 else 10.0)).to(pa.dtype)
+            if step == 2:
+                pa.grad.view(-1)[0] = float("nan")  # skipped: no state may change
             pb.grad = pa.grad.clone()
-        between = host()
-        assert on.on_host and all(k in on._host and on._host[k].data_ptr() == v for k, v in between.items())
-        on.clip_and_step(1.0)
-        off.clip_and_step(1.0)
-        assert set(between) <= set(seen[-1])  # the moments appear at the first step
-        assert not set(seen[-1].values()) & set(on._host[k].data_ptr() for k in on._host), (
-            "step read host buffers"
-        )
+        assert on.on_host and all(t.data_ptr() == on._host[k].data_ptr() for k, t in on._offloaded())
+        stepped_ptrs.clear()
+        stepped_ids.clear()
+        na, nb = on.clip_and_step(1.0), off.clip_and_step(1.0)
+        assert (math.isnan(na) and math.isnan(nb)) or na == nb
+        if step != 2:
+            assert sorted(stepped_ids) == list(range(len(on.master)))  # every master once
+            assert len(stepped_ptrs) == len(on._chunks)
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb)
         for ma, mb in zip(on.master, off.master):
             assert torch.equal(ma, mb)
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(on.opt.state[ma][k], off.opt.state[mb][k])
     assert len(on._host) == 3 * len(on.master)  # masters and both moments, one buffer each, reused
     assert on.offloaded_bytes() == 12 * sum(p.numel() for p in on.params)
     # A checkpoint round trip with offload on puts the state back in the host buffers, same values.
     state = on.state_dict()
-    c = copy.deepcopy(base)
-    again = MasterAdamW(c, lr=1e-3, weight_decay=0.1, offload="optimizer")
+    again = MasterAdamW(copy.deepcopy(base), offload="optimizer", offload_chunk_bytes=chunk_bytes, **kw)
     again.load_state_dict(state)
     assert again.on_host and all(t.data_ptr() == again._host[k].data_ptr() for k, t in again._offloaded())
     for ma, mb in zip(again.master, off.master):
-        assert torch.equal(ma, mb) and torch.equal(
-            again.opt.state[ma]["exp_avg_sq"], off.opt.state[mb]["exp_avg_sq"]
-        )
+        assert torch.equal(ma, mb)
+        assert torch.equal(again.opt.state[ma]["exp_avg_sq"], off.opt.state[mb]["exp_avg_sq"])
 
 
 def test_offload_modes_are_named():
@@ -330,9 +353,9 @@ def test_rl_run_with_offload_is_bitwise_the_same(plugin, tmp_path, monkeypatch):
     # Negative control: host buffers that round the moments to bf16 change the run.
     real = MasterAdamW.to_host
 
-    def lossy(self):
-        real(self)
-        for key, t in self._offloaded():
+    def lossy(self, idx=None):
+        real(self, idx)
+        for key, t in self._offloaded(idx):
             if key[1] != "master":
                 t.copy_(t.bfloat16().float())
 
