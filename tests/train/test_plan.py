@@ -78,7 +78,8 @@ def test_state_bytes_equal_the_real_tensors(name):
     # The trainer's persistent gradients: one per trainable parameter in the model dtype.
     assert terms["policy_grads"] == nbytes(opt.params)
     # With offload the step holds one group of masters and moments at a time.
-    streamed = plan_memory(apply_overrides(cfg, ["train.offload=optimizer"]), device="cuda").phase("optimizer")
+    offloaded = apply_overrides(cfg, ["train.offload=optimizer"])
+    streamed = plan_memory(offloaded, device="cuda").phase("optimizer")
     on = stepped(build_model(preset(name), dtype=torch.bfloat16), offload="optimizer")
     groups = [nbytes(t for k, t in on._offloaded(idx)) for idx in on._chunks]
     assert streamed.terms["optimizer_state_chunk"] == max(groups)
@@ -231,7 +232,8 @@ def test_offload_moves_the_state_and_keeps_the_bits(monkeypatch, chunk_bytes):
     off = MasterAdamW(b, **kw)
     assert (len(on._chunks) == 1) if chunk_bytes > 1 << 20 else (len(on._chunks) > 10)
     host_ptrs = lambda: {t.data_ptr() for t in on._host.values()}  # noqa: E731
-    stepped_ptrs: list[list[int]] = []  # per opt.step call: the data of the masters it steps and their moments
+    # Per opt.step call: the data of the masters it steps and of their moments.
+    stepped_ptrs: list[list[int]] = []
     stepped_ids: list[int] = []
     real_step = on.opt.step
 
