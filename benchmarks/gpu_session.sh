@@ -292,12 +292,13 @@ if want plan-check; then  # the memory plan (exactrl plan) vs measured per-phase
   # memory there (kv 0.3, microbatch 8192; issue 32): the plan said 63.5 GiB "fits" on the CPU, so a term is low.
   rl="--set model.preset=qwen3-1.7b --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
     --set train.steps=2 --set algorithm.group_size=8 --set algorithm.rollouts_per_step=512 --set task.num_eval=0
-    --set run.progress=false --set task.max_prompt_tokens=512 --set sampling.max_tokens=2048
+    --set run.progress=false --set task.eval_every=0 --set task.max_prompt_tokens=512 --set sampling.max_tokens=2048
     --set engine.max_model_len=2560 --set train.save_at_end=false"
   timeout 500 python3 benchmarks/plan_check.py configs/quickstart.toml $rl --set engine.kv_memory_fraction=0.2 \
     --set train.max_tokens_per_microbatch=4096 --out-dir "$OUT/plan-rl" 2>&1 | grep -v -i warn | tail -24 \
     | tee -a "$OUT/plan_check.txt"
-  $X plan configs/quickstart.toml $rl 2>&1 | tail -16 | tee -a "$OUT/plan_check.txt"
+  $X plan configs/quickstart.toml $rl --set engine.kv_memory_fraction=0.3 --set train.max_tokens_per_microbatch=8192 \
+    2>&1 | tail -16 | tee -a "$OUT/plan_check.txt"
   $X plan configs/quickstart.toml $base --set model.preset=qwen3-8b --set train.offload=optimizer \
     --set train.activation_checkpointing=true 2>&1 | tail -16 | tee -a "$OUT/plan_check.txt"
   $X plan configs/quickstart.toml $base --set model.preset=qwen3-30b-a3b --nproc 8 --gpu-memory 79.6 2>&1 \
