@@ -210,6 +210,23 @@ def cmd_twin(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """The run's memory plan per rank (exactrl.plan); exit 1 when a phase would not fit --gpu-memory."""
+    from exactrl.config import load_config
+    from exactrl.train.memory import gpu_memory_bytes, make_plan, print_plan
+
+    cfg = load_config(args.config, args.set or [])
+    gpu = gpu_memory_bytes(args.gpu_memory)
+    if gpu is None:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = make_plan(cfg, world_size=args.world_size, gpu_memory=gpu, device="cuda")
+    print_plan(plan)
+    return 0 if plan.fits else 1
+
+
 def cmd_bench(args) -> int:
     from exactrl import bench
 
@@ -244,6 +261,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nproc_arg(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "plan",
+        help="predicted peak device memory per rank of each phase (generation, training, optimizer)",
+        formatter_class=fmt,
+    )
+    p.add_argument("config", help="the run's TOML config")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    # Its own dest: `args.nproc` makes the CLI re-launch the command under torchrun; a plan only counts ranks.
+    p.add_argument(
+        "--nproc", dest="world_size", type=int, default=1, help="ranks (FSDP2 world size) the run would use"
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory per rank in GiB to check the plan against (default: this machine's GPU; none on a "
+        "CPU: the plan is printed without a verdict)",
+    )
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
         "sft", help="supervised warm start only (the config's [sft] section)", formatter_class=fmt

@@ -691,6 +691,15 @@ class TrainConfig:
     """Keep only each decoder layer's inputs from the forward and recompute the layer in the backward
     (torch.utils.checkpoint, non-reentrant): less activation memory for about one more forward. Exact either way:
     the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
+    offload: Literal["none", "optimizer"] = "none"
+    """Where the policy's (and critic's) fp32 master weights and AdamW moments wait between optimizer steps:
+    "none" = on the device; "optimizer" = in pinned host memory, brought to the device for each step (12 bytes
+    per trainable parameter off the device during generation and the forward/backward, for two copies of them per
+    step). The same bits either way. `exactrl plan` shows what it saves."""
+    check_memory: bool = True
+    """On a CUDA device, check the memory plan (`exactrl plan`) before anything loads and refuse a run whose
+    generation, training or optimizer phase is predicted not to fit, naming the settings that would; false
+    skips the check (the plan's activation term is an estimate)."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and always at the end); 0 = only at the end."""
     save_at_end: bool = True

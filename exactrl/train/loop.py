@@ -41,6 +41,7 @@ from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
+from exactrl.train.memory import check_before_loading
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
@@ -310,6 +311,8 @@ class RLRun:
         if cfg.run.wandb and self.dist.is_main:
             import_wandb()  # a missing package is said now, not after the model has loaded
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
+        # Before anything loads: a run whose phases cannot fit the GPU is refused now, naming the knobs.
+        check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -607,7 +610,7 @@ class RLRun:
         self.parallel.bind(model, engine_model)
         if engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
-        opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist)
+        opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
         if self.critic is not None:
             self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
         self.opt = MasterAdamW(model, lr=tr.lr, **opt_kw)

@@ -2,6 +2,15 @@
 
 The model the engine samples from *is* the bf16 shadow: after each step the fp32 masters are copied into it in
 place, so the engine sees new weights with no file round trip and no extra copy.
+
+Offload (`offload="optimizer"`): the fp32 masters (when they are copies, not the model's own fp32 parameters)
+and AdamW's two moments wait in host memory between optimizer steps, pinned on CUDA, and come to the device for
+the step, which runs the same kernel on the same values as without offload: the bits cannot depend on where a
+tensor waited. The copies are queued on the current stream with `non_blocking=True`, so the host never waits for
+them; stream order makes the step read what arrived and the next allocation reuse a buffer only after its copy
+back has run. The step itself stays on the device (a host AdamW would be other arithmetic than the device's, so
+offload on and off would differ in bits); what offload saves is those 12 bytes per trainable parameter during
+generation and the training forward/backward.
 """
 
 from __future__ import annotations
@@ -13,6 +22,26 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
+
+OFFLOAD_MODES = ("none", "optimizer")
+# With offload the step streams the state through the device in groups of parameters of at most this many bytes of
+# masters and moments (one parameter alone may be more): the step's peak is one group, not the whole state.
+OFFLOAD_CHUNK_BYTES = 1 << 30
+
+
+def offload_chunks(numels: list[int], bytes_per_element: int, limit: int) -> list[list[int]]:
+    """Consecutive groups of parameter indices whose state (`bytes_per_element` per element) stays within
+    `limit` bytes, a parameter larger than the limit in a group of its own."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        b = n * bytes_per_element
+        if not chunks or size + b > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += b
+    return chunks
 
 
 class MasterAdamW:
@@ -26,7 +55,11 @@ class MasterAdamW:
         weight_decay: float = 0.0,
         eps: float = 1e-8,
         dist: DistContext | None = None,
+        offload: str = "none",
+        offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
     ):
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"MasterAdamW offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dist = dist or DistContext.single()
         # FSDP2: the parameters are fp32 DTensor shards, the masters themselves. The update runs on the local
@@ -35,10 +68,22 @@ class MasterAdamW:
         self.sharded = any(isinstance(p, DTensor) for p in self.params)
         if self.sharded and not self.dist.distributed:
             raise ValueError("sharded (DTensor) parameters need the run's DistContext")
+        if self.sharded and offload != "none":
+            # FSDP2 already keeps 1/N of the state per rank; moving the shards' moments to the host is not done.
+            raise ValueError(
+                f"train.offload = {offload!r} is for one device; under torchrun the optimizer state is sharded "
+                '1/N per rank (more ranks shrink it): set train.offload = "none"'
+            )
         self.has_master = not self.sharded and any(p.dtype != torch.float32 for p in self.params)
         self._persistent: set[int] = set()  # ids of params whose .grad buffer is kept (see persistent_grads)
         if self.has_master:
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            # With offload the masters are made on the host: an fp32 copy of the whole model never sits on the
+            # device (the cast of a 16-bit value to fp32 is exact, on any device).
+            where = torch.device("cpu") if offload == "optimizer" else None
+            self.master = [
+                p.detach().to(device=where, dtype=torch.float32, copy=True).requires_grad_(True)
+                for p in self.params
+            ]
         elif self.sharded:
             with torch.no_grad():
                 self.master = [p.to_local() for p in self.params]
@@ -49,12 +94,23 @@ class MasterAdamW:
         # and writes the 16-bit weights (exactrl/ops/triton/adamw.py: no fp32 gradient copies, no copy back);
         # otherwise torch's fused kernel. torch's AdamW object holds the state either way, in its own format, so
         # checkpoints do not depend on which kernel ran.
-        self.on_cuda = all(p.is_cuda for p in self.master)
+        # The step's device: the weights' (the masters may start on the host, see above).
+        self.device = (self.params if self.has_master else self.master)[0].device if self.params else None
+        self.on_cuda = self.device is not None and self.device.type == "cuda"
         self._tables = None  # exactrl.ops.triton.adamw.AdamWTables, built on the first Triton step
         kw = {"fused": True} if self.on_cuda else {"foreach": False}
         self.opt = torch.optim.AdamW(
             self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **kw
         )
+        # Offload: the device the step runs on, and one host buffer per offloaded tensor, reused every step (the
+        # pinned allocations cost more than the copies). Keyed by (master index, "master" | moment name).
+        self.offload = offload
+        self._chunks = offload_chunks([m.numel() for m in self.master], 12, offload_chunk_bytes)
+        self._chunk_tables: dict[int, object] = {}  # AdamWTables per chunk (the streamed Triton step)
+        self._host: dict[tuple[int, str], torch.Tensor] = {}
+        self.on_host = False  # the offloaded tensors are in their host buffers now
+        if offload == "optimizer":
+            self.to_host()
 
     @property
     def param_groups(self):
@@ -115,6 +171,112 @@ class MasterAdamW:
         `found_inf` and `grad_scale`) takes the skip flag and the clip factor as device scalars and leaves weights,
         moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
         where reading is free, the norm is read and the update is skipped or made by the host."""
+        if self.on_host and self.has_master and (self._triton_ready() or not self.on_cuda):
+            # Masters of a 16-bit model: the step streams the state through the device, a group at a time.
+            return self._streamed_step(max_norm, skip)
+        if self.on_host:
+            self.to_device()
+        try:
+            return self._step(max_norm, skip)
+        finally:
+            if self.offload == "optimizer":
+                self.to_host()
+
+    def _streamed_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
+        """The offloaded step, group by group: the norm and the clip factor from every gradient first (the
+        16-bit gradients stay on the device), then each group's masters and moments come in, step, and go back.
+        AdamW is elementwise and the factor is global, so every element gets the bits of the one-group step: the
+        same kernel (the Triton AdamW on CUDA, torch's loop on the CPU) on the same values."""
+        triton = self._triton_ready()
+        grads16 = [p.grad for p in self.params]
+        if not triton and all(g is None for g in grads16):
+            self.zero_grad()
+            return None
+        if triton:
+            norm, ok, scale = _device_clip(grads16, max_norm, skip)
+            ok_f = ok.float()
+        else:
+            # The CPU path's norm, from the 16-bit gradients: their fp64 values are those of the fp32 copies the
+            # unstreamed step takes the norm of (each cast is exact), so the same bits.
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.double()) for g in grads16 if g is not None])
+            )
+            norm_f = float(norm)
+            if not math.isfinite(norm_f) or (skip is not None and bool(skip)):
+                self.zero_grad()
+                return torch.tensor(float("nan"), dtype=torch.float64)
+            factor = max_norm / (norm_f + 1e-6) if max_norm > 0 and norm_f > max_norm else None
+        for c, idx in enumerate(self._chunks):
+            self.to_device(idx)
+            if triton:
+                self._triton_chunk(c, idx, grads16, scale, ok, ok_f)
+            else:
+                self._cpu_chunk(idx, factor)
+            self.to_host(idx)
+        self.zero_grad()
+        self.on_host = True
+        if triton:
+            return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+        return norm
+
+    def _cpu_chunk(self, idx: list[int], factor: float | None) -> None:
+        """torch's AdamW on one group: the group's masters take fp32 gradients, every other master has none
+        (torch steps only parameters with a gradient), the clip factor as in the unstreamed step."""
+        grads = []
+        for i in idx:
+            p, m = self.params[i], self.master[i]
+            if p.grad is not None:
+                m.grad = p.grad.to(torch.float32, copy=True)
+                grads.append(m.grad)
+        if not grads:
+            return
+        if factor is not None:
+            torch._foreach_mul_(grads, factor)
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_([self.params[i] for i in idx], [self.master[i] for i in idx])
+        for i in idx:
+            self.master[i].grad = None
+
+    def _triton_chunk(self, c: int, idx: list[int], grads, scale, ok, ok_f) -> None:
+        from exactrl.ops.triton.adamw import AdamWTables, adamw_step
+
+        group = self.opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        masters = [self.master[i] for i in idx]
+        state = self.opt.state
+        for m in masters:
+            if m not in state or not state[m]:
+                state[m] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=m.device),
+                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+                }
+        steps = [state[m]["step"] for m in masters]
+        torch._foreach_add_(steps, [ok_f] * len(steps))
+        tables = self._chunk_tables.get(c)
+        if tables is None:
+            tables = self._chunk_tables[c] = AdamWTables([m.numel() for m in masters], self.device)
+        tables.point_at(
+            masters,
+            [grads[i] for i in idx],
+            [state[m]["exp_avg"] for m in masters],
+            [state[m]["exp_avg_sq"] for m in masters],
+            [self.params[i] for i in idx],
+        )
+        t = steps[0].double()
+        scalars = torch.stack([scale, 1 - beta1**t, 1 - beta2**t, (~ok).double()]).float()
+        adamw_step(
+            tables,
+            scalars,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
         if self.sharded:
             return self._sharded_step(max_norm, skip)
         if self._triton_ready():
@@ -244,19 +406,88 @@ class MasterAdamW:
                 torch._foreach_copy_(self.params, self.master)
         self.zero_grad()
 
+    # -- offload ---------------------------------------------------------------------------------------------
+    def _offloaded(self, idx: list[int] | None = None) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        """(key, tensor) of what offload moves (of the masters `idx`, default all): the masters when they are
+        copies of 16-bit parameters (fp32 parameters and FSDP shards are the model's own weights, which the
+        forward needs), and every AdamW moment that exists (torch creates them at the first step)."""
+        out = []
+        for i in range(len(self.master)) if idx is None else idx:
+            m = self.master[i]
+            if self.has_master:
+                out.append(((i, "master"), m.data))
+            st = self.opt.state.get(m, {})
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in st:
+                    out.append(((i, name), st[name]))
+        return out
+
+    def _put(self, key: tuple[int, str], t: torch.Tensor) -> None:
+        i, name = key
+        m = self.master[i]
+        if name == "master":
+            m.data = t  # the same Parameter object: torch's state and param_groups stay keyed by it
+        else:
+            self.opt.state[m][name] = t
+
+    def to_host(self, idx: list[int] | None = None) -> None:
+        """Move the masters and moments (of the masters `idx`, default all) into their host buffers (queued, not
+        waited for)."""
+        pin = self.on_cuda
+        for key, t in self._offloaded(idx):
+            host = self._host.get(key)
+            if host is None:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self._host[key] = host
+            if host is not t:
+                host.copy_(t, non_blocking=True)
+                self._put(key, host)
+        if idx is None:
+            self.on_host = True
+
+    def to_device(self, idx: list[int] | None = None) -> None:
+        """Bring the masters and moments (of the masters `idx`, default all) to the step's device (queued: stream
+        order makes the step wait)."""
+        for key, t in self._offloaded(idx):
+            # A fresh device buffer even on the CPU, where host and device are one memory: the state really moves,
+            # as it does on a GPU, and a test can see it.
+            dev = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            dev.copy_(t, non_blocking=True)
+            self._put(key, dev)
+        if idx is None:
+            self.on_host = False
+
+    def synchronize(self) -> None:
+        """Wait for the copies to the host buffers (before the host reads them: a checkpoint)."""
+        if self.on_host and self.on_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def offloaded_bytes(self) -> int:
+        """Bytes that offload keeps in host memory between steps (those tensors' device bytes without offload)."""
+        return sum(t.numel() * t.element_size() for _, t in self._offloaded())
+
     def state_dict(self) -> dict:
+        self.synchronize()
         return {
             "opt": self.opt.state_dict(),
             "master": [m.detach().cpu() for m in self.master] if self.has_master else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        # torch puts loaded moments on their parameter's device: with offload the masters are on the host and the
+        # moments land there, but fp32 parameters (no masters) live on the device, so the state is moved after.
         self.opt.load_state_dict(state["opt"])
         if self.has_master and state.get("master") is not None:
             with torch.no_grad():
                 for m, saved, p in zip(self.master, state["master"], self.params):
                     m.copy_(saved)
                     p.copy_(m)
+        if self.on_cuda:  # torch loads a fused step count onto its parameter's device: the host, with offload
+            for st in self.opt.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].to(self.device)
+        if self.offload == "optimizer":
+            self.to_host()
 
 
 def _device_clip(

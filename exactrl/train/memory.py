@@ -1,0 +1,548 @@
+"""The memory plan of a run: what each phase holds on one rank's device, predicted from the config alone.
+
+`exactrl plan CONFIG` prints it, and `exactrl train` checks it before anything loads, so a run that cannot fit is
+refused in a second, naming the settings that would make it fit, instead of running out of memory after minutes
+of start-up. Nothing is loaded: the model is built on the `meta` device (shapes, no storage), LoRA adapters and the
+PPO critic too, so the parameter counts are the ones the run will have, by the same code.
+
+Phases, per rank, as the run lays memory out today (docs/memory.md):
+
+- generation: the engine's weights (on one device the policy itself; under FSDP2 a full replica in the model dtype
+  beside the trainer's 1/N shards), the KV cache as the engine sizes it (`engine.num_kv_blocks`, else
+  `kv_memory_fraction` of the device memory free at the first rollout, capped by what a step's rollouts need), the
+  decode step's working set; and whatever stays resident: the fp32 masters and AdamW moments (unless
+  `train.offload = "optimizer"`), the persistent gradient buffers and the training CUDA-graph pool (one device),
+  the reference model and the critic.
+- training: the resident state, the KV cache (kept across steps), the gradients, one microbatch's activations
+  (in the graph pool when training graphs are on), the LM head's logprob chunk and its backward's transients.
+- optimizer: the resident state, the KV cache, the gradients, and the masters and moments on the device for the
+  step (with offload, one group of them at a time: the step streams them through).
+
+The byte counts of weights, masters, moments and gradients are exact (a test counts the real tensors); the
+activation term is a per-token count of the tensors autograd keeps for the backward, checked on the GPU
+(benchmarks/gpu_session.sh, section plan-check).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from exactrl.config import RunConfig, apply_overrides
+
+GiB = 1024**3
+# Device memory outside torch's caching allocator: the CUDA context, cuBLAS and Triton workspaces. Measured as
+# total - free right after the first kernel on an H100 (torch 2.11): about 0.5-0.6 GiB; 1 GiB leaves room.
+CUDA_CONTEXT_BYTES = 1 * GiB
+# Per-token fp32/int64 vectors of the loss (logprobs, old/ref logprobs, advantages, masks, ratios, positions).
+LOSS_BYTES_PER_TOKEN = 64
+CPU_KV_BUDGET = 2 * GiB  # exactrl.engine.runner.auto_num_blocks: the CPU's KV budget before the fraction
+
+
+class MemoryPlanError(ValueError):
+    """A phase of the run would not fit the device: raised before anything loads."""
+
+
+@dataclass
+class Phase:
+    name: str
+    terms: dict[str, int]  # what the phase holds, by name: bytes per rank
+
+    @property
+    def peak(self) -> int:
+        return sum(self.terms.values())
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peak bytes per rank of each phase, and the fit against `available` (None: no limit known)."""
+
+    world_size: int
+    device: str
+    available: int | None  # bytes of device memory per rank, the CUDA context taken off
+    gpu_memory: int | None  # the device's memory as given (--gpu-memory) or read
+    phases: list[Phase]
+    counts: dict[str, int]  # parameter counts and shapes the terms came from
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    @property
+    def worst(self) -> Phase:
+        return max(self.phases, key=lambda p: p.peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.peak <= self.available
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def table(self) -> str:
+        names = list(dict.fromkeys(k for p in self.phases for k in p.terms))
+        w = max(len(n) for n in [*names, "peak"]) + 2
+        head = f"{'bytes per rank (GiB)':<{w}}" + "".join(f"{p.name:>14}" for p in self.phases)
+        lines = [head, "-" * len(head)]
+        for n in names:
+            cells = "".join(f"{_gib(p.terms[n]) if n in p.terms else '-':>14}" for p in self.phases)
+            lines.append(f"{n:<{w}}{cells}")
+        lines.append("-" * len(head))
+        lines.append(f"{'peak':<{w}}" + "".join(f"{_gib(p.peak):>14}" for p in self.phases))
+        if self.available is not None:
+            verdict = "fits" if self.fits else f"DOES NOT FIT ({self.worst.name})"
+            lines.append(
+                f"available per rank: {_gib(self.available)} GiB ({_gib(self.gpu_memory or 0)} GiB device - "
+                f"{_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context): {verdict}"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "device": self.device,
+            "gpu_memory_bytes": self.gpu_memory,
+            "available_bytes": self.available,
+            "fits": self.fits,
+            "peak_bytes": self.peak,
+            "peak_phase": self.worst.name,
+            "phases": {p.name: {"peak_bytes": p.peak, **p.terms} for p in self.phases},
+            "counts": self.counts,
+            "suggestions": self.suggestions,
+        }
+
+    def refusal(self) -> str:
+        p = self.worst
+        top = sorted(p.terms.items(), key=lambda kv: -kv[1])[:4]
+        what = ", ".join(f"{k} {_gib(v)} GiB" for k, v in top)
+        msg = (
+            f"memory plan: the {p.name} phase needs {_gib(p.peak)} GiB per rank ({p.peak} bytes; {what}), "
+            f"{_gib(self.available or 0)} GiB ({self.available} bytes) are available"
+            f" at world size {self.world_size}."
+        )
+        if self.suggestions:
+            msg += " Settings that would make it fit: " + "; ".join(self.suggestions) + "."
+        else:
+            msg += " No single setting tried makes it fit: a smaller model, or more memory per rank."
+        return (
+            msg
+            + " (`exactrl plan CONFIG` prints the whole plan; train.check_memory = false skips this check.)"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+# -- the model's tensors, counted on the meta device ----------------------------------------------------------
+def model_config(cfg: RunConfig):
+    """The exactrl.model.ModelConfig of the run: the preset's shape, or the checkpoint's config.json."""
+    from exactrl.model.config import preset
+    from exactrl.model.hf import read_config
+
+    if cfg.model.path is not None:
+        return read_config(cfg.model.path)
+    return preset(cfg.model.preset)
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+def count_tensors(cfg: RunConfig) -> dict[str, int]:
+    """Parameter counts of the run's models, from meta-device modules built by the run's own code: the policy
+    (all, trainable, frozen; with LoRA the adapters are the trainable part), the critic (PPO) and the largest
+    decoder layer (what FSDP2 gathers at a time)."""
+    from exactrl.model.lora import apply_lora_config
+    from exactrl.model.qwen import CausalLM
+    from exactrl.train.critic import ValueModel
+    from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, offload_chunks
+
+    mcfg = model_config(cfg)
+    with torch.device("meta"):
+        policy = CausalLM(mcfg)
+    critic = ValueModel.from_policy(policy) if cfg.algorithm.needs_critic else None
+    if cfg.lora.rank > 0:
+        lora_cfg = replace(cfg.lora, path=None)  # the adapter file's shapes are checked to match the section
+        apply_lora_config(policy, lora_cfg, seed=cfg.run.seed)
+    params = list(policy.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    # The offloaded step streams masters and moments (12 bytes per element) through the device in these groups.
+    chunk = lambda ps: max(  # noqa: E731
+        (
+            sum(ps[i].numel() for i in g) * 12
+            for g in offload_chunks([p.numel() for p in ps], 12, OFFLOAD_CHUNK_BYTES)
+        ),
+        default=0,
+    )
+    layer = max(_numel(lay.parameters()) for lay in policy.model.layers)
+    out = {
+        "policy_params": _numel(params),
+        "policy_trainable": _numel(trainable),
+        "policy_frozen": _numel(params) - _numel(trainable),
+        "largest_layer_params": layer,
+        "critic_params": 0,
+        "critic_trainable": 0,
+        "critic_head_fp32": 0,
+        "offload_chunk_bytes": chunk(trainable),
+    }
+    if critic is not None:
+        cp = [p for n, p in critic.named_parameters() if n != "value_head"]
+        out["critic_params"] = _numel(cp)
+        out["critic_trainable"] = _numel(p for p in cp if p.requires_grad)
+        out["critic_head_fp32"] = critic.value_head.numel()
+        ctrain = [p for p in critic.parameters() if p.requires_grad]
+        out["offload_chunk_bytes"] = max(out["offload_chunk_bytes"], chunk(ctrain))
+    return out
+
+
+# -- activations -------------------------------------------------------------------------------------------
+def activation_bytes_per_token(mcfg, dtype_bytes: int, layer: int) -> int:
+    """Bytes per token that layer `layer`'s forward keeps for the backward (the exact kernels' saved tensors):
+    the normed input and the residual of both norms, packed q|k|v, q and k after norm and RoPE, the attention
+    output, its per-head log-sum-exp; the dense MLP's gate|up and silu product; or, in a sparse layer, the
+    router's fp32 probabilities and top-k ids and weights, and per routed row the gate|up, the expert output
+    and the row's token and slot indices (the Qwen2-MoE shared expert as a dense MLP of its width)."""
+    d, b = mcfg.hidden_size, dtype_bytes
+    q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+    attn = (4 * d + (q + 2 * kv) + q + kv + q) * b + 2 * 4 + mcfg.num_heads * 4
+    if mcfg.qk_norm:
+        attn += (mcfg.num_heads + mcfg.num_kv_heads) * 4  # the per-head rstd of the q/k norms
+    if mcfg.is_moe_layer(layer):
+        k, im = mcfg.num_experts_per_tok, mcfg.moe_intermediate_size
+        mlp = mcfg.num_experts * 4 + k * (8 + 4) + k * ((2 * im + d) * b + 2 * 8)
+        if mcfg.has_shared_expert:
+            mlp += 3 * mcfg.shared_expert_intermediate_size * b + 2 * d * b
+    else:
+        mlp = 3 * mcfg.intermediate_size * b
+    return attn + mlp
+
+
+def _lm_head_bytes(mcfg, tokens: int, b: int, head_trained: bool, fp32_lm_head: bool) -> int:
+    """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): a chunk of logits and of their
+    gradient ([rows, V] together), the fp32 hidden-state gradient, and the head weight's gradient before it is
+    added into its buffer; an fp32 head also casts the weight and the hidden states."""
+    from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS
+
+    v, d = mcfg.vocab_size, mcfg.hidden_size
+    rows = min(tokens, LOGPROB_CHUNK_ROWS)
+    hb = 4 if fp32_lm_head else b
+    n = 2 * rows * v * hb + tokens * d * 4
+    if head_trained:
+        n += v * d * hb
+    if fp32_lm_head:
+        n += v * d * 4 + tokens * d * 4
+    return n
+
+
+def training_activations(cfg: RunConfig, mcfg, b: int, tokens: int, checkpointing: bool) -> dict[str, int]:
+    """Activation terms of one training microbatch of `tokens` tokens."""
+    per_layer = [activation_bytes_per_token(mcfg, b, i) for i in range(mcfg.num_layers)]
+    d = mcfg.hidden_size
+    if checkpointing:
+        # Each layer keeps its two inputs (pending output and residual); one layer at a time is recomputed.
+        kept = mcfg.num_layers * 2 * d * b * tokens + max(per_layer) * tokens
+    else:
+        kept = sum(per_layer) * tokens
+    kept += 2 * d * b * tokens + LOSS_BYTES_PER_TOKEN * tokens  # the final norm's input and output, the loss
+    head_trained = cfg.lora.rank == 0
+    return {
+        "activations": kept,
+        # The backward of a layer: the gradients of its largest activations exist beside what is kept.
+        "backward_working_set": max(per_layer) * tokens,
+        "lm_head_logprobs": _lm_head_bytes(mcfg, tokens, b, head_trained, cfg.model.fp32_lm_head),
+    }
+
+
+# -- the engine -------------------------------------------------------------------------------------------
+def kv_bytes_per_token(mcfg, b: int) -> int:
+    """As exactrl.engine.runner.kv_bytes_per_token: K and V of every layer."""
+    return mcfg.num_layers * 2 * mcfg.num_kv_heads * mcfg.head_dim * b
+
+
+def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
+    """A step's worst case on one rank, as `RolloutEngine` reserves it: each prompt once plus n completions,
+    and one block per completion of slack."""
+    a, bs = cfg.algorithm, cfg.engine.block_size
+    prompts = -(-a.prompts_per_step // world_size)
+    n = a.group_size
+    if cfg.env.name is not None:
+        grow = min(cfg.env.max_episode_tokens, cfg.engine.max_model_len)
+    else:
+        grow = min(cfg.sampling.max_tokens, cfg.engine.max_model_len)
+    return prompts * (cfg.task.max_prompt_tokens + n * grow) + bs * n * prompts
+
+
+def kv_cache_bytes(cfg: RunConfig, mcfg, b: int, world_size: int, free_at_first_rollout: int | None) -> int:
+    """The KV cache the engine allocates (exactrl.engine.runner.auto_num_blocks, plus its scratch block)."""
+    bs = cfg.engine.block_size
+    per_block = kv_bytes_per_token(mcfg, b) * bs
+    if cfg.engine.num_kv_blocks:
+        blocks = cfg.engine.num_kv_blocks
+    else:
+        need = -(-rollout_tokens_needed(cfg, world_size) // bs) + 1
+        budget_from = CPU_KV_BUDGET if free_at_first_rollout is None else max(0, free_at_first_rollout)
+        blocks = max(2, min(need, int(budget_from * cfg.engine.kv_memory_fraction) // per_block))
+    return (blocks + 1) * per_block
+
+
+def decode_working_set(cfg: RunConfig, mcfg, b: int, cuda: bool) -> int:
+    """The engine's forward working set: a prefill chunk's widest intermediates (one layer at a time), and the
+    decode step's fp32 logits and sampling noise for every running sequence (kept in the decode graphs' pool on
+    CUDA)."""
+    e = cfg.engine
+    tokens = min(e.max_num_batched_tokens, e.prefill_chunk_size)
+    q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+    width = max(
+        2 * mcfg.intermediate_size + mcfg.intermediate_size,
+        mcfg.num_experts_per_tok * 3 * max(mcfg.moe_intermediate_size, 1),
+    )
+    prefill = tokens * (width + q + 2 * kv + 3 * mcfg.hidden_size) * b
+    decode = e.max_num_seqs * mcfg.vocab_size * (4 + 4 + 8) if cuda else 0
+    return prefill + decode
+
+
+# -- the plan ----------------------------------------------------------------------------------------------
+def plan_memory(
+    cfg: RunConfig,
+    *,
+    world_size: int = 1,
+    gpu_memory: int | None = None,
+    device: str = "cuda",
+    counts: dict[str, int] | None = None,
+) -> MemoryPlan:
+    """Each phase's predicted peak bytes on one rank of `world_size`. gpu_memory: the device's bytes (None: no
+    fit check, and the KV cache sized as on the CPU). device: "cuda" or "cpu" (CUDA graphs and the Triton AdamW
+    only exist on CUDA)."""
+    from exactrl.model.hf import dtype_from_name
+
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    mcfg = model_config(cfg)
+    c = counts if counts is not None else count_tensors(cfg)
+    b = torch.empty((), dtype=dtype_from_name(cfg.model.dtype)).element_size()
+    n = world_size
+    sharded = n > 1
+    cuda = device.startswith("cuda")
+    tr, a = cfg.train, cfg.algorithm
+    offload = tr.offload == "optimizer"
+    has_master = b != 4
+
+    resident: dict[str, int] = {}
+    opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
+    grads: dict[str, int] = {}
+    train_extra: dict[str, int] = {}
+    if not sharded:
+        resident["policy_weights"] = c["policy_params"] * b
+        if has_master:
+            opt_state["policy_masters_fp32"] = c["policy_trainable"] * 4
+        opt_state["policy_adamw_moments"] = 2 * c["policy_trainable"] * 4
+        # The trainer's gradient buffers stay allocated (zeroed in place) so the graphs can add into them.
+        resident["policy_grads"] = c["policy_trainable"] * b
+    else:
+        # Trainer shards: what trains in fp32 (the masters), what is frozen in the model dtype; a full replica for
+        # the engine; gradients as fp32 shards between backward and step.
+        resident["engine_replica"] = c["policy_params"] * b
+        resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
+        opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
+        grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
+        # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.
+        train_extra["fsdp_unsharded_layers"] = c["largest_layer_params"] * (2 * b + 4)
+    if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
+        resident["reference_model"] = -(-c["policy_params"] * b // n)
+    if c["critic_params"]:
+        frozen = c["critic_params"] - c["critic_trainable"]
+        head = c["critic_head_fp32"] * 4
+        if not sharded:
+            resident["critic_weights"] = c["critic_params"] * b + head
+            if has_master:
+                # Every trained tensor gets a master copy, the fp32 value head too.
+                opt_state["critic_masters_fp32"] = (c["critic_trainable"] + c["critic_head_fp32"]) * 4
+            grads["critic_grads"] = c["critic_trainable"] * b + head
+        else:
+            resident["critic_shards"] = -(-(c["critic_trainable"] * 4 + frozen * b + head) // n)
+            grads["critic_grad_shards"] = -(-(c["critic_trainable"] * 4 + head) // n)
+        opt_state["critic_adamw_moments"] = -(-2 * (c["critic_trainable"] + c["critic_head_fp32"]) * 4 // n)
+
+    tokens = tr.max_tokens_per_microbatch
+    act = training_activations(cfg, mcfg, b, tokens, tr.activation_checkpointing)
+    graphs = tr.cuda_graphs and cuda and not sharded
+    if graphs:
+        # The captured microbatch's activations live in the graphs' private pool, kept from the first training
+        # step on: in the generation phase too.
+        resident["train_graph_pool"] = act.pop("activations")
+
+    # The KV cache: sized at the first rollout from the memory free then (weights, masters; no moments, no
+    # gradients, no graphs yet), and kept.
+    free = None
+    available = None
+    if gpu_memory is not None:
+        available = gpu_memory - CUDA_CONTEXT_BYTES
+        early = sum(v for k, v in resident.items() if k not in ("policy_grads", "train_graph_pool"))
+        early += (
+            0
+            if offload
+            else opt_state.get("policy_masters_fp32", 0) + opt_state.get("critic_masters_fp32", 0)
+        )
+        free = available - early
+    kv = kv_cache_bytes(cfg, mcfg, b, n, free if cuda else None)
+
+    held = dict(resident)
+    if not offload:
+        held.update(opt_state)
+    gen = Phase(
+        "generation", {**held, "kv_cache": kv, "engine_working_set": decode_working_set(cfg, mcfg, b, cuda)}
+    )
+    train = Phase("training", {**held, "kv_cache": kv, **grads, **train_extra, **act})
+    if offload and has_master:
+        # The offloaded step streams the masters and moments through the device a group at a time.
+        step_terms = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], "kv_cache": kv, **grads}
+        if not cuda:  # the CPU path's fp32 gradient copies, of one group
+            step_terms["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
+    else:
+        step_terms = {**resident, **opt_state, "kv_cache": kv, **grads}
+        if has_master and not sharded and not cuda:
+            # The CPU (torch AdamW) path gives the masters fp32 copies of the gradients; the Triton step reads them.
+            step_terms["master_grads_fp32"] = c["policy_trainable"] * 4
+    step = Phase("optimizer", step_terms)
+    counts_out = {
+        **c,
+        "dtype_bytes": b,
+        "tokens_per_microbatch": tokens,
+        "kv_bytes_per_token": kv_bytes_per_token(mcfg, b),
+        "rollout_tokens_needed": rollout_tokens_needed(cfg, n),
+    }
+    return MemoryPlan(
+        world_size=n,
+        device=device,
+        available=available,
+        gpu_memory=gpu_memory,
+        phases=[gen, train, step],
+        counts=counts_out,
+    )
+
+
+def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
+    """Single changes to try, as (what to tell the user, --set overrides, world size)."""
+    tr = cfg.train
+    out: list[tuple[str, list[str], int]] = []
+    seq = cfg.task.max_prompt_tokens + cfg.sampling.max_tokens
+    t = tr.max_tokens_per_microbatch // 2
+    while t >= max(seq, 256):
+        out.append(
+            (f"train.max_tokens_per_microbatch={t}", [f"train.max_tokens_per_microbatch={t}"], world_size)
+        )
+        t //= 2
+    if not tr.activation_checkpointing:
+        out.append(
+            ("train.activation_checkpointing=true", ["train.activation_checkpointing=true"], world_size)
+        )
+    if tr.cuda_graphs:
+        out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
+    if tr.offload == "none" and world_size == 1:
+        out.append(('train.offload="optimizer"', ["train.offload=optimizer"], world_size))
+    if cfg.engine.num_kv_blocks is None and cfg.engine.kv_memory_fraction > 0.1:
+        out.append(("engine.kv_memory_fraction=0.1", ["engine.kv_memory_fraction=0.1"], world_size))
+    if cfg.lora.rank == 0:
+        sets = ["lora.rank=16"]
+        if model_config(cfg).is_moe:  # routed experts take no adapters: the attention projections only
+            sets.append('lora.target_modules=["q_proj","k_proj","v_proj","o_proj"]')
+        out.append((" ".join(sets), sets, world_size))
+    for more in (2, 4, 8):
+        if more > world_size:
+            out.append((f"--nproc {more} (FSDP2 shards of 1/{more})", [], more))
+    return out
+
+
+def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[str]:
+    """The single settings that make the plan fit, each with its peak; if none does alone, the cumulative
+    combination of the memory-only ones (microbatch, checkpointing, graphs, offload) that does."""
+    if plan.available is None or plan.fits:
+        return []
+    out = []
+    device = plan.device
+    same_counts = lambda sets: not any(s.startswith("lora.") for s in sets)  # noqa: E731
+    for label, sets, n in _knobs(cfg, plan.world_size):
+        try:
+            c2 = apply_overrides(copy.deepcopy(cfg), sets) if sets else cfg
+            p2 = plan_memory(
+                c2, world_size=n, gpu_memory=plan.gpu_memory, device=device,
+                counts=counts if same_counts(sets) else None,
+            )  # fmt: skip
+        except ValueError:
+            continue  # a change the config refuses (e.g. a microbatch shorter than a sequence)
+        if p2.fits:
+            out.append(f"{label} (peak {_gib(p2.peak)} GiB)")
+    # Keep one microbatch size: the largest that fits.
+    mb = [s for s in out if s.startswith("train.max_tokens_per_microbatch")]
+    out = mb[:1] + [s for s in out if not s.startswith("train.max_tokens_per_microbatch")]
+    if out:
+        return out
+    sets: list[str] = []
+    for extra in (
+        ["train.activation_checkpointing=true"],
+        ["train.offload=optimizer"] if plan.world_size == 1 else [],
+        ["train.cuda_graphs=false"],
+        ["engine.kv_memory_fraction=0.1"] if cfg.engine.num_kv_blocks is None else [],
+    ):
+        sets = sets + extra
+        try:
+            c2 = apply_overrides(copy.deepcopy(cfg), sets)
+            p2 = plan_memory(
+                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=device, counts=counts
+            )
+        except ValueError:
+            continue
+        if p2.fits:
+            return [" ".join(sets) + f" together (peak {_gib(p2.peak)} GiB)"]
+    return []
+
+
+def make_plan(
+    cfg: RunConfig, *, world_size: int = 1, gpu_memory: int | None = None, device: str = "cuda"
+) -> MemoryPlan:
+    """`plan_memory` with the suggestions filled in when it does not fit."""
+    counts = count_tensors(cfg)
+    plan = plan_memory(cfg, world_size=world_size, gpu_memory=gpu_memory, device=device, counts=counts)
+    plan.suggestions = suggest(cfg, plan, counts)
+    return plan
+
+
+def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print) -> MemoryPlan | None:
+    """The check at the start of `exactrl train`: on a CUDA device, the plan against its total memory; a phase
+    that cannot fit raises MemoryPlanError naming it and the settings to change. Skipped on the CPU (no device
+    limit to check against) and with train.check_memory = false."""
+    if not cfg.train.check_memory or not device.startswith("cuda"):
+        return None
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    plan = make_plan(cfg, world_size=world_size, gpu_memory=total, device="cuda")
+    if not plan.fits:
+        raise MemoryPlanError(plan.refusal())
+    out(
+        f"memory plan: peak {_gib(plan.peak)} GiB per rank ({plan.worst.name}) of {_gib(plan.available or 0)} GiB"
+    )
+    return plan
+
+
+def print_plan(plan: MemoryPlan, out=print) -> None:
+    """The table, the verdict with the knobs, and one JSON line."""
+    out(plan.table())
+    if not plan.fits:
+        out(plan.refusal())
+    out(json.dumps({"memory_plan": plan.to_json()}, separators=(",", ":")))
+
+
+def gpu_memory_bytes(gb: float | None) -> int | None:
+    """--gpu-memory GB as bytes, counted in GiB (2**30 bytes) as torch reports memory: an "80 GB" H100 has
+    79.6 GiB in all, so `--gpu-memory 80` is a hair more than it has."""
+    if gb is None:
+        return None
+    if not (isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0):
+        raise ValueError(f"--gpu-memory must be a positive number of GB, got {gb!r}")
+    return int(gb * GiB)
