@@ -34,6 +34,7 @@ from exactrl.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSS_KINDS,
     aggregate,
+    decoupled_is_weights,
     policy_loss,
     policy_loss_terms,
     value_loss,
@@ -85,6 +86,7 @@ __all__ = [
     "reward_metrics",
     "rloo_advantages",
     "rollout_correction",
+    "decoupled_is_weights",
     "scalars_to_floats",
     "value_loss",
 ]

@@ -12,6 +12,7 @@ microbatch divides by its own count, which re-weights tokens across microbatches
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "AGGREGATIONS",
     "POLICY_LOSS_KINDS",
     "aggregate",
+    "decoupled_is_weights",
     "policy_loss",
     "policy_loss_terms",
     "value_loss",
@@ -439,6 +441,47 @@ def policy_loss_terms(
         "num_seqs": (masked_count(m, dim=-1) > 0).sum(),
     }
     return loss, metrics
+
+
+def decoupled_is_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO's behaviour correction (Hilton et al., "Batch size-invariance for policy optimization"):
+    w_t = min(pi_prox(y_t) / pi_behav(y_t), cap), a constant per token.
+
+    Off-policy (algorithm.max_off_policy_steps >= 1) a batch was sampled by an older policy pi_behav. Decoupled
+    PPO takes the clipped ratio against a *proximal* policy pi_prox (here the current policy at the start of the
+    step: the trust region is around where the update starts, whatever the staleness) and corrects for the
+    sampling with this weight, so the objective is
+        -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = pi_theta / pi_prox,
+    i.e. `policy_loss_terms(logprobs, proximal_logprobs, adv, mask, is_weights=w)`. The weight is exact because
+    behaviour_logprobs are the engine's recorded logprobs, which equal the trainer's forward of the behaviour
+    weights bit for bit (checked by the guard before the update). On-policy tokens (pi_prox = pi_behav bitwise)
+    get w = 1 exactly.
+
+    proximal_logprobs, behaviour_logprobs: [B, T] fp32; mask: [B, T] (nonzero = a loss token); cap >= 1.
+    Returns (w [B, T] in the logprobs' dtype, 0 at masked positions; metrics "offpolicy/is_weight/mean",
+    ".../max", ".../capped_frac" over the masked tokens)."""
+    _check_same_shape(proximal_logprobs=proximal_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask)
+    if not (math.isfinite(cap) and cap >= 1.0):
+        raise ValueError(f"cap must be a finite number >= 1, got {cap!r}")
+    m = mask.bool()
+    # Compared in log space (the same clamp as the policy ratio), so exp never overflows on a garbage logprob.
+    log_w = _zero_masked(proximal_logprobs.detach() - behaviour_logprobs.detach(), m)
+    capped = log_w >= math.log(cap)
+    w = torch.where(capped, torch.full_like(log_w, cap), log_w.clamp(max=_LOG_RATIO_CLAMP).exp())
+    w = _zero_masked(w, m)
+    metrics = scalars_to_floats(
+        {
+            "offpolicy/is_weight/mean": masked_mean(w, m),
+            "offpolicy/is_weight/max": w.max(),  # w >= 0 and 0 at masked positions
+            "offpolicy/is_weight/capped_frac": masked_mean((capped & m).to(w.dtype), m),
+        }
+    )
+    return w, metrics
 
 
 def policy_loss(

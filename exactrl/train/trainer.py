@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from exactrl.algorithms import (
     advantage_metrics,
     aggregate,
+    decoupled_is_weights,
     gae_advantages,
     kl_estimate,
     masked_sum,
@@ -319,11 +320,18 @@ class PolicyTrainer:
         return out
 
     # -- the step ----------------------------------------------------------------------------------------
-    def step(self, rollouts: list[Rollout]) -> dict[str, float]:
+    def step(self, rollouts: list[Rollout], *, off_policy_cap: float | None = None) -> dict[str, float]:
         """One RL update: prepare the step's tensors, check exactness, queue every minibatch's update, then read
-        the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied."""
+        the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied.
+
+        off_policy_cap: the batch may have been sampled by older weights (algorithm.max_off_policy_steps >= 1; the
+        loop's guard has already checked its rollout logprobs against those behaviour weights, so the checks
+        here, which compare against the current weights, are off). The loss is decoupled PPO: the ratio against
+        the current policy (one no-grad forward over the batch) and `decoupled_is_weights` capped at this value."""
         self.skipped_mismatch = None
         batch = self.prepare(rollouts)
+        if off_policy_cap is not None:
+            return self._off_policy_step(batch, rollouts, off_policy_cap)
         if not self._grads and not self.sharded:  # the graphs add into these buffers in place
             self._grads = self.opt.persistent_grads(self.opt.params)
         plan = list(self.minibatch_plan(len(rollouts)))
@@ -350,6 +358,25 @@ class PolicyTrainer:
         if guard and batch.mismatched:
             return self._refuse(batch, rollouts, out)
         return out
+
+    def _off_policy_step(self, b: StepBatch, rollouts: list[Rollout], cap: float) -> dict[str, float]:
+        """Decoupled PPO on a batch the loop's guard checked against its behaviour weights: old = the proximal
+        policy (the current weights, scored now), importance weights pi_prox / pi_behav capped."""
+        if not self.s.exact or self.s.rollout_correction:
+            raise ValueError("off-policy steps need exact mode without rollout_correction")
+        if not self._grads and not self.sharded:
+            self._grads = self.opt.persistent_grads(self.opt.params)
+        b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
+        b.weights, wm = decoupled_is_weights(b.old_lp, b.rollout_lp, b.full_mask, cap)
+        b.metrics.update(wm)
+        acc = _Acc()
+        pending = []
+        for _, _, mb_idx in self.minibatch_plan(len(rollouts)):
+            queued = self.queue_minibatch(b, mb_idx, check_mismatch=False, acc=acc)
+            if queued is not None:
+                pending.append(queued)
+        self.steps_done += 1
+        return self.read_results(b, pending, acc)
 
     def _prescore(self, b: StepBatch, rollouts: list[Rollout]) -> None:
         """Every completion token's trainer logprob at the current (sampling) weights, compared with the
