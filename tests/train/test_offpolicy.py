@@ -204,12 +204,25 @@ def test_k0_takes_todays_path(tmp_path, monkeypatch):
 def k1_run(tmp_path_factory):
     """A 3-step run at k = 1 (shared by the tests that only read it)."""
     tmp = tmp_path_factory.mktemp("k1")
-    s = train(_cfg(tmp), out=lambda *a: None)
-    return tmp, s
+    copies: dict[int, dict[str, torch.Tensor]] = {}
+    original = RLRun.behaviour_batch
+
+    def spy(
+        self, step
+    ):  # the engine's copy as generation of `step`'s batch starts (in the worker but the first)
+        copies[step] = {k: v.detach().clone() for k, v in self.behaviour.model.state_dict().items()}
+        # The engine samples from the copy, never from the policy the trainer is updating in place meanwhile.
+        copies[step]["engine is the copy"] = self.engine.model is self.behaviour.model is not self.model
+        return original(self, step)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RLRun, "behaviour_batch", spy)
+        s = train(_cfg(tmp, train__keep_checkpoints=3), out=lambda *a: None)
+    return tmp, s, copies
 
 
 def test_k1_is_exact_and_one_version_behind(k1_run):
-    tmp, s = k1_run
+    tmp, s, copies = k1_run
     rows = _steps(tmp / "run")
     assert len(rows) == 3 and s["mismatched_tokens_total"] == 0
     for r in rows:
@@ -223,11 +236,24 @@ def test_k1_is_exact_and_one_version_behind(k1_run):
     # differ from the behaviour ones (a guard run at the current weights would have failed on them).
     assert rows[0]["offpolicy/is_weight/mean"] == 1.0 and rows[0]["offpolicy/is_weight/max"] == 1.0
     assert all(r["offpolicy/is_weight/max"] != 1.0 for r in rows[1:])
+    # The ratio is taken against the current policy (decoupled PPO): with one update per step it is 1 exactly on
+    # every token, however stale the batch (a ratio against the behaviour logprobs would not be).
+    assert all(r["ratio/min"] == r["ratio/max"] == 1.0 for r in rows)
+    # The engine's copy held the version the batch is tagged with, bit for bit: batches 0 and 1 (0-based) were
+    # sampled by version 0 (the initial weights), batch 2 by version 1 (the checkpoint of step 1).
+    assert sorted(copies) == [0, 1, 2]
+    assert all(c.pop("engine is the copy") for c in copies.values())
+    assert all(torch.equal(copies[0][k], v) for k, v in copies[1].items())
+    saved = _weights(tmp / "run", 1)
+    held = {k: v for k, v in copies[2].items() if k in saved}
+    assert held and all(torch.equal(saved[k], v) for k, v in held.items())
+    first = _weights(tmp / "run", 1)
+    assert any(not torch.equal(first[k], v) for k, v in copies[0].items() if k in first)  # the policy moved
 
 
 def test_k1_same_seed_same_run_and_not_the_synchronous_one(k1_run, tmp_path):
-    tmp, _ = k1_run
-    train(_cfg(tmp_path), out=lambda *a: None)
+    tmp, _, _ = k1_run
+    train(_cfg(tmp_path, train__keep_checkpoints=3), out=lambda *a: None)
     assert _untimed(_steps(tmp / "run")) == _untimed(_steps(tmp_path / "run"))
     a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -293,3 +319,26 @@ def test_k1_refused_where_it_is_not_exact(tmp_path):
         RLRun(_cfg(tmp_path, run__exact=False), out=lambda *a: None)
     with pytest.raises(ConfigError, match="max_off_policy_steps"):
         _cfg(tmp_path, k=2).validate()
+
+
+def test_bench_rl_runs_one_step_off(tmp_path, capsys):
+    """`exactrl bench rl --max-off-policy-steps 1` at tiny scale: the off-policy loop's step, exact, one version
+    behind after the warm-up step, its record beside (not over) the synchronous one's."""
+    from exactrl.cli import main
+
+    tiny = (
+        "bench rl --preset tiny --device cpu --dtype float32 --prompts 2 --samples 2 --prompt-min 4 "
+        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 2 --max-num-seqs 8 "
+        "--tokens-per-microbatch 64 --max-off-policy-steps 1"
+    ).split()
+    assert main([*tiny, "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("rl-tiny-offpolicy1-exact-cpu.json")
+    rec = json.loads(path.read_text())
+    assert rec["overlapped"] is True and rec["max_off_policy_steps"] == 1
+    assert rec["offpolicy_versions_behind"] == 1.0
+    assert (
+        rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] == rec["generated_tokens"]
+    )
+    assert rec["train_s"] > 0 and rec["offpolicy_wait_s"] >= 0 and rec["offpolicy_guard_s"] > 0
+    # Every timed step samples the next batch in the worker (the last one too: steady state).
+    assert all(d["generate_s"] > 0 and d["reward_s"] > 0 for d in rec["steps_detail"])
