@@ -46,6 +46,8 @@ from exactrl.train.offpolicy import (
     GenerationWorker,
     check_batch,
     check_supported,
+    load_pending,
+    save_pending,
     staleness_metrics,
 )
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
@@ -682,11 +684,18 @@ class RLRun:
         self.out(f"resumed from {self.resume_from} at step {self.step}")
         if self.behaviour is not None:
             self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
-            self.out(
-                "off-policy resume: a checkpoint holds no pending batch; step "
-                f"{self.step + 1}'s batch is sampled again from the checkpoint's weights (0 versions behind), so "
-                "the run from here is not bitwise an uninterrupted one's"
-            )
+            self.pending = load_pending(self.resume_from, StepRollouts)
+            if self.pending is not None:
+                self.out(
+                    f"off-policy resume: step {self.step + 1} trains on the batch the checkpoint holds (sampled by "
+                    f"version {self.pending.version}), as the uninterrupted run would"
+                )
+            elif self.step < self.cfg.train.steps:
+                self.out(
+                    f"off-policy resume: the checkpoint holds no batch for step {self.step + 1} (the guard refused "
+                    "it, or the run had ended); it is sampled again from the checkpoint's weights (0 versions "
+                    "behind), so the run from here is not bitwise an uninterrupted one's"
+                )
 
     # -- the RL step -----------------------------------------------------------------------------------------
     def set_lr(self, step: int) -> None:
@@ -1084,6 +1093,14 @@ class RLRun:
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
         extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+        if self.pending is not None:  # off-policy: the batch sampled ahead travels with the checkpoint
+            pending, lora_extra = self.pending, extra
+
+            def extra(d: Path) -> None:
+                if lora_extra is not None:
+                    lora_extra(d)
+                save_pending(d, pending)
+
         common = dict(
             tokenizer=self.tok,
             optimizers=self.optimizers,

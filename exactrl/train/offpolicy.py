@@ -20,10 +20,13 @@ runs at newer weights); it runs in the worker after generation, so it overlaps t
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +97,72 @@ class BehaviourBatch:
     guard_s: float = 0.0
     mismatch: MismatchError | None = None  # the guard's verdict when a token differs
     report: Any = None  # the replay report's path, written while the copy still held the behaviour weights
+
+
+PENDING_FILE = "offpolicy_pending.json"
+
+
+def _encode(x: Any) -> Any:
+    """JSON of a pending batch's values, lossless: a float32 value is exact as a Python float and back."""
+    if isinstance(x, torch.Tensor):
+        return {"tensor": x.tolist(), "dtype": str(x.dtype).removeprefix("torch.")}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {"dataclass": {f.name: _encode(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+    if isinstance(x, list | tuple):
+        return [_encode(v) for v in x]
+    if isinstance(x, dict):
+        return {"dict": {k: _encode(v) for k, v in x.items()}}
+    return x
+
+
+def _decode(x: Any, cls: type | None = None) -> Any:
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if "tensor" in x:
+        return torch.tensor(x["tensor"], dtype=getattr(torch, x["dtype"]))
+    if "dict" in x:
+        return {k: _decode(v) for k, v in x["dict"].items()}
+    fields = x["dataclass"]
+    # The batch's step rollouts are the caller's class; every nested dataclass in it is a Rollout.
+    return (cls or Rollout)(**{k: _decode(v) for k, v in fields.items()})
+
+
+def save_pending(directory: Path, batch: BehaviourBatch) -> None:
+    """Write the batch sampled ahead (checked by the guard, waiting for the next step) into a checkpoint: a resume
+    trains on it as the uninterrupted run would. A batch the guard refused is not written (a resume samples its
+    step again from the checkpoint's weights)."""
+    if batch.mismatch is not None:
+        return
+    d = {
+        "sr": _encode(batch.sr)["dataclass"],
+        "version": batch.version,
+        "versions": _encode(batch.versions),
+        "generate_s": batch.generate_s,
+        "model_tokens": batch.model_tokens,
+        "guard": batch.guard,
+        "guard_s": batch.guard_s,
+    }
+    (directory / PENDING_FILE).write_text(json.dumps(d) + "\n")
+
+
+def load_pending(directory: Path, step_rollouts_cls: type) -> BehaviourBatch | None:
+    """The batch a checkpoint holds (`save_pending`), or None when it holds none."""
+    path = directory / PENDING_FILE
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    sr = step_rollouts_cls(**{k: _decode(v) for k, v in d["sr"].items()})
+    return BehaviourBatch(
+        sr=sr,
+        version=d["version"],
+        versions=_decode(d["versions"]),
+        generate_s=d["generate_s"],
+        model_tokens=d["model_tokens"],
+        guard=d["guard"],
+        guard_s=d["guard_s"],
+    )
 
 
 def check_batch(

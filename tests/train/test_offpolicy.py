@@ -342,3 +342,22 @@ def test_bench_rl_runs_one_step_off(tmp_path, capsys):
     assert rec["train_s"] > 0 and rec["offpolicy_wait_s"] >= 0 and rec["offpolicy_guard_s"] > 0
     # Every timed step samples the next batch in the worker (the last one too: steady state).
     assert all(d["generate_s"] > 0 and d["reward_s"] > 0 for d in rec["steps_detail"])
+
+
+def test_k1_resume_is_bitwise(k1_run, tmp_path, monkeypatch):
+    """A run stopped after step 2 (as by a signal) and resumed trains step 3 on the batch its checkpoint holds
+    (sampled ahead by version 1, checked then): metrics and weights bitwise the uninterrupted run's."""
+    tmp, _, _ = k1_run
+    cfg = _cfg(tmp_path, train__keep_checkpoints=3)
+    monkeypatch.setattr(RLRun, "stop_requested", lambda self: self.step == 2)
+    s = train(cfg, out=lambda *a: None)
+    assert s["rl_steps"] == 2 and s["stopped_early"]
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "offpolicy_pending.json").is_file()
+    monkeypatch.undo()
+    lines: list[str] = []
+    s = train(cfg, resume=True, out=lambda *a: lines.append(" ".join(map(str, a))))
+    assert s["rl_steps"] == 3 and s["mismatched_tokens_total"] == 0
+    assert any("trains on the batch the checkpoint holds (sampled by version 1)" in x for x in lines)
+    assert _untimed(_steps(tmp_path / "run")) == _untimed(_steps(tmp / "run"))
+    a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
