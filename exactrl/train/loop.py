@@ -1019,11 +1019,7 @@ class RLRun:
         off_policy_cap: a batch the off-policy guard checked (decoupled PPO, `PolicyTrainer.step`)."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
         self.trainer.s.kl_coef = self.kl_ctl.value
-        m = (
-            self.trainer.step(rollouts)
-            if off_policy_cap is None
-            else self.trainer.step(rollouts, off_policy_cap=off_policy_cap)
-        )
+        m = self.trainer.step(rollouts, off_policy_cap=off_policy_cap)
         bar.update(1)
         bar.close()
         skipped = self.trainer.skipped_mismatch
@@ -1125,9 +1121,8 @@ class RLRun:
 
     def rl_step(self) -> dict[str, float]:
         """prompts -> rollout -> score -> update; returns the step's metrics (self.step advanced by one)."""
-        if (
-            self.behaviour is not None
-        ):  # algorithm.max_off_policy_steps >= 1; 0 takes the path below unchanged
+        if self.behaviour is not None:
+            # algorithm.max_off_policy_steps >= 1; at 0 the path below runs unchanged
             return self.off_policy_step()
         step = self.step
         t_step = time.perf_counter()
@@ -1245,9 +1240,8 @@ class RLRun:
             for ro in sr.rollouts
         ]
         m.update(staleness_metrics(batch, step, masks))
-        m["offpolicy/guard_s"] = (
-            batch.guard_s
-        )  # the guard's forward on the copy (in the worker but the first)
+        # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
+        m["offpolicy/guard_s"] = batch.guard_s
         m["offpolicy/wait_s"] = wait_s  # the trainer waiting for the next batch after its update
         m["offpolicy/refresh_s"] = refresh_s
         m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
