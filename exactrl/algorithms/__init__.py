@@ -35,6 +35,7 @@ from exactrl.algorithms.losses import (
     POLICY_LOSS_KINDS,
     aggregate,
     decoupled_is_weights,
+    decoupled_weights_and_capped,
     policy_loss,
     policy_loss_terms,
     value_loss,
@@ -87,6 +88,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_correction",
     "decoupled_is_weights",
+    "decoupled_weights_and_capped",
     "scalars_to_floats",
     "value_loss",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "POLICY_LOSS_KINDS",
     "aggregate",
     "decoupled_is_weights",
+    "decoupled_weights_and_capped",
     "policy_loss",
     "policy_loss_terms",
     "value_loss",
@@ -469,19 +470,33 @@ def decoupled_is_weights(
     if not (math.isfinite(cap) and cap >= 1.0):
         raise ValueError(f"cap must be a finite number >= 1, got {cap!r}")
     m = mask.bool()
-    # Compared in log space (the same clamp as the policy ratio), so exp never overflows on a garbage logprob.
-    log_w = _zero_masked(proximal_logprobs.detach() - behaviour_logprobs.detach(), m)
-    capped = log_w >= math.log(cap)
-    w = torch.where(capped, torch.full_like(log_w, cap), log_w.clamp(max=_LOG_RATIO_CLAMP).exp())
-    w = _zero_masked(w, m)
+    w, capped = decoupled_weights_and_capped(proximal_logprobs, behaviour_logprobs, m, cap)
     metrics = scalars_to_floats(
         {
             "offpolicy/is_weight/mean": masked_mean(w, m),
             "offpolicy/is_weight/max": w.max(),  # w >= 0 and 0 at masked positions
-            "offpolicy/is_weight/capped_frac": masked_mean((capped & m).to(w.dtype), m),
+            "offpolicy/is_weight/capped_frac": masked_mean(capped.to(w.dtype), m),
         }
     )
     return w, metrics
+
+
+def decoupled_weights_and_capped(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoupled_is_weights` without checks or host reads (the trainer computes it inside its captured
+    microbatch graph): (w [B, T], capped [B, T] bool, False at masked positions). mask: bool; cap: a number or a
+    0-d tensor on the logprobs' device."""
+    log_w = _zero_masked(proximal_logprobs.detach() - behaviour_logprobs.detach(), mask)
+    cap_t = torch.full((), cap, dtype=log_w.dtype, device=log_w.device) if not torch.is_tensor(cap) else cap
+    cap_t = cap_t.to(log_w.dtype)
+    # Compared in log space (the same clamp as the policy ratio), so exp never overflows on a garbage logprob.
+    capped = (log_w >= torch.log(cap_t)) & mask
+    w = torch.where(capped, cap_t, log_w.clamp(max=_LOG_RATIO_CLAMP).exp())
+    return _zero_masked(w, mask), capped
 
 
 def policy_loss(

@@ -19,6 +19,7 @@ from exactrl.algorithms import (
     advantage_metrics,
     aggregate,
     decoupled_is_weights,
+    decoupled_weights_and_capped,
     gae_advantages,
     kl_estimate,
     masked_sum,
@@ -243,18 +244,27 @@ class PolicyTrainer:
         )
 
     def _policy_body(
-        self, key: tuple[Bucket, bool, bool], x: dict[str, torch.Tensor], accumulate: bool
+        self,
+        key: tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool],
+        x: dict[str, torch.Tensor],
+        accumulate: bool,
     ) -> dict[str, torch.Tensor]:
         """One microbatch: forward, policy loss (+ entropy and KL terms), backward into the persistent gradient
-        buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures."""
+        buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures.
+        A 4-element key: an off-policy step's only update (decoupled PPO, `_off_policy_step`), whose proximal
+        logprobs are this very forward's (detached) and whose importance weights are computed here."""
         s = self.s
-        bucket, _, use_loss_kl = key
+        bucket, _, use_loss_kl = key[:3]
         lp, ent = microbatch_logprobs(self.model, x, bucket, s.temperature)
         m = x["mask"]
         divisor, norm_constant = x["divisor"], x["norm_constant"]
+        old_lp, is_weights = x["old_lp"], x.get("is_weights")
+        if len(key) > 3:
+            old_lp = lp.detach()  # the proximal policy: the weights at the step's start, this forward's
+            is_weights, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
         loss, pm = policy_loss_terms(
             lp,
-            x["old_lp"],
+            old_lp,
             x["adv"],
             m,
             kind=s.policy_loss,
@@ -262,8 +272,12 @@ class PolicyTrainer:
             aggregation=s.aggregation,
             loss_divisor=divisor,
             norm_constant=norm_constant,
-            is_weights=x.get("is_weights"),
+            is_weights=is_weights,
         )
+        if len(key) > 3:
+            pm["offpolicy/is_weight/sum"] = masked_sum(is_weights, m)
+            pm["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(is_weights.dtype), m)
+            pm["offpolicy/is_weight/max"] = is_weights.max()
         ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
         total = loss - s.entropy_coef * ent_term
         pm["entropy/sum"] = masked_sum(ent.detach(), m)
@@ -359,19 +373,29 @@ class PolicyTrainer:
             return self._refuse(batch, rollouts, out)
         return out
 
+    # Off-policy with one update per step: the proximal logprobs come from the training forward itself (no scoring
+    # pass). False: always a separate no-grad scoring forward (the same bits; tests compare the two).
+    fuse_proximal: bool = True
+
     def _off_policy_step(self, b: StepBatch, rollouts: list[Rollout], cap: float) -> dict[str, float]:
         """Decoupled PPO on a batch the loop's guard checked against its behaviour weights: old = the proximal
-        policy (the current weights, scored now), importance weights pi_prox / pi_behav capped."""
+        policy (the current weights at the step's start), importance weights pi_prox / pi_behav capped. With one
+        update per step the training forward is at those weights: the weights are computed inside it. With
+        several, later minibatches run at updated weights: one no-grad forward scores the batch first."""
         if not self.s.exact or self.s.rollout_correction:
             raise ValueError("off-policy steps need exact mode without rollout_correction")
         if not self._grads and not self.sharded:
             self._grads = self.opt.persistent_grads(self.opt.params)
-        b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
-        b.weights, wm = decoupled_is_weights(b.old_lp, b.rollout_lp, b.full_mask, cap)
-        b.metrics.update(wm)
+        plan = list(self.minibatch_plan(len(rollouts)))
+        if len(plan) <= 1 and self.fuse_proximal:
+            b.proximal_cap = cap
+        else:
+            b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
+            b.weights, wm = decoupled_is_weights(b.old_lp, b.rollout_lp, b.full_mask, cap)
+            b.metrics.update(wm)
         acc = _Acc()
         pending = []
-        for _, _, mb_idx in self.minibatch_plan(len(rollouts)):
+        for _, _, mb_idx in plan:
             queued = self.queue_minibatch(b, mb_idx, check_mismatch=False, acc=acc)
             if queued is not None:
                 pending.append(queued)
@@ -602,7 +626,12 @@ class PolicyTrainer:
             assert b.ref_lp is not None
             x["ref_lp"] = _rows(b.ref_lp, ids, B, C)
             x["kl_coef"] = torch.tensor(float(s.kl_coef))
-        out = self.graphs.run((tm.bucket, b.weights is not None, b.use_loss_kl), x)
+        key = (tm.bucket, b.weights is not None, b.use_loss_kl)
+        if b.proximal_cap is not None:  # decoupled PPO inside the forward (`_policy_body`)
+            x["behaviour_lp"] = _rows(b.rollout_lp, ids, B, C)
+            x["is_cap"] = torch.tensor(float(b.proximal_cap))
+            key = (*key, True)
+        out = self.graphs.run(key, x)
         return out["lp"], m, out["metrics"].clone()
 
     def _value_microbatch(self, b: StepBatch, ids: list[int], divisor: int) -> dict[str, float]:
@@ -689,6 +718,9 @@ class PolicyTrainer:
         n = out.get("num_tokens", 0.0)
         if n and "ratio/sum" in out:
             out["ratio/mean"] = out["ratio/sum"] / n
+        if n and "offpolicy/is_weight/sum" in out:  # decoupled PPO's weights, computed in the forward
+            out["offpolicy/is_weight/mean"] = out.pop("offpolicy/is_weight/sum") / n
+            out["offpolicy/is_weight/capped_frac"] = out.pop("offpolicy/is_weight/capped/sum") / n
         out.update(metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["nan_skipped"] = float(nan_skips)
@@ -721,6 +753,8 @@ class StepBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     trainer_lp: torch.Tensor | None = None  # [N, L] the checked trainer logprobs (exact mode), when kept
     mismatched: bool = False  # a checked token differs (on any rank)
+    # Off-policy, one update: decoupled PPO's cap, its weights computed inside the training forward.
+    proximal_cap: float | None = None
 
     @property
     def L(self) -> int:

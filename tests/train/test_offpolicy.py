@@ -361,3 +361,24 @@ def test_k1_resume_is_bitwise(k1_run, tmp_path, monkeypatch):
     assert _untimed(_steps(tmp_path / "run")) == _untimed(_steps(tmp / "run"))
     a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_proximal_from_the_training_forward_equals_a_scoring_pass(k1_run, tmp_path, monkeypatch):
+    """With one update per step the proximal logprobs come from the training forward itself; a separate no-grad
+    scoring forward gives the same bits, so the two runs are the same run (weights and metrics)."""
+    from exactrl.train.trainer import PolicyTrainer
+
+    tmp, _, _ = k1_run
+    monkeypatch.setattr(PolicyTrainer, "fuse_proximal", False)
+    train(_cfg(tmp_path, train__keep_checkpoints=3), out=lambda *a: None)
+    fused, scored = _untimed(_steps(tmp / "run")), _untimed(_steps(tmp_path / "run"))
+    # The weights' mean and capped share are summed per microbatch in one case and averaged in one call in the
+    # other: equal to rounding; everything else bit for bit.
+    summed = ("offpolicy/is_weight/mean", "offpolicy/is_weight/capped_frac")
+    for f, c in zip(fused, scored, strict=True):
+        assert {k: v for k, v in f.items() if k not in summed} == {
+            k: v for k, v in c.items() if k not in summed
+        }
+        assert all(f[k] == pytest.approx(c[k], rel=1e-6) for k in summed)
+    a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
