@@ -226,6 +226,8 @@ class GenerationWorker:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # set_device needs the index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread: threading.Thread | None = None
         self._result: Any = None
