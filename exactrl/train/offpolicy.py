@@ -6,10 +6,11 @@ batch; after the update the copy is refreshed in place (same tensors: CUDA graph
 batch trained at step t was sampled by policy t - 1 (the first by policy 0): every token carries that version,
 and its recorded logprob is the *exact* behaviour logprob.
 
-Why the bits are the synchronous loop's: the copy holds the bits of the policy at its version (a copy, no cast:
-both are in the model dtype), and every kernel is batch-invariant and deterministic, so sampling from the copy in
-another thread records the same logprobs as sampling from the policy at that version would; which thread or
-stream runs a kernel does not change its arithmetic. The guard proves it per batch (`check_batch`).
+Why the recorded logprobs are exact: the copy holds the bits of the policy at its version (a copy, no cast: both
+are in the model dtype), and every kernel is batch-invariant and deterministic, so sampling from the copy in
+another thread records what the trainer's forward of that version computes; which thread or stream runs a kernel
+does not change its arithmetic. The guard proves it per batch (`check_batch`). (The run itself is not the
+synchronous run: it trains on batches one version older, by design; same seed, same run.)
 
 The guard off-policy: before the copy is refreshed, the batch it sampled is scored through the *training* forward
 of the copy and compared with the recorded logprobs (`torch.equal` per token). That costs one no-grad forward
