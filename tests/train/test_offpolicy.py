@@ -382,3 +382,32 @@ def test_proximal_from_the_training_forward_equals_a_scoring_pass(k1_run, tmp_pa
         assert all(f[k] == pytest.approx(c[k], rel=1e-6) for k in summed)
     a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_generation_worker_hands_back_results_and_errors():
+    """The worker's job runs beside the caller; its value, or its exception (e.g. a prompt error while sampling
+    the next batch), comes back at result(); one job at a time."""
+    import threading
+
+    from exactrl.train.offpolicy import GenerationWorker
+
+    w = GenerationWorker("cpu")
+    gate = threading.Event()
+    w.start(lambda: gate.wait(5) and threading.current_thread().name)
+    with pytest.raises(RuntimeError, match="already running"):
+        w.start(lambda: None)
+    assert w.busy
+    gate.set()
+    assert w.result() == "exactrl-generation" and not w.busy
+
+    def fail():
+        raise ValueError("prompt 3 is too long")
+
+    w.start(fail)
+    with pytest.raises(ValueError, match="prompt 3"):
+        w.result()
+    with pytest.raises(RuntimeError, match="no job"):
+        w.result()
+    w.start(lambda: 1)
+    w.close()  # waits and drops the result
+    assert not w.busy
