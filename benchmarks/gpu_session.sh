@@ -201,7 +201,7 @@ if want moe-train-price; then  # the training rows of moe-price alone
 fi
 if want moe-rl; then  # exact GRPO steps on the MoE shape: full fine-tune, then LoRA on the attention projections
   moe_model
-  base="--set model.path=$MOE_DIR --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
+  base="--set model.preset=none --set model.path=$MOE_DIR --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
     --set train.save_every=0 --set train.save_at_end=false --set train.steps=3 --set algorithm.rollouts_per_step=64 --set task.num_eval=16 --set task.eval_every=0
     --set run.progress=false --set engine.max_model_len=256 --set sampling.max_tokens=64"
   timeout 400 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/moe-full 2>&1 \

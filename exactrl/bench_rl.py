@@ -20,6 +20,14 @@ they score 0, which changes no kernel's work. The engine records the number of r
 at every engine step (`RolloutEngine.trace`), drawn as the concurrency over the generation phase: the long
 tail, where the last long completions decode at low concurrency, is visible there.
 
+`--max-off-policy-steps 1` runs the one-step-off loop (algorithm.max_off_policy_steps, exactrl/train/offpolicy.py):
+the engine samples the next batch in a worker thread (its own CUDA stream) while the trainer updates, so
+`generate_s` and `reward_s` are the worker's seconds for the *next* batch, overlapped with `train_s`; the record
+says `overlapped`, adds `offpolicy_wait_s` (the trainer waiting for the worker after its update) and
+`offpolicy_guard_s` (the guard's forward on the engine's copy, in the worker), and `idle_s` is what remains of
+the step outside train, weight sync and that wait. The whole-step ratio against the synchronous loop is the
+ratio of the two runs' `step_s`.
+
 Prints a table and one JSON line (without the trace), and writes the JSON (with the trace) and a PNG under
 `--out-dir`. `--plot-from A.json B.json` draws earlier results (e.g. exact and fast) on one plot without running.
 """
@@ -119,16 +127,24 @@ class PlannedLengthEngine(RolloutEngine):
         return call
 
 
-def _sync(device: str) -> None:
+def _sync(device: str, stream_only: bool = False) -> None:
+    """Wait for the device's work; stream_only: only the calling thread's current stream (with the off-policy
+    worker, the other thread's kernels are not this stage's)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        if stream_only:
+            torch.cuda.current_stream().synchronize()
+        else:
+            torch.cuda.synchronize()
 
 
 class _StageTimers:
     """Wraps RLRun's stage methods on the run object: seconds and calls per stage in the current step."""
 
-    def __init__(self, run: Any, device: str) -> None:
+    def __init__(self, run: Any, device: str, overlapped: bool = False) -> None:
         self.device = device
+        # Off-policy: generate and score run in the worker thread, overlapped with update; each stage waits only
+        # for its own stream, and a step may run them twice (the first step) or not at all (the last).
+        self.overlapped = overlapped
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.gen_start: float | None = None
@@ -154,7 +170,7 @@ class _StageTimers:
                     return self._profiled(fn, *args, **kwargs)
                 return fn(*args, **kwargs)
             finally:
-                _sync(self.device)  # the stage's device work counts to the stage, not to the next one
+                _sync(self.device, self.overlapped)  # the stage's device work counts to the stage
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
                 self.calls[key] = self.calls.get(key, 0) + 1
 
@@ -188,6 +204,13 @@ class _StageTimers:
     def check_step(self) -> None:
         """Every stage ran once: otherwise the breakdown would silently miss time (the loop changed)."""
         for key, name in STAGES:
+            if self.overlapped and key in ("generate_s", "reward_s"):
+                if self.calls.get(key, 0) > 2:
+                    raise RuntimeError(
+                        f"bench rl: {name!r} ran {self.calls[key]} times in one off-policy step"
+                    )
+                self.seconds.setdefault(key, 0.0)
+                continue
             if self.calls.get(key) != 1:
                 raise RuntimeError(
                     f"bench rl: RLRun.rl_step called {name!r} {self.calls.get(key, 0)} times in one step (expected "
@@ -226,6 +249,7 @@ def _config(args: Any, out_dir: str, steps: int):
             "name": "grpo",
             "group_size": args.samples,
             "rollouts_per_step": args.prompts * args.samples,
+            "max_off_policy_steps": getattr(args, "max_off_policy_steps", 0),
         },
         "train": {
             "steps": steps,
@@ -252,7 +276,9 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-rl-") as tmp:
-        cfg = _config(args, tmp, total)
+        # Off-policy, every step samples the next step's batch during its update: one step more in the config
+        # keeps the last timed step in that steady state (its batch, sampled ahead, is never trained on).
+        cfg = _config(args, tmp, total + (1 if getattr(args, "max_off_policy_steps", 0) else 0))
         quiet = lambda *a, **k: print(*a, file=sys.stderr)  # noqa: E731
         run = RLRun(cfg, out=quiet)
         try:
@@ -269,17 +295,23 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
                 vocab=vocab,
                 seed=args.seed,
             )
-            run.engine = PlannedLengthEngine(
-                run.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
-            )
+            overlapped = cfg.algorithm.max_off_policy_steps > 0
+            if not overlapped:
+                run.engine = PlannedLengthEngine(
+                    run.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
+                )
             run.build_trainer()
-            if run.engine.model is not run.model:
+            if overlapped:  # the engine samples from its own weight copy, taken in build_trainer
+                run.engine = PlannedLengthEngine(
+                    run.behaviour.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
+                )
+            elif run.engine.model is not run.model:
                 raise ValueError("bench rl runs on one device (the engine samples from the trainer's model)")
             examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
             index = list(range(len(wl.prompt_ids)))
             # The step's prompts stage: the workload's prompts, the same in every step.
             run.prompts = lambda: (examples, wl.prompt_ids, index)
-            timers = _StageTimers(run, device)
+            timers = _StageTimers(run, device, overlapped)
             records = []
             for k in range(total):
                 timers.profile_generate = bool(getattr(args, "profile", False)) and k == total - 1
@@ -325,7 +357,14 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     timers.check_step()
     sr = run.last_rollouts
     rec: dict[str, Any] = {"step_s": step_s, **{k: timers.seconds[k] for k, _ in STAGES}}
-    rec["idle_s"] = step_s - sum(timers.seconds[k] for k, _ in STAGES)
+    if timers.overlapped:
+        rec["overlapped"] = True
+        rec["offpolicy_wait_s"] = float(m.get("offpolicy/wait_s", 0.0))
+        rec["offpolicy_guard_s"] = float(m.get("offpolicy/guard_s", 0.0))
+        rec["offpolicy_versions_behind"] = float(m.get("offpolicy/versions_behind/token_mean", 0.0))
+        rec["idle_s"] = step_s - rec["train_s"] - rec["weight_sync_s"] - rec["offpolicy_wait_s"]
+    else:
+        rec["idle_s"] = step_s - sum(timers.seconds[k] for k, _ in STAGES)
     rec["generated_tokens"] = int(sum(sr.lengths))
     rec["prompt_tokens"] = int(sum(len(r.prompt_ids) for r in sr.rollouts))
     rec["truncated"] = int(sum(sr.truncated))
@@ -389,6 +428,10 @@ def _record(
     for k, _ in STAGES:
         rec[k] = med[k]
     rec["idle_s"] = med["idle_s"]
+    rec["max_off_policy_steps"] = run.cfg.algorithm.max_off_policy_steps
+    for k in ("overlapped", "offpolicy_wait_s", "offpolicy_guard_s", "offpolicy_versions_behind"):
+        if k in med:
+            rec[k] = med[k]
     rec["generated_tokens"] = med["generated_tokens"]
     rec["prompt_tokens"] = med["prompt_tokens"]
     rec["tokens_per_s"] = med["generated_tokens"] / med["step_s"]
@@ -470,6 +513,8 @@ def plot_concurrency(records: Sequence[dict[str, Any]], path: str | Path) -> Pat
     for y, rec in enumerate(records):
         left = 0.0
         for key, color in colors.items():
+            if rec.get("overlapped") and key in ("generate_s", "reward_s"):
+                continue  # the worker's seconds, under train_s: not a part of the step's sum
             v = max(rec[key], 0.0)
             parts.barh(y, v, left=left, color=color, label=key[:-2] if y == 0 else None)
             left += v
@@ -502,6 +547,9 @@ def _table(rec: dict[str, Any]) -> str:
         ("  train_s", rec["train_s"]),
         ("  weight_sync_s", rec["weight_sync_s"]),
         ("  idle_s", rec["idle_s"]),
+        ("  offpolicy_wait_s", rec.get("offpolicy_wait_s")),
+        ("  offpolicy_guard_s", rec.get("offpolicy_guard_s")),
+        ("offpolicy_versions_behind", rec.get("offpolicy_versions_behind")),
         ("generated_tokens", rec["generated_tokens"]),
         ("tokens_per_s (over the step)", rec["tokens_per_s"]),
         ("generate_tokens_per_s", rec["generate_tokens_per_s"]),
@@ -542,6 +590,8 @@ def main(args: Any) -> int:
     from exactrl.model.loading import resolve_device
 
     name = args.preset if not args.model else Path(args.model).name
+    if getattr(args, "max_off_policy_steps", 0):
+        name += f"-offpolicy{args.max_off_policy_steps}"  # next to the synchronous record, not over it
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))

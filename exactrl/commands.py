@@ -438,6 +438,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     rl.add_argument(
         "--on-mismatch", default="abort", choices=["abort", "skip_step", "warn"], help="run.on_mismatch"
     )
+    rl.add_argument(
+        "--max-off-policy-steps",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="algorithm.max_off_policy_steps: 1 = the next batch is sampled during the update (one-step-off)",
+    )
     rl.add_argument("--seed", type=int, default=0, help="seed of the workload, the model and the sampling")
     rl.add_argument(
         "--profile",

@@ -538,6 +538,14 @@ class AlgorithmConfig:
     """Importance correction for rollout/trainer mismatch: "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"; unset = off."""
     rollout_correction_threshold: float = 2.0
     """Truncation (TIS) or masking (MIS, IcePop) threshold on the trainer/rollout probability ratio."""
+    max_off_policy_steps: int = 0
+    """Off-policy staleness bound k: the batch trained at step t may have been sampled by policy t - k or later.
+    0 = the synchronous loop (sample, then train on it). 1 = one-step-off: the engine samples the next batch from
+    its own weight copy while the trainer updates on this one, every token keeps the logprob and version of the
+    policy that sampled it, the guard checks those logprobs against the behaviour weights before any update uses
+    them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, one process, single-turn only."""
+    off_policy_is_cap: float = 2.0
+    """Decoupled PPO (max_off_policy_steps >= 1): cap on the per-token importance weight pi_prox / pi_behav."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -660,6 +668,16 @@ class AlgorithmConfig:
             _check_positive(self.value_clip, "algorithm.value_clip")
         _check_nonneg(self.vf_coef, "algorithm.vf_coef")
         _check_positive(self.rollout_correction_threshold, "algorithm.rollout_correction_threshold")
+        if self.max_off_policy_steps not in (0, 1):
+            _fail(
+                "algorithm.max_off_policy_steps",
+                f"must be 0 (synchronous) or 1 (one-step-off), got {self.max_off_policy_steps!r}: on one device one "
+                "batch in flight already overlaps generation with the update; a deeper queue is not implemented",
+            )
+        if not (math.isfinite(self.off_policy_is_cap) and self.off_policy_is_cap >= 1):
+            _fail(
+                "algorithm.off_policy_is_cap", f"must be a finite number >= 1, got {self.off_policy_is_cap!r}"
+            )
 
 
 @dataclass

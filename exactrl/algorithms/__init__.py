@@ -34,6 +34,8 @@ from exactrl.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSS_KINDS,
     aggregate,
+    decoupled_is_weights,
+    decoupled_weights_and_capped,
     policy_loss,
     policy_loss_terms,
     value_loss,
@@ -85,6 +87,8 @@ __all__ = [
     "reward_metrics",
     "rloo_advantages",
     "rollout_correction",
+    "decoupled_is_weights",
+    "decoupled_weights_and_capped",
     "scalars_to_floats",
     "value_loss",
 ]

@@ -12,6 +12,7 @@ microbatch divides by its own count, which re-weights tokens across microbatches
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -23,6 +24,8 @@ __all__ = [
     "AGGREGATIONS",
     "POLICY_LOSS_KINDS",
     "aggregate",
+    "decoupled_is_weights",
+    "decoupled_weights_and_capped",
     "policy_loss",
     "policy_loss_terms",
     "value_loss",
@@ -439,6 +442,61 @@ def policy_loss_terms(
         "num_seqs": (masked_count(m, dim=-1) > 0).sum(),
     }
     return loss, metrics
+
+
+def decoupled_is_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO's behaviour correction (Hilton et al., "Batch size-invariance for policy optimization"):
+    w_t = min(pi_prox(y_t) / pi_behav(y_t), cap), a constant per token.
+
+    Off-policy (algorithm.max_off_policy_steps >= 1) a batch was sampled by an older policy pi_behav. Decoupled
+    PPO takes the clipped ratio against a *proximal* policy pi_prox (here the current policy at the start of the
+    step: the trust region is around where the update starts, whatever the staleness) and corrects for the
+    sampling with this weight, so the objective is
+        -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = pi_theta / pi_prox,
+    i.e. `policy_loss_terms(logprobs, proximal_logprobs, adv, mask, is_weights=w)`. The weight is exact because
+    behaviour_logprobs are the engine's recorded logprobs, which equal the trainer's forward of the behaviour
+    weights bit for bit (checked by the guard before the update). On-policy tokens (pi_prox = pi_behav bitwise)
+    get w = 1 exactly.
+
+    proximal_logprobs, behaviour_logprobs: [B, T] fp32; mask: [B, T] (nonzero = a loss token); cap >= 1.
+    Returns (w [B, T] in the logprobs' dtype, 0 at masked positions; metrics "offpolicy/is_weight/mean",
+    ".../max", ".../capped_frac" over the masked tokens)."""
+    _check_same_shape(proximal_logprobs=proximal_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask)
+    if not (math.isfinite(cap) and cap >= 1.0):
+        raise ValueError(f"cap must be a finite number >= 1, got {cap!r}")
+    m = mask.bool()
+    w, capped = decoupled_weights_and_capped(proximal_logprobs, behaviour_logprobs, m, cap)
+    metrics = scalars_to_floats(
+        {
+            "offpolicy/is_weight/mean": masked_mean(w, m),
+            "offpolicy/is_weight/max": w.max(),  # w >= 0 and 0 at masked positions
+            "offpolicy/is_weight/capped_frac": masked_mean(capped.to(w.dtype), m),
+        }
+    )
+    return w, metrics
+
+
+def decoupled_weights_and_capped(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decoupled_is_weights` without checks or host reads (the trainer computes it inside its captured
+    microbatch graph): (w [B, T], capped [B, T] bool, False at masked positions). mask: bool; cap: a number or a
+    0-d tensor on the logprobs' device."""
+    log_w = _zero_masked(proximal_logprobs.detach() - behaviour_logprobs.detach(), mask)
+    cap_t = torch.full((), cap, dtype=log_w.dtype, device=log_w.device) if not torch.is_tensor(cap) else cap
+    cap_t = cap_t.to(log_w.dtype)
+    # Compared in log space (the same clamp as the policy ratio), so exp never overflows on a garbage logprob.
+    capped = (log_w >= torch.log(cap_t)) & mask
+    w = torch.where(capped, cap_t, log_w.clamp(max=_LOG_RATIO_CLAMP).exp())
+    return _zero_masked(w, mask), capped
 
 
 def policy_loss(

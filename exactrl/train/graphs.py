@@ -136,7 +136,10 @@ class MicrobatchGraphs:
         # gradients are dropped.
         self.body(key, static, False)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the off-policy loop's generation worker (exactrl/train/offpolicy.py) keeps launching the
+        # engine's kernels on its own stream while a training graph is captured here; only this thread's calls
+        # must stay capture-safe. One thread (the synchronous loop): the same as the default mode.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.body(key, static, True)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0

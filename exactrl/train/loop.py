@@ -42,6 +42,16 @@ from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_ch
 from exactrl.train.critic import ValueModel
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
 from exactrl.train.memory import check_before_loading
+from exactrl.train.offpolicy import (
+    BehaviourBatch,
+    BehaviourPolicy,
+    GenerationWorker,
+    check_batch,
+    check_supported,
+    load_pending,
+    save_pending,
+    staleness_metrics,
+)
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
@@ -291,6 +301,7 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
+        check_supported(cfg, self.dist.distributed)
         if cfg.algorithm.prompts_per_step < self.dist.world_size:
             raise ValueError(
                 f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
@@ -400,6 +411,11 @@ class RLRun:
         self.kl_ctl = KLController(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.stream: Any = None  # the task's training-example iterator, opened by run()
         self.flag: _StopFlag | None = None  # the signal flag, while run() runs
+        # algorithm.max_off_policy_steps >= 1: the engine's weight copy (taken in build_trainer), the thread that
+        # samples the next batch during an update, and that batch, sampled and checked, waiting for its step.
+        self.behaviour: BehaviourPolicy | None = None
+        self.worker: GenerationWorker | None = None
+        self.pending: BehaviourBatch | None = None
 
     def check_resume_point(self) -> None:
         """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
@@ -594,6 +610,10 @@ class RLRun:
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
         engine_model = self.parallel.engine_model(model)
+        if a.max_off_policy_steps > 0:  # the engine samples from its own copy while the trainer updates
+            self.behaviour = BehaviourPolicy(model, version=0)
+            self.worker = GenerationWorker(self.device)
+            engine_model = self.behaviour.model
         if (
             tr.activation_checkpointing
         ):  # the trainer's models only: the engine and the reference run no backward
@@ -664,6 +684,20 @@ class RLRun:
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
+        if self.behaviour is not None:
+            self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
+            self.pending = load_pending(self.resume_from, StepRollouts)
+            if self.pending is not None:
+                self.out(
+                    f"off-policy resume: step {self.step + 1} trains on the batch the checkpoint holds (sampled by "
+                    f"version {self.pending.version}), as the uninterrupted run would"
+                )
+            elif self.step < self.cfg.train.steps:
+                self.out(
+                    f"off-policy resume: the checkpoint holds no batch for step {self.step + 1} (the guard refused "
+                    "it, or the run had ended); it is sampled again from the checkpoint's weights (0 versions "
+                    "behind), so the run from here is not bitwise an uninterrupted one's"
+                )
 
     # -- the RL step -----------------------------------------------------------------------------------------
     def set_lr(self, step: int) -> None:
@@ -979,12 +1013,15 @@ class RLRun:
                 f"   resume point: the last checkpoint under {self.ckpt_root} (nothing of step {step + 1} was applied)"
             )
 
-    def update(self, step: int, rollouts: list[Rollout]) -> dict[str, float]:
+    def update(
+        self, step: int, rollouts: list[Rollout], off_policy_cap: float | None = None
+    ) -> dict[str, float]:
         """One trainer step on the rollouts; the weights change in place, so the engine samples from them next.
-        A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves."""
+        A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves.
+        off_policy_cap: a batch the off-policy guard checked (decoupled PPO, `PolicyTrainer.step`)."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
         self.trainer.s.kl_coef = self.kl_ctl.value
-        m = self.trainer.step(rollouts)
+        m = self.trainer.step(rollouts, off_policy_cap=off_policy_cap)
         bar.update(1)
         bar.close()
         skipped = self.trainer.skipped_mismatch
@@ -1054,6 +1091,14 @@ class RLRun:
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
         extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+        if self.pending is not None:  # off-policy: the batch sampled ahead travels with the checkpoint
+            pending, lora_extra = self.pending, extra
+
+            def extra(d: Path) -> None:
+                if lora_extra is not None:
+                    lora_extra(d)
+                save_pending(d, pending)
+
         common = dict(
             tokenizer=self.tok,
             optimizers=self.optimizers,
@@ -1078,6 +1123,9 @@ class RLRun:
 
     def rl_step(self) -> dict[str, float]:
         """prompts -> rollout -> score -> update; returns the step's metrics (self.step advanced by one)."""
+        if self.behaviour is not None:
+            # algorithm.max_off_policy_steps >= 1; at 0 the path below runs unchanged
+            return self.off_policy_step()
         step = self.step
         t_step = time.perf_counter()
         self.set_lr(step)
@@ -1123,6 +1171,116 @@ class RLRun:
         m["step"] = self.step
         self.last_rollouts = sr
         return m
+
+    # -- the off-policy step (algorithm.max_off_policy_steps = 1) ----------------------------------------------
+    def behaviour_batch(self, step: int) -> BehaviourBatch:
+        """prompts -> rollout -> score for step `step`, sampled from the engine's copy, then the guard on the
+        copy's training forward (before the copy is refreshed). Runs in the generation worker during the previous
+        step's update (or in the caller when nothing is pending: the first step, after a resume)."""
+        assert self.behaviour is not None
+        t0 = time.perf_counter()
+        examples, prompt_ids, index = self.prompts()
+        outs = self.rollout(step, prompt_ids, index)
+        baseline = None
+        if self.cfg.algorithm.resolved_advantage == "remax":
+            baseline = self.greedy_baseline(step, prompt_ids, index, examples)
+        sr = self.score(step, examples, prompt_ids, outs, baseline)
+        gen_s = time.perf_counter() - t0
+        v = self.behaviour.version
+        versions = [torch.full((len(ro.completion_ids),), v, dtype=torch.int64) for ro in sr.rollouts]
+        batch = BehaviourBatch(sr, v, versions, gen_s, self.step_model_tokens)
+        t1 = time.perf_counter()
+        temperature = self.trainer.s.temperature
+        batch.guard, batch.mismatch = check_batch(
+            self.behaviour, sr.rollouts, temperature, self.cfg.train.max_tokens_per_microbatch
+        )
+        batch.guard_s = time.perf_counter() - t1
+        return batch
+
+    def _report_pending(self, step: int, batch: BehaviourBatch) -> None:
+        """A batch the guard refused: its replay report, written now, while the copy holds its sampling weights."""
+        if batch.mismatch is not None:
+            batch.report = self.mismatch_report(step, batch.sr.rollouts, batch.mismatch)
+
+    def off_policy_step(self) -> dict[str, float]:
+        """One-step-off: train on the pending batch (sampled by the previous version) while the worker samples
+        the next one from the engine's copy; then refresh the copy in place. The pending batch's guard verdict
+        is acted on (run.on_mismatch) before any update uses it."""
+        assert self.behaviour is not None and self.worker is not None
+        step, t_step = self.step, time.perf_counter()
+        self.set_lr(step)
+        if self.pending is None:  # nothing sampled ahead (the first step, a resume): sample it now
+            self.pending = self.behaviour_batch(step)
+            self._report_pending(step, self.pending)
+        batch, self.pending = self.pending, None
+        if step + 1 < self.cfg.train.steps:
+            self.worker.start(lambda: self.behaviour_batch(step + 1))
+        how = self.cfg.run.on_mismatch
+        t_train = time.perf_counter()
+        if batch.mismatch is not None and how != "warn":
+            m = self._refuse_batch(step, batch)
+        else:
+            m = self.update(step, batch.sr.rollouts, off_policy_cap=self.cfg.algorithm.off_policy_is_cap)
+        train_s = time.perf_counter() - t_train
+        wait_s = 0.0
+        if self.worker.busy:
+            t_wait = time.perf_counter()
+            self.pending = self.worker.result()
+            wait_s = time.perf_counter() - t_wait
+            self._report_pending(step + 1, self.pending)
+        refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
+        m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
+        self.step += 1
+        self.step_model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
+        m.update(batch.guard)
+        sr = batch.sr
+        m = self.step_metrics(m, sr)
+        masks = [
+            torch.ones(len(ro.completion_ids), dtype=torch.bool)
+            if ro.loss_mask is None
+            else torch.tensor(ro.loss_mask, dtype=torch.bool)
+            for ro in sr.rollouts
+        ]
+        m.update(staleness_metrics(batch, step, masks))
+        # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
+        m["offpolicy/guard_s"] = batch.guard_s
+        m["offpolicy/wait_s"] = wait_s  # the trainer waiting for the next batch after its update
+        m["offpolicy/refresh_s"] = refresh_s
+        m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
+        m["perf/step_s"] = time.perf_counter() - t_step
+        m["perf/tokens_per_s"] = sum(sr.lengths) / max(batch.generate_s, 1e-9)
+        if torch.device(self.device).type == "cuda":
+            m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        m.update(sr.advantage_metrics)
+        m["kl_coef"] = self.kl_ctl.value
+        if "kl_ref" in m and not m.get("mismatch/step_skipped"):
+            self.kl_ctl.update(m["kl_ref"], len(sr.lengths))
+        m["step"] = self.step
+        self.last_rollouts = sr
+        return m
+
+    def _refuse_batch(self, step: int, batch: BehaviourBatch) -> dict[str, float]:
+        """The guard found a difference in the batch this step would train on: abort (raise, nothing applied) or
+        skip the step (no update), with the replay report written when the batch was checked."""
+        err = batch.mismatch
+        assert err is not None
+        head = f"step {step + 1}: {err} (run.on_mismatch = '{self.cfg.run.on_mismatch}'); no optimizer step was applied"
+        if self.cfg.run.on_mismatch == "skip_step":
+            self.trainer.steps_done += 1  # as the trainer counts a step it skipped
+            if batch.report is not None:
+                self.out(
+                    f"step {step + 1} skipped: {err}\n   replay it: exactrl parity --replay {batch.report}"
+                )
+            return {"mismatch/step_skipped": 1.0, "optimizer_steps": 0.0}
+        self.worker.close()  # abort: the next batch is not needed
+        if self.dist.is_main:
+            self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
+            self.logger.close()
+            self.out(f"\n!! {head}\n   replay it: exactrl parity --replay {batch.report}")
+            self.out(
+                f"   resume point: the last checkpoint under {self.ckpt_root} (nothing of step {step + 1} was applied)"
+            )
+        raise MismatchError(head, err.sequences)
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -1190,6 +1348,8 @@ class RLRun:
 
     def close(self) -> None:
         """Stop the reward workers (user reward functions run in processes of their own)."""
+        if self.worker is not None:  # a generation still running under a failed update
+            self.worker.close()
         if self.rewards is not None:
             self.rewards.close()
 

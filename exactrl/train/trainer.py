@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from exactrl.algorithms import (
     advantage_metrics,
     aggregate,
+    decoupled_is_weights,
+    decoupled_weights_and_capped,
     gae_advantages,
     kl_estimate,
     masked_sum,
@@ -266,21 +268,30 @@ class PolicyTrainer:
         )
 
     def _policy_body(
-        self, key: tuple[Bucket, bool, bool], x: dict[str, torch.Tensor], accumulate: bool
+        self,
+        key: tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool],
+        x: dict[str, torch.Tensor],
+        accumulate: bool,
     ) -> dict[str, torch.Tensor]:
         """One microbatch: forward, policy loss (+ entropy and KL terms), backward into the persistent gradient
-        buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures."""
+        buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures.
+        A 4-element key: an off-policy step's only update (decoupled PPO, `_off_policy_step`), whose proximal
+        logprobs are this very forward's (detached) and whose importance weights are computed here."""
         s = self.s
-        bucket, _, use_loss_kl = key
+        bucket, _, use_loss_kl = key[:3]
         # The router outputs this very forward used (nothing for a dense model); detached from the blocks before
         # the backward, whose activation-checkpointing recomputation must not record them again.
         with collect_router_outputs(self.model) as router:
             lp, ent = microbatch_logprobs(self.model, x, bucket, s.temperature)
         m = x["mask"]
         divisor, norm_constant = x["divisor"], x["norm_constant"]
+        old_lp, is_weights = x["old_lp"], x.get("is_weights")
+        if len(key) > 3:
+            old_lp = lp.detach()  # the proximal policy: the weights at the step's start, this forward's
+            is_weights, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
         loss, pm = policy_loss_terms(
             lp,
-            x["old_lp"],
+            old_lp,
             x["adv"],
             m,
             kind=s.policy_loss,
@@ -288,8 +299,12 @@ class PolicyTrainer:
             aggregation=s.aggregation,
             loss_divisor=divisor,
             norm_constant=norm_constant,
-            is_weights=x.get("is_weights"),
+            is_weights=is_weights,
         )
+        if len(key) > 3:
+            pm["offpolicy/is_weight/sum"] = masked_sum(is_weights, m)
+            pm["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(is_weights.dtype), m)
+            pm["offpolicy/is_weight/max"] = is_weights.max()
         ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
         total = loss - s.entropy_coef * ent_term
         pm["entropy/sum"] = masked_sum(ent.detach(), m)
@@ -381,11 +396,18 @@ class PolicyTrainer:
         return out
 
     # -- the step ----------------------------------------------------------------------------------------
-    def step(self, rollouts: list[Rollout]) -> dict[str, float]:
+    def step(self, rollouts: list[Rollout], *, off_policy_cap: float | None = None) -> dict[str, float]:
         """One RL update: prepare the step's tensors, check exactness, queue every minibatch's update, then read
-        the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied."""
+        the results. In exact mode raises MismatchError (on_mismatch "abort") with no update applied.
+
+        off_policy_cap: the batch may have been sampled by older weights (algorithm.max_off_policy_steps >= 1; the
+        loop's guard has already checked its rollout logprobs against those behaviour weights, so the checks
+        here, which compare against the current weights, are off). The loss is decoupled PPO: the ratio against
+        the current policy (one no-grad forward over the batch) and `decoupled_is_weights` capped at this value."""
         self.skipped_mismatch = None
         batch = self.prepare(rollouts)
+        if off_policy_cap is not None:
+            return self._off_policy_step(batch, rollouts, off_policy_cap)
         if not self._grads and not self.sharded:  # the graphs add into these buffers in place
             self._grads = self.opt.persistent_grads(self.opt.params)
         plan = list(self.minibatch_plan(len(rollouts)))
@@ -412,6 +434,35 @@ class PolicyTrainer:
         if guard and batch.mismatched:
             return self._refuse(batch, rollouts, out)
         return out
+
+    # Off-policy with one update per step: the proximal logprobs come from the training forward itself (no scoring
+    # pass). False: always a separate no-grad scoring forward (the same bits; tests compare the two).
+    fuse_proximal: bool = True
+
+    def _off_policy_step(self, b: StepBatch, rollouts: list[Rollout], cap: float) -> dict[str, float]:
+        """Decoupled PPO on a batch the loop's guard checked against its behaviour weights: old = the proximal
+        policy (the current weights at the step's start), importance weights pi_prox / pi_behav capped. With one
+        update per step the training forward is at those weights: the weights are computed inside it. With
+        several, later minibatches run at updated weights: one no-grad forward scores the batch first."""
+        if not self.s.exact or self.s.rollout_correction:
+            raise ValueError("off-policy steps need exact mode without rollout_correction")
+        if not self._grads and not self.sharded:
+            self._grads = self.opt.persistent_grads(self.opt.params)
+        plan = list(self.minibatch_plan(len(rollouts)))
+        if len(plan) <= 1 and self.fuse_proximal:
+            b.proximal_cap = cap
+        else:
+            b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
+            b.weights, wm = decoupled_is_weights(b.old_lp, b.rollout_lp, b.full_mask, cap)
+            b.metrics.update(wm)
+        acc = _Acc()
+        pending = []
+        for _, _, mb_idx in plan:
+            queued = self.queue_minibatch(b, mb_idx, check_mismatch=False, acc=acc)
+            if queued is not None:
+                pending.append(queued)
+        self.steps_done += 1
+        return self.read_results(b, pending, acc)
 
     def _prescore(self, b: StepBatch, rollouts: list[Rollout]) -> None:
         """Every completion token's trainer logprob at the current (sampling) weights, compared with the
@@ -647,7 +698,12 @@ class PolicyTrainer:
             real = sum(len(b.seqs[i]) - 1 for i in ids)
             x["router_mask"] = (torch.arange(tm.bucket.tokens) < real).float()
             x["router_tokens"] = torch.tensor(float(max(1, router_tokens)))
-        out = self.graphs.run((tm.bucket, b.weights is not None, b.use_loss_kl), x)
+        key = (tm.bucket, b.weights is not None, b.use_loss_kl)
+        if b.proximal_cap is not None:  # decoupled PPO inside the forward (`_policy_body`)
+            x["behaviour_lp"] = _rows(b.rollout_lp, ids, B, C)
+            x["is_cap"] = torch.tensor(float(b.proximal_cap))
+            key = (*key, True)
+        out = self.graphs.run(key, x)
         if "router" in out and acc is not None:
             stats = out["router"].clone()  # a graph's output buffer is overwritten by the next replay
             acc.router = stats if acc.router is None else acc.router + stats
@@ -738,6 +794,9 @@ class PolicyTrainer:
         n = out.get("num_tokens", 0.0)
         if n and "ratio/sum" in out:
             out["ratio/mean"] = out["ratio/sum"] / n
+        if n and "offpolicy/is_weight/sum" in out:  # decoupled PPO's weights, computed in the forward
+            out["offpolicy/is_weight/mean"] = out.pop("offpolicy/is_weight/sum") / n
+            out["offpolicy/is_weight/capped_frac"] = out.pop("offpolicy/is_weight/capped/sum") / n
         out.update(metrics)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["nan_skipped"] = float(nan_skips)
@@ -770,6 +829,8 @@ class StepBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     trainer_lp: torch.Tensor | None = None  # [N, L] the checked trainer logprobs (exact mode), when kept
     mismatched: bool = False  # a checked token differs (on any rank)
+    # Off-policy, one update: decoupled PPO's cap, its weights computed inside the training forward.
+    proximal_cap: float | None = None
 
     @property
     def L(self) -> int:
