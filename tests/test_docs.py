@@ -48,7 +48,7 @@ def test_readme_tour_commands_parse_with_todays_cli(monkeypatch):
     seen: list[str] = []
     for mod, names in (
         (cli, ["cmd_init_model", "cmd_generate", "cmd_parity"]),
-        (commands, ["cmd_train", "cmd_sft", "cmd_eval", "cmd_report", "cmd_bench"]),
+        (commands, ["cmd_train", "cmd_sft", "cmd_plan", "cmd_eval", "cmd_report", "cmd_bench"]),
     ):
         for name in names:
             monkeypatch.setattr(mod, name, lambda args, _n=name: seen.append(_n) or 0)
