@@ -96,7 +96,11 @@ def worker_main(fd: int, parent_pid: int) -> None:
     """Entry point of a worker process (run by `python -c`, see `_start`): build environments with the factory
     the parent sends first, answer calls until told to stop."""
     _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the parent decides
+    # Ctrl-C, and a scheduler's SIGTERM (Slurm signals every process of the job step), reach the workers too; the
+    # trainer finishes its step with them, checkpoints, then stops them. A killed trainer takes them along
+    # (PR_SET_PDEATHSIG above).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     factory, sys_path = conn.recv()
     for p in reversed(sys_path):

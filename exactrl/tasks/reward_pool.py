@@ -184,7 +184,8 @@ async def _gather(
 def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], progress: Any) -> None:
     """Entry point of a worker process. `progress[0]` counts finished calls of the current request, `progress[1]`
     is when the current call started (`time.monotonic`, one clock for all processes of the machine)."""
-    # Ctrl-C reaches the whole process group; the parent decides when its workers end.
+    # Ctrl-C reaches the whole process group; the parent decides when its workers end. (SIGTERM is not ignored:
+    # multiprocessing ends daemonic workers with it at interpreter exit and then waits for them.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for p in reversed(sys_path):
         if p not in sys.path:

@@ -202,6 +202,13 @@ _SHAPE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "mlp_bias",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
 )
 
 

@@ -33,6 +33,7 @@ from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup
 from exactrl.model.files import writing
 from exactrl.model.loading import load_policy, resolve_device
+from exactrl.model.moe import has_experts
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
@@ -205,7 +206,15 @@ def evaluate(
 
         params.stop = env_stop(params.stop, env.cls)
         eb = run_episodes(
-            engine, tok, examples, ids, env.make, env.settings, params, request_ids=list(range(len(ids)))
+            engine,
+            tok,
+            examples,
+            ids,
+            env.make,
+            env.settings,
+            params,
+            request_ids=list(range(len(ids))),
+            pool=env.pool(),  # the run's environment workers, not a fresh pool per evaluation
         )
         # A prompt the engine refused (no episodes) scores 0 on every sample.
         flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
@@ -344,6 +353,13 @@ class RLRun:
             seed=cfg.run.seed,
             tokenizer_path=cfg.model.tokenizer,
         )
+        if (cfg.train.moe_aux_loss_coef or cfg.train.moe_z_loss_coef) and not has_experts(self.model):
+            # Said now, before the warm start and the run folder's commit (the trainer refuses it too, later).
+            raise ValueError(
+                f"train.moe_aux_loss_coef = {cfg.train.moe_aux_loss_coef} and train.moe_z_loss_coef = "
+                f"{cfg.train.moe_z_loss_coef}: router losses need a mixture-of-experts model, and "
+                f"{cfg.model.preset or cfg.model.path} has no sparse layer; set both to 0"
+            )
         # An environment that cannot load (or refuses its env.options) is said now, not after the warm start.
         self.env: EnvSetup | None = None
         if cfg.env.name:
@@ -1378,6 +1394,8 @@ class RLRun:
                 "skipped_records_total": getattr(self.task, "num_skipped", 0),
             }
         )
+        if not self.summary["stopped_early"]:  # a resumed run that reached its end: the old stop is history
+            self.summary.pop("stopped_by", None)
         if self.rewards is not None:
             self.summary["accuracy_function"] = (
                 "environment" if self.cfg.env.name else self.rewards.accuracy_fn

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from exactrl.config import RunConfig, apply_overrides
+from exactrl.config import RunConfig, apply_overrides, episode_token_limit
 
 GiB = 1024**3
 # Device memory outside torch's caching allocator: the CUDA context, cuBLAS and Triton workspaces. Measured as
@@ -273,7 +273,7 @@ def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     prompts = -(-a.prompts_per_step // world_size)
     n = a.group_size
     if cfg.env.name is not None:
-        grow = min(cfg.env.max_episode_tokens, cfg.engine.max_model_len)
+        grow = min(episode_token_limit(cfg), cfg.engine.max_model_len)
     else:
         grow = min(cfg.sampling.max_tokens, cfg.engine.max_model_len)
     return prompts * (cfg.task.max_prompt_tokens + n * grow) + bs * n * prompts
@@ -354,6 +354,11 @@ def plan_memory(
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
         # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.
         train_extra["fsdp_unsharded_layers"] = c["largest_layer_params"] * (2 * b + 4)
+    if a.max_off_policy_steps > 0:
+        # One step off: the engine samples from its own copy of the weights in the model dtype (the whole model,
+        # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
+        # model that overlap yet (docs/memory.md).
+        resident["behaviour_copy"] = c["policy_params"] * b
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)
     if c["critic_params"]:

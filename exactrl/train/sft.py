@@ -239,7 +239,15 @@ def run_sft(
     that checkpoint's step, weights, optimizer state and data position: the weights it ends with are the bits an
     uninterrupted SFT ends with."""
     s = cfg.sft
-    opt = MasterAdamW(model, lr=s.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    # The warm start keeps its optimizer state where the run's does (train.offload): a plan that fits only with
+    # offload must hold during SFT too.
+    opt = MasterAdamW(
+        model,
+        lr=s.lr,
+        betas=tuple(cfg.train.betas),
+        weight_decay=cfg.train.weight_decay,
+        offload=cfg.train.offload,
+    )
     sft_task = copy.deepcopy(task)  # its cursor is the SFT stream's data position (saved with a checkpoint)
     res = SFTResult()
     # A record that does not fit is skipped and named (file:line), as in RL; sequences must also fit a microbatch.

@@ -364,3 +364,19 @@ def test_rl_run_with_offload_is_bitwise_the_same(plugin, tmp_path, monkeypatch):
     monkeypatch.setattr(MasterAdamW, "to_host", lossy)
     train(rl_cfg(tmp_path / "bad", "train.offload=optimizer"), out=quiet)
     assert not same_run(tmp_path / "off", tmp_path / "bad")
+
+
+def test_multi_turn_with_the_episode_cap_unset_and_one_step_off_are_planned():
+    """env.max_episode_tokens unset (= the engine's limit) once crashed the plan, and with it every CUDA train of a
+    multi-turn run; one step off holds the engine's own weight copy beside the trainer's."""
+    env = make_plan(run_cfg("env.name=guess", "engine.max_model_len=512"), gpu_memory=80 * GiB, device="cuda")
+    capped = make_plan(
+        run_cfg("env.name=guess", "engine.max_model_len=512", "env.max_episode_tokens=512"),
+        gpu_memory=80 * GiB,
+        device="cuda",
+    )
+    assert env.phase("generation").terms["kv_cache"] == capped.phase("generation").terms["kv_cache"]
+    sync = make_plan(run_cfg(), gpu_memory=80 * GiB, device="cuda").phase("training").terms
+    off = make_plan(run_cfg("algorithm.max_off_policy_steps=1"), gpu_memory=80 * GiB, device="cuda")
+    terms = off.phase("training").terms
+    assert "behaviour_copy" not in sync and terms["behaviour_copy"] == sync["policy_weights"]
