@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,9 +207,13 @@ def test_report_into_an_unwritable_path_names_it(tmp_path, capsys):
 
 @pytest.fixture()
 def project(tmp_path, monkeypatch) -> Path:
-    """A project folder (the working directory) with its config in configs/."""
+    """A project folder (the working directory) with its config in configs/. A module `myenv` that an earlier
+    test of this process imported (the README's multi-turn example), or a folder of one on sys.path, would make
+    `myenv:Hint` importable as installed: neither is left to this test."""
     (tmp_path / "configs").mkdir()
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "myenv", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "myenv.py").exists()])
     return tmp_path
 
 
