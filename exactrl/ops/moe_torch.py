@@ -53,7 +53,8 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[
     return weights, top_ids
 
 
-def _check_experts_args(x, gate_up, down, weights, ids) -> None:
+def check_experts_args(x, gate_up, down, weights, ids) -> None:
+    """The shapes and dtypes `moe_experts` takes (every backend checks them the same way), refused by name."""
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(
             f"moe_experts wants x [T, D], gate_up [E, 2I, D], down [E, D, I]; got {tuple(x.shape)}, "
@@ -69,6 +70,13 @@ def _check_experts_args(x, gate_up, down, weights, ids) -> None:
         raise ValueError(
             f"moe_experts: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [T, k] "
             f"with T = {x.shape[0]}"
+        )
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise TypeError(f"moe_experts needs ids int64 and weights fp32, got {ids.dtype} and {weights.dtype}")
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise TypeError(
+            f"moe_experts: x, gate_up and down must share the model dtype, got {x.dtype}, "
+            f"{gate_up.dtype}, {down.dtype}"
         )
 
 
@@ -93,7 +101,7 @@ def experts_exact(linear, silu_mul, x, gate_up, down, weights, ids) -> torch.Ten
     """The exact backends' reference: per expert, gather its rows, `linear` (the backend's invariant GEMM) to
     gate|up, `silu_mul`, `linear` to the output, scatter back to the (token, rank) slots; combine in rank order
     in fp32. x: [T, D]; gate_up: [E, 2I, D]; down: [E, D, I]; weights: [T, k] fp32; ids: [T, k] -> [T, D]."""
-    _check_experts_args(x, gate_up, down, weights, ids)
+    check_experts_args(x, gate_up, down, weights, ids)
     T, k = ids.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -121,7 +129,7 @@ def experts_fast(x, gate_up, down, weights, ids) -> torch.Tensor:
     """PyTorch's defaults, as transformers' eager experts compute: F.linear per expert on its rows (no padding:
     MKL's blocking then depends on the row count), the routing weight applied and the outputs accumulated with
     index_add in the model dtype, expert by expert."""
-    _check_experts_args(x, gate_up, down, weights, ids)
+    check_experts_args(x, gate_up, down, weights, ids)
     num_experts = gate_up.shape[0]
     w = weights.to(x.dtype)
     out = torch.zeros_like(x)

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.moe_torch import check_experts_args
 from exactrl.ops.triton.common import kernel_dtype_ok, mma, next_pow2
 from exactrl.ops.triton.elementwise import silu_mul_fwd
 
@@ -665,29 +666,7 @@ def combine(src: torch.Tensor, plan: RoutePlan, weights: torch.Tensor | None, T:
 
 
 def _check_experts(x, gate_up, down, weights, ids) -> None:
-    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(
-            f"moe_experts needs x [T, D], gate_up [E, 2I, D], down [E, D, I]; got {tuple(x.shape)}, "
-            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
-        )
-    T, D = x.shape
-    E, I2, D2 = gate_up.shape
-    if D2 != D or I2 % 2 or tuple(down.shape) != (E, D, I2 // 2):
-        raise ValueError(
-            f"moe_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit x "
-            f"{tuple(x.shape)} (want gate_up [E, 2I, {D}] and down [E, {D}, I])"
-        )
-    if ids.dim() != 2 or ids.shape[0] != T or tuple(weights.shape) != tuple(ids.shape):
-        raise ValueError(
-            f"moe_experts needs weights and ids [T={T}, k], got {tuple(weights.shape)} and {tuple(ids.shape)}"
-        )
-    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
-        raise TypeError(f"moe_experts needs ids int64 and weights fp32, got {ids.dtype} and {weights.dtype}")
-    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
-        raise TypeError(
-            f"moe_experts: x, gate_up and down must share the model dtype, got {x.dtype}, "
-            f"{gate_up.dtype}, {down.dtype}"
-        )
+    check_experts_args(x, gate_up, down, weights, ids)
     kernel_dtype_ok(x)
 
 
