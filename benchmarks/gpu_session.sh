@@ -7,6 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
+#     [probes-overlap] [fsdp-mb]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -224,6 +225,18 @@ if want bench-rl-offpolicy; then  # whole exact GRPO steps, synchronous (k = 0) 
     timeout 280 $X bench rl $rl --max-off-policy-steps $k 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/bench_rl_offpolicy.txt"
   done
   cp benchmarks/results/rl-qwen3-1.7b-*exact*.json "$OUT/" 2>/dev/null
+fi
+if want probes-overlap; then  # can generation share one GPU with training? stream priority, SMs left out of grids
+  timeout 120 python3 benchmarks/probe_priority.py 2>&1 | tail -12 | tee "$OUT/probe_priority.txt"
+  timeout 200 python3 benchmarks/probe_sm_reserve.py 2>&1 | tail -14 | tee "$OUT/probe_sm_reserve.txt"
+  grep -h '^{"probe"' "$OUT/probe_priority.txt" "$OUT/probe_sm_reserve.txt" \
+    > "benchmarks/results/probe-overlap-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-').jsonl"
+fi
+if want fsdp-mb; then  # FSDP2 at world size 1 vs today's step, at the default microbatch and at 32,768 tokens
+  for preset in qwen3-0.6b qwen3-1.7b; do for mb in 8192 32768; do
+    timeout 300 $X bench train --fsdp --preset $preset --device cuda --tokens-per-microbatch $mb --steps 5 --json \
+      2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/fsdp_mb.txt"
+  done; done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"
