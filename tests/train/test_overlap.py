@@ -469,3 +469,25 @@ def test_off_never_builds_the_stage(tmp_path, reward_dir, monkeypatch):
         run.run()
     finally:
         run.close()
+
+
+def test_bench_rl_runs_the_tail_overlap(tmp_path):
+    """`exactrl bench rl --overlap tail` at tiny scale: exact, its record beside (not over) the synchronous one's,
+    with the overlap's own breakdown."""
+    from exactrl.cli import main
+
+    tiny = (
+        "bench rl --preset tiny --device cpu --dtype float32 --prompts 3 --samples 2 --prompt-min 4 "
+        "--prompt-max 8 --max-tokens 12 --completion-median 6 --steps 1 --warmup 0 --max-num-seqs 8 "
+        "--tokens-per-microbatch 24 --overlap tail"
+    ).split()
+    assert main([*tiny, "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("rl-tiny-overlap-tail-exact-cpu.json")
+    rec = json.loads(path.read_text())
+    assert rec["overlap"] == "tail" and rec["max_off_policy_steps"] == 0
+    assert (
+        rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] == rec["generated_tokens"]
+    )
+    assert rec["generate_s"] > 0 and rec["train_s"] > 0 and rec["reward_s"] > 0
+    assert rec["overlap_microbatches"] >= 2 and 0 <= rec["overlap_share_during_generation"] <= 1
+    assert rec["train_after_generate_s"] >= 0 and rec["trace"]
