@@ -122,7 +122,7 @@ def _same_rollouts(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reward_dir):
-    """The default run and a tail run of the same config. In the tail run every step's engine is slowed a little
+    """The default run (2 steps) and a 3-step tail run of the same config. In the tail run every step's engine is slowed a little
     (so the loop's thread surely gets groups while generation goes on) and every step first generates its batch
     synchronously from the same weights, for comparison."""
     tmp = tmp_path_factory.mktemp("runs")
@@ -158,7 +158,8 @@ def runs(tmp_path_factory, reward_dir):
 
         mp.setattr(overlap_mod.TailOverlap, "step", spy)
         mp.setattr(engine_mod._Generation, "step", slow)
-        tail_summary = train(_cfg(tmp, reward_dir, "tail"), out=lambda *a: None)
+        tail_cfg = _cfg(tmp, reward_dir, "tail", train__steps=3, train__keep_checkpoints=3)
+        tail_summary = train(tail_cfg, out=lambda *a: None)
     return tmp, sync_summary, tail_summary, sync_rollouts, reference, tail
 
 
@@ -178,7 +179,7 @@ def test_tail_rollouts_are_the_synchronous_ones(runs):
     """Every step's rollouts are, bitwise, what a synchronous generate from the same weights gives; the first
     step's (same weights in both runs) are the default run's, with the same rewards and advantages."""
     tmp, _, _, sync_rollouts, reference, tail = runs
-    assert sorted(reference) == sorted(tail) == [0, 1]
+    assert sorted(reference) == sorted(tail) == [0, 1, 2]
     for step, sr in tail.items():
         got = {}
         for ro in sr.rollouts:
@@ -202,7 +203,7 @@ def test_tail_rollouts_are_the_synchronous_ones(runs):
 def test_tail_is_exact_and_trains_during_generation(runs):
     tmp, _, tail_summary, *_ = runs
     rows = _steps(tmp / "run")
-    assert len(rows) == 2 and tail_summary["mismatched_tokens_total"] == 0
+    assert len(rows) == 3 and tail_summary["mismatched_tokens_total"] == 0
     for r in rows:
         # Every model token checked inside the training forward, none differs, one update.
         assert r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0
@@ -218,9 +219,9 @@ def test_tail_is_exact_and_trains_during_generation(runs):
 
 def test_tail_same_seed_same_run_close_to_but_not_the_synchronous_one(runs, tmp_path, reward_dir):
     tmp, *_ = runs
-    train(_cfg(tmp_path, reward_dir, "tail"), out=lambda *a: None)
+    train(_cfg(tmp_path, reward_dir, "tail", train__steps=3), out=lambda *a: None)
     assert _untimed(_steps(tmp / "run")) == _untimed(_steps(tmp_path / "run"))
-    a, b = _weights(tmp / "run", 2), _weights(tmp_path / "run", 2)
+    a, b = _weights(tmp / "run", 3), _weights(tmp_path / "run", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The first update agrees with the synchronous one to float rounding, not bitwise (other microbatches, the
     # divisor applied once): the run is not the synchronous run, as documented. AdamW's first step moves a weight
