@@ -7,7 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
-#     [probes-overlap] [fsdp-mb]
+#     [probes-overlap] [fsdp-mb] [bench-rl-overlap]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -237,6 +237,15 @@ if want fsdp-mb; then  # FSDP2 at world size 1 vs today's step, at the default m
     timeout 300 $X bench train --fsdp --preset $preset --device cuda --tokens-per-microbatch $mb --steps 5 --json \
       2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/fsdp_mb.txt"
   done; done
+fi
+if want bench-rl-overlap; then  # whole exact GRPO steps, synchronous then the tail overlap (algorithm.overlap)
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
+    --tokens-per-microbatch 4096 --mode exact"
+  for ov in none tail; do
+    timeout 280 $X bench rl $rl --overlap $ov 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/bench_rl_overlap.txt"
+  done
+  cp benchmarks/results/rl-qwen3-1.7b-*exact*.json "$OUT/" 2>/dev/null
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

@@ -28,6 +28,15 @@ says `overlapped`, adds `offpolicy_wait_s` (the trainer waiting for the worker a
 the step outside train, weight sync and that wait. The whole-step ratio against the synchronous loop is the
 ratio of the two runs' `step_s`.
 
+`--overlap tail` runs the on-policy tail overlap (algorithm.overlap, exactrl/train/overlap.py): each finished
+group is trained on while the rest of the batch generates, one optimizer step per batch. Its stages run inside
+one call, so their seconds are the step's own metrics: `generate_s` (the generate call, training overlapped
+inside it), `reward_s` (scoring the groups), `train_s` (the trainer's calls: on a GPU mostly queuing, since they
+run asynchronously), `train_after_generate_s` (from the last finished sequence to the update applied: the
+training that was not hidden), `overlap_wait_s` (the loop's thread waiting for the next group) and
+`overlap_share_during_generation` (the share of completion tokens queued for training before generation ended);
+`idle_s` is the step outside generate, that after-generation training and the weight sync.
+
 Prints a table and one JSON line (without the trace), and writes the JSON (with the trace) and a PNG under
 `--out-dir`. `--plot-from A.json B.json` draws earlier results (e.g. exact and fast) on one plot without running.
 """
@@ -140,8 +149,12 @@ def _sync(device: str, stream_only: bool = False) -> None:
 class _StageTimers:
     """Wraps RLRun's stage methods on the run object: seconds and calls per stage in the current step."""
 
-    def __init__(self, run: Any, device: str, overlapped: bool = False) -> None:
+    def __init__(self, run: Any, device: str, overlapped: bool = False, tail: bool = False) -> None:
         self.device = device
+        # Tail overlap: generate, score and the update run inside one stage of the loop (exactrl/train/overlap.py);
+        # their seconds come from the step's metrics, and only the weight sync is wrapped (a wrapped stage's wait
+        # for the device would stall the overlap).
+        self.tail = tail
         # Off-policy: generate and score run in the worker thread, overlapped with update; each stage waits only
         # for its own stream, and a step may run them twice (the first step) or not at all (the last).
         self.overlapped = overlapped
@@ -151,6 +164,8 @@ class _StageTimers:
         self.profile_generate = False  # set for one step: its generate stage runs under torch.profiler
         self.kernels: list[dict[str, Any]] | None = None
         for key, name in STAGES:
+            if tail and name != "sync_weights":
+                continue
             owner = run.parallel if name == "sync_weights" else run
             fn = getattr(owner, name, None)
             if not callable(fn):
@@ -204,6 +219,8 @@ class _StageTimers:
     def check_step(self) -> None:
         """Every stage ran once: otherwise the breakdown would silently miss time (the loop changed)."""
         for key, name in STAGES:
+            if self.tail and name != "sync_weights":
+                continue
             if self.overlapped and key in ("generate_s", "reward_s"):
                 if self.calls.get(key, 0) > 2:
                     raise RuntimeError(
@@ -250,6 +267,7 @@ def _config(args: Any, out_dir: str, steps: int):
             "group_size": args.samples,
             "rollouts_per_step": args.prompts * args.samples,
             "max_off_policy_steps": getattr(args, "max_off_policy_steps", 0),
+            "overlap": getattr(args, "overlap", "none"),
         },
         "train": {
             "steps": steps,
@@ -311,7 +329,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             index = list(range(len(wl.prompt_ids)))
             # The step's prompts stage: the workload's prompts, the same in every step.
             run.prompts = lambda: (examples, wl.prompt_ids, index)
-            timers = _StageTimers(run, device, overlapped)
+            timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
             records = []
             for k in range(total):
                 timers.profile_generate = bool(getattr(args, "profile", False)) and k == total - 1
@@ -356,8 +374,19 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     step_s = time.perf_counter() - t0
     timers.check_step()
     sr = run.last_rollouts
+    if timers.tail:  # the stages ran inside the tail-overlap stage: its own figures
+        timers.seconds["generate_s"] = float(m["perf/generate_s"])
+        timers.seconds["reward_s"] = float(m["perf/score_s"])
+        timers.seconds["train_s"] = float(m["perf/train_s"])
     rec: dict[str, Any] = {"step_s": step_s, **{k: timers.seconds[k] for k, _ in STAGES}}
-    if timers.overlapped:
+    if timers.tail:
+        rec["train_after_generate_s"] = float(m["perf/train_after_generate_s"])
+        rec["overlap_wait_s"] = float(m["perf/wait_s"])
+        rec["overlap_share_during_generation"] = float(m["overlap/share_during_generation"])
+        rec["overlap_microbatches"] = int(m["overlap/microbatches"])
+        rec["overlap_microbatches_during_generation"] = int(m["overlap/microbatches_during_generation"])
+        rec["idle_s"] = step_s - rec["generate_s"] - rec["train_after_generate_s"] - rec["weight_sync_s"]
+    elif timers.overlapped:
         rec["overlapped"] = True
         rec["offpolicy_wait_s"] = float(m.get("offpolicy/wait_s", 0.0))
         rec["offpolicy_guard_s"] = float(m.get("offpolicy/guard_s", 0.0))
@@ -384,6 +413,8 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
         rec["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         rec["gpu_memory_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 1e9
     g0 = timers.gen_start
+    if g0 is None:  # tail overlap: generate was not wrapped; its first engine step marks its start
+        g0 = eng.trace[0][1] if eng.trace else t0
     # [seconds since generate began, running, waiting] per engine step of this step's generate call
     rec["trace"] = [[round(t - g0, 6), r, w] for _, t, r, w in eng.trace]
     eng.trace = None
@@ -429,7 +460,18 @@ def _record(
         rec[k] = med[k]
     rec["idle_s"] = med["idle_s"]
     rec["max_off_policy_steps"] = run.cfg.algorithm.max_off_policy_steps
-    for k in ("overlapped", "offpolicy_wait_s", "offpolicy_guard_s", "offpolicy_versions_behind"):
+    rec["overlap"] = run.cfg.algorithm.overlap
+    for k in (
+        "overlapped",
+        "offpolicy_wait_s",
+        "offpolicy_guard_s",
+        "offpolicy_versions_behind",
+        "train_after_generate_s",
+        "overlap_wait_s",
+        "overlap_share_during_generation",
+        "overlap_microbatches",
+        "overlap_microbatches_during_generation",
+    ):
         if k in med:
             rec[k] = med[k]
     rec["generated_tokens"] = med["generated_tokens"]
@@ -550,6 +592,9 @@ def _table(rec: dict[str, Any]) -> str:
         ("  offpolicy_wait_s", rec.get("offpolicy_wait_s")),
         ("  offpolicy_guard_s", rec.get("offpolicy_guard_s")),
         ("offpolicy_versions_behind", rec.get("offpolicy_versions_behind")),
+        ("  train_after_generate_s", rec.get("train_after_generate_s")),
+        ("  overlap_wait_s", rec.get("overlap_wait_s")),
+        ("overlap_share_during_generation", rec.get("overlap_share_during_generation")),
         ("generated_tokens", rec["generated_tokens"]),
         ("tokens_per_s (over the step)", rec["tokens_per_s"]),
         ("generate_tokens_per_s", rec["generate_tokens_per_s"]),
@@ -592,6 +637,8 @@ def main(args: Any) -> int:
     name = args.preset if not args.model else Path(args.model).name
     if getattr(args, "max_off_policy_steps", 0):
         name += f"-offpolicy{args.max_off_policy_steps}"  # next to the synchronous record, not over it
+    if getattr(args, "overlap", "none") != "none":
+        name += f"-overlap-{args.overlap}"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))

@@ -445,6 +445,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=[0, 1],
         help="algorithm.max_off_policy_steps: 1 = the next batch is sampled during the update (one-step-off)",
     )
+    rl.add_argument(
+        "--overlap",
+        default="none",
+        choices=["none", "tail"],
+        help="algorithm.overlap: tail = finished groups are trained on while the batch's tail generates (on-policy)",
+    )
     rl.add_argument("--seed", type=int, default=0, help="seed of the workload, the model and the sampling")
     rl.add_argument(
         "--profile",

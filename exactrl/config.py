@@ -108,6 +108,7 @@ AdvScale = Literal["group", "batch", "none"]
 KLKind = Literal["k1", "k2", "k3"]
 RolloutCorrection = Literal["token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"]
 LRSchedule = Literal["constant", "cosine", "linear"]
+Overlap = Literal["none", "tail"]
 
 ARITHMETIC_OPS = ("+", "-", "*")
 _DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -546,6 +547,8 @@ class AlgorithmConfig:
     them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, one process, single-turn only."""
     off_policy_is_cap: float = 2.0
     """Decoupled PPO (max_off_policy_steps >= 1): cap on the per-token importance weight pi_prox / pi_behav."""
+    overlap: Overlap = "none"
+    """"none": sample the whole batch, then train on it. "tail": on-policy overlap within a step: the engine generates in a worker thread and each prompt's group, once all its samples are finished and scored, is trained on (forward + backward, gradients accumulated) while the rest of the batch keeps generating from the same weights; the one optimizer step waits for the whole batch. Rollouts are the synchronous run's bit for bit; the update agrees with it to float rounding (microbatches follow the finish order). Exact mode, one process, single-turn, one update per step, group-local advantages (see docs/algorithms.md)."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -877,6 +880,8 @@ class RunConfig:
                 f"({self.train.max_tokens_per_microbatch}) must fit one full sequence: "
                 f"task.max_prompt_tokens + sampling.max_tokens = {seq_len}",
             )
+        if self.algorithm.overlap == "tail":
+            _check_tail_overlap(self)
         if self.env.name is not None and self.reward.accuracy != "auto":
             # Episodes are scored by the environment, not by reward.functions: there is no function to name.
             _fail(
@@ -884,6 +889,52 @@ class RunConfig:
                 f"= {self.reward.accuracy!r} with env.name = {self.env.name!r}: a multi-turn run's accuracy is the "
                 'environment\'s verdict (episode reward > 0.5); leave reward.accuracy = "auto"',
             )
+
+
+# Advantages computed within each group: a group is scored and trained on as soon as it finishes.
+TAIL_OVERLAP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opo")
+
+
+def _check_tail_overlap(cfg: RunConfig) -> None:
+    """algorithm.overlap = "tail" trains on each group before the batch has finished: every option that needs the
+    whole batch before the first backward, or a second update in the step, is refused here by name."""
+    a, why = cfg.algorithm, 'with algorithm.overlap = "tail"'
+    if not cfg.run.exact:
+        _fail("run.exact", f"must be true {why}: its guard is exact mode's check inside the training forward")
+    if a.max_off_policy_steps:
+        _fail(
+            "algorithm.max_off_policy_steps",
+            f"must be 0 {why}: the tail overlap stays on-policy (one-step-off is the other kind of overlap)",
+        )
+    if a.ppo_epochs != 1 or a.minibatches_per_rollout != 1:
+        _fail(
+            "algorithm.ppo_epochs",
+            f"and algorithm.minibatches_per_rollout must be 1 {why} (got {a.ppo_epochs} and "
+            f"{a.minibatches_per_rollout}): a second update would change the weights the batch's tail samples from",
+        )
+    adv = a.resolved_advantage
+    if adv not in TAIL_OVERLAP_ADVANTAGES:
+        _fail(
+            "algorithm.advantage",
+            f"{adv!r} is not supported {why}: it needs the whole batch (a critic, batch whitening, a greedy "
+            f"baseline or batch counts) before a group can be trained on; use one of {TAIL_OVERLAP_ADVANTAGES}",
+        )
+    if adv == "grpo" and a.adv_scale == "batch":
+        _fail(
+            "algorithm.adv_scale", f'"batch" needs the whole batch\'s reward std {why}; use "group" or "none"'
+        )
+    if a.resolved_whiten_advantages:
+        _fail("algorithm.whiten_advantages", f"whitens over the whole batch: set it false {why}")
+    if a.rollout_correction:
+        _fail("algorithm.rollout_correction", f"is fast mode's correction: leave it unset {why}")
+    if cfg.env.name is not None:
+        _fail("env.name", f"= {cfg.env.name!r}: multi-turn episodes are not supported {why}")
+    if cfg.lora.rank > 0 and a.kl_coef > 0:
+        _fail(
+            "algorithm.kl_coef",
+            f"must be 0 with LoRA {why}: the reference is the policy with its adapters switched off, and the engine "
+            "samples from that same model while the trainer scores the reference",
+        )
 
 
 def episode_token_limit(cfg: RunConfig) -> int:

@@ -153,20 +153,32 @@ class RolloutEngine:
         params: SamplingParams,
         request_ids: list[int] | None = None,
         progress: Callable[[int], object] | None = None,
+        on_request_done: Callable[[RequestOutput], object] | None = None,
     ) -> list[RequestOutput]:
         """Sample `params.n` completions for each prompt (token ids). request_ids (default 0..N-1) key the
         sampling noise together with params.seed: the same (seed, request id) gives the same completions
         whatever else is in the call. A prompt that is empty or too long gets `error` set; the others complete.
-        `progress(k)` is called as k more samples finish."""
+        `progress(k)` is called as k more samples finish.
+
+        on_request_done: called once per prompt, as soon as all its samples have finished (refused prompts
+        first, then in the order requests complete), with an output equal to the one returned for it (the same
+        Sample objects). It runs in the engine's thread between two steps and changes nothing the engine
+        schedules or samples; a caller in another thread can start using a group while the others generate
+        (algorithm.overlap = "tail", exactrl/train/overlap.py)."""
         params.validate()
         if not prompts:
             return []
         request_ids = self._check_request_ids(prompts, request_ids)
         outputs = [RequestOutput(rid, list(p)) for rid, p in zip(request_ids, prompts)]
         valid = self._admissible(prompts, outputs)
+        if on_request_done is not None:
+            for i in sorted(set(range(len(prompts))) - set(valid)):
+                on_request_done(outputs[i])
         if not valid:
             return outputs
         call = self._start(prompts, request_ids, valid, params, progress)
+        if on_request_done is not None:
+            call.on_request_done = on_request_done
         while call.step():
             pass
         self.stats["preemptions"] += call.sched.num_preemptions
@@ -281,6 +293,12 @@ class _Generation:
         self.finished: list[Sequence] = []
         self.pending: _Pending | None = None  # the last step, committed, its tokens still on their way back
         self.t_mark = time.perf_counter()
+        # `generate(on_request_done=...)`: told of each request as its last sample finishes. The finished
+        # sequences of the requests not complete yet, and the Sample built for each sequence (collect reuses it,
+        # so the streamed and the returned outputs hold the same objects).
+        self.on_request_done: Callable[[RequestOutput], object] | None = None
+        self.unreported: dict[int, list[Sequence]] = {}
+        self.samples: dict[int, Sample] = {}
 
     def step(self) -> bool:
         """Run one step; False once every sequence has finished and nothing is in flight. torch's
@@ -293,7 +311,7 @@ class _Generation:
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is None:
             if self.pending is None:
-                self.finished += sched.take_finished()
+                self.take(sched.take_finished())
                 return False
             self.settle(self.pending)
             self.pending = None
@@ -405,32 +423,59 @@ class _Generation:
         done = self.sched.take_finished()
         if done and self.progress is not None:
             self.progress(len(done))
+        self.take(done)
+
+    def take(self, done: list[Sequence]) -> None:
+        """Keep finished sequences; with `on_request_done`, report each request whose samples have all finished."""
         self.finished.extend(done)
+        if self.on_request_done is None:
+            return
+        for seq in done:
+            group = self.unreported.setdefault(seq.request_id, [])
+            group.append(seq)
+            # A forked sample counts 1; a prompt that failed before its fork still stands for all n samples.
+            if sum(s.num_samples for s in group) < self.params.n:
+                continue
+            del self.unreported[seq.request_id]
+            out = RequestOutput(seq.request_id, list(group[0].prompt_token_ids))
+            self.fill(out, group)
+            self.on_request_done(out)
 
     def collect(self, outputs: list[RequestOutput]) -> None:
         """Put every finished sequence into its request's output, in (request, sample) order."""
-        stop, tokenizer = self.params.stop, self.engine.tokenizer
         for seq in sorted(self.finished, key=lambda s: (s.request_id, s.sample_index)):
-            out = outputs[self.by_req[seq.request_id]]
+            self.fill(outputs[self.by_req[seq.request_id]], [seq])
+
+    def fill(self, out: RequestOutput, seqs: list[Sequence]) -> None:
+        """Put finished sequences of one request into its output, in sample order (an error sets `error`)."""
+        for seq in sorted(seqs, key=lambda s: s.sample_index):
             if seq.finish_reason and seq.finish_reason.startswith("error"):
                 out.error = seq.finish_reason
                 continue
-            text = None
-            if tokenizer is not None:
-                text = tokenizer.decode(seq.completion_token_ids)
-                if stop:
-                    cut = find_stop_string(text, stop, 0)
-                    if cut is not None:
-                        ends = [cut + len(s) for s in stop if text.startswith(s, cut)]
-                        text = text[: max(ends)] if ends else text
-            out.samples.append(
-                Sample(
-                    seq.completion_token_ids,
-                    torch.tensor(seq.rollout_logprobs, dtype=torch.float32),
-                    seq.finish_reason or "length",
-                    text,
-                )
-            )
+            out.samples.append(self.sample_of(seq))
+
+    def sample_of(self, seq: Sequence) -> Sample:
+        """The finished sequence as a Sample (built once per sequence)."""
+        smp = self.samples.get(seq.seq_id)
+        if smp is not None:
+            return smp
+        stop, tokenizer = self.params.stop, self.engine.tokenizer
+        text = None
+        if tokenizer is not None:
+            text = tokenizer.decode(seq.completion_token_ids)
+            if stop:
+                cut = find_stop_string(text, stop, 0)
+                if cut is not None:
+                    ends = [cut + len(s) for s in stop if text.startswith(s, cut)]
+                    text = text[: max(ends)] if ends else text
+        smp = Sample(
+            seq.completion_token_ids,
+            torch.tensor(seq.rollout_logprobs, dtype=torch.float32),
+            seq.finish_reason or "length",
+            text,
+        )
+        self.samples[seq.seq_id] = smp
+        return smp
 
 
 @dataclass

@@ -449,7 +449,9 @@ class _StaticDecode:
         torch.cuda.current_stream().wait_stream(stream)
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # thread_local: with algorithm.overlap = "tail" the trainer's thread may launch (and allocate) while
+            # this engine thread captures; only this thread's own calls must stay capture-safe.
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._compute(kind, b)
             self.graphs[(kind, b)] = (g, out)
         self.kinds.add(kind)

@@ -54,6 +54,8 @@ from exactrl.train.offpolicy import (
     staleness_metrics,
 )
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
+from exactrl.train.overlap import TailOverlap
+from exactrl.train.overlap import check_supported as check_overlap_supported
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -360,6 +362,12 @@ class RLRun:
                 f"{cfg.train.moe_z_loss_coef}: router losses need a mixture-of-experts model, and "
                 f"{cfg.model.preset or cfg.model.path} has no sparse layer; set both to 0"
             )
+        # algorithm.overlap = "tail": the step's update is fed group by group while its tail generates (what the
+        # config cannot refuse, a torchrun launch or a mixture of experts, is refused now, before the run dir changes).
+        self.tail: TailOverlap | None = None
+        if cfg.algorithm.overlap == "tail":
+            check_overlap_supported(self.dist.distributed, self.model)
+            self.tail = TailOverlap(self, self.device)
         # An environment that cannot load (or refuses its env.options) is said now, not after the warm start.
         self.env: EnvSetup | None = None
         if cfg.env.name:
@@ -1150,6 +1158,8 @@ class RLRun:
         if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
             sr = self.episodes(step, examples, prompt_ids, index)
             gen_s = time.perf_counter() - t_gen
+        elif self.tail is not None:  # algorithm.overlap = "tail": the update runs inside, group by group
+            sr, m, gen_s, train_s = self.tail.step(step, examples, prompt_ids, index)
         else:
             outs = self.rollout(step, prompt_ids, index)
             gen_s = time.perf_counter() - t_gen
@@ -1157,13 +1167,14 @@ class RLRun:
             if self.cfg.algorithm.resolved_advantage == "remax":
                 baseline = self.greedy_baseline(step, prompt_ids, index, examples)
             sr = self.score(step, examples, prompt_ids, outs, baseline)
-        t_train = time.perf_counter()
-        try:
-            m = self.update(step, sr.rollouts)
-        except MismatchError as err:
-            self.mismatch_abort(step, sr, err)
-            raise
-        train_s = time.perf_counter() - t_train
+        if self.tail is None:
+            t_train = time.perf_counter()
+            try:
+                m = self.update(step, sr.rollouts)
+            except MismatchError as err:
+                self.mismatch_abort(step, sr, err)
+                raise
+            train_s = time.perf_counter() - t_train
         m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
         if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
             from exactrl.model.lora import adapter_nbytes

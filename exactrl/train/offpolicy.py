@@ -223,13 +223,15 @@ class GenerationWorker:
 
     On CUDA the job runs on a stream of its own, so its kernels overlap the trainer's (a thread alone would queue
     them behind the training kernels on the default stream); it waits for the work queued before `start` (the
-    refreshed copy) and the caller's stream waits for the job's work at `result`."""
+    refreshed copy) and the caller's stream waits for the job's work at `result`. priority: the stream's CUDA
+    priority (0 = default, lower = higher: the GPU schedules its kernels first when both streams have work)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, priority: int = 0) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # set_device needs the index
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device, priority=priority) if cuda else None
         self._thread: threading.Thread | None = None
         self._result: Any = None
         self._error: BaseException | None = None

@@ -515,6 +515,94 @@ class PolicyTrainer:
                 out.append((i, int(diff[0, 0]), r.clone(), t.clone()))
         return out
 
+    # -- one step fed microbatch by microbatch (algorithm.overlap = "tail", exactrl/train/overlap.py) ----------
+    def accumulation_refusal(self) -> str | None:
+        """Why this trainer cannot take a step fed as rollouts arrive (None: it can). Such a step makes one update
+        at the weights that sampled the batch, with every loss term a sum over rollouts, and no statistic of the
+        whole batch before the first backward."""
+        s = self.s
+        if not s.exact:
+            return "it needs exact mode (fast mode recomputes and corrects the old logprobs over the whole batch)"
+        if s.ppo_epochs != 1 or s.minibatches != 1:
+            return (
+                f"it makes one update per step (ppo_epochs = {s.ppo_epochs}, minibatches = {s.minibatches}: later "
+                "updates would run at weights the rest of the batch was not sampled from)"
+            )
+        if self.critic is not None or s.advantage == "gae":
+            return "GAE needs the critic's values and advantages whitened over the whole batch"
+        if s.rollout_correction:
+            return f"rollout_correction {s.rollout_correction!r} is fast mode's"
+        if self.sharded:
+            return "it runs on one process (the sharded path reduces gradients per minibatch)"
+        if self.moe:
+            # The router outputs are collected through the model object, which the engine runs at the same time.
+            return "a mixture of experts' router statistics would collect the engine's forwards too"
+        if s.aggregation == "seq-mean-token-sum-norm" and not s.norm_constant:
+            return "seq-mean-token-sum-norm needs a fixed norm_constant (its default is the batch's longest completion)"
+        return None
+
+    def begin_accumulation(self) -> Accumulation:
+        """Start a step whose rollouts come in pieces (`accumulate`), closed by `finish_accumulation`."""
+        why = self.accumulation_refusal()
+        if why is not None:
+            raise ValueError(f"a training step fed as rollouts arrive: {why}")
+        self.skipped_mismatch = None
+        if not self._grads:  # the graphs add into these buffers in place
+            self._grads = self.opt.persistent_grads(self.opt.params)
+        return Accumulation()
+
+    def accumulate(self, acc: Accumulation, rollouts: list[Rollout]) -> None:
+        """Queue forward, loss and backward of `rollouts` (packed by the token budget, in order) into the gradient
+        buffers; nothing is read back and no weight changes. The loss enters with a divisor of 1 (its numerator, a
+        sum over tokens or sequences): the whole batch's count is not known yet; `finish_accumulation` divides the
+        summed gradients by it once."""
+        s = self.s
+        b = self.prepare(rollouts)  # exact mode: old = the recorded logprobs; KL: the reference's, for these
+        offset = len(acc.rollouts)
+        for micro in pack_by_tokens([len(q) - 1 for q in b.seqs], s.max_tokens_per_microbatch):
+            lp, m, vec = self._policy_microbatch(b, micro, 1, acc=acc.acc)
+            acc.done.append(([offset + i for i in micro], m, vec, lp[: len(micro)].clone()))
+        acc.batches.append(b)
+        acc.rollouts += rollouts
+
+    def finish_accumulation(self, acc: Accumulation) -> dict[str, float]:
+        """Divide the summed gradients by the batch's divisor, take the one optimizer step (skipped on the device
+        when a loss is not finite or, exact mode's guard, when any token's logprob differed from the recorded
+        one), and read the results. Raises MismatchError (on_mismatch "abort") with no update applied.
+
+        Bits: the synchronous step divides each microbatch's loss by the divisor before its backward; here the
+        unscaled gradients are summed and divided once, so the gradient agrees with it to float rounding, not
+        bitwise (its microbatches differ too: they follow the order rollouts arrived in)."""
+        s = self.s
+        if not acc.rollouts:
+            raise ValueError("a training step needs at least one rollout")
+        b = _concat_batches(acc.batches)
+        divisor = int(b.full_mask.sum()) if s.aggregation == "token-mean" else len(acc.rollouts)
+        divisor = max(1, divisor)  # no loss token: the gradients are zero either way
+        if self._grads:
+            torch._foreach_div_(self._grads, float(divisor))
+        vecs = torch.stack([d[2] for d in acc.done])
+        bad = ~torch.isfinite(vecs[:, self._metric_names.index("total")]).all()
+        guard = s.on_mismatch != "warn"
+        if guard:
+            bad = bad | (vecs[:, self._metric_names.index("mismatch/sum")] > 0).any()
+        norm = self.opt.clip_and_step_async(s.grad_clip, skip=bad)
+        acc.acc.num_minibatches = 1
+        queued = _QueuedMinibatch(acc.done, vecs, norm, None, True, 1, guard)
+        self.steps_done += 1
+        out = self.read_results(b, [queued], acc.acc)
+        # The loss shares came back as numerators (divisor 1): the batch's mean, as the synchronous step reports.
+        if "pg_loss" in out:
+            out["pg_loss"] /= divisor
+        if guard and b.mismatched:
+            return self._refuse(b, acc.rollouts, out)
+        return out
+
+    def abandon_accumulation(self, acc: Accumulation) -> None:
+        """Drop a step fed in part (generation failed under it): the gradient buffers go back to zero."""
+        acc.done.clear()
+        self.opt.zero_grad()
+
     def prepare(self, rollouts: list[Rollout]) -> StepBatch:
         """Padded [N, L] step tensors: mask, rollout / reference / old logprobs, IS weights, advantages."""
         s = self.s
@@ -835,6 +923,47 @@ class StepBatch:
     @property
     def L(self) -> int:
         return max(self.lengths)
+
+
+@dataclass
+class Accumulation:
+    """A step fed as its rollouts arrive (`PolicyTrainer.begin_accumulation`): the prepared tensors of each piece,
+    the rollouts in the order they were fed, and per queued microbatch (rollout ids in that order, loss mask, metric
+    vector, the trainer's logprobs for the guard)."""
+
+    batches: list[StepBatch] = field(default_factory=list)
+    rollouts: list[Rollout] = field(default_factory=list)
+    done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=list
+    )
+    acc: _Acc = field(default_factory=_Acc)
+
+
+def _concat_batches(batches: list[StepBatch]) -> StepBatch:
+    """The pieces of an accumulated step as one StepBatch (rows in feed order, padded to the longest completion):
+    what `read_results` and the guard's report read."""
+
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+        L = max(t.shape[1] for t in ts)
+        out = ts[0].new_zeros(sum(t.shape[0] for t in ts), L)
+        row = 0
+        for t in ts:
+            out[row : row + t.shape[0], : t.shape[1]] = t
+            row += t.shape[0]
+        return out
+
+    first = batches[0]
+    return StepBatch(
+        lengths=[n for b in batches for n in b.lengths],
+        full_mask=cat([b.full_mask for b in batches]),
+        token_mask=cat([b.token_mask for b in batches]),
+        rollout_lp=cat([b.rollout_lp for b in batches]),
+        seqs=[q for b in batches for q in b.seqs],
+        plens=[p for b in batches for p in b.plens],
+        norm_constant=first.norm_constant,
+        old_lp=cat([b.rollout_lp for b in batches]),
+        use_loss_kl=first.use_loss_kl,
+    )
 
 
 @dataclass
