@@ -227,10 +227,13 @@ class PartialRollouts:
                 g = by_id[ps.request_id]
                 old = g.samples.get(ps.sample_index)
                 prev = old.completion_ids if old is not None else []
-                if ps.completion_ids[: len(prev)] != prev:  # the engine only ever extends a sample
+                # The engine only ever extends a sample: what the guard checked earlier must come back unchanged.
+                if ps.completion_ids[: len(prev)] != prev or (
+                    old is not None and ps.rollout_logprobs[: len(prev)] != old.rollout_logprobs
+                ):
                     raise RuntimeError(
-                        f"partial rollouts: request {ps.request_id} sample {ps.sample_index} came back with other "
-                        "tokens than it was resumed with"
+                        f"partial rollouts: request {ps.request_id} sample {ps.sample_index} came back from the engine "
+                        "with other tokens or logprobs than it was resumed with"
                     )
                 grown = len(ps.completion_ids) - len(prev)
                 g.samples[ps.sample_index] = CarriedSample(

@@ -313,25 +313,34 @@ def test_partial_resume_is_bitwise(partial_run, tmp_path, reward_path, monkeypat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_one_ulp_in_a_carried_prefix_is_caught_before_the_update(tmp_path, reward_path, monkeypatch):
-    """The second generation (the worker's, during step 1's update) records one logprob of a sample it cuts one ulp
-    off: its guard refuses step 2's batch before any update uses it, and names that sample."""
-    calls = {"n": 0}
-    marked: dict[str, int] = {}
+def _plant_at_second_cut(monkeypatch, mark) -> None:
+    """The second generation (the worker's, during step 1's update) records one logprob one ulp off: the first token
+    of a sample it cuts, one this generation started (so every token of it is this generation's)."""
+    cuts: list[list[PartialSample]] = []
     original = engine_partial.PartialGeneration.cut
 
     def cut(self):
         out = original(self)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            s = next(s for s in out if not s.finished and s.completion_ids)
-            s.rollout_logprobs[-1] = float(
-                torch.nextafter(torch.tensor(s.rollout_logprobs[-1]), torch.tensor(0.0))
+        cuts.append(out)
+        if len(cuts) == 2:
+            carried = {_key(s) for s in cuts[0] if not s.finished}
+            s = next(s for s in out if not s.finished and s.completion_ids and _key(s) not in carried)
+            s.rollout_logprobs[0] = float(
+                torch.nextafter(torch.tensor(s.rollout_logprobs[0]), torch.tensor(0.0))
             )
-            marked.update(request_id=s.request_id, sample_index=s.sample_index)
+            mark(s)
         return out
 
     monkeypatch.setattr(engine_partial.PartialGeneration, "cut", cut)
+
+
+def test_one_ulp_in_a_carried_prefix_is_caught_before_the_update(tmp_path, reward_path, monkeypatch):
+    """The second generation (the worker's, during step 1's update) records one logprob of a sample it cuts one ulp
+    off: its guard refuses step 2's batch before any update uses it, and names that sample."""
+    marked: dict[str, int] = {}
+    _plant_at_second_cut(
+        monkeypatch, lambda s: marked.update(request_id=s.request_id, sample_index=s.sample_index)
+    )
     seen = {}
     refuse = RLRun._refuse_batch
 
@@ -351,6 +360,31 @@ def test_one_ulp_in_a_carried_prefix_is_caught_before_the_update(tmp_path, rewar
     saved = _weights(run, 1)
     named = {k: v for k, v in seen["weights"].items() if k in saved}
     assert named and all(torch.equal(saved[k], v) for k, v in named.items())
+    report = json.loads((run / "mismatch-000002" / "report.json").read_text())
+    assert [(q["request_id"], q["sample_index"]) for q in report["sequences"]] == [
+        (marked["request_id"], marked["sample_index"])
+    ]
+
+
+def test_skip_step_drops_the_carried_group_it_refused(tmp_path, reward_path, monkeypatch):
+    """run.on_mismatch = "skip_step": the refused batch is not trained, and the carried group holding the bad
+    logprob leaves the pool, so no later update uses it either; the run goes on, exact."""
+    marked: list[int] = []
+    _plant_at_second_cut(monkeypatch, lambda s: marked.append(s.request_id))
+    trained: list[int] = []
+    update = RLRun.update
+
+    def spy(self, step, rollouts, **kw):
+        trained.extend(r.request_id for r in rollouts)
+        return update(self, step, rollouts, **kw)
+
+    monkeypatch.setattr(RLRun, "update", spy)
+    s = train(_cfg(tmp_path, reward_path, run__on_mismatch="skip_step"), out=lambda *a: None)
+    rows = {r["step"]: r for r in _steps(tmp_path / "run")}
+    assert rows[2]["mismatch/step_skipped"] == 1 and rows[2]["optimizer_steps"] == 0
+    assert rows[2]["offpolicy/partial/guard_dropped_groups"] == 1
+    assert s["mismatched_tokens_total"] == 1 and rows[4]["optimizer_steps"] == 1
+    assert marked and marked[0] not in trained
 
 
 def test_partial_off_leaves_one_step_off_alone(tmp_path, reward_path, monkeypatch):
