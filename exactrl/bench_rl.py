@@ -26,7 +26,12 @@ the engine samples the next batch in a worker thread (its own CUDA stream) while
 says `overlapped`, adds `offpolicy_wait_s` (the trainer waiting for the worker after its update) and
 `offpolicy_guard_s` (the guard's forward on the engine's copy, in the worker), and `idle_s` is what remains of
 the step outside train, weight sync and that wait. The whole-step ratio against the synchronous loop is the
-ratio of the two runs' `step_s`.
+ratio of the two runs' `step_s`. `--max-off-policy-steps 2 --partial-rollouts` adds partial rollouts
+(exactrl/train/partial.py): each generation stops once the step's groups are complete, `--partial-oversample`
+more groups in flight, the unfinished samples resumed (recomputed) in the next; the record adds where the cut
+fell (`offpolicy_partial_engine_steps`), what resuming cost (`offpolicy_partial_recomputed_tokens`) and the
+staleness (`offpolicy_versions_behind_max`, at most 2). Request ids count up over the run, and request r gets the
+workload's prompt r % --prompts with its length plan.
 
 `--overlap tail` runs the on-policy tail overlap (algorithm.overlap, exactrl/train/overlap.py): each finished
 group is trained on while the rest of the batch generates, one optimizer step per batch. Its stages run inside
@@ -65,6 +70,18 @@ STAGES = (
     ("reward_s", "score"),
     ("train_s", "update"),
     ("weight_sync_s", "sync_weights"),
+)
+
+
+# Partial rollouts' per-step figures (offpolicy/<key> in the step's metrics) that the record carries.
+PARTIAL_KEYS = (
+    "partial/engine_steps",
+    "partial/resumed_samples",
+    "partial/recomputed_tokens",
+    "partial/carried_samples",
+    "partial/due_groups",
+    "versions_behind/max",
+    "mixed_version_seqs",
 )
 
 
@@ -167,6 +184,8 @@ class _StageTimers:
             if tail and name != "sync_weights":
                 continue
             owner = run.parallel if name == "sync_weights" else run
+            if name == "rollout" and getattr(run, "partial", None) is not None:
+                owner, name = run.partial, "generate"  # partial rollouts: the generation cut by count
             fn = getattr(owner, name, None)
             if not callable(fn):
                 raise RuntimeError(
@@ -268,6 +287,8 @@ def _config(args: Any, out_dir: str, steps: int):
             "rollouts_per_step": args.prompts * args.samples,
             "max_off_policy_steps": getattr(args, "max_off_policy_steps", 0),
             "overlap": getattr(args, "overlap", "none"),
+            "partial_rollouts": bool(getattr(args, "partial_rollouts", False)),
+            "partial_oversample": getattr(args, "partial_oversample", 0.25),
         },
         "train": {
             "steps": steps,
@@ -329,6 +350,8 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             index = list(range(len(wl.prompt_ids)))
             # The step's prompts stage: the workload's prompts, the same in every step.
             run.prompts = lambda: (examples, wl.prompt_ids, index)
+            if run.partial is not None:
+                run.prompts = _cycling_prompts(examples, wl.prompt_ids)
             timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
             records = []
             for k in range(total):
@@ -349,6 +372,21 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             run.close()
     timed = records[args.warmup :]
     return _record(args, device, wl, run, timed, records[: args.warmup])
+
+
+def _cycling_prompts(examples: list[Any], prompt_ids: list[list[int]]) -> Callable[..., Any]:
+    """Partial rollouts top their pool up with `count` prompts at a time: the workload's prompts in order, round and
+    round. Their request ids count up from 0 in the same order (train/partial.py), so request r gets the workload's
+    prompt r % P and PlannedLengthEngine's length plan for it."""
+    cursor = [0]
+
+    def prompts(count: int | None = None) -> tuple[list[Any], list[list[int]], list[int]]:
+        count = len(prompt_ids) if count is None else count
+        idx = [(cursor[0] + j) % len(prompt_ids) for j in range(count)]
+        cursor[0] += count
+        return [examples[i] for i in idx], [prompt_ids[i] for i in idx], list(range(count))
+
+    return prompts
 
 
 def _asdict(x: Any) -> dict[str, Any]:
@@ -391,6 +429,9 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
         rec["offpolicy_wait_s"] = float(m.get("offpolicy/wait_s", 0.0))
         rec["offpolicy_guard_s"] = float(m.get("offpolicy/guard_s", 0.0))
         rec["offpolicy_versions_behind"] = float(m.get("offpolicy/versions_behind/token_mean", 0.0))
+        for key in PARTIAL_KEYS:  # partial rollouts: where the cut fell and what resuming cost
+            if f"offpolicy/{key}" in m:
+                rec[f"offpolicy_{key.replace('/', '_')}"] = float(m[f"offpolicy/{key}"])
         rec["idle_s"] = step_s - rec["train_s"] - rec["weight_sync_s"] - rec["offpolicy_wait_s"]
     else:
         rec["idle_s"] = step_s - sum(timers.seconds[k] for k, _ in STAGES)
@@ -461,6 +502,8 @@ def _record(
     rec["idle_s"] = med["idle_s"]
     rec["max_off_policy_steps"] = run.cfg.algorithm.max_off_policy_steps
     rec["overlap"] = run.cfg.algorithm.overlap
+    rec["partial_rollouts"] = run.cfg.algorithm.partial_rollouts
+    partial = [f"offpolicy_{key.replace('/', '_')}" for key in PARTIAL_KEYS]
     for k in (
         "overlapped",
         "offpolicy_wait_s",
@@ -471,6 +514,7 @@ def _record(
         "overlap_share_during_generation",
         "overlap_microbatches",
         "overlap_microbatches_during_generation",
+        *partial,
     ):
         if k in med:
             rec[k] = med[k]
@@ -595,6 +639,11 @@ def _table(rec: dict[str, Any]) -> str:
         ("  train_after_generate_s", rec.get("train_after_generate_s")),
         ("  overlap_wait_s", rec.get("overlap_wait_s")),
         ("overlap_share_during_generation", rec.get("overlap_share_during_generation")),
+        ("  partial: engine steps", rec.get("offpolicy_partial_engine_steps")),
+        ("  partial: resumed samples", rec.get("offpolicy_partial_resumed_samples")),
+        ("  partial: recomputed tokens", rec.get("offpolicy_partial_recomputed_tokens")),
+        ("  partial: carried samples", rec.get("offpolicy_partial_carried_samples")),
+        ("  partial: versions behind max", rec.get("offpolicy_versions_behind_max")),
         ("generated_tokens", rec["generated_tokens"]),
         ("tokens_per_s (over the step)", rec["tokens_per_s"]),
         ("generate_tokens_per_s", rec["generate_tokens_per_s"]),
@@ -639,6 +688,8 @@ def main(args: Any) -> int:
         name += f"-offpolicy{args.max_off_policy_steps}"  # next to the synchronous record, not over it
     if getattr(args, "overlap", "none") != "none":
         name += f"-overlap-{args.overlap}"
+    if getattr(args, "partial_rollouts", False):
+        name += "-partial"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))

@@ -442,8 +442,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-off-policy-steps",
         type=int,
         default=0,
-        choices=[0, 1],
-        help="algorithm.max_off_policy_steps: 1 = the next batch is sampled during the update (one-step-off)",
+        choices=[0, 1, 2],
+        help="algorithm.max_off_policy_steps: 1 = the next batch is sampled during the update (one-step-off); 2 = "
+        "with --partial-rollouts",
+    )
+    rl.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        help="algorithm.partial_rollouts: each generation stops once the step's groups have finished, the rest "
+        "continue in the next (needs --max-off-policy-steps 2)",
+    )
+    rl.add_argument(
+        "--partial-oversample",
+        type=float,
+        default=0.25,
+        help="algorithm.partial_oversample: groups in flight beyond the step's, as a fraction of them",
     )
     rl.add_argument(
         "--overlap",

@@ -544,16 +544,30 @@ class AlgorithmConfig:
     0 = the synchronous loop (sample, then train on it). 1 = one-step-off: the engine samples the next batch from
     its own weight copy while the trainer updates on this one, every token keeps the logprob and version of the
     policy that sampled it, the guard checks those logprobs against the behaviour weights before any update uses
-    them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, one process, single-turn only."""
+    them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, one process, single-turn only.
+    >= 2 only with partial_rollouts (a cut sample's tokens wait one more version)."""
     off_policy_is_cap: float = 2.0
     """Decoupled PPO (max_off_policy_steps >= 1): cap on the per-token importance weight pi_prox / pi_behav."""
     overlap: Overlap = "none"
     """"none": sample the whole batch, then train on it. "tail": on-policy overlap within a step: the engine generates in a worker thread and each prompt's group, once all its samples are finished and scored, is trained on (forward + backward, gradients accumulated) while the rest of the batch keeps generating from the same weights; the one optimizer step waits for the whole batch. Rollouts are the synchronous run's bit for bit; the update agrees with it to float rounding (microbatches follow the finish order). Exact mode, one process, single-turn, one update per step, group-local advantages (see docs/algorithms.md)."""
+    partial_rollouts: bool = False
+    """Off-policy generation stops once the step's prompts_per_step groups have finished (over-sampled by
+    partial_oversample); the unfinished samples keep their tokens and behaviour logprobs and continue in the next
+    step's generation, re-prefilled under the new weights. Needs max_off_policy_steps >= 2: a carried token is
+    trained two versions after the one that sampled it; a group that would exceed the bound is finished in the
+    generation where it is due, never cut. See docs/algorithms.md."""
+    partial_oversample: float = 0.25
+    """Partial rollouts: groups in flight beyond prompts_per_step, as a fraction of it (rounded up), in (0, 1]."""
 
     @property
     def prompts_per_step(self) -> int:
         """Distinct prompts per optimizer step (rollouts_per_step / group_size)."""
         return self.rollouts_per_step // self.group_size
+
+    @property
+    def partial_extra_groups(self) -> int:
+        """Partial rollouts: groups kept in flight beyond prompts_per_step (at least 1, at most prompts_per_step)."""
+        return max(1, math.ceil(self.prompts_per_step * self.partial_oversample))
 
     @property
     def resolved_advantage(self) -> str:
@@ -671,11 +685,24 @@ class AlgorithmConfig:
             _check_positive(self.value_clip, "algorithm.value_clip")
         _check_nonneg(self.vf_coef, "algorithm.vf_coef")
         _check_positive(self.rollout_correction_threshold, "algorithm.rollout_correction_threshold")
-        if self.max_off_policy_steps not in (0, 1):
+        if self.partial_rollouts:
+            if isinstance(self.max_off_policy_steps, bool) or not (
+                isinstance(self.max_off_policy_steps, int) and self.max_off_policy_steps >= 2
+            ):
+                _fail(
+                    "algorithm.max_off_policy_steps",
+                    f"must be >= 2 with algorithm.partial_rollouts = true, got {self.max_off_policy_steps!r}: a "
+                    "sample cut in one step's generation finishes in the next, so its first tokens are trained two "
+                    "versions after the one that sampled them",
+                )
+            if not (math.isfinite(self.partial_oversample) and 0 < self.partial_oversample <= 1):
+                _fail("algorithm.partial_oversample", f"must be in (0, 1], got {self.partial_oversample!r}")
+        elif self.max_off_policy_steps not in (0, 1):
             _fail(
                 "algorithm.max_off_policy_steps",
                 f"must be 0 (synchronous) or 1 (one-step-off), got {self.max_off_policy_steps!r}: on one device one "
-                "batch in flight already overlaps generation with the update; a deeper queue is not implemented",
+                "batch in flight already overlaps generation with the update; a deeper queue is not implemented "
+                "(>= 2 is for algorithm.partial_rollouts = true)",
             )
         if not (math.isfinite(self.off_policy_is_cap) and self.off_policy_is_cap >= 1):
             _fail(

@@ -189,6 +189,29 @@ class Scheduler:
             return
         self.waiting.append(seq)
 
+    def readmit(self, seq: Sequence) -> None:
+        """Queue a single-turn sample that already generated tokens in an earlier call (a partial rollout cut
+        before it finished), at the FRONT of the waiting queue, as a preempted sequence waits: it holds no KV,
+        so its admission prefills prompt + generated tokens under the weights the engine holds NOW, and samples
+        the token after its last one. (KV written under other weights is never extended: that would record
+        logprobs that no single version's forward computes.) One that can never fit is finished with an error."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"only a waiting sequence without KV can be readmitted, got {seq}")
+        if seq.multi_turn or seq.num_samples != 1:
+            raise ValueError(
+                f"sequence {seq.seq_id}: only a single-turn sample (num_samples = 1) is readmitted"
+            )
+        if len(seq.rollout_logprobs) != seq.num_completion_tokens or seq.num_turn_tokens >= seq.max_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id}: {seq.num_completion_tokens} generated tokens with "
+                f"{len(seq.rollout_logprobs)} logprobs and max_tokens {seq.max_tokens}: nothing left to sample"
+            )
+        self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
+        if self._never_fits(seq):
+            self._finish(seq, self._too_long_reason(seq))
+            return
+        self.waiting.appendleft(seq)
+
     def new_seq_id(self) -> int:
         """A seq id not used by any sequence added so far (forks take theirs from here too)."""
         sid = self._next_seq_id

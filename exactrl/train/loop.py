@@ -56,6 +56,7 @@ from exactrl.train.offpolicy import (
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.overlap import TailOverlap
 from exactrl.train.overlap import check_supported as check_overlap_supported
+from exactrl.train.partial import PartialRollouts, check_partial_supported
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -313,6 +314,7 @@ class RLRun:
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
         check_supported(cfg, self.dist.distributed)
+        check_partial_supported(cfg, self.dist.distributed)
         if cfg.algorithm.prompts_per_step < self.dist.world_size:
             raise ValueError(
                 f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
@@ -440,6 +442,8 @@ class RLRun:
         self.behaviour: BehaviourPolicy | None = None
         self.worker: GenerationWorker | None = None
         self.pending: BehaviourBatch | None = None
+        # algorithm.partial_rollouts: the groups in flight between generations (built with the weight copy).
+        self.partial: PartialRollouts | None = None
 
     def check_resume_point(self) -> None:
         """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
@@ -638,6 +642,10 @@ class RLRun:
             self.behaviour = BehaviourPolicy(model, version=0)
             self.worker = GenerationWorker(self.device)
             engine_model = self.behaviour.model
+            if a.partial_rollouts:
+                self.partial = PartialRollouts(
+                    a.max_off_policy_steps, a.prompts_per_step, a.partial_extra_groups, a.group_size
+                )
         if (
             tr.activation_checkpointing
         ):  # the trainer's models only: the engine and the reference run no backward
@@ -711,6 +719,10 @@ class RLRun:
         if self.behaviour is not None:
             self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
             self.pending = load_pending(self.resume_from, StepRollouts)
+            if self.partial is not None and not self.partial.load(self.resume_from):
+                self.out(
+                    "partial rollouts: the checkpoint holds no samples in flight; the run starts a fresh pool"
+                )
             if self.pending is not None:
                 self.out(
                     f"off-policy resume: step {self.step + 1} trains on the batch the checkpoint holds (sampled by "
@@ -731,16 +743,18 @@ class RLRun:
         if self.critic_opt is not None:
             set_lr(self.critic_opt, tr.critic_lr * factor)
 
-    def prompts(self) -> tuple[list[Example], list[list[int]], list[int]]:
+    def prompts(self, count: int | None = None) -> tuple[list[Example], list[list[int]], list[int]]:
         """This rank's share of the step's prompts, with their indices in the step (which key the sampling
         noise, so a prompt gets the same completions at every world size). Every rank reads the same stream;
-        too-long prompts are skipped and counted, not a crash."""
+        too-long prompts are skipped and counted, not a crash. count: how many (default prompts_per_step; partial
+        rollouts top their pool up)."""
         cfg = self.cfg
+        count = cfg.algorithm.prompts_per_step if count is None else count
         # Two passes over a finite training set with no prompt that fits means none ever will.
         max_skips_in_a_row = 2 * getattr(self.task, "num_train", 5_000) + 1
         examples, prompt_ids = [], []
         skipped_in_a_row = 0
-        while len(examples) < cfg.algorithm.prompts_per_step:
+        while len(examples) < count:
             ex = next(self.stream)
             ids = self.encode(ex)
             if not self.prompt_filter.admit(ex, ids) or not self._room_for_a_turn(ids):
@@ -1115,13 +1129,17 @@ class RLRun:
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
         extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
-        if self.pending is not None:  # off-policy: the batch sampled ahead travels with the checkpoint
-            pending, lora_extra = self.pending, extra
+        if self.pending is not None or self.partial is not None:
+            # off-policy: the batch sampled ahead (and the partial rollouts in flight) travel with the checkpoint
+            pending, partial, lora_extra = self.pending, self.partial, extra
 
             def extra(d: Path) -> None:
                 if lora_extra is not None:
                     lora_extra(d)
-                save_pending(d, pending)
+                if pending is not None:
+                    save_pending(d, pending)
+                if partial is not None:
+                    partial.save(d)
 
         common = dict(
             tokenizer=self.tok,
@@ -1199,12 +1217,14 @@ class RLRun:
         self.last_rollouts = sr
         return m
 
-    # -- the off-policy step (algorithm.max_off_policy_steps = 1) ----------------------------------------------
+    # -- the off-policy step (algorithm.max_off_policy_steps >= 1) ---------------------------------------------
     def behaviour_batch(self, step: int) -> BehaviourBatch:
         """prompts -> rollout -> score for step `step`, sampled from the engine's copy, then the guard on the
         copy's training forward (before the copy is refreshed). Runs in the generation worker during the previous
         step's update (or in the caller when nothing is pending: the first step, after a resume)."""
         assert self.behaviour is not None
+        if self.partial is not None:  # generation cut by count, unfinished samples carried (train/partial.py)
+            return self.partial.batch(self, step)
         t0 = time.perf_counter()
         examples, prompt_ids, index = self.prompts()
         outs = self.rollout(step, prompt_ids, index)
@@ -1227,7 +1247,8 @@ class RLRun:
     def _report_pending(self, step: int, batch: BehaviourBatch) -> None:
         """A batch the guard refused: its replay report, written now, while the copy holds its sampling weights."""
         if batch.mismatch is not None:
-            batch.report = self.mismatch_report(step, batch.sr.rollouts, batch.mismatch)
+            checked = batch.checked if batch.checked is not None else batch.sr.rollouts
+            batch.report = self.mismatch_report(step, checked, batch.mismatch)
 
     def off_policy_step(self) -> dict[str, float]:
         """One-step-off: train on the pending batch (sampled by the previous version) while the worker samples
@@ -1268,7 +1289,8 @@ class RLRun:
             else torch.tensor(ro.loss_mask, dtype=torch.bool)
             for ro in sr.rollouts
         ]
-        m.update(staleness_metrics(batch, step, masks))
+        m.update(staleness_metrics(batch, step, masks, mixed=self.partial is not None))
+        m.update(batch.partial)  # partial rollouts: the generation's cut, carried and recomputed counts
         # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
         m["offpolicy/guard_s"] = batch.guard_s
         m["offpolicy/wait_s"] = wait_s  # the trainer waiting for the next batch after its update

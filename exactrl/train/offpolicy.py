@@ -98,6 +98,10 @@ class BehaviourBatch:
     guard_s: float = 0.0
     mismatch: MismatchError | None = None  # the guard's verdict when a token differs
     report: Any = None  # the replay report's path, written while the copy still held the behaviour weights
+    # Partial rollouts: what the guard scored (the tokens the copy sampled, in this batch and in the samples carried
+    # on; the replay report's sequences index it; None: the batch's rollouts), and the generation's own metrics.
+    checked: list[Rollout] | None = None
+    partial: dict[str, float] = field(default_factory=dict)
 
 
 PENDING_FILE = "offpolicy_pending.json"
@@ -145,6 +149,8 @@ def save_pending(directory: Path, batch: BehaviourBatch) -> None:
         "guard": batch.guard,
         "guard_s": batch.guard_s,
     }
+    if batch.partial:
+        d["partial"] = batch.partial
     (directory / PENDING_FILE).write_text(json.dumps(d) + "\n")
 
 
@@ -163,6 +169,7 @@ def load_pending(directory: Path, step_rollouts_cls: type) -> BehaviourBatch | N
         model_tokens=d["model_tokens"],
         guard=d["guard"],
         guard_s=d["guard_s"],
+        partial=d.get("partial", {}),
     )
 
 
@@ -203,19 +210,30 @@ def check_batch(
 
 
 def staleness_metrics(
-    batch: BehaviourBatch, policy_version: int, masks: list[torch.Tensor]
+    batch: BehaviourBatch, policy_version: int, masks: list[torch.Tensor], mixed: bool = False
 ) -> dict[str, float]:
     """How many versions behind the trained policy the batch's tokens are: per token (over the model's tokens,
-    masks[i]: [C] bool) and per sequence (a sequence's mean over its tokens), and the largest."""
+    masks[i]: [C] bool) and per sequence (a sequence's mean over its tokens), and the largest.
+
+    mixed (partial rollouts, where one sequence's tokens may come from several versions): also per sequence its
+    oldest token (what the staleness bound limits), how many sequences span more than one version, and the oldest
+    version in the batch (`behaviour_version` is then the newest: the copy that finished the batch)."""
     behind = [(policy_version - v[m]).double() for v, m in zip(batch.versions, masks)]
     tokens = torch.cat(behind) if behind else torch.zeros(0, dtype=torch.float64)
     seqs = torch.stack([b.mean() for b in behind if b.numel()]) if behind else tokens
-    return {
+    out = {
         "offpolicy/versions_behind/token_mean": float(tokens.mean()) if tokens.numel() else 0.0,
         "offpolicy/versions_behind/seq_mean": float(seqs.mean()) if seqs.numel() else 0.0,
         "offpolicy/versions_behind/max": float(tokens.max()) if tokens.numel() else 0.0,
         "offpolicy/behaviour_version": float(batch.version),
     }
+    if mixed:
+        oldest = [float(b.max()) for b in behind if b.numel()]
+        spans = [int(b.max() != b.min()) for b in behind if b.numel()]
+        out["offpolicy/versions_behind/seq_oldest_mean"] = sum(oldest) / len(oldest) if oldest else 0.0
+        out["offpolicy/mixed_version_seqs"] = float(sum(spans))
+        out["offpolicy/behaviour_version_oldest"] = float(policy_version - max(oldest, default=0.0))
+    return out
 
 
 class GenerationWorker:
