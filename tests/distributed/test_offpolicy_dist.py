@@ -324,3 +324,19 @@ def test_one_step_off_at_world_size_4(tmp_path):
     for rec in _records(tmp_path, "g4", 4):
         assert rec["replica_behaviour"] and rec["models"] == 2
         assert [rec["steps"][s]["version"] for s in ("1", "2", "3")] == [0, 0, 1]
+
+
+def test_the_memory_plan_counts_no_third_copy_under_torchrun():
+    """The memory plan of a one-step-off run: a behaviour copy on one device; under torchrun the engine replica the
+    synchronous run holds anyway, and nothing more (the replica is the copy)."""
+    from exactrl.config import apply_overrides, config_from_dict
+    from exactrl.train.memory import GiB, plan_memory
+
+    def terms(k: int, ws: int) -> dict[str, int]:
+        cfg = config_from_dict({"model": {"preset": "tiny", "dtype": "bfloat16"}})
+        cfg = apply_overrides(cfg, [f"algorithm.max_off_policy_steps={k}"])
+        cfg.validate()
+        return plan_memory(cfg, world_size=ws, gpu_memory=80 * GiB, device="cuda").phase("training").terms
+
+    assert "behaviour_copy" in terms(1, 1) and "behaviour_copy" not in terms(0, 1)
+    assert terms(1, 2) == terms(0, 2) and terms(1, 2)["engine_replica"] > 0
