@@ -157,6 +157,9 @@ def cli_job(job: dict) -> None:
                 id(e) in replica_tensors for _, e in run.parallel._pairs
             )
             record["models"] = sum(isinstance(o, CausalLM) for o in gc.get_objects())
+            # AdamW steps the policy took on this rank (a refused batch must add none).
+            states = [run.opt.opt.state.get(m, {}) for m in run.opt.master]
+            record["adam_steps"] = max((float(st["step"]) for st in states if "step" in st), default=0.0)
         if job.get("record"):
             out = Path(job["record"])
             out.mkdir(parents=True, exist_ok=True)

@@ -204,6 +204,7 @@ def test_a_fault_on_one_rank_stops_every_rank_before_the_update(ws2):
         assert "step 2" in rec["error"] and "no optimizer step was applied" in rec["error"], rec["error"]
         assert "on rank 1" in rec["error"] and "behaviour weights" in rec["error"] and "0x" in rec["error"]
         assert "completion position 0" in rec["error"]
+        assert rec["adam_steps"] == 1.0, rec  # step 1's update only: step 2's was never applied
     run = ws2 / "fault"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000001"
     assert sorted(_steps(run)) == [1]
@@ -227,6 +228,8 @@ def more(ws2) -> Path:
         _cli(tmp, "r22", 3, BF16, resume=True),
         _cli(tmp, "skip", 3, BF16, "run.on_mismatch=skip_step", plant_ulp=[1, 2]),
         _cli(tmp, "k0", 2, BF16, "algorithm.max_off_policy_steps=0", refuse_offpolicy=True),
+        # LoRA: the sync moves the adapters alone; the reference is the base with the adapters off.
+        _cli(tmp, "lora", 2, "lora.rank=4", "algorithm.kl_coef=0.05"),
         # Rank 1's worker raises while sampling step 2's batch (during step 1's update): the launch's last job.
         _cli(tmp, "wfail", 3, worker_fail=[1, 2]),
     ]
@@ -303,6 +306,16 @@ def test_k0_under_torchrun_never_touches_the_off_policy_machinery(more):
     assert all(m["mismatch/num_mismatched_tokens"] == 0 < m["mismatch/num_tokens"] for m in rows.values())
     assert not any(k.startswith("offpolicy/") for m in rows.values() for k in m)
     assert all(r["error"] is None for r in _records(more, "k0", 2))
+
+
+@pytest.mark.slow
+def test_one_step_off_with_lora_at_world_size_2(more):
+    rows = _assert_exact(more / "lora", 2)
+    assert rows[2]["offpolicy/versions_behind/token_mean"] == 1.0
+    full = _steps(more / "k1")[1]["weight_sync/bytes"]
+    assert all(0 < m["weight_sync/bytes"] < full / 5 for m in rows.values())  # the adapters alone travel
+    assert (more / "lora" / "checkpoints" / "step-000001" / "adapter" / "adapter_config.json").is_file()
+    assert (more / "lora" / "checkpoints" / "step-000001" / "offpolicy_pending" / "rank1-of-2").is_dir()
 
 
 @pytest.mark.slow
