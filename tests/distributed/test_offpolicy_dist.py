@@ -1,6 +1,9 @@
 """One-step-off RL under torchrun (algorithm.max_off_policy_steps = 1) on CPU ranks (gloo), launched as
 `python -m torch.distributed.run --standalone` subprocesses of `_offdist_driver.py`.
 
+Without a launch: the guard's metrics merged over the ranks, its verdict and a worker's failure agreed from the
+other ranks' answers, the pending batch's shares loaded as saved or split again by prompt groups, the memory plan.
+
 Default run (one launch at world size 2, bf16: the replica in bf16, the FSDP2 masters in fp32):
 - a 3-step run is exact (0 mismatched over every rank's tokens), one version behind after the first step, samples
   from the engine replica the weight sync refreshes (no third copy), which holds the version its batch is tagged
@@ -22,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from exactrl.distributed.env import DistContext
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_offdist_driver.py")
@@ -128,6 +133,171 @@ def _assert_exact(run: Path, steps: int) -> dict[int, dict]:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mismatched_tokens_total"] == 0 and summary["rl_steps"] == steps
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The pieces, without a launch: what each rank does with the other ranks' answers
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Ranks(DistContext):
+    """Rank `rank` of a run whose other ranks answered `others` (in rank order, this rank's slot left out) to the
+    one all-gather the code under test issues."""
+
+    def __init__(self, rank: int, others: list) -> None:
+        super().__init__(rank=rank, world_size=len(others) + 1, backend="gloo")
+        self.others = others
+
+    def all_gather_object(self, obj):
+        parts = list(self.others)
+        parts.insert(self.rank, obj)
+        return parts
+
+
+def _rows(seed: int, n: int, width: int, differ: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rl = -torch.rand(n, width, generator=g) * 4
+    tl = rl.clone()
+    mask = torch.arange(width)[None, :] < torch.randint(1, width + 1, (n, 1), generator=g)
+    for i in range(differ):  # one ulp off, as a real fault shows
+        tl[i, 0] = torch.nextafter(tl[i, 0], torch.tensor(0.0))
+    return rl, tl, mask
+
+
+def test_guard_metrics_merged_over_the_ranks_are_the_whole_batchs():
+    from exactrl.algorithms import mismatch_metrics
+    from exactrl.train.offpolicy_dist import merge_mismatch_metrics
+
+    a, b = _rows(0, 5, 7, differ=2), _rows(1, 3, 4, differ=1)
+    merged = merge_mismatch_metrics([mismatch_metrics(*a), mismatch_metrics(*b)])
+    pad = torch.nn.functional.pad
+    whole = mismatch_metrics(*[torch.cat([x, pad(y, (0, 3))]) for x, y in zip(a, b)])
+    assert merged.keys() == whole.keys()
+    for k in ("mismatch/num_tokens", "mismatch/num_mismatched_tokens", "mismatch/logprob_abs_diff_max"):
+        assert merged[k] == whole[k], k
+    assert merged["mismatch/num_mismatched_tokens"] == 3
+    for k in ("mismatch/logprob_abs_diff_mean", "mismatch/token_mult_prob_error", "mismatch/kl_k3"):
+        assert merged[k] == pytest.approx(whole[k], rel=1e-12, abs=1e-15), k
+    # A rank with no token (the step's groups all on the others) changes nothing.
+    empty = mismatch_metrics(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool))
+    assert merge_mismatch_metrics([mismatch_metrics(*a), empty]) == mismatch_metrics(*a)
+    with pytest.raises(ValueError, match="no rule to combine"):
+        merge_mismatch_metrics([{"mismatch/new_metric": 1.0}])
+
+
+def test_the_guard_verdict_is_every_ranks():
+    from exactrl.algorithms import mismatch_metrics
+    from exactrl.train.offpolicy_dist import agree_guard
+    from exactrl.train.trainer import MismatchError
+
+    clean, bad = mismatch_metrics(*_rows(0, 4, 5)), mismatch_metrics(*_rows(1, 4, 5, differ=1))
+    seqs = [(0, 0, torch.zeros(3), torch.ones(3))]
+    err = MismatchError("1 of 14 rollout logprobs differ (request 6)", seqs)
+    # Rank 0 found nothing, rank 1 did: rank 0 refuses too, naming rank 1's token, with no sequence of its own.
+    m0, e0 = agree_guard(_Ranks(0, [(bad, str(err))]), clean, None)
+    m1, e1 = agree_guard(_Ranks(1, [(clean, None)]), bad, err)
+    assert e0 is not None and e1 is not None and str(e0) == str(e1)
+    assert "on rank 1" in str(e0) and "request 6" in str(e0)
+    assert e0.sequences == [] and e1.sequences is seqs
+    assert m0 == m1 and m0["mismatch/num_mismatched_tokens"] == 1
+    # Every rank clean: no error anywhere (the negative control of the two lines above).
+    assert agree_guard(_Ranks(0, [(clean, None)]), clean, None)[1] is None
+
+
+def test_a_failure_on_any_rank_is_raised_on_every_rank():
+    from exactrl.train.offpolicy_dist import WorkerFailed, agreed
+
+    assert agreed(_Ranks(0, [None, None]), "sampling", lambda: 7) == 7
+    with pytest.raises(WorkerFailed, match=r"sampling failed on rank 2: ValueError: prompt too long"):
+        agreed(_Ranks(0, [None, "ValueError: prompt too long"]), "sampling", lambda: 7)
+
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(WorkerFailed, match=r"failed on rank 1 \(and on ranks \[2\]\): KeyError") as info:
+        agreed(_Ranks(1, [None, "OSError: disk"]), "sampling", fail)
+    assert isinstance(info.value.__cause__, KeyError)  # this rank's own error, chained
+    with pytest.raises(KeyError):  # one process: the error itself
+        agreed(DistContext.single(), "sampling", fail)
+
+
+def _pending(tmp: Path, ws: int, groups_per_rank: list[int]) -> Path:
+    """A checkpoint folder with each rank's share of a pending batch of 2-sample groups, as `save_rank_pending`
+    writes it; request ids number the groups in step order."""
+    from exactrl.train.loop import StepRollouts
+    from exactrl.train.offpolicy import BehaviourBatch
+    from exactrl.train.offpolicy_dist import save_rank_pending
+    from exactrl.train.trainer import Rollout
+
+    total = sum(groups_per_rank)
+    rewards = torch.arange(2 * total, dtype=torch.float32) / 8
+    start = 0
+    for r in range(ws):
+        rollouts, versions = [], []
+        for g in range(start, start + groups_per_rank[r]):
+            for j in range(2):
+                n = 1 + (g + j) % 3
+                lp = -torch.rand(n) - 0.5
+                rollouts.append(
+                    Rollout([1, 2, 3], list(range(4, 4 + n)), lp, request_id=100 + g, sample_index=j)
+                )
+                versions.append(torch.full((n,), 4, dtype=torch.int64))
+        start += groups_per_rank[r]
+        sr = StepRollouts(
+            rollouts,
+            rewards,
+            rewards - 1,
+            {},
+            0,
+            [3] * len(rewards),
+            [False] * len(rewards),
+            {},
+            ["c"] * len(rollouts),
+            ["a"] * len(rollouts),
+        )
+        save_rank_pending(tmp, BehaviourBatch(sr, 4, versions, 0.5, 99), r, ws)
+    return tmp
+
+
+def test_pending_shares_load_as_saved_or_split_by_prompt_groups(tmp_path):
+    from exactrl.train.loop import StepRollouts
+    from exactrl.train.offpolicy_dist import load_any_pending
+
+    d = _pending(tmp_path, 2, [2, 3])
+    ids = lambda b: [ro.request_id for ro in b.sr.rollouts]  # noqa: E731
+    # The same world size: each rank its own share, bit for bit.
+    b1, note = load_any_pending(d, _Ranks(1, [None]), StepRollouts)
+    assert note is None and ids(b1) == [102, 102, 103, 103, 104, 104]
+    # One rank: the whole batch, in step order; its logprobs and versions travel with their rollouts.
+    (whole, note), (own0, _) = (
+        load_any_pending(d, DistContext.single(), StepRollouts),
+        load_any_pending(d, _Ranks(0, [None]), StepRollouts),
+    )
+    assert "sampled on 2 ranks, is split over 1" in note and ids(whole) == [
+        100 + g for g in range(5) for _ in "ab"
+    ]
+    assert all(
+        torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+        for a, b in zip(whole.sr.rollouts, own0.sr.rollouts + b1.sr.rollouts)
+    )
+    assert [len(v) for v in whole.versions] == [len(ro.completion_ids) for ro in whole.sr.rollouts]
+    assert (
+        torch.equal(whole.sr.advantages, own0.sr.advantages)
+        and whole.version == 4
+        and whole.model_tokens == 99
+    )
+    # Three ranks: whole groups, contiguous, every rank at least one.
+    shares = [ids(load_any_pending(d, _Ranks(r, [None, None]), StepRollouts)[0]) for r in range(3)]
+    assert shares == [[100, 100, 101, 101], [102, 102, 103, 103], [104, 104]]
+    # More ranks than groups: nothing to split, said.
+    none, note = load_any_pending(d, _Ranks(0, [None] * 5), StepRollouts)
+    assert none is None and "fewer prompt groups than the 6 ranks" in note
+    # A share missing (a copy cut short): refused, naming the folder.
+    import shutil
+
+    shutil.rmtree(d / "offpolicy_pending" / "rank1-of-2")
+    with pytest.raises(ValueError, match="incomplete"):
+        load_any_pending(d, _Ranks(0, [None]), StepRollouts)
 
 
 @pytest.fixture(scope="module")
