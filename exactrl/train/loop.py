@@ -1344,8 +1344,10 @@ class RLRun:
         ]
         m.update(step_staleness(self.dist, batch, step, masks))
         # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
-        m["offpolicy/guard_s"] = batch.guard_s
-        m["offpolicy/wait_s"] = wait_s  # the trainer waiting for the next batch after its update
+        # Under torchrun: the slowest rank's (the step waits for it) and each rank's own (a collective).
+        m.update(per_rank_metric(self.dist, "offpolicy/guard_s", batch.guard_s))
+        # The trainer waiting for the next batch after its update.
+        m.update(per_rank_metric(self.dist, "offpolicy/wait_s", wait_s))
         m["offpolicy/refresh_s"] = refresh_s
         m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step

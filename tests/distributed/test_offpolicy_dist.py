@@ -331,6 +331,11 @@ def test_one_step_off_at_world_size_2_is_exact_and_one_version_behind(ws2):
     # on every token). Later batches are really stale: the ratio moves (the negative control).
     assert rows[1]["offpolicy/is_weight/mean"] == rows[1]["offpolicy/is_weight/max"] == 1.0
     assert all(rows[s]["offpolicy/is_weight/max"] != 1.0 for s in (2, 3))
+    # What the guard costs, on every rank: its forward over the rank's share (in the worker), the slowest rank's
+    # under the metric's name.
+    for m in rows.values():
+        per_rank = [m["offpolicy/guard_s/rank0"], m["offpolicy/guard_s/rank1"]]
+        assert m["offpolicy/guard_s"] == max(per_rank) and min(per_rank) > 0
     # The weight sync after each step is the replica's refresh (once a step, the whole model).
     assert all(rows[s]["weight_sync/bytes"] > 0 for s in (1, 2, 3))
     # Each rank's pending batch travels with every checkpoint but the last (nothing is pending after it).
