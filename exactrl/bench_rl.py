@@ -2,7 +2,7 @@
 
 Users feel the time of a step (generate, reward, train, weight sync), not a kernel's tok/s. This benchmark runs
 the RL loop's own step, `RLRun.rl_step` (exactrl/train/loop.py), on a random-init preset (or a checkpoint) and
-times its stages from outside: each stage method (`rollout`, `score`, `update`, `parallel.sync_weights`) is
+times its stages from outside: each stage method (`rollout`, `rank_scores`, `update`, `parallel.sync_weights`) is
 wrapped on the run object with a timer that waits for the device at the stage's end. What remains of the step
 (prompt drawing, metrics) is `idle_s`, so the breakdown sums to the step time.
 
@@ -67,7 +67,7 @@ from exactrl.engine.engine import RolloutEngine
 # What each timed stage is called in the JSON, and the RLRun method it wraps (on `run`, or `run.parallel`).
 STAGES = (
     ("generate_s", "rollout"),
-    ("reward_s", "score"),
+    ("reward_s", "rank_scores"),  # this rank's rewards (the gathers after are cheap)
     ("train_s", "update"),
     ("weight_sync_s", "sync_weights"),
 )

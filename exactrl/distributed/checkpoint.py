@@ -8,6 +8,9 @@ A checkpoint directory `step-NNNNNN/` holds:
   adapter/     with LoRA: the adapters in PEFT's format (policy/ then holds the frozen base), as on one device
                (the caller's `write_extra`)
   state.json   step, data position, totals (rank 0; every rank runs the same data stream)
+  offpolicy_pending/rank<r>-of-<N>/
+               with algorithm.max_off_policy_steps = 1: each rank's share of the batch sampled ahead (the caller's
+               `write_rank_extra`, every rank)
 
 As on one device, the directory is assembled under a temporary name and renamed into place, and `latest` is
 written last: a crash mid-save leaves the previous checkpoint current.
@@ -92,10 +95,13 @@ def save_sharded_checkpoint(
     keep: int = 2,
     write_extra: Callable[[Path], object] | None = None,
     frozen_policy_from: Path | None = None,
+    write_rank_extra: Callable[[Path], object] | None = None,
 ) -> Path:
     """Every rank calls this at the same step; returns the checkpoint's directory. `write_extra` (rank 0: more
     files of the checkpoint, e.g. LoRA adapters) and `frozen_policy_from` as in
-    `exactrl.train.checkpoint.save_checkpoint`."""
+    `exactrl.train.checkpoint.save_checkpoint`. `write_rank_extra` (every rank, given on all or none: files of
+    its own, e.g. its off-policy pending batch) writes into the directory being assembled, before rank 0
+    publishes it."""
     from exactrl.train.checkpoint import write_policy
 
     root = Path(ckpt_root)
@@ -109,6 +115,9 @@ def save_sharded_checkpoint(
     ctx.barrier()
     with torch.no_grad():
         dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"))
+    if write_rank_extra is not None:
+        write_rank_extra(tmp)
+        ctx.barrier()  # every rank's files are in before rank 0 renames the folder into place
     if ctx.is_main:
         write_policy(engine_model, tmp / "policy", tokenizer, frozen_policy_from)
         if write_extra is not None:

@@ -36,7 +36,7 @@ from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
-from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
+from exactrl.tasks import Example, RewardComputer, RewardResult, load_chat_template, make_task
 from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -49,9 +49,17 @@ from exactrl.train.offpolicy import (
     GenerationWorker,
     check_batch,
     check_supported,
-    load_pending,
     save_pending,
     staleness_metrics,
+)
+from exactrl.train.offpolicy_dist import (
+    RankSample,
+    ReplicaBehaviour,
+    agree_guard,
+    agreed,
+    load_any_pending,
+    save_rank_pending,
+    step_staleness,
 )
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.overlap import TailOverlap
@@ -290,6 +298,17 @@ class StepRollouts:
     answers: list[str]
     # Single-turn: failed calls per reward function over the whole step, {"<fn>/errors": n, "<fn>/timeouts": n}.
     reward_failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RankScores:
+    """One rank's share of a step with its rewards, before anything is gathered over the ranks."""
+
+    rollouts: list[Rollout]  # this rank's (rewards and advantages not set yet)
+    rewards: RewardResult
+    completions: list[str]
+    answers: list[str]
+    refused: int  # this rank's prompts the engine refused
 
 
 class RLRun:
@@ -639,7 +658,12 @@ class RLRun:
         # taken now (after the warm start), and the trainer's models are sharded.
         engine_model = self.parallel.engine_model(model)
         if a.max_off_policy_steps > 0:  # the engine samples from its own copy while the trainer updates
-            self.behaviour = BehaviourPolicy(model, version=0)
+            # Under torchrun the engine replica is that copy (its version: the last weight sync).
+            self.behaviour = (
+                ReplicaBehaviour(engine_model, self.parallel)
+                if self.parallel.sharded
+                else BehaviourPolicy(model, version=0)
+            )
             self.worker = GenerationWorker(self.device)
             engine_model = self.behaviour.model
             if a.partial_rollouts:
@@ -717,8 +741,13 @@ class RLRun:
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
         if self.behaviour is not None:
-            self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
-            self.pending = load_pending(self.resume_from, StepRollouts)
+            if isinstance(self.behaviour, ReplicaBehaviour):  # the full sync above refreshed the replica
+                self.behaviour.version = self.step
+            else:
+                self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
+            self.pending, note = load_any_pending(self.resume_from, self.dist, StepRollouts)
+            if note is not None:
+                self.out(f"off-policy resume at {self.dist.world_size} rank(s): {note}")
             if self.partial is not None and not self.partial.load(self.resume_from):
                 self.out(
                     "partial rollouts: the checkpoint holds no samples in flight; the run starts a fresh pool"
@@ -812,6 +841,13 @@ class RLRun:
     ) -> StepRollouts:
         """Rollouts with their rewards and sequence-level advantages; a prompt the engine refused is skipped.
         baseline: ReMax's greedy-rollout rewards, one per prompt of the whole step."""
+        return self.step_scores(self.rank_scores(step, examples, prompt_ids, outs), baseline)
+
+    def rank_scores(
+        self, step: int, examples: list[Example], prompt_ids: list[list[int]], outs: list[RequestOutput]
+    ) -> RankScores:
+        """This rank's rollouts and their rewards, no collective: the off-policy worker thread runs it under
+        torchrun, where collectives stay on the main thread (`exactrl.train.offpolicy_dist`)."""
         a = self.cfg.algorithm
         rollouts: list[Rollout] = []
         completions, answers, exs = [], [], []
@@ -845,16 +881,21 @@ class RLRun:
                 "engine.max_model_len against the prompt lengths"
             )
         res = self.rewards(completions, answers, exs)
+        return RankScores(rollouts, res, completions, [str(x) for x in answers], refused)
+
+    def step_scores(self, rs: RankScores, baseline: torch.Tensor | None) -> StepRollouts:
+        """The step's advantages and reward failures from every rank's `rank_scores` (collectives)."""
+        res = rs.rewards
         errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
         sr = self.with_advantages(
-            rollouts,
+            rs.rollouts,
             res.rewards,
             res.per_function,
             errors,
-            completions,
-            [str(x) for x in answers],
+            rs.completions,
+            rs.answers,
             baseline,
-            refused=refused,
+            refused=rs.refused,
         )
         # Per function, over every rank: a broken function is named in the metrics, not only summed.
         for part in self.dist.all_gather_object((res.num_errors, res.num_timeouts)):
@@ -988,6 +1029,16 @@ class RLRun:
     ) -> torch.Tensor:
         """ReMax: one greedy completion per prompt through the same engine, scored by the same rewards; the
         rewards of every rank's prompts, in step order. Request ids are the step's own (greedy draws no noise)."""
+        return self.gather_baseline(self.greedy_rewards(step, prompt_ids, index, examples))
+
+    def gather_baseline(self, rewards: list[float]) -> torch.Tensor:
+        """Every rank's greedy rewards (`greedy_rewards`), in step order (a collective)."""
+        return torch.tensor([v for p in self.dist.all_gather_object(rewards) for v in p], dtype=torch.float32)
+
+    def greedy_rewards(
+        self, step: int, prompt_ids: list[list[int]], index: list[int], examples
+    ) -> list[float]:
+        """ReMax's greedy completions of this rank's prompts and their rewards, no collective."""
         import dataclasses
 
         params = dataclasses.replace(self.sampling_params(), temperature=0.0, top_p=1.0, top_k=0, n=1)
@@ -996,9 +1047,7 @@ class RLRun:
         texts = [self.tok.decode(o.samples[0].token_ids) if o.samples else "" for o in outs]
         res = self.rewards(texts, [ex.answer for ex in examples], list(examples))
         self.greedy_tokens = sum(len(o.samples[0].token_ids) for o in outs if o.samples)
-        return torch.tensor(
-            [v for p in self.dist.all_gather_object(res.rewards) for v in p], dtype=torch.float32
-        )
+        return res.rewards
 
     def mismatch_report(self, step: int, rollouts: list[Rollout], err: MismatchError) -> Path | None:
         """Write `mismatch-<step + 1>/` from every rank's offending sequences (a collective): what `exactrl parity
@@ -1129,7 +1178,14 @@ class RLRun:
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
         extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
-        if self.pending is not None or self.partial is not None:
+        rank_extra = None
+        if self.pending is not None and self.parallel.sharded:  # each rank's share, in the sharded checkpoint
+            pending, rank, ws = self.pending, self.dist.rank, self.dist.world_size
+
+            def rank_extra(d: Path) -> None:
+                save_rank_pending(d, pending, rank, ws)
+
+        elif self.pending is not None or self.partial is not None:
             # off-policy: the batch sampled ahead (and the partial rollouts in flight) travel with the checkpoint
             pending, partial, lora_extra = self.pending, self.partial, extra
 
@@ -1157,6 +1213,7 @@ class RLRun:
                 self.step,
                 model=self.model,
                 engine_model=self.engine.model,
+                write_rank_extra=rank_extra,
                 **common,
             )
         else:
@@ -1220,28 +1277,47 @@ class RLRun:
     # -- the off-policy step (algorithm.max_off_policy_steps >= 1) ---------------------------------------------
     def behaviour_batch(self, step: int) -> BehaviourBatch:
         """prompts -> rollout -> score for step `step`, sampled from the engine's copy, then the guard on the
-        copy's training forward (before the copy is refreshed). Runs in the generation worker during the previous
-        step's update (or in the caller when nothing is pending: the first step, after a resume)."""
+        copy's training forward (before the copy is refreshed). On one process the generation worker runs it during
+        the previous step's update (the caller does when nothing is pending: the first step, after a resume); under
+        torchrun the worker runs `behaviour_sample` alone and the main thread `behaviour_gather` after it joined."""
         assert self.behaviour is not None
         if self.partial is not None:  # generation cut by count, unfinished samples carried (train/partial.py)
-            return self.partial.batch(self, step)
+            return self.partial.batch(self, step)  # one process: refused under torchrun
+        what = f"sampling step {step + 1}'s batch"
+        return self.behaviour_gather(step, agreed(self.dist, what, lambda: self.behaviour_sample(step)))
+
+    def behaviour_sample(self, step: int) -> RankSample:
+        """This rank's share of step `step`'s batch: sampled, rewarded and checked by the guard, with no
+        collective (under torchrun the generation worker runs it while the main thread's FSDP2 update issues
+        its own collectives: `exactrl.train.offpolicy_dist`)."""
+        assert self.behaviour is not None
         t0 = time.perf_counter()
         examples, prompt_ids, index = self.prompts()
         outs = self.rollout(step, prompt_ids, index)
-        baseline = None
+        greedy = None
         if self.cfg.algorithm.resolved_advantage == "remax":
-            baseline = self.greedy_baseline(step, prompt_ids, index, examples)
-        sr = self.score(step, examples, prompt_ids, outs, baseline)
+            greedy = self.greedy_rewards(step, prompt_ids, index, examples)
+        scores = self.rank_scores(step, examples, prompt_ids, outs)
         gen_s = time.perf_counter() - t0
-        v = self.behaviour.version
-        versions = [torch.full((len(ro.completion_ids),), v, dtype=torch.int64) for ro in sr.rollouts]
-        batch = BehaviourBatch(sr, v, versions, gen_s, self.step_model_tokens)
         t1 = time.perf_counter()
-        temperature = self.trainer.s.temperature
-        batch.guard, batch.mismatch = check_batch(
-            self.behaviour, sr.rollouts, temperature, self.cfg.train.max_tokens_per_microbatch
+        guard, mismatch = check_batch(
+            self.behaviour,
+            scores.rollouts,
+            self.trainer.s.temperature,
+            self.cfg.train.max_tokens_per_microbatch,
         )
-        batch.guard_s = time.perf_counter() - t1
+        guard_s = time.perf_counter() - t1
+        return RankSample(scores, greedy, self.behaviour.version, gen_s, guard, mismatch, guard_s)
+
+    def behaviour_gather(self, step: int, s: RankSample) -> BehaviourBatch:
+        """The step's view of every rank's `behaviour_sample` (collectives, on the main thread): advantages over
+        the step, ReMax's baseline, the guard's verdict agreed by every rank."""
+        baseline = self.gather_baseline(s.greedy) if s.greedy is not None else None
+        sr = self.step_scores(s.scores, baseline)
+        versions = [torch.full((len(ro.completion_ids),), s.version, dtype=torch.int64) for ro in sr.rollouts]
+        batch = BehaviourBatch(sr, s.version, versions, s.generate_s, self.step_model_tokens)
+        batch.guard, batch.mismatch = agree_guard(self.dist, s.guard, s.mismatch)
+        batch.guard_s = s.guard_s
         return batch
 
     def _report_pending(self, step: int, batch: BehaviourBatch) -> None:
@@ -1261,8 +1337,12 @@ class RLRun:
             self.pending = self.behaviour_batch(step)
             self._report_pending(step, self.pending)
         batch, self.pending = self.pending, None
+        # Under torchrun the worker issues no collective (the main thread's update does): it samples alone and
+        # the main thread gathers after it joined.
+        sample_only = self.dist.distributed
         if step + 1 < self.cfg.train.steps:
-            self.worker.start(lambda: self.behaviour_batch(step + 1))
+            job = self.behaviour_sample if sample_only else self.behaviour_batch
+            self.worker.start(lambda: job(step + 1))
         how = self.cfg.run.on_mismatch
         t_train = time.perf_counter()
         if batch.mismatch is not None and how != "warn":
@@ -1273,11 +1353,18 @@ class RLRun:
         wait_s = 0.0
         if self.worker.busy:
             t_wait = time.perf_counter()
-            self.pending = self.worker.result()
+            if sample_only:  # every rank learns whether any rank's worker failed, then the step's view of it
+                sampled = agreed(self.dist, f"the generation worker of step {step + 2}", self.worker.result)
+                self.pending = self.behaviour_gather(step + 1, sampled)
+            else:
+                self.pending = self.worker.result()
             wait_s = time.perf_counter() - t_wait
             self._report_pending(step + 1, self.pending)
         refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
-        m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
+        if isinstance(self.behaviour, ReplicaBehaviour):  # torchrun: that refresh was the weight sync
+            m.update(self.behaviour.last_sync)
+        else:
+            m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
         self.step += 1
         self.step_model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
         m.update(batch.guard)
@@ -1289,11 +1376,16 @@ class RLRun:
             else torch.tensor(ro.loss_mask, dtype=torch.bool)
             for ro in sr.rollouts
         ]
-        m.update(staleness_metrics(batch, step, masks, mixed=self.partial is not None))
-        m.update(batch.partial)  # partial rollouts: the generation's cut, carried and recomputed counts
+        if self.partial is not None:  # one process (partial rollouts are refused under torchrun)
+            m.update(staleness_metrics(batch, step, masks, mixed=True))
+            m.update(batch.partial)  # partial rollouts: the generation's cut, carried and recomputed counts
+        else:
+            m.update(step_staleness(self.dist, batch, step, masks))
         # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
-        m["offpolicy/guard_s"] = batch.guard_s
-        m["offpolicy/wait_s"] = wait_s  # the trainer waiting for the next batch after its update
+        # Under torchrun: the slowest rank's (the step waits for it) and each rank's own (a collective).
+        m.update(per_rank_metric(self.dist, "offpolicy/guard_s", batch.guard_s))
+        # The trainer waiting for the next batch after its update.
+        m.update(per_rank_metric(self.dist, "offpolicy/wait_s", wait_s))
         m["offpolicy/refresh_s"] = refresh_s
         m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step

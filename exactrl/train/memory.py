@@ -354,10 +354,10 @@ def plan_memory(
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
         # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.
         train_extra["fsdp_unsharded_layers"] = c["largest_layer_params"] * (2 * b + 4)
-    if a.max_off_policy_steps > 0:
+    if a.max_off_policy_steps > 0 and not sharded:
         # One step off: the engine samples from its own copy of the weights in the model dtype (the whole model,
         # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
-        # model that overlap yet (docs/memory.md).
+        # model that overlap yet (docs/memory.md). Under torchrun the engine replica above is that copy.
         resident["behaviour_copy"] = c["policy_params"] * b
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)

@@ -304,7 +304,8 @@ class GenerationWorker:
 
 def check_supported(cfg: Any, distributed: bool) -> None:
     """The off-policy loop's limits, said before anything loads: exact mode (the behaviour logprobs are exact only
-    there), one process, single-turn."""
+    there), single-turn. Under torchrun (`distributed`) each rank's engine replica is the behaviour copy
+    (`exactrl.train.offpolicy_dist`)."""
     k = cfg.algorithm.max_off_policy_steps
     if k == 0:
         return
@@ -313,8 +314,6 @@ def check_supported(cfg: Any, distributed: bool) -> None:
         raise ValueError(
             f"{where} needs run.exact = true: the behaviour logprobs are exact only in exact mode"
         )
-    if distributed:
-        raise ValueError(f"{where} runs on one process for now (not under torchrun)")
     if cfg.env.name:
         raise ValueError(f"{where} is single-turn for now (env.name = {cfg.env.name!r})")
     if cfg.algorithm.rollout_correction:

@@ -185,7 +185,7 @@ def test_k0_takes_todays_path(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the off-policy machinery ran at max_off_policy_steps = 0")
 
-    for name in ("BehaviourPolicy", "GenerationWorker", "check_batch", "staleness_metrics"):
+    for name in ("BehaviourPolicy", "ReplicaBehaviour", "GenerationWorker", "check_batch", "step_staleness"):
         monkeypatch.setattr(loop_mod, name, refuse)
     monkeypatch.setattr(RLRun, "off_policy_step", refuse)
     cfg = _cfg(tmp_path, k=0, train__steps=2)
