@@ -54,6 +54,7 @@ from exactrl.train.offpolicy import (
     staleness_metrics,
 )
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
+from exactrl.train.phases import MemoryPhases
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -332,7 +333,12 @@ class RLRun:
             import_wandb()  # a missing package is said now, not after the model has loaded
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         # Before anything loads: a run whose phases cannot fit the GPU is refused now, naming the knobs.
-        check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        memory_plan = check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        # The phase switches (KV cache and replica released while the trainer runs), with the plan's KV size on
+        # a GPU: the cache is sized so that the phases holding it fit (exactrl/train/phases.py).
+        self.phases = MemoryPhases(
+            cfg, self.parallel, memory_plan.counts["kv_blocks"] if memory_plan is not None else None
+        )
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -485,6 +491,7 @@ class RLRun:
         """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective)."""
         if not self.dist.is_main:
             return {}
+        self.phases.size(self.engine)
         return evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
 
     def warm_start(self) -> None:
@@ -994,6 +1001,10 @@ class RLRun:
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
+        if self.parallel.replica_released:
+            # Released for the training phase; no optimizer step applied the batch, so the shards still hold the
+            # sampling weights the report needs (every rank is here: a collective).
+            self.parallel.sync_weights()
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
         if not self.dist.is_main or not every:
             return None
@@ -1146,6 +1157,7 @@ class RLRun:
         t_step = time.perf_counter()
         self.set_lr(step)
         examples, prompt_ids, index = self.prompts()
+        self.phases.size(self.engine)
         t_gen = time.perf_counter()
         if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
             sr = self.episodes(step, examples, prompt_ids, index)
@@ -1158,13 +1170,16 @@ class RLRun:
                 baseline = self.greedy_baseline(step, prompt_ids, index, examples)
             sr = self.score(step, examples, prompt_ids, outs, baseline)
         t_train = time.perf_counter()
+        self.phases.to_training(self.engine)  # the KV cache (and the replica) leave the device until generation
         try:
             m = self.update(step, sr.rollouts)
         except MismatchError as err:
             self.mismatch_abort(step, sr, err)
             raise
         train_s = time.perf_counter() - t_train
-        m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
+        # The engine replica takes the new weights (under torchrun; rebuilt whole when it was released).
+        m.update(self.parallel.sync_weights())
+        m.update(self.phases.metrics(self.engine))
         if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
             from exactrl.model.lora import adapter_nbytes
 
