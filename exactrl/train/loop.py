@@ -1170,7 +1170,8 @@ class RLRun:
                 baseline = self.greedy_baseline(step, prompt_ids, index, examples)
             sr = self.score(step, examples, prompt_ids, outs, baseline)
         t_train = time.perf_counter()
-        self.phases.to_training(self.engine)  # the KV cache (and the replica) leave the device until generation
+        # The KV cache (and the replica) leave the device until the next generation.
+        self.phases.to_training(self.engine)
         try:
             m = self.update(step, sr.rollouts)
         except MismatchError as err:

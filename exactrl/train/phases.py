@@ -41,7 +41,7 @@ class MemoryPhases:
         self._runner: Any = None  # the engine runner of the last `metrics`, and its counters then
         self._seen: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
         self._released_s = 0.0
-        self._released_bytes = 0
+        self._released = (0, 0)  # bytes of the KV cache and of the replica the last switch freed
 
     def size(self, engine: RolloutEngine) -> None:
         """Give `engine` the plan's KV size unless the config fixed one (engine.num_kv_blocks). Called before
@@ -55,9 +55,9 @@ class MemoryPhases:
         if not self.release:
             return
         t0 = time.perf_counter()
-        n = self.parallel.release_replica()
-        n += engine.release_kv()  # last: it gives the cached blocks (the replica's too) back to the device
-        self._released_bytes = n
+        replica = self.parallel.release_replica()
+        kv = engine.release_kv()  # last: it gives the cached blocks (the replica's too) back to the device
+        self._released = (kv, replica)
         self._released_s = time.perf_counter() - t0
 
     def metrics(self, engine: RolloutEngine) -> dict[str, float]:
@@ -77,5 +77,7 @@ class MemoryPhases:
         }
         if self.release:
             out["perf/release_s"] = self._released_s
-            out["perf/released_gb"] = self._released_bytes / 1e9
+            out["perf/kv_released_gb"] = self._released[0] / 1e9
+            if self.parallel.sharded:
+                out["perf/replica_released_gb"] = self._released[1] / 1e9
         return out
