@@ -277,9 +277,10 @@ class EngineConfig:
     """Number of KV-cache blocks; unset = sized from kv_memory_fraction of free device memory."""
     kv_memory_fraction: float = 0.3
     """Fraction of free device memory given to the KV cache when num_kv_blocks is unset, in (0, 1]. In
-    `exactrl train` on a GPU, free means what the memory plan's generation phase leaves (everything that stays on
-    the device across phases counted, e.g. optimizer state and the training graphs), so the cache never crowds
-    out the training phase; elsewhere, what the device has free when the cache is first allocated."""
+    `exactrl train` on a GPU, free means what the memory plan leaves in the phases that hold the cache (with
+    release_memory the generation phase alone, else all three), everything resident counted (optimizer state, the
+    training graphs), so the cache never crowds out training; elsewhere, what the device has free when the cache
+    is first allocated."""
     max_num_seqs: int = 256
     """Maximum number of sequences the scheduler runs concurrently."""
     max_num_batched_tokens: int = 4096
