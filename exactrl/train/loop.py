@@ -1212,6 +1212,7 @@ class RLRun:
         assert self.behaviour is not None
         t0 = time.perf_counter()
         examples, prompt_ids, index = self.prompts()
+        self.phases.size(self.engine)  # the plan's KV size (kept in every phase: one step off never releases)
         outs = self.rollout(step, prompt_ids, index)
         baseline = None
         if self.cfg.algorithm.resolved_advantage == "remax":
@@ -1262,6 +1263,7 @@ class RLRun:
             self._report_pending(step + 1, self.pending)
         refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
         m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
+        m.update(self.phases.metrics(self.engine))  # decode graph captures (the cache is never released here)
         self.step += 1
         self.step_model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
         m.update(batch.guard)

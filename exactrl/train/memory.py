@@ -372,7 +372,11 @@ def plan_memory(
     else:
         # Trainer shards: what trains in fp32 (the masters), what is frozen in the model dtype; a full replica for
         # the engine; gradients as fp32 shards between backward and step.
-        engine_held["engine_replica"] = c["policy_params"] * b
+        # The replica's trained part is released for training (the sync refreshes it anyway); a frozen base
+        # (LoRA) stays on the device in every phase.
+        engine_held["engine_replica"] = c["policy_trainable"] * b
+        if c["policy_frozen"]:
+            resident["engine_replica_frozen"] = c["policy_frozen"] * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
         opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)

@@ -180,6 +180,15 @@ def test_the_plan_counts_released_terms_only_where_they_are_held():
     four = make_plan(cfg, world_size=4, gpu_memory=H100)
     assert "engine_replica" in four.phase("generation").terms
     assert all("engine_replica" not in four.phase(p).terms for p in ("training", "optimizer"))
+    # LoRA: only the adapters' part is released (the sync refreshes it anyway); the frozen base stays.
+    lora4 = make_plan(apply_overrides(copy.deepcopy(cfg), ["lora.rank=8"]), world_size=4, gpu_memory=H100)
+    frozen = lora4.counts["policy_frozen"] * 2
+    assert all(
+        lora4.phase(p).terms["engine_replica_frozen"] == frozen
+        for p in ("generation", "training", "optimizer")
+    )
+    assert lora4.phase("generation").terms["engine_replica"] == lora4.counts["policy_trainable"] * 2
+    assert "engine_replica" not in lora4.phase("training").terms
     off4 = make_plan(
         apply_overrides(copy.deepcopy(cfg), ["algorithm.max_off_policy_steps=1"]),
         world_size=4,
