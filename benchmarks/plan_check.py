@@ -1,25 +1,32 @@
-"""Predicted (exactrl plan) vs measured peak device memory per phase of a short `exactrl train` run, on a GPU.
+"""Predicted (exactrl plan) vs measured peak device memory per phase of a short run, on a GPU.
 
-    python benchmarks/plan_check.py CONFIG [--set ...] [--out-dir DIR]
+    python benchmarks/plan_check.py CONFIG [--set ...] [--out-dir DIR]     a short `exactrl train` of CONFIG
+    python benchmarks/plan_check.py --bench-rl [-- BENCH RL FLAGS ...]      `exactrl bench rl`'s workload, by
+        default the README's `exactrl bench rl --preset qwen3-1.7b --mode exact` with every other flag at its default
 
-The run is the config's own, with train.check_memory off (a refusal would hide the measurement). Each phase's peak
-is torch.cuda.max_memory_allocated (and _reserved) between its boundaries: generation = the engine's generate
-calls, training = the trainer's step up to the optimizer, optimizer = MasterAdamW's step. Prints a table and one
-JSON line; the ratio measured / predicted is what the plan's 10% target is about.
+The run is the config's own, with train.check_memory off (a refusal would hide the measurement) and its memory
+phases as configured (engine.release_memory, on by default: the KV cache is freed while the trainer runs). Each
+phase's peak is torch.cuda.max_memory_allocated (and _reserved) between its boundaries: generation = the engine's
+generate calls (the KV cache's allocation included), training = the trainer's step up to the optimizer, optimizer
+= MasterAdamW's step. Also the phase switches' costs: KV allocations, decode graphs captured again because the cache
+or a weight moved, and their seconds. Prints a table and one JSON line; the ratio measured / predicted is what the
+plan's 10% target is about.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 from typing import Any
 
 import torch
 
-from exactrl.config import apply_overrides, load_config
+from exactrl.config import RunConfig, apply_overrides, load_config
 from exactrl.engine.engine import RolloutEngine
 from exactrl.train.loop import RLRun
-from exactrl.train.memory import make_plan
+from exactrl.train.memory import MemoryPlan, make_plan
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.trainer import PolicyTrainer
 
@@ -56,17 +63,8 @@ def wrap(cls: type, name: str, before, after) -> None:
     setattr(cls, name, wrapped)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config")
-    ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--out-dir", default="/tmp/exactrl-plan-check")
-    args = ap.parse_args()
-    cfg = load_config(args.config, args.set)
-    cfg = apply_overrides(cfg, ["train.check_memory=false", f"run.output_dir={args.out_dir}"])
-    total = torch.cuda.get_device_properties(0).total_memory
-    plan = make_plan(cfg, world_size=1, gpu_memory=total, device="cuda")
-
+def instrument() -> tuple[PhasePeaks, list[RLRun]]:
+    """Phase boundaries on the classes the run uses, and a list that receives the run object."""
     peaks = PhasePeaks()
     wrap(RolloutEngine, "generate", peaks.start, lambda: peaks.end("generation"))
     # The trainer's step holds the optimizer's: training is measured up to the optimizer step, and again after it.
@@ -77,12 +75,32 @@ def main() -> None:
         lambda: (peaks.end("training"), peaks.start()),
         lambda: (peaks.end("optimizer"), peaks.start()),
     )
-    run = RLRun(cfg, overwrite=True)
-    try:
-        run.run()
-    finally:
-        run.close()
+    runs: list[RLRun] = []
+    real_init = RLRun.__init__
 
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        runs.append(self)
+
+    RLRun.__init__ = init
+    return peaks, runs
+
+
+def switch_costs(run: RLRun) -> dict[str, Any]:
+    r = run.engine.runner
+    if r is None:
+        return {}
+    return {
+        "release_memory": run.phases.release,
+        "kv_cache_bytes": r.kv_cache_bytes,
+        "kv_allocations": r.kv_allocations,
+        "kv_allocate_s": r.kv_allocate_s,
+        "decode_graphs_dropped": r.graphs_dropped,
+        "decode_graph_capture_s": r.capture_seconds,
+    }
+
+
+def report(plan: MemoryPlan, peaks: PhasePeaks, run: RLRun | None, what: dict[str, Any]) -> None:
     rows: dict[str, Any] = {}
     print(f"{'phase':<12}{'predicted GiB':>15}{'allocated GiB':>15}{'reserved GiB':>14}{'alloc/pred':>12}")
     for ph in PHASES:
@@ -90,16 +108,76 @@ def main() -> None:
         a, r = peaks.allocated[ph], peaks.reserved[ph]
         rows[ph] = {"predicted": pred, "allocated": a, "reserved": r, "ratio": a / pred if pred else None}
         print(f"{ph:<12}{pred / 2**30:>15.2f}{a / 2**30:>15.2f}{r / 2**30:>14.2f}{a / pred:>12.3f}")
+    costs = switch_costs(run) if run is not None else {}
+    if costs:
+        print(
+            "phase switches: "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in costs.items())
+        )
     print(plan.table())
     record = {
         "plan_check": rows,
-        "config": args.config,
-        "set": args.set,
+        **what,
+        "switches": costs,
         "device": torch.cuda.get_device_name(0),
         "plan": plan.to_json(),
     }
     print(json.dumps(record, separators=(",", ":")))
 
 
+def bench_rl_config(flags: list[str]) -> tuple[Any, RunConfig]:
+    """`exactrl bench rl`'s arguments from its own parser (the README's command unless flags say otherwise), and
+    the run config it trains with."""
+    import exactrl.bench_rl as bench_rl
+    from exactrl.cli import main
+
+    got: dict[str, Any] = {}
+    real = bench_rl.main
+    bench_rl.main = lambda args: got.setdefault("args", args) and 0
+    try:
+        main(["bench", "rl", "--preset", "qwen3-1.7b", "--mode", "exact", "--device", "cuda", *flags])
+    finally:
+        bench_rl.main = real
+    args = got["args"]
+    return args, bench_rl._config(args, tempfile.mkdtemp(prefix="plan-check-"), args.warmup + args.steps)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--bench-rl"]:  # the rest are bench rl's own flags (after an optional --)
+        flags = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        bargs, cfg = bench_rl_config(flags)
+        argv = ["--bench-rl"]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--out-dir", default="/tmp/exactrl-plan-check")
+    ap.add_argument(
+        "--bench-rl", action="store_true", help="first: the bench rl workload, its flags after it"
+    )
+    args = ap.parse_args(argv)
+    total = torch.cuda.get_device_properties(0).total_memory
+    peaks, runs = instrument()
+    if args.bench_rl:
+        from exactrl.bench_rl import run_bench
+
+        plan = make_plan(cfg, world_size=1, gpu_memory=total, device="cuda")
+        rec = run_bench(bargs)
+        what = {"bench_rl": flags, "step_s": rec.get("step_s"), "generate_s": rec.get("generate_s")}
+    else:
+        if args.config is None:
+            ap.error("a CONFIG (and --set overrides), or --bench-rl first")
+        cfg = load_config(args.config, args.set)
+        cfg = apply_overrides(cfg, ["train.check_memory=false", f"run.output_dir={args.out_dir}"])
+        plan = make_plan(cfg, world_size=1, gpu_memory=total, device="cuda")
+        run = RLRun(cfg, overwrite=True)
+        try:
+            run.run()
+        finally:
+            run.close()
+        what = {"config": args.config, "set": args.set}
+    report(plan, peaks, runs[-1] if runs else None, what)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -277,7 +277,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Number of KV-cache blocks; unset = sized from kv_memory_fraction of free device memory."""
     kv_memory_fraction: float = 0.3
-    """Fraction of free device memory given to the KV cache when num_kv_blocks is unset, in (0, 1]."""
+    """Fraction of free device memory given to the KV cache when num_kv_blocks is unset, in (0, 1]. In
+    `exactrl train` on a GPU, free means what the memory plan leaves in the phases that hold the cache (with
+    release_memory the generation phase alone, else all three), everything resident counted (optimizer state, the
+    training graphs), so the cache never crowds out training; elsewhere, what the device has free when the cache
+    is first allocated."""
     max_num_seqs: int = 256
     """Maximum number of sequences the scheduler runs concurrently."""
     max_num_batched_tokens: int = 4096
@@ -288,6 +292,11 @@ class EngineConfig:
     """Capture decode steps in CUDA graphs (ignored on CPU)."""
     max_model_len: int = 2048
     """Maximum total sequence length (prompt + completion) the engine accepts."""
+    release_memory: bool = True
+    """Memory phases of `exactrl train`: free the KV cache (and under torchrun the engine's weight replica) while
+    the trainer runs, and allocate them again before the next generation (the replica is rebuilt by the weight
+    sync's all-gather), so that generation and training do not hold each other's memory. The same bits either
+    way. Not with algorithm.max_off_policy_steps >= 1, where generation runs during training."""
 
     def validate(self) -> None:
         _check_at_least(self.block_size, 16, "engine.block_size")

@@ -67,6 +67,10 @@ class Parallelism:
         self.sharded = ctx.distributed
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._trained: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Memory phases: the replica's storages are freed while the trainer runs (`release_replica`) and come
+        # back in the next `sync_weights`, which then gathers every weight.
+        self._replica_bytes: list[tuple[torch.UntypedStorage, int]] = []
+        self.replica_released = False
         self.mesh = None
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
@@ -135,14 +139,42 @@ class Parallelism:
             if p.requires_grad:
                 self._trained.append((p, mine[name]))
 
+    def release_replica(self) -> int:
+        """Free the engine replica's trained parameters' storage until the next `sync_weights` (the training
+        phase: the engine does not run), which refreshes exactly those anyway: the release adds no gather. A
+        frozen base (LoRA) stays: rebuilding it would cost a whole-model gather every step. The tensors keep their
+        shapes and stay the engine model's parameters; only their storage is resized to 0, as FSDP2 frees its own
+        unsharded parameters. Returns the bytes freed; 0 on one device (the engine samples from the trainer's
+        model)."""
+        if not self.sharded or self.replica_released:
+            return 0
+        seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for _, e in self._trained:
+            st = e.untyped_storage()
+            seen.setdefault(id(st), (st, st.nbytes()))  # tied weights share one storage
+        self._replica_bytes = list(seen.values())
+        for st, _ in self._replica_bytes:
+            st.resize_(0)
+        self.replica_released = True
+        return sum(n for _, n in self._replica_bytes)
+
+    def _restore_replica(self) -> None:
+        for st, n in self._replica_bytes:
+            st.resize_(n)  # new (uninitialised) memory: every byte is overwritten by the full gather
+        self._replica_bytes = []
+        self.replica_released = False
+
     @torch.no_grad()
     def sync_weights(self, full: bool = False) -> dict[str, float]:
         """Refresh the engine replica from the trainer's shards, in place; returns time and bytes moved. After
         an optimizer step only the trainable parameters move (the LoRA adapters, with LoRA: a frozen base never
-        changes); `full` moves every weight (after loading a checkpoint)."""
+        changes); `full` moves every weight (after loading a checkpoint). A released replica gets its storage
+        back first; the gather then writes every byte of it."""
         if not self.sharded:
             return {}
         t0 = time.perf_counter()
+        if self.replica_released:
+            self._restore_replica()
         moved = 0
         e = None
         for p, e in self._pairs if full else self._trained:

@@ -45,6 +45,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    # Read by the RL loop's memory phases (exactrl/train/phases.py), which call `release_kv` while the trainer
+    # runs; a call to `generate` allocates a released cache again whatever this says.
+    release_memory: bool = True
 
 
 @dataclass
@@ -120,8 +123,8 @@ class RolloutEngine:
             "graph" if cfg.cuda_graphs and self.model.device.type == "cuda" else "eager"
         )
         if r is not None and (
-            r.kv_caches[0][0].device != self.model.device
-            or r.kv_caches[0][0].dtype != self.model.dtype
+            r.kv_device != self.model.device
+            or r.kv_dtype != self.model.dtype
             or r.decode_mode != mode
             or r.max_num_seqs != cfg.max_num_seqs
             or r.max_model_len != self.max_model_len
@@ -143,8 +146,15 @@ class RolloutEngine:
                 max_model_len=cfg.max_model_len,
                 decode_mode=mode,
             )
+        r.allocate_kv()  # a cache released between phases comes back (no-op when allocated)
         self.runner = r
         return r
+
+    def release_kv(self) -> int:
+        """Free the KV cache's device memory until the next `generate` (the runner, its size and its decode
+        graphs stay); returns the bytes freed. Nothing carries over between calls anyway: each starts with a
+        fresh block manager."""
+        return 0 if self.runner is None else self.runner.release_kv()
 
     @torch.no_grad()
     def generate(

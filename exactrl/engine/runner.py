@@ -29,6 +29,7 @@ sequence's length are masked whatever the table width, and a fully masked key ti
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -138,23 +139,76 @@ class ModelRunner:
         self.decode_mode = decode_mode
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len, cfg.max_position_embeddings)
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zero-filled: masked keys are multiplied by exactly 0, which needs finite values behind them.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_device, self.kv_dtype = model.device, model.dtype
+        self.kv_shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_flat: torch.Tensor | None = None
+        # Memory phases (exactrl/train/phases.py): the cache is freed while the trainer runs and allocated again
+        # before the next generation. Counted here, read by the RL loop as perf metrics.
+        self.kv_allocations = 0
+        self.kv_allocate_s = 0.0  # wall time of the allocations after the first (zero-fill included)
+        self.graphs_dropped = 0  # decode graphs dropped because the KV cache or a weight moved
         self._static: _StaticDecode | None = None
         self.graph_capture_s = 0.0  # capture time of replaced graph sets (see capture_seconds)
+        self.allocate_kv()
         # Pinned host buffers for StepOutput, used in turn: the engine resolves a step before it fetches the
         # step after next, so two suffice (each one's last copy is waited for before it is reused anyway).
         self._out_host: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
             (torch.empty(0, dtype=torch.float64), None)
         ] * 2
         self._out_turn = 0
+
+    # -- the KV cache: allocated, released between phases, allocated again ---------------------------------
+    @property
+    def kv_released(self) -> bool:
+        return self._kv_flat is None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Device bytes of the cache (K and V of every layer, the scratch page included) while allocated."""
+        return 0 if self._kv_flat is None else self._kv_flat.numel() * self._kv_flat.element_size()
+
+    def allocate_kv(self) -> None:
+        """Allocate the cache (no-op while allocated). One flat buffer, every layer's K and V a view of it: one
+        device allocation, so a cache allocated again after `release_kv` either lands at its old address (the
+        captured decode graphs stay valid) or moves as a whole (they are dropped and captured again, see
+        `refresh_graphs`); never half of it. Zero-filled: masked keys are multiplied by exactly 0, which needs
+        finite values behind them (and a cache allocated again holds nothing of a previous call: every call
+        starts with a fresh block manager)."""
+        if self._kv_flat is not None:
+            return
+        t0 = time.perf_counter()
+        layers = self.model.config.num_layers
+        per = math.prod(self.kv_shape)
+        if self.kv_device.type == "cuda" and self.kv_allocations:
+            # The blocks the training phase cached go back to the device first, so that the one large
+            # allocation finds room (and, with luck, the address it had).
+            torch.cuda.empty_cache()
+        flat = torch.zeros(2 * layers * per, dtype=self.kv_dtype, device=self.kv_device)
+        self._kv_flat = flat
+        self.kv_caches = [
+            (
+                flat[(2 * i) * per : (2 * i + 1) * per].view(self.kv_shape),
+                flat[(2 * i + 1) * per : (2 * i + 2) * per].view(self.kv_shape),
+            )
+            for i in range(layers)
+        ]
+        if self.kv_allocations:
+            if self.kv_device.type == "cuda":
+                torch.cuda.synchronize(self.kv_device)  # the zero-fill's time, not only its launch
+            self.kv_allocate_s += time.perf_counter() - t0
+        self.kv_allocations += 1
+
+    def release_kv(self) -> int:
+        """Free the cache's device memory (between generations: the training phase needs it); returns the bytes
+        freed. The decode graphs are kept: they are replayed only after `allocate_kv`, and `refresh_graphs`
+        drops them if the cache came back elsewhere."""
+        n = self.kv_cache_bytes
+        self.kv_caches = []
+        self._kv_flat = None
+        if n and self.kv_device.type == "cuda":
+            torch.cuda.empty_cache()
+        return n
 
     def fetch(self, out: torch.Tensor) -> StepOutput:
         """Start copying a step's output (float64 [2, rows] on the model's device) to the host."""
@@ -235,9 +289,12 @@ class ModelRunner:
         """Drop the captured graphs if a parameter or the KV cache was reallocated since their capture (graphs
         hold raw addresses; in-place weight updates need nothing). The engine calls this once per `generate`,
         not per step: the weights do not move during a call."""
+        if self.kv_released:
+            raise RuntimeError("the engine's KV cache is released: allocate_kv() before generating")
         st = self._static
         if st is not None and not st.valid(self.model):
             self.graph_capture_s += st.capture_s
+            self.graphs_dropped += len(st.graphs)
             self._static = None  # free the old graphs (and their memory) before capturing new ones
 
     def _static_state(self) -> _StaticDecode:
@@ -297,7 +354,9 @@ class _StaticDecode:
         self.q_seq = torch.arange(B, dtype=torch.int64, device=dev)
         self.n = torch.arange(width, dtype=torch.int64, device=dev)
         self.params = _param_ptrs(model)
-        self.kv_ptr = runner.kv_caches[0][0].data_ptr()
+        self.kv_ptr = runner.kv_caches[0][
+            0
+        ].data_ptr()  # the flat buffer's start: every layer's K/V moves with it
         self.greedy_mask = torch.ones(B, dtype=torch.bool, device=dev)
         # Graphs per (kind, bucket); kind None: the forward alone, (temperature, greedy): forward + LM head +
         # fused sampler + logprob. All buckets of a kind are captured together, the first time it is needed.

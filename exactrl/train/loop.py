@@ -65,6 +65,7 @@ from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.overlap import TailOverlap
 from exactrl.train.overlap import check_supported as check_overlap_supported
 from exactrl.train.partial import PartialRollouts, check_partial_supported
+from exactrl.train.phases import MemoryPhases
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -355,7 +356,12 @@ class RLRun:
             import_wandb()  # a missing package is said now, not after the model has loaded
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         # Before anything loads: a run whose phases cannot fit the GPU is refused now, naming the knobs.
-        check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        memory_plan = check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        # The phase switches (KV cache and replica released while the trainer runs), with the plan's KV size on
+        # a GPU: the cache is sized so that the phases holding it fit (exactrl/train/phases.py).
+        self.phases = MemoryPhases(
+            cfg, self.parallel, memory_plan.counts["kv_blocks"] if memory_plan is not None else None
+        )
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -516,6 +522,7 @@ class RLRun:
         """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective)."""
         if not self.dist.is_main:
             return {}
+        self.phases.size(self.engine)
         return evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
 
     def warm_start(self) -> None:
@@ -1065,6 +1072,10 @@ class RLRun:
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
+        if self.parallel.replica_released:
+            # Released for the training phase; no optimizer step applied the batch, so the shards still hold the
+            # sampling weights the report needs (every rank is here: a collective).
+            self.parallel.sync_weights()
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
         if not self.dist.is_main or not every:
             return None
@@ -1229,6 +1240,7 @@ class RLRun:
         t_step = time.perf_counter()
         self.set_lr(step)
         examples, prompt_ids, index = self.prompts()
+        self.phases.size(self.engine)
         t_gen = time.perf_counter()
         if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
             sr = self.episodes(step, examples, prompt_ids, index)
@@ -1244,13 +1256,17 @@ class RLRun:
             sr = self.score(step, examples, prompt_ids, outs, baseline)
         if self.tail is None:
             t_train = time.perf_counter()
+            # The KV cache (and the replica) leave the device until the next generation.
+            self.phases.to_training(self.engine)
             try:
                 m = self.update(step, sr.rollouts)
             except MismatchError as err:
                 self.mismatch_abort(step, sr, err)
                 raise
             train_s = time.perf_counter() - t_train
-        m.update(self.parallel.sync_weights())  # the engine replica takes the new weights (under torchrun)
+        # The engine replica takes the new weights (under torchrun; rebuilt whole when it was released).
+        m.update(self.parallel.sync_weights())
+        m.update(self.phases.metrics(self.engine))
         if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
             from exactrl.model.lora import adapter_nbytes
 
@@ -1293,6 +1309,7 @@ class RLRun:
         assert self.behaviour is not None
         t0 = time.perf_counter()
         examples, prompt_ids, index = self.prompts()
+        self.phases.size(self.engine)  # the plan's KV size (kept in every phase: one step off never releases)
         outs = self.rollout(step, prompt_ids, index)
         greedy = None
         if self.cfg.algorithm.resolved_advantage == "remax":
@@ -1365,6 +1382,7 @@ class RLRun:
             m.update(self.behaviour.last_sync)
         else:
             m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
+        m.update(self.phases.metrics(self.engine))  # decode graph captures (the cache is never released here)
         self.step += 1
         self.step_model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
         m.update(batch.guard)

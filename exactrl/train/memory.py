@@ -5,18 +5,21 @@ refused in a second, naming the settings that would make it fit, instead of runn
 of start-up. Nothing is loaded: the model is built on the `meta` device (shapes, no storage), LoRA adapters and the
 PPO critic too, so the parameter counts are the ones the run will have, by the same code.
 
-Phases, per rank, as the run lays memory out today (docs/memory.md):
+Phases, per rank, as the run lays memory out (docs/memory.md; exactrl/train/phases.py switches them):
 
 - generation: the engine's weights (on one device the policy itself; under FSDP2 a full replica in the model dtype
-  beside the trainer's 1/N shards), the KV cache as the engine sizes it (`engine.num_kv_blocks`, else
-  `kv_memory_fraction` of the device memory free at the first rollout, capped by what a step's rollouts need), the
-  decode step's working set; and whatever stays resident: the fp32 masters and AdamW moments (unless
-  `train.offload = "optimizer"`), the persistent gradient buffers and the training CUDA-graph pool (one device),
-  the reference model and the critic.
-- training: the resident state, the KV cache (kept across steps), the gradients, one microbatch's activations
-  (in the graph pool when training graphs are on), the LM head's logprob chunk and its backward's transients.
-- optimizer: the resident state, the KV cache, the gradients, and the masters and moments on the device for the
-  step (with offload, one group of them at a time: the step streams them through).
+  beside the trainer's 1/N shards), the KV cache, the prefill working set; and whatever stays resident: the fp32
+  masters and AdamW moments (unless `train.offload = "optimizer"`), the persistent gradient buffers, the training
+  CUDA-graph pool (one device, no mixture of experts) and the decode graphs' pool (CUDA), the reference model and
+  the critic.
+- training: the resident state, the gradients, one microbatch's activations (in the graph pool when training
+  graphs are on), the LM head's logprob chunk and its backward's transients. With `engine.release_memory` (the
+  default) the KV cache and the FSDP2 replica are not on the device; without it they are.
+- optimizer: the resident state, the gradients, and the masters and moments on the device for the step (with
+  offload, one group of them at a time: the step streams them through); the KV cache and replica as in training.
+
+The KV cache is `kv_memory_fraction` of what the phases that hold it leave free (`engine.num_kv_blocks` when set),
+and `exactrl train` allocates exactly the plan's blocks: the cache never crowds out a later phase.
 
 The byte counts of weights, masters, moments and gradients are exact (a test counts the real tensors); the
 activation term is a per-token count of the tensors autograd keeps for the backward, checked on the GPU
@@ -268,9 +271,11 @@ def kv_bytes_per_token(mcfg, b: int) -> int:
 
 def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     """A step's worst case on one rank, as `RolloutEngine` reserves it: each prompt once plus n completions,
-    and one block per completion of slack."""
+    and one block per completion of slack (partial rollouts: every group in flight)."""
     a, bs = cfg.algorithm, cfg.engine.block_size
-    prompts = -(-a.prompts_per_step // world_size)
+    # Partial rollouts keep partial_extra_groups more groups in flight than a step trains on.
+    in_flight = a.prompts_per_step + (a.partial_extra_groups if a.partial_rollouts else 0)
+    prompts = -(-in_flight // world_size)
     n = a.group_size
     if cfg.env.name is not None:
         grow = min(episode_token_limit(cfg), cfg.engine.max_model_len)
@@ -279,23 +284,30 @@ def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     return prompts * (cfg.task.max_prompt_tokens + n * grow) + bs * n * prompts
 
 
-def kv_cache_bytes(cfg: RunConfig, mcfg, b: int, world_size: int, free_at_first_rollout: int | None) -> int:
-    """The KV cache the engine allocates (exactrl.engine.runner.auto_num_blocks, plus its scratch block)."""
+def kv_cache_blocks(cfg: RunConfig, mcfg, b: int, world_size: int, free: int | None) -> int:
+    """The KV blocks of the run (the scratch block not included): `engine.num_kv_blocks`, else
+    `kv_memory_fraction` of `free` (on a GPU: what the phases holding the cache leave free, the scratch block
+    taken off; None: the engine's CPU budget, exactrl.engine.runner.auto_num_blocks), capped by a step's worst
+    case."""
     bs = cfg.engine.block_size
     per_block = kv_bytes_per_token(mcfg, b) * bs
     if cfg.engine.num_kv_blocks:
-        blocks = cfg.engine.num_kv_blocks
+        return cfg.engine.num_kv_blocks
+    need = -(-rollout_tokens_needed(cfg, world_size) // bs) + 1
+    if free is None:
+        budget = int(CPU_KV_BUDGET * cfg.engine.kv_memory_fraction)
     else:
-        need = -(-rollout_tokens_needed(cfg, world_size) // bs) + 1
-        budget_from = CPU_KV_BUDGET if free_at_first_rollout is None else max(0, free_at_first_rollout)
-        blocks = max(2, min(need, int(budget_from * cfg.engine.kv_memory_fraction) // per_block))
-    return (blocks + 1) * per_block
+        budget = int(max(0, free) * cfg.engine.kv_memory_fraction) - per_block
+    return max(2, min(need, budget // per_block))
 
 
-def decode_working_set(cfg: RunConfig, mcfg, b: int, cuda: bool) -> int:
-    """The engine's forward working set: a prefill chunk's widest intermediates (one layer at a time), and the
-    decode step's fp32 logits and sampling noise for every running sequence (kept in the decode graphs' pool on
-    CUDA)."""
+def kv_cache_bytes(cfg: RunConfig, mcfg, b: int, blocks: int) -> int:
+    """Device bytes of a KV cache of `blocks` blocks plus the scratch block (exactrl.engine.runner)."""
+    return (blocks + 1) * kv_bytes_per_token(mcfg, b) * cfg.engine.block_size
+
+
+def prefill_working_set(cfg: RunConfig, mcfg, b: int) -> int:
+    """The engine's eager forward working set: a prefill chunk's widest intermediates (one layer at a time)."""
     e = cfg.engine
     tokens = min(e.max_num_batched_tokens, e.prefill_chunk_size)
     q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
@@ -303,9 +315,18 @@ def decode_working_set(cfg: RunConfig, mcfg, b: int, cuda: bool) -> int:
         2 * mcfg.intermediate_size + mcfg.intermediate_size,
         mcfg.num_experts_per_tok * 3 * max(mcfg.moe_intermediate_size, 1),
     )
-    prefill = tokens * (width + q + 2 * kv + 3 * mcfg.hidden_size) * b
-    decode = e.max_num_seqs * mcfg.vocab_size * (4 + 4 + 8) if cuda else 0
-    return prefill + decode
+    return tokens * (width + q + 2 * kv + 3 * mcfg.hidden_size) * b
+
+
+def decode_step_bytes(cfg: RunConfig, mcfg) -> int:
+    """A decode step's fp32 logits, sampling noise and int64 ids for every running sequence: on CUDA with
+    engine.cuda_graphs they live in the decode graphs' pool, which the engine keeps between generations."""
+    return cfg.engine.max_num_seqs * mcfg.vocab_size * (4 + 4 + 8)
+
+
+def decode_working_set(cfg: RunConfig, mcfg, b: int, cuda: bool) -> int:
+    """The engine's whole forward working set (prefill chunk, and a decode step's on CUDA)."""
+    return prefill_working_set(cfg, mcfg, b) + (decode_step_bytes(cfg, mcfg) if cuda else 0)
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
@@ -321,6 +342,7 @@ def plan_memory(
     fit check, and the KV cache sized as on the CPU). device: "cuda" or "cpu" (CUDA graphs and the Triton AdamW
     only exist on CUDA)."""
     from exactrl.model.hf import dtype_from_name
+    from exactrl.train.phases import releases_memory
 
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -333,8 +355,12 @@ def plan_memory(
     tr, a = cfg.train, cfg.algorithm
     offload = tr.offload == "optimizer"
     has_master = b != 4
+    # engine.release_memory: the KV cache and (FSDP2) the engine replica leave the device for the training and
+    # optimizer phases (exactrl/train/phases.py).
+    release = releases_memory(cfg)
 
-    resident: dict[str, int] = {}
+    resident: dict[str, int] = {}  # held in every phase
+    engine_held: dict[str, int] = {}  # the engine's: in generation, and in the others unless released
     opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
     grads: dict[str, int] = {}
     train_extra: dict[str, int] = {}
@@ -348,7 +374,11 @@ def plan_memory(
     else:
         # Trainer shards: what trains in fp32 (the masters), what is frozen in the model dtype; a full replica for
         # the engine; gradients as fp32 shards between backward and step.
-        resident["engine_replica"] = c["policy_params"] * b
+        # The replica's trained part is released for training (the sync refreshes it anyway); a frozen base
+        # (LoRA) stays on the device in every phase.
+        engine_held["engine_replica"] = c["policy_trainable"] * b
+        if c["policy_frozen"]:
+            resident["engine_replica_frozen"] = c["policy_frozen"] * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
         opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
@@ -377,51 +407,57 @@ def plan_memory(
 
     tokens = tr.max_tokens_per_microbatch
     act = training_activations(cfg, mcfg, b, tokens, tr.activation_checkpointing)
-    graphs = tr.cuda_graphs and cuda and not sharded
+    # As PolicyTrainer decides: graphs on CUDA, one device, no mixture of experts (its host-side expert counts
+    # cannot be captured; those microbatches run eagerly and their activations are transient).
+    graphs = tr.cuda_graphs and cuda and not sharded and not mcfg.is_moe
     if graphs:
         # The captured microbatch's activations live in the graphs' private pool, kept from the first training
         # step on: in the generation phase too.
         resident["train_graph_pool"] = act.pop("activations")
-
-    # The KV cache: sized at the first rollout from the memory free then (weights, masters; no moments, no
-    # gradients, no graphs yet), and kept.
-    free = None
-    available = None
-    if gpu_memory is not None:
-        available = gpu_memory - CUDA_CONTEXT_BYTES
-        early = sum(v for k, v in resident.items() if k not in ("policy_grads", "train_graph_pool"))
-        early += (
-            0
-            if offload
-            else opt_state.get("policy_masters_fp32", 0) + opt_state.get("critic_masters_fp32", 0)
-        )
-        free = available - early
-    kv = kv_cache_bytes(cfg, mcfg, b, n, free if cuda else None)
-
-    held = dict(resident)
-    if not offload:
-        held.update(opt_state)
-    gen = Phase(
-        "generation", {**held, "kv_cache": kv, "engine_working_set": decode_working_set(cfg, mcfg, b, cuda)}
-    )
-    train = Phase("training", {**held, "kv_cache": kv, **grads, **train_extra, **act})
+    decode = decode_step_bytes(cfg, mcfg) if cuda else 0
+    if cuda and cfg.engine.cuda_graphs:
+        # The decode graphs (and their pool) are kept between generations: in the training phase too.
+        resident["decode_graph_pool"] = decode
+        decode = 0
+    held = {**resident, **({} if offload else opt_state)}
+    gen_other = {**held, **engine_held, "engine_working_set": prefill_working_set(cfg, mcfg, b) + decode}
+    train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
     if offload and has_master:
         # The offloaded step streams the masters and moments through the device a group at a time.
-        step_terms = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], "kv_cache": kv, **grads}
+        step_other = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], **grads}
         if not cuda:  # the CPU path's fp32 gradient copies, of one group
-            step_terms["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
+            step_other["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
     else:
-        step_terms = {**resident, **opt_state, "kv_cache": kv, **grads}
+        step_other = {**resident, **opt_state, **grads}
         if has_master and not sharded and not cuda:
             # The CPU (torch AdamW) path gives the masters fp32 copies of the gradients; the Triton step reads them.
-            step_terms["master_grads_fp32"] = c["policy_trainable"] * 4
-    step = Phase("optimizer", step_terms)
+            step_other["master_grads_fp32"] = c["policy_trainable"] * 4
+    if not release:
+        step_other.update(engine_held)
+
+    # The KV cache: `kv_memory_fraction` of what the phases that hold it leave free. Released, only generation
+    # holds it; kept, it must fit beside the training and optimizer phases too. The RL loop allocates exactly
+    # this many blocks (exactrl/train/phases.py), so the plan is what the run does.
+    available = None if gpu_memory is None else gpu_memory - CUDA_CONTEXT_BYTES
+    free = None
+    if available is not None and cuda:
+        holding = [gen_other] if release else [gen_other, train_other, step_other]
+        free = available - max(sum(t.values()) for t in holding)
+    blocks = kv_cache_blocks(cfg, mcfg, b, n, free)
+    kv = kv_cache_bytes(cfg, mcfg, b, blocks)
+
+    gen = Phase("generation", {**gen_other, "kv_cache": kv})
+    train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
+    step = Phase("optimizer", {**step_other, **({} if release else {"kv_cache": kv})})
     counts_out = {
         **c,
         "dtype_bytes": b,
         "tokens_per_microbatch": tokens,
         "kv_bytes_per_token": kv_bytes_per_token(mcfg, b),
         "rollout_tokens_needed": rollout_tokens_needed(cfg, n),
+        "kv_blocks": blocks,
+        "release_memory": int(release),
+        "train_graphs": int(graphs),
     }
     return MemoryPlan(
         world_size=n,
@@ -452,6 +488,10 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
         out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
     if tr.offload == "none" and world_size == 1:
         out.append(('train.offload="optimizer"', ["train.offload=optimizer"], world_size))
+    from exactrl.train.phases import phases_overlap
+
+    if not cfg.engine.release_memory and not phases_overlap(cfg):
+        out.append(("engine.release_memory=true", ["engine.release_memory=true"], world_size))
     if cfg.engine.num_kv_blocks is None and cfg.engine.kv_memory_fraction > 0.1:
         out.append(("engine.kv_memory_fraction=0.1", ["engine.kv_memory_fraction=0.1"], world_size))
     if cfg.lora.rank == 0:
@@ -489,8 +529,11 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     out = mb[:1] + [s for s in out if not s.startswith("train.max_tokens_per_microbatch")]
     if out:
         return out
+    from exactrl.train.phases import phases_overlap
+
     sets: list[str] = []
     for extra in (
+        ["engine.release_memory=true"] if not phases_overlap(cfg) else [],
         ["train.activation_checkpointing=true"],
         ["train.offload=optimizer"] if plan.world_size == 1 else [],
         ["train.cuda_graphs=false"],
@@ -521,11 +564,14 @@ def make_plan(
 
 def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print) -> MemoryPlan | None:
     """The check at the start of `exactrl train`: on a CUDA device, the plan against its total memory; a phase
-    that cannot fit raises MemoryPlanError naming it and the settings to change. Skipped on the CPU (no device
-    limit to check against) and with train.check_memory = false."""
-    if not cfg.train.check_memory or not device.startswith("cuda"):
+    that cannot fit raises MemoryPlanError naming it and the settings to change (train.check_memory = false: the
+    plan is returned unchecked). None on the CPU (no device limit to plan against). The run sizes its KV cache
+    from the returned plan (`counts["kv_blocks"]`)."""
+    if not device.startswith("cuda"):
         return None
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    if not cfg.train.check_memory:
+        return plan_memory(cfg, world_size=world_size, gpu_memory=total, device="cuda")
     plan = make_plan(cfg, world_size=world_size, gpu_memory=total, device="cuda")
     if not plan.fits:
         raise MemoryPlanError(plan.refusal())

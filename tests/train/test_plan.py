@@ -115,8 +115,11 @@ def test_reference_model_and_fp32_weights():
 
 def test_sharded_terms_are_one_nth():
     one = make_plan(run_cfg(), world_size=1, device="cuda").phase("optimizer").terms
-    four = make_plan(run_cfg(), world_size=4, device="cuda").phase("optimizer").terms
-    assert four["engine_replica"] == one["policy_weights"]  # a full replica on every rank
+    four_plan = make_plan(run_cfg(), world_size=4, device="cuda")
+    four = four_plan.phase("optimizer").terms
+    # A full replica on every rank while it generates (released for the training and optimizer phases).
+    assert four_plan.phase("generation").terms["engine_replica"] == one["policy_weights"]
+    assert "engine_replica" not in four
     assert four["policy_shards"] == -(-one["policy_masters_fp32"] // 4)  # fp32 shards are the masters
     assert four["policy_adamw_moments"] == -(-one["policy_adamw_moments"] // 4)
     assert four["policy_grad_shards"] == -(-one["policy_masters_fp32"] // 4)
@@ -163,7 +166,9 @@ def test_train_refuses_before_loading(monkeypatch):
     with pytest.raises(MemoryPlanError, match="lora.rank=16"):
         check_before_loading(cfg, "cuda:0", 1, out=lambda *a: None)
     assert check_before_loading(cfg, "cpu", 1) is None  # no device limit on the CPU
-    assert check_before_loading(apply_overrides(cfg, ["train.check_memory=false"]), "cuda:0", 1) is None
+    # check_memory = false: no refusal, the plan still sizes the KV cache.
+    unchecked = check_before_loading(apply_overrides(cfg, ["train.check_memory=false"]), "cuda:0", 1)
+    assert unchecked is not None and not unchecked.fits and unchecked.counts["kv_blocks"] >= 2
 
 
 def test_qwen3_30b_a3b_on_8_x_80gb_follows_the_formula():
@@ -173,7 +178,8 @@ def test_qwen3_30b_a3b_on_8_x_80gb_follows_the_formula():
     p = m.num_params()  # the closed formula of exactrl.model.config, not the meta model's count
     assert p == plan.counts["policy_params"]
     t = plan.phase("training").terms
-    assert t["engine_replica"] == 2 * p
+    # The replica generates, and is released while the trainer trains (engine.release_memory).
+    assert plan.phase("generation").terms["engine_replica"] == 2 * p and "engine_replica" not in t
     assert t["policy_shards"] == -(-4 * p // 8)
     assert t["policy_adamw_moments"] == -(-8 * p // 8)
     assert t["policy_grad_shards"] == -(-4 * p // 8)

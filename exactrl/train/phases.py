@@ -1,0 +1,90 @@
+"""Memory phases of the RL loop: what the device holds while the engine generates and while the trainer trains.
+
+Generation needs the engine's weights and its KV cache; the trainer's step needs its own state, the gradients
+and one microbatch's activations. With `engine.release_memory` (the default) the switch to training frees the
+KV cache and, under torchrun, the engine's full-weight replica; the next `generate` allocates the cache again
+and the weight sync after the optimizer step rebuilds the replica (its all-gather runs anyway). So the phases
+do not overlap, and the memory plan (exactrl/train/memory.py) counts each term only in the phases that hold it.
+
+Nothing here changes a bit: the cache holds nothing across `generate` calls (each starts with a fresh block
+manager), and the replica's every byte is written by the gather before the engine reads it. What can change is
+an address: CUDA graphs hold raw pointers, so the engine's decode graphs are kept when the cache comes back at
+its old address and captured again when it (or a weight) moved; both are counted here as perf metrics.
+
+Not with `algorithm.max_off_policy_steps >= 1` or `algorithm.overlap = "tail"`: the engine then generates (the
+next batch from its own weight copy, or the tail of this one) while the trainer trains, so its memory is needed
+in both phases.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from exactrl.engine.engine import RolloutEngine
+
+
+def phases_overlap(cfg: Any) -> bool:
+    """Whether the engine generates while the trainer trains (one step off, or the tail overlap): its memory is
+    then needed in both phases and nothing is released."""
+    return cfg.algorithm.max_off_policy_steps > 0 or cfg.algorithm.overlap != "none"
+
+
+def releases_memory(cfg: Any) -> bool:
+    """Whether the run frees the engine's memory during training (the plan and the loop ask the same)."""
+    return bool(cfg.engine.release_memory) and not phases_overlap(cfg)
+
+
+class MemoryPhases:
+    """The switches between the generation and training phases of one run, and what they cost.
+
+    kv_blocks: the KV cache's size from the memory plan (None: the engine sizes it itself). parallel: the run's
+    `Parallelism` (its replica is released under torchrun)."""
+
+    def __init__(self, cfg: Any, parallel: Any, kv_blocks: int | None) -> None:
+        self.release = releases_memory(cfg)
+        self.parallel = parallel
+        self.kv_blocks = kv_blocks
+        self._runner: Any = None  # the engine runner of the last `metrics`, and its counters then
+        self._seen: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
+        self._released_s = 0.0
+        self._released = (0, 0)  # bytes of the KV cache and of the replica the last switch freed
+
+    def size(self, engine: RolloutEngine) -> None:
+        """Give `engine` the plan's KV size unless the config fixed one (engine.num_kv_blocks). Called before
+        every generation of the run, so that an engine made later (the replica's, a benchmark's) gets it too."""
+        if self.kv_blocks is not None and engine.config.num_kv_blocks is None:
+            engine.config.num_kv_blocks = self.kv_blocks
+
+    def to_training(self, engine: RolloutEngine) -> None:
+        """Generation is over for this step: free the KV cache, and the replica under torchrun. No-op when the
+        run keeps them (engine.release_memory = false, one step off)."""
+        if not self.release:
+            return
+        t0 = time.perf_counter()
+        replica = self.parallel.release_replica()
+        kv = engine.release_kv()  # last: it gives the cached blocks (the replica's too) back to the device
+        self._released = (kv, replica)
+        self._released_s = time.perf_counter() - t0
+
+    def metrics(self, engine: RolloutEngine) -> dict[str, float]:
+        """The step's phase-switch costs: the KV allocation before its generation (after the first), the decode
+        graphs dropped because the cache or a weight moved and the time spent capturing them again, and what the
+        switch to training freed."""
+        r = engine.runner
+        if r is None:
+            return {}
+        now = (r.kv_allocations, r.kv_allocate_s, r.graphs_dropped, r.capture_seconds)
+        prev = self._seen if r is self._runner else (0, 0, 0, 0.0)  # a new runner counts from 0
+        self._runner, self._seen = r, now
+        out = {
+            "perf/kv_allocate_s": now[1] - prev[1],
+            "perf/decode_graphs_recaptured": float(now[2] - prev[2]),
+            "perf/decode_graph_capture_s": now[3] - prev[3],
+        }
+        if self.release:
+            out["perf/release_s"] = self._released_s
+            out["perf/kv_released_gb"] = self._released[0] / 1e9
+            if self.parallel.sharded:
+                out["perf/replica_released_gb"] = self._released[1] / 1e9
+        return out

@@ -1,0 +1,179 @@
+"""Memory phases under torchrun on CPU ranks (gloo): the engine replica released while the trainer trains and
+rebuilt by the weight sync's all-gather (exactrl/train/phases.py, `Parallelism.release_replica`).
+
+- world size 2 (default run) and 4 (slow): release on equals release off in every metric and weight bit, no
+  mismatched token, and the released bytes are logged; a rebuild that skips the gather (zeros) is the negative
+  control;
+- resume (slow): a run crashed after step 2 and resumed with the release on continues bit for bit;
+- a crash inside a phase switch on one rank (slow) stops every rank with its error, quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("_phases_driver.py")
+REWARD = """
+import hashlib
+
+
+def hashed(completion, answer, example):
+    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
+"""
+SMALL = [
+    "sft.steps=0",
+    "train.warmup_steps=0",
+    "train.lr_schedule=constant",
+    "algorithm.rollouts_per_step=16",
+    "algorithm.group_size=4",
+    "task.num_eval=0",
+    "task.eval_every=0",
+    "sampling.max_tokens=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "model.dtype=bfloat16",
+    "train.keep_checkpoints=4",
+]
+
+
+def _argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
+    sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
+    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
+    argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
+    return argv + (["--resume"] if resume else ["--overwrite"])
+
+
+def _launch(
+    tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 300
+) -> tuple[int, str, float]:
+    spec = tmp / f"spec-{tag}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    t = time.perf_counter()
+    p = subprocess.run(
+        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+
+
+def _records(run: Path) -> list[dict]:
+    """Every logged step's record, timings and perf counters left out (they differ between any two runs)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.append(
+            {
+                k: v
+                for k, v in r.items()
+                if not (k.startswith(("perf/", "time/")) or k.endswith("_s") or k == "minutes")
+            }
+        )
+    return out
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    root = run / "checkpoints"
+    return load_file(str(root / (root / "latest").read_text().strip() / "policy" / "model.safetensors"))
+
+
+def _same(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return (
+        _records(a) == _records(b) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    )
+
+
+def _mismatched(run: Path) -> float:
+    return sum(r.get("mismatch/num_mismatched_tokens", 0.0) for r in _records(run))
+
+
+def _released_gb(run: Path, what: str) -> list[float]:
+    key = f"perf/{what}_released_gb"
+    return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def _replica_gb() -> float:
+    """The engine replica's bytes on every rank: the tiny preset in bf16 (a tied head counted once)."""
+    from exactrl.model import build_model, preset
+
+    return sum(p.numel() for p in build_model(preset("tiny"), dtype=torch.bfloat16).parameters()) * 2 / 1e9
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    (tmp_path / "reward.py").write_text(REWARD)
+    return tmp_path
+
+
+def _check_exact(tmp: Path, nproc: int) -> None:
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, "on", 2)},
+        {"kind": "cli", "argv": _argv(tmp, "off", 2, "engine.release_memory=false")},
+        # Negative control: a rebuild that skips the gather; "warn" keeps the run going past the mismatch.
+        {"kind": "cli", "argv": _argv(tmp, "stale", 2, "run.on_mismatch=warn"), "plant": "stale_replica"},
+    ]
+    code, out, secs = _launch(tmp, nproc, jobs, f"ws{nproc}")
+    print(f"world size {nproc}: {secs:.1f} s")
+    assert code == 0, out[-6000:]
+    assert _same(tmp / "on", tmp / "off")
+    assert _mismatched(tmp / "on") == 0
+    # Each step's switch freed rank 0's whole replica and its KV cache (the metrics are rank 0's).
+    assert _released_gb(tmp / "on", "replica") == [_replica_gb()] * 2
+    assert len(_released_gb(tmp / "on", "kv")) == 2 and min(_released_gb(tmp / "on", "kv")) > 0
+    assert _released_gb(tmp / "off", "replica") == [] and _released_gb(tmp / "off", "kv") == []
+    assert not _same(tmp / "on", tmp / "stale") and _mismatched(tmp / "stale") > 0
+
+
+def test_release_is_exact_at_world_size_2(tmp):
+    _check_exact(tmp, 2)
+
+
+@pytest.mark.slow
+def test_release_is_exact_at_world_size_4(tmp):
+    _check_exact(tmp, 4)
+
+
+@pytest.mark.slow
+def test_resume_with_the_release_continues_bitwise(tmp):
+    import shutil
+
+    ckpt = "train.save_every=1"
+    code, out, _ = _launch(tmp, 2, [{"kind": "cli", "argv": _argv(tmp, "whole", 4, ckpt)}], "whole")
+    assert code == 0, out[-6000:]
+    # A crash right after step 2's checkpoint, then --resume with the release on.
+    shutil.copytree(tmp / "whole", tmp / "resumed")
+    ckpts = tmp / "resumed" / "checkpoints"
+    for d in ckpts.glob("step-*"):
+        if int(d.name.split("-")[1]) > 2:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text("step-000002\n")
+    (tmp / "resumed" / "summary.json").unlink()
+    code, out, _ = _launch(
+        tmp, 2, [{"kind": "cli", "argv": _argv(tmp, "resumed", 4, ckpt, resume=True)}], "resume"
+    )
+    assert code == 0, out[-6000:]
+    assert _same(tmp / "whole", tmp / "resumed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", ["fail_release", "fail_rebuild"])
+def test_a_crash_in_a_phase_switch_on_one_rank_stops_every_rank(tmp, plant):
+    job = {"kind": "cli", "argv": _argv(tmp, "crash", 3), "plant": plant, "rank": 1}
+    code, out, secs = _launch(tmp, 2, [job], plant, timeout=120)
+    print(f"{plant}: exit {code} after {secs:.1f} s")
+    assert code != 0
+    assert f"planted failure in the replica's {plant.split('_')[1]} on rank 1" in out
+    assert secs < 60
+    assert not (tmp / "crash" / "summary.json").exists()
