@@ -211,9 +211,10 @@ def cmd_twin(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """The run's memory plan per rank (exactrl.plan); exit 1 when a phase would not fit --gpu-memory."""
+    """The run's memory plan per rank (exactrl.plan); exit 1 when a phase would not fit --gpu-memory, or the
+    optimizer state offload pins would not fit --host-memory."""
     from exactrl.config import load_config
-    from exactrl.train.memory import gpu_memory_bytes, make_plan, print_plan
+    from exactrl.train.memory import gpu_memory_bytes, host_memory_bytes, make_plan, print_plan
 
     cfg = load_config(args.config, args.set or [])
     gpu = gpu_memory_bytes(args.gpu_memory)
@@ -222,7 +223,8 @@ def cmd_plan(args) -> int:
 
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = make_plan(cfg, world_size=args.world_size, gpu_memory=gpu, device="cuda")
+    host = host_memory_bytes() if args.host_memory is None else gpu_memory_bytes(args.host_memory)
+    plan = make_plan(cfg, world_size=args.world_size, gpu_memory=gpu, device="cuda", host_memory=host)
     print_plan(plan)
     return 0 if plan.fits else 1
 
@@ -280,6 +282,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="GB",
         help="device memory per rank in GiB to check the plan against (default: this machine's GPU; none on a "
         "CPU: the plan is printed without a verdict)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help='host RAM in GiB that train.offload = "optimizer" pins its state in (default: this machine\'s)',
     )
     p.set_defaults(func=cmd_plan)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +46,23 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 # Per-token fp32/int64 vectors of the loss (logprobs, old/ref logprobs, advantages, masks, ratios, positions).
 LOSS_BYTES_PER_TOKEN = 64
 CPU_KV_BUDGET = 2 * GiB  # exactrl.engine.runner.auto_num_blocks: the CPU's KV budget before the fraction
+# Host memory the plan leaves to the process itself (interpreter, torch, the CUDA driver's host side, the
+# tokenizer and data) and to the system, before pinned optimizer state is counted against the host's RAM.
+HOST_RESERVE_BYTES = 8 * GiB
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned buffer of nbytes takes: torch's caching host allocator (`pin_memory=True`) rounds
+    every block up to the next power of two (a 2.49 GB embedding master takes 4 GiB)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class MemoryPlanError(ValueError):
@@ -72,6 +90,17 @@ class MemoryPlan:
     phases: list[Phase]
     counts: dict[str, int]  # parameter counts and shapes the terms came from
     suggestions: list[str] = field(default_factory=list)
+    # train.offload = "optimizer": the masters and moments wait in pinned host memory between steps.
+    host_pinned: int = 0  # bytes of host memory they take, as torch's pinned allocator rounds them
+    host_memory: int | None = None  # the host's RAM as given or read (None: not checked)
+
+    @property
+    def host_available(self) -> int | None:
+        return None if self.host_memory is None else self.host_memory - HOST_RESERVE_BYTES
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_available is None or self.host_pinned <= self.host_available
 
     @property
     def peak(self) -> int:
@@ -82,8 +111,12 @@ class MemoryPlan:
         return max(self.phases, key=lambda p: p.peak)
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
         return self.available is None or self.peak <= self.available
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -99,11 +132,20 @@ class MemoryPlan:
         lines.append("-" * len(head))
         lines.append(f"{'peak':<{w}}" + "".join(f"{_gib(p.peak):>14}" for p in self.phases))
         if self.available is not None:
-            verdict = "fits" if self.fits else f"DOES NOT FIT ({self.worst.name})"
+            verdict = "fits" if self.device_fits else f"DOES NOT FIT ({self.worst.name})"
             lines.append(
                 f"available per rank: {_gib(self.available)} GiB ({_gib(self.gpu_memory or 0)} GiB device - "
                 f"{_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context): {verdict}"
             )
+        if self.host_pinned:
+            line = f"host memory, pinned optimizer state (train.offload): {_gib(self.host_pinned)} GiB"
+            if self.host_available is not None:
+                verdict = "fits" if self.host_fits else "DOES NOT FIT"
+                line += (
+                    f" of {_gib(self.host_available)} GiB ({_gib(self.host_memory or 0)} GiB RAM - "
+                    f"{_gib(HOST_RESERVE_BYTES)} GiB for the process and the system): {verdict}"
+                )
+            lines.append(line)
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -113,6 +155,9 @@ class MemoryPlan:
             "gpu_memory_bytes": self.gpu_memory,
             "available_bytes": self.available,
             "fits": self.fits,
+            "host_pinned_bytes": self.host_pinned,
+            "host_memory_bytes": self.host_memory,
+            "host_fits": self.host_fits,
             "peak_bytes": self.peak,
             "peak_phase": self.worst.name,
             "phases": {p.name: {"peak_bytes": p.peak, **p.terms} for p in self.phases},
@@ -124,11 +169,21 @@ class MemoryPlan:
         p = self.worst
         top = sorted(p.terms.items(), key=lambda kv: -kv[1])[:4]
         what = ", ".join(f"{k} {_gib(v)} GiB" for k, v in top)
-        msg = (
-            f"memory plan: the {p.name} phase needs {_gib(p.peak)} GiB per rank ({p.peak} bytes; {what}), "
-            f"{_gib(self.available or 0)} GiB ({self.available} bytes) are available"
-            f" at world size {self.world_size}."
-        )
+        msg = ""
+        if not self.device_fits:
+            msg = (
+                f"memory plan: the {p.name} phase needs {_gib(p.peak)} GiB per rank ({p.peak} bytes; {what}), "
+                f"{_gib(self.available or 0)} GiB ({self.available} bytes) are available"
+                f" at world size {self.world_size}."
+            )
+        if not self.host_fits:
+            msg += (" " if msg else "memory plan: ") + (
+                f'train.offload = "optimizer" keeps the masters and AdamW moments in pinned host memory: '
+                f"{_gib(self.host_pinned)} GiB as torch's pinned allocator takes them (each tensor rounded up to a "
+                f"power of two), {_gib(self.host_available or 0)} GiB of host memory are available "
+                f"({_gib(self.host_memory or 0)} GiB RAM less {_gib(HOST_RESERVE_BYTES)} GiB for the process "
+                "and the system)."
+            )
         if self.suggestions:
             msg += " Settings that would make it fit: " + "; ".join(self.suggestions) + "."
         else:
@@ -185,6 +240,8 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         default=0,
     )
     layer = max(_numel(lay.parameters()) for lay in policy.model.layers)
+    # Offload's host buffers, one per fp32 tensor (MasterAdamW.to_host), as the pinned allocator rounds them.
+    pinned = lambda ps: sum(pinned_bytes(p.numel() * 4) for p in ps)  # noqa: E731
     out = {
         "policy_params": _numel(params),
         "policy_trainable": _numel(trainable),
@@ -194,6 +251,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         "critic_trainable": 0,
         "critic_head_fp32": 0,
         "offload_chunk_bytes": chunk(trainable),
+        "offload_pinned_bytes_per_fp32_copy": pinned(trainable),
     }
     if critic is not None:
         cp = [p for n, p in critic.named_parameters() if n != "value_head"]
@@ -202,6 +260,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         out["critic_head_fp32"] = critic.value_head.numel()
         ctrain = [p for p in critic.parameters() if p.requires_grad]
         out["offload_chunk_bytes"] = max(out["offload_chunk_bytes"], chunk(ctrain))
+        out["offload_pinned_bytes_per_fp32_copy"] += pinned(ctrain)
     return out
 
 
@@ -337,6 +396,7 @@ def plan_memory(
     gpu_memory: int | None = None,
     device: str = "cuda",
     counts: dict[str, int] | None = None,
+    host_memory: int | None = None,
 ) -> MemoryPlan:
     """Each phase's predicted peak bytes on one rank of `world_size`. gpu_memory: the device's bytes (None: no
     fit check, and the KV cache sized as on the CPU). device: "cuda" or "cpu" (CUDA graphs and the Triton AdamW
@@ -459,6 +519,11 @@ def plan_memory(
         "release_memory": int(release),
         "train_graphs": int(graphs),
     }
+    # Offload: moments (two fp32 copies) and, for a 16-bit model, the fp32 masters, in pinned host buffers
+    # (pinned only on CUDA; under torchrun offload is refused).
+    host = 0
+    if offload and not sharded and cuda:
+        host = c["offload_pinned_bytes_per_fp32_copy"] * (3 if has_master else 2)
     return MemoryPlan(
         world_size=n,
         device=device,
@@ -466,6 +531,8 @@ def plan_memory(
         gpu_memory=gpu_memory,
         phases=[gen, train, step],
         counts=counts_out,
+        host_pinned=host,
+        host_memory=host_memory,
     )
 
 
@@ -501,14 +568,19 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
         out.append((" ".join(sets), sets, world_size))
     for more in (2, 4, 8):
         if more > world_size:
-            out.append((f"--nproc {more} (FSDP2 shards of 1/{more})", [], more))
+            # Offload is for one device (the shards are the saving under torchrun): the launch turns it off.
+            sets = ["train.offload=none"] if tr.offload != "none" else []
+            label = f"--nproc {more} (FSDP2 shards of 1/{more})" + (
+                " with train.offload=none" if sets else ""
+            )
+            out.append((label, sets, more))
     return out
 
 
 def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[str]:
     """The single settings that make the plan fit, each with its peak; if none does alone, the cumulative
     combination of the memory-only ones (microbatch, checkpointing, graphs, offload) that does."""
-    if plan.available is None or plan.fits:
+    if plan.fits:
         return []
     out = []
     device = plan.device
@@ -518,7 +590,7 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
             c2 = apply_overrides(copy.deepcopy(cfg), sets) if sets else cfg
             p2 = plan_memory(
                 c2, world_size=n, gpu_memory=plan.gpu_memory, device=device,
-                counts=counts if same_counts(sets) else None,
+                counts=counts if same_counts(sets) else None, host_memory=plan.host_memory,
             )  # fmt: skip
         except ValueError:
             continue  # a change the config refuses (e.g. a microbatch shorter than a sequence)
@@ -543,8 +615,9 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
         try:
             c2 = apply_overrides(copy.deepcopy(cfg), sets)
             p2 = plan_memory(
-                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=device, counts=counts
-            )
+                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=device, counts=counts,
+                host_memory=plan.host_memory,
+            )  # fmt: skip
         except ValueError:
             continue
         if p2.fits:
@@ -553,11 +626,23 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
 
 
 def make_plan(
-    cfg: RunConfig, *, world_size: int = 1, gpu_memory: int | None = None, device: str = "cuda"
+    cfg: RunConfig,
+    *,
+    world_size: int = 1,
+    gpu_memory: int | None = None,
+    device: str = "cuda",
+    host_memory: int | None = None,
 ) -> MemoryPlan:
     """`plan_memory` with the suggestions filled in when it does not fit."""
     counts = count_tensors(cfg)
-    plan = plan_memory(cfg, world_size=world_size, gpu_memory=gpu_memory, device=device, counts=counts)
+    plan = plan_memory(
+        cfg,
+        world_size=world_size,
+        gpu_memory=gpu_memory,
+        device=device,
+        counts=counts,
+        host_memory=host_memory,
+    )
     plan.suggestions = suggest(cfg, plan, counts)
     return plan
 
@@ -570,9 +655,10 @@ def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print
     if not device.startswith("cuda"):
         return None
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    host = host_memory_bytes()
     if not cfg.train.check_memory:
-        return plan_memory(cfg, world_size=world_size, gpu_memory=total, device="cuda")
-    plan = make_plan(cfg, world_size=world_size, gpu_memory=total, device="cuda")
+        return plan_memory(cfg, world_size=world_size, gpu_memory=total, device="cuda", host_memory=host)
+    plan = make_plan(cfg, world_size=world_size, gpu_memory=total, device="cuda", host_memory=host)
     if not plan.fits:
         raise MemoryPlanError(plan.refusal())
     out(

@@ -32,6 +32,7 @@ from exactrl.train.memory import (
     activation_bytes_per_token,
     check_before_loading,
     make_plan,
+    pinned_bytes,
     plan_memory,
 )
 from exactrl.train.optim import MasterAdamW
@@ -84,6 +85,48 @@ def test_state_bytes_equal_the_real_tensors(name):
     groups = [nbytes(t for k, t in on._offloaded(idx)) for idx in on._chunks]
     assert streamed.terms["optimizer_state_chunk"] == max(groups)
     assert "policy_adamw_moments" not in streamed.terms
+
+
+def test_pinned_host_bytes_are_the_offloaded_tensors_as_the_pinned_allocator_rounds_them():
+    """train.offload = "optimizer": the plan's host term is one pinned buffer per master and moment the optimizer
+    really moves to the host (counted on its host buffers after a step), each rounded up to a power of two as
+    torch's caching host allocator does; with fp32 weights only the moments move."""
+    assert [pinned_bytes(n) for n in (0, 1, 3, 4096, 4097, 2**30)] == [0, 1, 4, 4096, 8192, 2**30]
+    assert pinned_bytes(151_936 * 4096 * 4) == 4 * GiB  # a qwen3-8b embedding's fp32 master: 2.49 GB -> 4 GiB
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        cfg = run_cfg(f"model.dtype={name}", "train.offload=optimizer", "model.preset=tiny-moe")
+        on = stepped(build_model(preset("tiny-moe"), dtype=dtype), offload="optimizer")
+        assert on.on_host and on._host
+        real = sum(pinned_bytes(t.numel() * t.element_size()) for t in on._host.values())
+        assert plan_memory(cfg, device="cuda").host_pinned == real
+    assert plan_memory(run_cfg("train.offload=none"), device="cuda").host_pinned == 0
+
+
+def test_offload_that_does_not_fit_the_host_is_refused_by_name():
+    """A qwen3-8b full fine-tune with its optimizer state offloaded fits an 80 GB GPU but not a 125 GiB host
+    (91.5 GiB of state pins 125.25 GiB: it was killed by the host's OOM killer on the lent H100 machine); the
+    refusal names host memory and offers settings that fit."""
+    cfg = apply_overrides(
+        config_from_dict({"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}}),
+        [
+            "train.offload=optimizer",
+            "train.activation_checkpointing=true",
+            "algorithm.rollouts_per_step=128",
+            "engine.max_model_len=1024",
+            "sampling.max_tokens=512",
+        ],
+    )
+    cfg.validate()
+    gpu = int(79.18 * GiB)
+    small = make_plan(cfg, gpu_memory=gpu, host_memory=125 * GiB)
+    assert small.device_fits and not small.host_fits and not small.fits
+    assert round(small.host_pinned / GiB, 2) == 125.25
+    why = small.refusal()
+    assert "pinned host memory" in why and "125.25 GiB" in why and "117.00 GiB" in why
+    assert any(s.startswith("lora.rank=16") for s in small.suggestions)
+    assert any("with train.offload=none" in s for s in small.suggestions)
+    big = make_plan(cfg, gpu_memory=gpu, host_memory=256 * GiB)
+    assert big.fits and not big.suggestions
 
 
 def test_lora_and_critic_bytes_equal_the_real_tensors():
