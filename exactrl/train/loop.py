@@ -1298,6 +1298,7 @@ class RLRun:
         torchrun the worker runs `behaviour_sample` alone and the main thread `behaviour_gather` after it joined."""
         assert self.behaviour is not None
         if self.partial is not None:  # generation cut by count, unfinished samples carried (train/partial.py)
+            self.phases.size(self.engine)  # the plan's KV size (it counts the groups in flight), as below
             return self.partial.batch(self, step)  # one process: refused under torchrun
         what = f"sampling step {step + 1}'s batch"
         return self.behaviour_gather(step, agreed(self.dist, what, lambda: self.behaviour_sample(step)))

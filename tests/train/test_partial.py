@@ -422,6 +422,24 @@ def test_partial_config_refusals(tmp_path, reward_path):
         RLRun(_cfg(tmp_path, reward_path, algorithm__advantage="remax"), out=lambda *a: None)
 
 
+def test_partial_generation_allocates_the_plans_cache(tmp_path, reward_path, monkeypatch):
+    """On a GPU the loop gives the engine the memory plan's KV size (which counts the groups in flight) before its
+    first generation; the partial path must too. Here the plan of a mocked 1 GiB device on the CPU run: the engine
+    sized by itself would allocate its CPU default instead."""
+    from exactrl.train.memory import GiB, plan_memory
+
+    cfg = _cfg(tmp_path, reward_path, train__steps=1, train__save_every=0)
+    cfg.validate()
+    plan = plan_memory(cfg, gpu_memory=1 * GiB + (1 << 20), device="cuda")
+    monkeypatch.setattr(loop_mod, "check_before_loading", lambda *a, **k: plan)
+    run = RLRun(cfg, out=lambda *a, **k: None)
+    try:
+        run.run()
+        assert run.engine.runner.num_blocks == plan.counts["kv_blocks"]
+    finally:
+        run.close()
+
+
 def test_bench_rl_runs_partial_rollouts(tmp_path):
     """`exactrl bench rl --max-off-policy-steps 2 --partial-rollouts` at tiny scale: the generation is timed where
     it runs (the partial driver), exact, its cut and resume figures in the record beside the others'."""
