@@ -296,7 +296,8 @@ class EngineConfig:
     """Memory phases of `exactrl train`: free the KV cache (and under torchrun the engine's weight replica) while
     the trainer runs, and allocate them again before the next generation (the replica is rebuilt by the weight
     sync's all-gather), so that generation and training do not hold each other's memory. The same bits either
-    way. Not with algorithm.max_off_policy_steps >= 1, where generation runs during training."""
+    way. Not with algorithm.max_off_policy_steps >= 1 or algorithm.overlap = "tail", where generation runs during
+    training."""
 
     def validate(self) -> None:
         _check_at_least(self.block_size, 16, "engine.block_size")

@@ -756,6 +756,10 @@ class RLRun:
             if note is not None:
                 self.out(f"off-policy resume at {self.dist.world_size} rank(s): {note}")
             if self.partial is not None and not self.partial.load(self.resume_from):
+                # Request ids key the sampling noise: start past every id the checkpoint's run can have used
+                # (at most (step + 1) x the groups in flight), so no prompt reuses an earlier prompt's noise.
+                a = self.cfg.algorithm
+                self.partial.next_request_id = (self.step + 1) * (a.prompts_per_step + a.partial_extra_groups)
                 self.out(
                     "partial rollouts: the checkpoint holds no samples in flight; the run starts a fresh pool"
                 )

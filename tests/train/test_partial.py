@@ -458,3 +458,24 @@ def test_bench_rl_runs_partial_rollouts(tmp_path):
     assert rec["offpolicy_versions_behind_max"] <= 2
     assert sum(d["offpolicy_partial_resumed_samples"] for d in rec["steps_detail"]) > 0
     assert all(d["generate_s"] > 0 for d in rec["steps_detail"])  # timed in the partial driver
+
+
+def test_a_resume_without_samples_in_flight_draws_fresh_request_ids(tmp_path, reward_path, monkeypatch):
+    """A checkpoint without the pool (offpolicy_partial.json gone, or written by a run without partial rollouts):
+    the resumed run starts a fresh pool whose request ids (they key the sampling noise) start past every id the
+    earlier steps can have used, so no new prompt samples with an earlier prompt's noise."""
+    cfg = _cfg(tmp_path, reward_path)
+    monkeypatch.setattr(RLRun, "stop_requested", lambda self: self.step == 1)
+    train(cfg, out=lambda *a: None)
+    monkeypatch.undo()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000001"
+    used = {g["request_id"] for g in json.loads((ckpt / PARTIAL_FILE).read_text())["pool"]}
+    (ckpt / PARTIAL_FILE).unlink()
+    notes: list[str] = []
+    s = train(cfg, resume=True, out=lambda *a: notes.append(" ".join(map(str, a))))
+    assert s["rl_steps"] == 4 and any("fresh pool" in n for n in notes)
+    a = cfg.algorithm
+    floor = 2 * (a.prompts_per_step + a.partial_extra_groups)  # (step 1 + 1) x the groups in flight
+    later = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / PARTIAL_FILE).read_text())
+    ids = {g["request_id"] for g in later["pool"]}
+    assert ids and min(ids) >= floor > max(used)
