@@ -48,8 +48,10 @@ from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout
 # back from waiting for a decode step's tokens, gets it within this instead of queuing a whole interval behind the
 # trainer's host work (a decode step in the tail is a few milliseconds).
 GIL_SWITCH_INTERVAL_S = 5e-4
-# The generation stream's CUDA priority: lower is higher. Its decode kernels (and the CUDA graphs launched into it)
-# are then scheduled ahead of queued training kernels when both have work.
+# The generation stream's CUDA priority: lower is higher. Priority orders the thread blocks waiting for an SM; it
+# preempts nothing, and the trainer's persistent GEMMs hold every SM for their whole run, so on the H100 a decode
+# step beside training was as slow on a high-priority stream as on a default one (benchmarks/probe_priority.py,
+# docs/benchmarks.md "Twelfth session"). Kept because it costs nothing and helps against non-persistent kernels.
 GENERATION_STREAM_PRIORITY = -1
 
 
