@@ -7,7 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
-#     [probes-overlap] [fsdp-mb] [bench-rl-overlap]
+#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -246,6 +246,20 @@ if want bench-rl-overlap; then  # whole exact GRPO steps, synchronous then the t
     timeout 280 $X bench rl $rl --overlap $ov 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/bench_rl_overlap.txt"
   done
   cp benchmarks/results/rl-qwen3-1.7b-*exact*.json "$OUT/" 2>/dev/null
+fi
+if want bench-rl-partial; then  # partial rollouts (k = 2, cut by count, resumed by recompute) vs the synchronous step
+  rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
+    --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
+    --tokens-per-microbatch 4096 --mode exact"
+  for mode in "--max-off-policy-steps 0" "--max-off-policy-steps 2 --partial-rollouts"; do
+    timeout 280 $X bench rl $rl $mode 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/bench_rl_partial.txt"
+  done
+fi
+if want kv-sweep; then  # the README's bench rl at its defaults but the KV fraction (memory phases on): can it rise?
+  for f in 0.3 0.45 0.6; do
+    timeout 200 $X bench rl --preset qwen3-1.7b --mode exact --warmup 1 --steps 1 --kv-memory-fraction $f --json \
+      2>&1 | grep -v Warning | tail -16 | tee -a "$OUT/kv_sweep.txt"
+  done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"
