@@ -4,7 +4,7 @@
     {"kind": "cli", "argv": [...], "probe": "DIR", "plant": NAME}
       probe        every rank writes DIR/rank<r>.json: per optimizer step of the policy's MasterAdamW, where its
                    AdamW moments were during the step and right after it (device type, whether each tensor is the
-                   optimizer's host buffer for it)
+                   optimizer's host buffer for it) and the bytes of each of its host buffers
       "lossy_host" the moments are rounded to bf16 while they wait in their host buffers: the negative control
 """
 
@@ -40,6 +40,7 @@ def _where(opt) -> dict:
             1 for k, t in moments if k in host and t.data_ptr() == host[k].data_ptr() and t.numel() > 0
         ),
         "on_host": opt.on_host,
+        "host_buffer_bytes": sorted(t.numel() * t.element_size() for t in host.values()),
     }
 
 

@@ -148,11 +148,36 @@ def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
             # has none yet: AdamW makes them in it); after it every one waits in its host buffer.
             assert s["during"]["in_host_buffers"] == 0 and not s["during"]["on_host"]
             assert s["during"]["count"] == (0 if i == 0 else n)
-            assert s["after"] == {"count": n, "devices": ["cpu"], "in_host_buffers": n, "on_host": True}
+            after = dict(s["after"])
+            buffers = after.pop("host_buffer_bytes")
+            assert after == {"count": n, "devices": ["cpu"], "in_host_buffers": n, "on_host": True}
+            assert len(buffers) == n
         # Offload off: no host buffers at all.
         off = json.loads((tmp / "probe-off" / f"rank{rank}.json").read_text())
         assert off and off[0]["after"]["in_host_buffers"] == 0 and not off[0]["after"]["on_host"]
     assert not _same(tmp / "off", tmp / "lossy")
+    # The plan's host term (on a GPU, where the buffers are pinned): the largest rank's host buffers, each as the
+    # pinned allocator rounds it.
+    from exactrl.config import load_config
+    from exactrl.train.memory import pinned_bytes, plan_memory
+
+    real = max(
+        sum(
+            map(
+                pinned_bytes,
+                json.loads((tmp / "probe-on" / f"rank{r}.json").read_text())[-1]["after"][
+                    "host_buffer_bytes"
+                ],
+            )
+        )
+        for r in (0, 1)
+    )
+    cfg = load_config(ROOT / "configs" / "quickstart.toml", [*SMALL, ON])
+    plan = plan_memory(cfg, world_size=2, device="cuda")
+    assert plan.host_pinned == real and plan.host_ranks == 2
+    for name in ("generation", "training"):
+        assert "policy_adamw_moments" not in plan.phase(name).terms
+    assert "policy_adamw_moments" in plan.phase("optimizer").terms
 
 
 @pytest.mark.slow

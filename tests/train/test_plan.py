@@ -171,6 +171,19 @@ def test_sharded_terms_are_one_nth():
     assert four["policy_grad_shards"] == -(-one["policy_masters_fp32"] // 4)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_offloaded_moment_shards_are_pinned_per_rank(n):
+    """Under FSDP2 offload pins each rank's moment shards: rank 0 holds the first torch.chunk of every parameter
+    along dim 0 (the largest), two fp32 buffers each, rounded by the pinned allocator (3 ranks: rows that do not
+    divide evenly)."""
+    cfg = run_cfg("train.offload=optimizer")
+    plan = plan_memory(cfg, world_size=n, device="cuda")
+    model = build_model(preset("tiny"), dtype=torch.bfloat16)
+    shards = [torch.chunk(p.detach(), n, dim=0)[0] for p in model.parameters()]
+    assert plan.host_pinned == sum(2 * pinned_bytes(s.numel() * 4) for s in shards)
+    assert plan.host_ranks == n and plan_memory(cfg, world_size=n, device="cpu").host_pinned == 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Refusal, suggestions, the 30B-A3B plan
 # ----------------------------------------------------------------------------------------------------------
