@@ -754,7 +754,8 @@ class TrainConfig:
     """Where the policy's (and critic's) fp32 master weights and AdamW moments wait between optimizer steps:
     "none" = on the device; "optimizer" = in pinned host memory, brought to the device for each step (12 bytes
     per trainable parameter off the device during generation and the forward/backward, for two copies of them per
-    step). The same bits either way. `exactrl plan` shows what it saves."""
+    step). Under torchrun (FSDP2) the fp32 shards stay on the device and each rank's AdamW moment shards move (8
+    bytes per element of its shard). The same bits either way. `exactrl plan` shows what it saves."""
     check_memory: bool = True
     """On a CUDA device, check the memory plan (`exactrl plan`) before anything loads and refuse a run whose
     generation, training or optimizer phase is predicted not to fit, naming the settings that would; false

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
@@ -35,25 +36,49 @@ from exactrl.train.optim import MasterAdamW
 
 
 def _as_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A local state tensor with the layout of its (sharded) parameter, so DCP can reshard it."""
+    """A local state tensor with the layout of its (sharded) parameter, so DCP can reshard it. Offloaded AdamW
+    moments (train.offload = "optimizer") are host buffers while the parameter's mesh may be a GPU's: there the
+    DTensor gets a mesh of the same ranks and process group typed for the host, because `DTensor.from_local` copies
+    a tensor of another device type onto the mesh's device, so a save would bring every moment shard to the GPU at
+    once and a load would fill those copies, not the host buffers. DCP runs no collective on a tensor's mesh; it
+    reads and writes the local tensor in place."""
     if not isinstance(like, DTensor):
         return local
+    mesh = like.device_mesh
+    if local.device.type != mesh.device_type:
+        mesh = _mesh_on(mesh, local.device.type)
     return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
+
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def _mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """`mesh` (its ranks, dimension names and process groups) with another device type; built once per mesh."""
+    key = (id(mesh), device_type)
+    if key not in _MESHES:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        _MESHES[key] = DeviceMesh.from_group(
+            groups[0] if mesh.ndim == 1 else groups,
+            device_type,
+            mesh=mesh.mesh,
+            mesh_dim_names=mesh.mesh_dim_names,
+        )
+    return _MESHES[key]
 
 
 def _optimizer_tree(opt: MasterAdamW, module: nn.Module) -> dict[str, Any]:
     """{parameter name: {exp_avg, exp_avg_sq, step}} over `opt`'s parameters, as tensors DCP reads and writes
-    in place (state is created, zeroed, where the optimizer has not stepped yet)."""
+    in place (state is created, zeroed, where the optimizer has not stepped yet: in the host buffers when it is
+    offloaded)."""
     names = {id(p): n for n, p in module.named_parameters()}
+    opt.init_state()
+    opt.synchronize()  # offload: the copies into the host buffers are queued, not done
     tree: dict[str, Any] = {}
     for p, m in zip(opt.params, opt.master):
         st = opt.opt.state[m]
-        if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=m.device if opt.on_cuda else "cpu")
-            st["exp_avg"] = torch.zeros_like(m)
-            st["exp_avg_sq"] = torch.zeros_like(m)
         tree[names[id(p)]] = {
             "exp_avg": _as_dtensor(st["exp_avg"], p),
             "exp_avg_sq": _as_dtensor(st["exp_avg_sq"], p),

@@ -90,9 +90,13 @@ class MemoryPlan:
     phases: list[Phase]
     counts: dict[str, int]  # parameter counts and shapes the terms came from
     suggestions: list[str] = field(default_factory=list)
-    # train.offload = "optimizer": the masters and moments wait in pinned host memory between steps.
-    host_pinned: int = 0  # bytes of host memory they take, as torch's pinned allocator rounds them
+    # train.offload = "optimizer": the masters and moments (under FSDP2 each rank's moment shards) wait in pinned
+    # host memory between steps.
+    host_pinned: int = 0  # bytes of host memory they take per rank, as torch's pinned allocator rounds them
     host_memory: int | None = None  # the host's RAM as given or read (None: not checked)
+    host_ranks: int = (
+        1  # ranks that share that host (torchrun's processes on one node), each pinning host_pinned
+    )
 
     @property
     def host_available(self) -> int | None:
@@ -100,7 +104,7 @@ class MemoryPlan:
 
     @property
     def host_fits(self) -> bool:
-        return self.host_available is None or self.host_pinned <= self.host_available
+        return self.host_available is None or self.host_pinned * self.host_ranks <= self.host_available
 
     @property
     def peak(self) -> int:
@@ -139,6 +143,11 @@ class MemoryPlan:
             )
         if self.host_pinned:
             line = f"host memory, pinned optimizer state (train.offload): {_gib(self.host_pinned)} GiB"
+            if self.world_size > 1:
+                line = (
+                    f"host memory per rank, pinned AdamW moment shards (train.offload): {_gib(self.host_pinned)} "
+                    f"GiB; {self.host_ranks} ranks on one host: {_gib(self.host_pinned * self.host_ranks)} GiB"
+                )
             if self.host_available is not None:
                 verdict = "fits" if self.host_fits else "DOES NOT FIT"
                 line += (
@@ -156,6 +165,7 @@ class MemoryPlan:
             "available_bytes": self.available,
             "fits": self.fits,
             "host_pinned_bytes": self.host_pinned,
+            "host_ranks": self.host_ranks,
             "host_memory_bytes": self.host_memory,
             "host_fits": self.host_fits,
             "peak_bytes": self.peak,
@@ -164,6 +174,13 @@ class MemoryPlan:
             "counts": self.counts,
             "suggestions": self.suggestions,
         }
+
+    def _per_rank(self) -> str:
+        if self.host_ranks == 1:
+            return ""
+        return (
+            f"; {_gib(self.host_pinned)} GiB of moment shards per rank x {self.host_ranks} ranks on the host"
+        )
 
     def refusal(self) -> str:
         p = self.worst
@@ -179,8 +196,8 @@ class MemoryPlan:
         if not self.host_fits:
             msg += (" " if msg else "memory plan: ") + (
                 f'train.offload = "optimizer" keeps the masters and AdamW moments in pinned host memory: '
-                f"{_gib(self.host_pinned)} GiB as torch's pinned allocator takes them (each tensor rounded up to a "
-                f"power of two), {_gib(self.host_available or 0)} GiB of host memory are available "
+                f"{_gib(self.host_pinned * self.host_ranks)} GiB as torch's pinned allocator takes them (each tensor "
+                f"rounded up to a power of two{self._per_rank()}), {_gib(self.host_available or 0)} GiB of host memory are available "
                 f"({_gib(self.host_memory or 0)} GiB RAM less {_gib(HOST_RESERVE_BYTES)} GiB for the process "
                 "and the system)."
             )
@@ -213,22 +230,45 @@ def _numel(params) -> int:
     return sum(p.numel() for p in params)
 
 
-def count_tensors(cfg: RunConfig) -> dict[str, int]:
-    """Parameter counts of the run's models, from meta-device modules built by the run's own code: the policy
-    (all, trainable, frozen; with LoRA the adapters are the trainable part), the critic (PPO) and the largest
-    decoder layer (what FSDP2 gathers at a time)."""
+def _meta_models(cfg: RunConfig):
+    """The run's policy (LoRA applied) and critic (PPO; else None) on the meta device, by the run's own code."""
     from exactrl.model.lora import apply_lora_config
     from exactrl.model.qwen import CausalLM
     from exactrl.train.critic import ValueModel
-    from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, offload_chunks
 
-    mcfg = model_config(cfg)
     with torch.device("meta"):
-        policy = CausalLM(mcfg)
+        policy = CausalLM(model_config(cfg))
     critic = ValueModel.from_policy(policy) if cfg.algorithm.needs_critic else None
     if cfg.lora.rank > 0:
         lora_cfg = replace(cfg.lora, path=None)  # the adapter file's shapes are checked to match the section
         apply_lora_config(policy, lora_cfg, seed=cfg.run.seed)
+    return policy, critic
+
+
+def moment_shard_pinned_bytes(cfg: RunConfig, world_size: int) -> int:
+    """FSDP2 with train.offload = "optimizer": the pinned host bytes of one rank's AdamW moments, two fp32 buffers
+    per trained tensor's local shard (MasterAdamW.to_host), on the rank that holds the most: FSDP2 splits every
+    parameter along dim 0 as torch.chunk does, so rank 0 holds ceil(rows / N) rows of each, and the pinned
+    allocator rounds each buffer up to a power of two."""
+    policy, critic = _meta_models(cfg)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    if critic is not None:
+        params += [p for p in critic.parameters() if p.requires_grad]
+    total = 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // rows if rows else 0
+        total += 2 * pinned_bytes(-(-rows // world_size) * per_row * 4)
+    return total
+
+
+def count_tensors(cfg: RunConfig) -> dict[str, int]:
+    """Parameter counts of the run's models, from meta-device modules built by the run's own code: the policy
+    (all, trainable, frozen; with LoRA the adapters are the trainable part), the critic (PPO) and the largest
+    decoder layer (what FSDP2 gathers at a time)."""
+    from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, offload_chunks
+
+    policy, critic = _meta_models(cfg)
     params = list(policy.parameters())
     trainable = [p for p in params if p.requires_grad]
     # The offloaded step streams masters and moments (12 bytes per element) through the device in these groups.
@@ -397,10 +437,11 @@ def plan_memory(
     device: str = "cuda",
     counts: dict[str, int] | None = None,
     host_memory: int | None = None,
+    host_ranks: int | None = None,
 ) -> MemoryPlan:
     """Each phase's predicted peak bytes on one rank of `world_size`. gpu_memory: the device's bytes (None: no
     fit check, and the KV cache sized as on the CPU). device: "cuda" or "cpu" (CUDA graphs and the Triton AdamW
-    only exist on CUDA)."""
+    only exist on CUDA). host_ranks: the ranks that share one host's memory (default all: one node)."""
     from exactrl.model.hf import dtype_from_name
     from exactrl.train.phases import releases_memory
 
@@ -482,8 +523,9 @@ def plan_memory(
     held = {**resident, **({} if offload else opt_state)}
     gen_other = {**held, **engine_held, "engine_working_set": prefill_working_set(cfg, mcfg, b) + decode}
     train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
-    if offload and has_master:
-        # The offloaded step streams the masters and moments through the device a group at a time.
+    if offload and has_master and not sharded:
+        # The offloaded step streams the masters and moments through the device a group at a time (under FSDP2
+        # the moment shards come in whole for the step: the else branch).
         step_other = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], **grads}
         if not cuda:  # the CPU path's fp32 gradient copies, of one group
             step_other["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
@@ -519,11 +561,14 @@ def plan_memory(
         "release_memory": int(release),
         "train_graphs": int(graphs),
     }
-    # Offload: moments (two fp32 copies) and, for a 16-bit model, the fp32 masters, in pinned host buffers
-    # (pinned only on CUDA; under torchrun offload is refused).
+    # Offload: moments (two fp32 copies) and, for a 16-bit model, the fp32 masters, in pinned host buffers (pinned
+    # only on CUDA); under FSDP2 each rank's moment shards only (the fp32 parameter shards stay on the device).
     host = 0
-    if offload and not sharded and cuda:
-        host = c["offload_pinned_bytes_per_fp32_copy"] * (3 if has_master else 2)
+    if offload and cuda:
+        if sharded:
+            host = moment_shard_pinned_bytes(cfg, n)
+        else:
+            host = c["offload_pinned_bytes_per_fp32_copy"] * (3 if has_master else 2)
     return MemoryPlan(
         world_size=n,
         device=device,
@@ -533,6 +578,7 @@ def plan_memory(
         counts=counts_out,
         host_pinned=host,
         host_memory=host_memory,
+        host_ranks=n if host_ranks is None else host_ranks,
     )
 
 
@@ -553,7 +599,7 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
         )
     if tr.cuda_graphs:
         out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
-    if tr.offload == "none" and world_size == 1:
+    if tr.offload == "none":
         out.append(('train.offload="optimizer"', ["train.offload=optimizer"], world_size))
     from exactrl.train.phases import phases_overlap
 
@@ -568,12 +614,7 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
         out.append((" ".join(sets), sets, world_size))
     for more in (2, 4, 8):
         if more > world_size:
-            # Offload is for one device (the shards are the saving under torchrun): the launch turns it off.
-            sets = ["train.offload=none"] if tr.offload != "none" else []
-            label = f"--nproc {more} (FSDP2 shards of 1/{more})" + (
-                " with train.offload=none" if sets else ""
-            )
-            out.append((label, sets, more))
+            out.append((f"--nproc {more} (FSDP2 shards of 1/{more})", [], more))
     return out
 
 
@@ -591,6 +632,7 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
             p2 = plan_memory(
                 c2, world_size=n, gpu_memory=plan.gpu_memory, device=device,
                 counts=counts if same_counts(sets) else None, host_memory=plan.host_memory,
+                host_ranks=plan.host_ranks if n == plan.world_size else None,
             )  # fmt: skip
         except ValueError:
             continue  # a change the config refuses (e.g. a microbatch shorter than a sequence)
@@ -607,7 +649,7 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     for extra in (
         ["engine.release_memory=true"] if not phases_overlap(cfg) else [],
         ["train.activation_checkpointing=true"],
-        ["train.offload=optimizer"] if plan.world_size == 1 else [],
+        ["train.offload=optimizer"],
         ["train.cuda_graphs=false"],
         ["engine.kv_memory_fraction=0.1"] if cfg.engine.num_kv_blocks is None else [],
     ):
@@ -616,7 +658,7 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
             c2 = apply_overrides(copy.deepcopy(cfg), sets)
             p2 = plan_memory(
                 c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=device, counts=counts,
-                host_memory=plan.host_memory,
+                host_memory=plan.host_memory, host_ranks=plan.host_ranks,
             )  # fmt: skip
         except ValueError:
             continue
@@ -632,6 +674,7 @@ def make_plan(
     gpu_memory: int | None = None,
     device: str = "cuda",
     host_memory: int | None = None,
+    host_ranks: int | None = None,
 ) -> MemoryPlan:
     """`plan_memory` with the suggestions filled in when it does not fit."""
     counts = count_tensors(cfg)
@@ -642,6 +685,7 @@ def make_plan(
         device=device,
         counts=counts,
         host_memory=host_memory,
+        host_ranks=host_ranks,
     )
     plan.suggestions = suggest(cfg, plan, counts)
     return plan
@@ -656,9 +700,12 @@ def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print
         return None
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     host = host_memory_bytes()
+    # The ranks of this node share its host memory (torchrun's LOCAL_WORLD_SIZE; one node when it is unset).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    kw = dict(world_size=world_size, gpu_memory=total, device="cuda", host_memory=host, host_ranks=local)
     if not cfg.train.check_memory:
-        return plan_memory(cfg, world_size=world_size, gpu_memory=total, device="cuda", host_memory=host)
-    plan = make_plan(cfg, world_size=world_size, gpu_memory=total, device="cuda", host_memory=host)
+        return plan_memory(cfg, **kw)
+    plan = make_plan(cfg, **kw)
     if not plan.fits:
         raise MemoryPlanError(plan.refusal())
     out(

@@ -11,6 +11,13 @@ them; stream order makes the step read what arrived and the next allocation reus
 back has run. The step itself stays on the device (a host AdamW would be other arithmetic than the device's, so
 offload on and off would differ in bits); what offload saves is those 12 bytes per trainable parameter during
 generation and the training forward/backward.
+
+Under FSDP2 (torchrun) the fp32 parameter shards are the masters and stay on the device (FSDP2 all-gathers them
+for every forward); offload moves each rank's AdamW moments, the local tensors of its shards (8 bytes per element
+of the shard), and nothing else. The sharded step brings every moment shard in at once (`to_device`), runs the
+unsharded step's AdamW on the local shards (torch's fused kernel on CUDA, its loop on the CPU) after the one
+all-reduce of the norm, and sends them back (`to_host`): it does not stream in groups, since a rank's moments are
+already 1/N of the model's.
 """
 
 from __future__ import annotations
@@ -68,12 +75,6 @@ class MasterAdamW:
         self.sharded = any(isinstance(p, DTensor) for p in self.params)
         if self.sharded and not self.dist.distributed:
             raise ValueError("sharded (DTensor) parameters need the run's DistContext")
-        if self.sharded and offload != "none":
-            # FSDP2 already keeps 1/N of the state per rank; moving the shards' moments to the host is not done.
-            raise ValueError(
-                f"train.offload = {offload!r} is for one device; under torchrun the optimizer state is sharded "
-                '1/N per rank (more ranks shrink it): set train.offload = "none"'
-            )
         self.has_master = not self.sharded and any(p.dtype != torch.float32 for p in self.params)
         self._persistent: set[int] = set()  # ids of params whose .grad buffer is kept (see persistent_grads)
         if self.has_master:
@@ -310,7 +311,9 @@ class MasterAdamW:
 
     def _sharded_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
         """The step on FSDP2 shards: the global norm from every rank's local sum of squares (one all-reduce that
-        also carries the skip flags), the clip factor from it, AdamW on the local shards in place."""
+        also carries the skip flags), the clip factor from it, AdamW on the local shards in place. With offload
+        the moment shards came to the device before this (`clip_and_step_async`) and go back after it: the same
+        kernel reads the same values either way."""
         import torch.distributed as dist
 
         for p, m in zip(self.params, self.master):
@@ -430,15 +433,36 @@ class MasterAdamW:
         else:
             self.opt.state[m][name] = t
 
+    def _host_buffer(self, key: tuple[int, str], like: torch.Tensor) -> torch.Tensor:
+        """The host buffer of `key`, made at first use (pinned on CUDA) with `like`'s shape and dtype."""
+        host = self._host.get(key)
+        if host is None:
+            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.on_cuda)
+            self._host[key] = host
+        return host
+
+    def init_state(self) -> None:
+        """Zero AdamW state for every master that has none yet (torch makes it at the first step), where the state
+        waits between steps: the host buffers with offload, else the master's device. A checkpoint loads into
+        these tensors in place (exactrl/distributed/checkpoint.py); with offload no moment of a resumed run passes
+        through the device outside a step."""
+        for i, m in enumerate(self.master):
+            st = self.opt.state[m]
+            if st:
+                continue
+            # fused AdamW and the Triton step keep the step count on the step's device; torch's loop on the host.
+            st["step"] = torch.zeros((), dtype=torch.float32, device=self.device if self.on_cuda else "cpu")
+            for name in ("exp_avg", "exp_avg_sq"):
+                if self.offload == "optimizer" and self.on_host:
+                    st[name] = self._host_buffer((i, name), m).zero_()
+                else:
+                    st[name] = torch.zeros_like(m)
+
     def to_host(self, idx: list[int] | None = None) -> None:
         """Move the masters and moments (of the masters `idx`, default all) into their host buffers (queued, not
         waited for)."""
-        pin = self.on_cuda
         for key, t in self._offloaded(idx):
-            host = self._host.get(key)
-            if host is None:
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                self._host[key] = host
+            host = self._host_buffer(key, t)
             if host is not t:
                 host.copy_(t, non_blocking=True)
                 self._put(key, host)

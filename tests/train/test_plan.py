@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exactrl.config import apply_overrides, config_from_dict
+from exactrl.config import apply_overrides, config_from_dict, load_config
 from exactrl.model.config import preset
 from exactrl.model.lora import apply_lora_config
-from exactrl.model.qwen import build_model
+from exactrl.model.qwen import CausalLM, build_model
 from exactrl.train.critic import ValueModel
 from exactrl.train.memory import (
     GiB,
@@ -124,7 +124,10 @@ def test_offload_that_does_not_fit_the_host_is_refused_by_name():
     why = small.refusal()
     assert "pinned host memory" in why and "125.25 GiB" in why and "117.00 GiB" in why
     assert any(s.startswith("lora.rank=16") for s in small.suggestions)
-    assert any("with train.offload=none" in s for s in small.suggestions)
+    # More ranks, offload kept: each rank pins its moment shards only, two ranks share the host.
+    assert any(s.startswith("--nproc 2 (FSDP2") for s in small.suggestions)
+    two = make_plan(cfg, world_size=2, gpu_memory=gpu, host_memory=125 * GiB)
+    assert two.fits and two.host_ranks == 2 and 2 * two.host_pinned < small.host_pinned
     big = make_plan(cfg, gpu_memory=gpu, host_memory=256 * GiB)
     assert big.fits and not big.suggestions
 
@@ -166,6 +169,19 @@ def test_sharded_terms_are_one_nth():
     assert four["policy_shards"] == -(-one["policy_masters_fp32"] // 4)  # fp32 shards are the masters
     assert four["policy_adamw_moments"] == -(-one["policy_adamw_moments"] // 4)
     assert four["policy_grad_shards"] == -(-one["policy_masters_fp32"] // 4)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_offloaded_moment_shards_are_pinned_per_rank(n):
+    """Under FSDP2 offload pins each rank's moment shards: rank 0 holds the first torch.chunk of every parameter
+    along dim 0 (the largest), two fp32 buffers each, rounded by the pinned allocator (3 ranks: rows that do not
+    divide evenly)."""
+    cfg = run_cfg("train.offload=optimizer")
+    plan = plan_memory(cfg, world_size=n, device="cuda")
+    model = build_model(preset("tiny"), dtype=torch.bfloat16)
+    shards = [torch.chunk(p.detach(), n, dim=0)[0] for p in model.parameters()]
+    assert plan.host_pinned == sum(2 * pinned_bytes(s.numel() * 4) for s in shards)
+    assert plan.host_ranks == n and plan_memory(cfg, world_size=n, device="cpu").host_pinned == 0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,6 +253,56 @@ def test_qwen3_30b_a3b_on_8_x_80gb_follows_the_formula():
     assert t["activations"] == 48 * per_token * tokens + 2 * D * 2 * tokens + 64 * tokens
     # 8 x 80 GB does not hold a 30B-A3B full fine-tune today (the issue's arithmetic: replica + state shards).
     assert not plan.fits and plan.worst.name == "training"
+
+
+def test_qwen3_30b_a3b_on_8_x_80gb_fits_with_the_moment_shards_offloaded():
+    """The plan of docs/memory.md (bf16, 128 rollouts of up to 512 tokens, an 80 GB H100's 79.18 GiB): without
+    offload the generation phase holds replica + fp32 shards + moment shards and does not fit; with
+    train.offload = "optimizer" the moment shards are on the device only for the optimizer step, and each rank pins
+    two host buffers per parameter shard (rank 0's, the largest: torch.chunk along dim 0)."""
+    sets = [
+        "model.preset=qwen3-30b-a3b",
+        "model.dtype=bfloat16",
+        "run.device=cuda",
+        "algorithm.rollouts_per_step=128",
+        "engine.max_model_len=1024",
+        "sampling.max_tokens=512",
+    ]
+    quickstart = lambda *more: load_config(ROOT / "configs" / "quickstart.toml", [*sets, *more])  # noqa: E731
+    gpu, host = int(79.18 * GiB), 1024 * GiB
+    off = make_plan(quickstart(), world_size=8, gpu_memory=gpu, host_memory=host)
+    assert not off.fits and off.worst.name == "generation"
+    assert 'train.offload="optimizer"' in off.refusal()
+    plan = make_plan(quickstart("train.offload=optimizer"), world_size=8, gpu_memory=gpu, host_memory=host)
+    p = preset("qwen3-30b-a3b").num_params()
+    gen, train_, step = (plan.phase(n).terms for n in ("generation", "training", "optimizer"))
+    assert gen["engine_replica"] == 2 * p and gen["policy_shards"] == -(-4 * p // 8)
+    for t in (gen, train_):
+        assert "policy_adamw_moments" not in t
+    assert (
+        step["policy_adamw_moments"]
+        == -(-8 * p // 8)
+        == off.phase("generation").terms["policy_adamw_moments"]
+    )
+    assert step["policy_grad_shards"] == -(-4 * p // 8) and "optimizer_state_chunk" not in step
+    # Each phase is the plan without offload less the moments where they are not held (the KV cache, sized from
+    # what generation leaves, grows into the room).
+    for name in ("training", "optimizer"):
+        o = off.phase(name).terms
+        assert plan.phase(name).peak == sum(o.values()) - (
+            o["policy_adamw_moments"] if name == "training" else 0
+        )
+    assert gen["kv_cache"] >= off.phase("generation").terms["kv_cache"]
+    assert plan.fits and plan.worst.name == "generation"
+    assert 70 * GiB < plan.peak <= plan.available
+    # Host: per rank, two pinned buffers per trained tensor's rank-0 shard, a power of two each.
+    with torch.device("meta"):
+        model = CausalLM(preset("qwen3-30b-a3b"))
+    shard = [torch.chunk(q, 8, dim=0)[0].numel() * 4 for q in model.parameters()]
+    assert plan.host_pinned == sum(2 * pinned_bytes(b) for b in shard)
+    assert sum(shard) * 2 <= plan.host_pinned < sum(shard) * 4
+    assert plan.host_ranks == 8 and plan.host_fits
+    assert "host memory per rank" in plan.table() and "8 ranks on one host" in plan.table()
 
 
 def test_plan_command_prints_a_table_and_one_json_line(capsys):

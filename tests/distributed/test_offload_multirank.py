@@ -1,0 +1,205 @@
+"""`train.offload = "optimizer"` under torchrun on CPU ranks (gloo): each rank's AdamW moment shards wait in host
+buffers between optimizer steps and come to the device for the step (exactrl/train/optim.py).
+
+- world size 2 (default run): offload on equals offload off in every metric and weight bit over a few RL steps,
+  no mismatched token; during each step the moments are device buffers, after it they are the host buffers on
+  every rank; moments rounded to bf16 while they wait (a planted bug) change the run: the negative control;
+- resume (slow): a run with offload on, crashed after step 2 and resumed with it on, continues bit for bit; a run
+  saved with offload off resumes with it on, and the reverse, as the uninterrupted run.
+
+On a CPU host and device are one memory, so "on the host" is seen as the tensor being the optimizer's host buffer
+(the step reads fresh buffers it copied into, as on a GPU); pinned memory and the copies' asynchrony are the GPU's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("_offload_driver.py")
+REWARD = """
+import hashlib
+
+
+def hashed(completion, answer, example):
+    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
+"""
+SMALL = [
+    "sft.steps=0",
+    "train.warmup_steps=0",
+    "train.lr_schedule=constant",
+    "algorithm.rollouts_per_step=16",
+    "algorithm.group_size=4",
+    "task.num_eval=0",
+    "task.eval_every=0",
+    "sampling.max_tokens=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "model.dtype=bfloat16",
+    "train.keep_checkpoints=4",
+]
+ON = "train.offload=optimizer"
+OFF = "train.offload=none"
+
+
+def _argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
+    sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
+    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
+    argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
+    return argv + (["--resume"] if resume else ["--overwrite"])
+
+
+def _launch(
+    tmp: Path, jobs: list[dict], tag: str, nproc: int = 2, timeout: float = 300
+) -> tuple[int, str, float]:
+    spec = tmp / f"spec-{tag}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    t = time.perf_counter()
+    p = subprocess.run(
+        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+
+
+def _records(run: Path) -> list[dict]:
+    """Every logged step's record, timings and perf counters left out (they differ between any two runs)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.append(
+            {
+                k: v
+                for k, v in r.items()
+                if not (k.startswith(("perf/", "time/")) or k.endswith("_s") or k == "minutes")
+            }
+        )
+    return out
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    root = run / "checkpoints"
+    return load_file(str(root / (root / "latest").read_text().strip() / "policy" / "model.safetensors"))
+
+
+def _same(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return (
+        _records(a) == _records(b) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    )
+
+
+def _mismatched(run: Path) -> float:
+    return sum(r.get("mismatch/num_mismatched_tokens", 0.0) for r in _records(run))
+
+
+def _crashed_after(src: Path, dst: Path, step: int) -> None:
+    """A copy of run `src` as a crash right after step `step`'s checkpoint leaves it."""
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("step-*"):
+        if int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"step-{step:06d}\n")
+    (dst / "summary.json").unlink()
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    (tmp_path / "reward.py").write_text(REWARD)
+    return tmp_path
+
+
+def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
+    steps = 3
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, "off", steps, OFF)},
+        {"kind": "cli", "argv": _argv(tmp, "on", steps, ON), "probe": str(tmp / "probe-on")},
+        {"kind": "cli", "argv": _argv(tmp, "off2", 1, OFF), "probe": str(tmp / "probe-off")},
+        # Negative control: moments rounded to bf16 while on the host.
+        {"kind": "cli", "argv": _argv(tmp, "lossy", steps, ON), "plant": "lossy_host"},
+    ]
+    code, out, secs = _launch(tmp, jobs, "ws2")
+    print(f"world size 2: {secs:.1f} s")
+    assert code == 0, out[-6000:]
+    assert sum("loss" in r for r in _records(tmp / "on")) == steps
+    assert _same(tmp / "off", tmp / "on")
+    assert _mismatched(tmp / "on") == 0
+    for rank in (0, 1):
+        probe = json.loads((tmp / "probe-on" / f"rank{rank}.json").read_text())
+        assert len(probe) == steps, probe
+        for i, s in enumerate(probe):
+            assert s["sharded"]
+            n = s["moments_after_step"]
+            assert n > 0 and n % 2 == 0
+            # During the step the moments are device buffers (none of them the host buffers; the first step
+            # has none yet: AdamW makes them in it); after it every one waits in its host buffer.
+            assert s["during"]["in_host_buffers"] == 0 and not s["during"]["on_host"]
+            assert s["during"]["count"] == (0 if i == 0 else n)
+            after = dict(s["after"])
+            buffers = after.pop("host_buffer_bytes")
+            assert after == {"count": n, "devices": ["cpu"], "in_host_buffers": n, "on_host": True}
+            assert len(buffers) == n
+        # Offload off: no host buffers at all.
+        off = json.loads((tmp / "probe-off" / f"rank{rank}.json").read_text())
+        assert off and off[0]["after"]["in_host_buffers"] == 0 and not off[0]["after"]["on_host"]
+    assert not _same(tmp / "off", tmp / "lossy")
+    # The plan's host term (on a GPU, where the buffers are pinned): the largest rank's host buffers, each as the
+    # pinned allocator rounds it.
+    from exactrl.config import load_config
+    from exactrl.train.memory import pinned_bytes, plan_memory
+
+    real = max(
+        sum(
+            map(
+                pinned_bytes,
+                json.loads((tmp / "probe-on" / f"rank{r}.json").read_text())[-1]["after"][
+                    "host_buffer_bytes"
+                ],
+            )
+        )
+        for r in (0, 1)
+    )
+    cfg = load_config(ROOT / "configs" / "quickstart.toml", [*SMALL, ON])
+    plan = plan_memory(cfg, world_size=2, device="cuda")
+    assert plan.host_pinned == real and plan.host_ranks == 2
+    for name in ("generation", "training"):
+        assert "policy_adamw_moments" not in plan.phase(name).terms
+    assert "policy_adamw_moments" in plan.phase("optimizer").terms
+
+
+@pytest.mark.slow
+def test_resume_with_offload_continues_bitwise_at_world_size_2(tmp):
+    steps, ckpt = 4, "train.save_every=1"
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, "whole-on", steps, ON, ckpt)},
+        {"kind": "cli", "argv": _argv(tmp, "whole-off", steps, OFF, ckpt)},
+    ]
+    code, out, _ = _launch(tmp, jobs, "whole")
+    assert code == 0, out[-6000:]
+    assert _same(tmp / "whole-on", tmp / "whole-off")
+    # A crash right after step 2's checkpoint; --resume with offload on (from an on and an off run) and off (from
+    # an on run): the checkpoint does not depend on where the moments waited.
+    resumes = {"on-on": ("whole-on", ON), "off-on": ("whole-off", ON), "on-off": ("whole-on", OFF)}
+    for name, (src, _) in resumes.items():
+        _crashed_after(tmp / src, tmp / name, 2)
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, name, steps, mode, ckpt, resume=True)}
+        for name, (_, mode) in resumes.items()
+    ]
+    code, out, _ = _launch(tmp, jobs, "resume")
+    assert code == 0, out[-6000:]
+    for name, (src, _) in resumes.items():
+        assert _same(tmp / src, tmp / name), name
