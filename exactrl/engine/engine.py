@@ -191,9 +191,7 @@ class RolloutEngine:
             call.on_request_done = on_request_done
         while call.step():
             pass
-        self.stats["preemptions"] += call.sched.num_preemptions
-        for k, v in call.sched.block_manager.stats.items():
-            self.stats[k] = self.stats.get(k, 0) + v
+        call.fold_stats()
         call.collect(outputs)
         return outputs
 
@@ -434,6 +432,13 @@ class _Generation:
         if done and self.progress is not None:
             self.progress(len(done))
         self.take(done)
+
+    def fold_stats(self) -> None:
+        """Add the call's scheduler and block-manager counts to the engine's (once, when the call ends)."""
+        stats = self.engine.stats
+        stats["preemptions"] += self.sched.num_preemptions
+        for k, v in self.sched.block_manager.stats.items():
+            stats[k] = stats.get(k, 0) + v
 
     def take(self, done: list[Sequence]) -> None:
         """Keep finished sequences; with `on_request_done`, report each request whose samples have all finished."""

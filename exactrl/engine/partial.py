@@ -159,9 +159,7 @@ class PartialGeneration:
                 ]
             else:
                 out.append(self._export(seq))
-        self.engine.stats["preemptions"] += sched.num_preemptions
-        for k, v in sched.block_manager.stats.items():
-            self.engine.stats[k] = self.engine.stats.get(k, 0) + v
+        gen.fold_stats()
         sched.running, sched.waiting = [], type(sched.waiting)()
         return out
 

@@ -178,7 +178,11 @@ def check_batch(
 ) -> tuple[dict[str, float], MismatchError | None]:
     """The guard off-policy: every model token's recorded logprob against the training forward of the behaviour
     weights (the copy, before it is refreshed). Returns the mismatch metrics and, when a token differs, the
-    MismatchError that names the first one (with the offending sequences for the replay report)."""
+    MismatchError that names the first one (with the offending sequences for the replay report). No rollouts (a
+    generation that sampled nothing new): nothing to compare, zero counts."""
+    if not rollouts:
+        none = torch.zeros(0, 0)
+        return mismatch_metrics(none, none, none.bool()), None
     scored = policy.score(rollouts, temperature, max_tokens)
     L = max(len(r.completion_ids) for r in rollouts)
     rl = torch.zeros(len(rollouts), L)

@@ -173,7 +173,9 @@ class PartialRollouts:
         batch = BehaviourBatch(sr, v, versions, gen_s, run.step_model_tokens)
         t1 = time.perf_counter()
         checks = self.sampled_now(chosen + self.pool, before)
-        batch.guard, batch.mismatch = self.guard(run, checks)
+        batch.guard, batch.mismatch = check_batch(
+            run.behaviour, checks, run.trainer.s.temperature, run.cfg.train.max_tokens_per_microbatch
+        )
         batch.guard_s = time.perf_counter() - t1
         batch.checked = checks
         dropped = 0
@@ -318,17 +320,6 @@ class PartialRollouts:
                     )
                 )
         return out
-
-    @staticmethod
-    def guard(run: Any, checks: list[Rollout]) -> tuple[dict[str, float], Any]:
-        if not checks:
-            from exactrl.algorithms import mismatch_metrics
-
-            z = torch.zeros(0, 0)
-            return mismatch_metrics(z, z, z.bool()), None
-        return check_batch(
-            run.behaviour, checks, run.trainer.s.temperature, run.cfg.train.max_tokens_per_microbatch
-        )
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
