@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._runs import REWARD, launch
+from ._runs import crashed_after as _crashed_after
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,15 +36,6 @@ DRIVER = Path(__file__).with_name("_driver.py")
 CONFIGS = {
     a: ROOT / "configs" / f"quickstart{s}.toml" for a, s in (("grpo", ""), ("gspo", "-gspo"), ("ppo", "-ppo"))
 }
-
-REWARD = '''
-import hashlib
-
-
-def hashed(completion, answer, example):
-    """Rewards that vary within a group (a random tiny model never solves the arithmetic)."""
-    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
-'''
 
 # The quickstart shrunk: 16 rollouts (4 prompts x 4), 4-token completions, 3 SFT steps, a constant lr.
 SMALL = [
@@ -76,28 +69,7 @@ def _argv(
 def _launch(
     tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 240
 ) -> tuple[int, str, float]:
-    spec = tmp / f"spec-{tag}.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    t = time.perf_counter()
-    p = subprocess.run(
-        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
-    )
-    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
-
-
-def _crashed_after(src: Path, dst: Path, step: int) -> None:
-    """A copy of run `src` as a crash right after step `step`'s checkpoint leaves it."""
-    shutil.copytree(src, dst)
-    ckpts = dst / "checkpoints"
-    for d in ckpts.glob("step-*"):
-        if int(d.name.split("-")[1]) > step:
-            shutil.rmtree(d)
-    (ckpts / "latest").write_text(f"step-{step:06d}\n")
-    (dst / "summary.json").unlink()
+    return launch(DRIVER, tmp, nproc, jobs, tag, timeout)
 
 
 def _steps(run: Path) -> dict[int, dict]:

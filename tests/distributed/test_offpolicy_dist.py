@@ -16,10 +16,6 @@ rank 1 stops every rank with its error, k = 0 never touches the off-policy machi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,18 +24,11 @@ from safetensors.torch import load_file
 
 from exactrl.distributed.env import DistContext
 
+from ._runs import REWARD, launch
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_offdist_driver.py")
 CONFIG = ROOT / "configs" / "quickstart.toml"
-
-REWARD = '''
-import hashlib
-
-
-def hashed(completion, answer, example):
-    """Rewards that vary within a group (a random tiny model never solves the arithmetic)."""
-    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
-'''
 
 # The quickstart shrunk (as tests/distributed/test_multirank.py): 16 rollouts of 4 prompts, 4-token completions.
 SMALL = [
@@ -81,17 +70,7 @@ def _cli(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False, **
 def _launch(
     tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 300
 ) -> tuple[int, str, float]:
-    spec = tmp / f"spec-{tag}.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    t = time.perf_counter()
-    p = subprocess.run(
-        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
-    )
-    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+    return launch(DRIVER, tmp, nproc, jobs, tag, timeout)
 
 
 def _records(tmp: Path, name: str, ws: int) -> list[dict]:

@@ -11,25 +11,17 @@ rebuilt by the weight sync's all-gather (exactrl/train/phases.py, `Parallelism.r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from ._runs import REWARD, launch
+from ._runs import mismatched as _mismatched
+from ._runs import same as _same
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_phases_driver.py")
-REWARD = """
-import hashlib
-
-
-def hashed(completion, answer, example):
-    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
-"""
 SMALL = [
     "sft.steps=0",
     "train.warmup_steps=0",
@@ -46,57 +38,17 @@ SMALL = [
 ]
 
 
+def _launch(
+    tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 300
+) -> tuple[int, str, float]:
+    return launch(DRIVER, tmp, nproc, jobs, tag, timeout)
+
+
 def _argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
     sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
     sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
     argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
     return argv + (["--resume"] if resume else ["--overwrite"])
-
-
-def _launch(
-    tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 300
-) -> tuple[int, str, float]:
-    spec = tmp / f"spec-{tag}.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    t = time.perf_counter()
-    p = subprocess.run(
-        [*cmd, str(DRIVER), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
-    )
-    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
-
-
-def _records(run: Path) -> list[dict]:
-    """Every logged step's record, timings and perf counters left out (they differ between any two runs)."""
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out.append(
-            {
-                k: v
-                for k, v in r.items()
-                if not (k.startswith(("perf/", "time/")) or k.endswith("_s") or k == "minutes")
-            }
-        )
-    return out
-
-
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    root = run / "checkpoints"
-    return load_file(str(root / (root / "latest").read_text().strip() / "policy" / "model.safetensors"))
-
-
-def _same(a: Path, b: Path) -> bool:
-    wa, wb = _weights(a), _weights(b)
-    return (
-        _records(a) == _records(b) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    )
-
-
-def _mismatched(run: Path) -> float:
-    return sum(r.get("mismatch/num_mismatched_tokens", 0.0) for r in _records(run))
 
 
 def _released_gb(run: Path, what: str) -> list[float]:

@@ -1,0 +1,86 @@
+"""What the multi-rank CLI tests share: the reward file they write, a torchrun launch of a driver over a job spec,
+a run cut back to an earlier checkpoint as a crash leaves it, and the comparisons of two runs' records and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+REWARD = '''
+import hashlib
+
+
+def hashed(completion, answer, example):
+    """Rewards that vary within a group (a random tiny model never solves the arithmetic)."""
+    return (int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5) / 4
+'''
+
+
+def launch(
+    driver: Path, tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float
+) -> tuple[int, str, float]:
+    """Run `driver` over `jobs` on nproc local ranks (torchrun, gloo, one intra-op thread each): its exit code,
+    output and seconds."""
+    spec = tmp / f"spec-{tag}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    t = time.perf_counter()
+    p = subprocess.run(
+        [*cmd, str(driver), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+
+
+def crashed_after(src: Path, dst: Path, step: int) -> None:
+    """A copy of run `src` as a crash right after step `step`'s checkpoint leaves it."""
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("step-*"):
+        if int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"step-{step:06d}\n")
+    (dst / "summary.json").unlink()
+
+
+def records(run: Path) -> list[dict]:
+    """Every logged step's record, timings and perf counters left out (they differ between any two runs)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.append(
+            {
+                k: v
+                for k, v in r.items()
+                if not (k.startswith(("perf/", "time/")) or k.endswith("_s") or k == "minutes")
+            }
+        )
+    return out
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    """The policy weights of the run's latest checkpoint."""
+    root = run / "checkpoints"
+    return load_file(str(root / (root / "latest").read_text().strip() / "policy" / "model.safetensors"))
+
+
+def same(a: Path, b: Path) -> bool:
+    """Two runs with equal step records (timings aside) and bitwise equal latest weights."""
+    wa, wb = weights(a), weights(b)
+    return records(a) == records(b) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def mismatched(run: Path) -> float:
+    return sum(r.get("mismatch/num_mismatched_tokens", 0.0) for r in records(run))
