@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
+from exactrl.train import pinned
 
 OFFLOAD_MODES = ("none", "optimizer")
 # With offload the step streams the state through the device in groups of parameters of at most this many bytes of
@@ -437,7 +438,13 @@ class MasterAdamW:
         """The host buffer of `key`, made at first use (pinned on CUDA) with `like`'s shape and dtype."""
         host = self._host.get(key)
         if host is None:
-            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.on_cuda)
+            if not self.on_cuda:
+                host = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+            elif like.device.type == "cpu" and like.is_contiguous():
+                host = pinned.register(like)  # a master made on the host: page-locked in place, no copy
+            else:
+                # Exactly its bytes (torch's pin_memory=True would round each one up to a power of two).
+                host = pinned.empty_pinned(like.shape, like.dtype)
             self._host[key] = host
         return host
 
