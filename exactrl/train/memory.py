@@ -52,9 +52,10 @@ HOST_RESERVE_BYTES = 8 * GiB
 
 
 def pinned_bytes(nbytes: int) -> int:
-    """Host memory a pinned buffer of nbytes takes: torch's caching host allocator (`pin_memory=True`) rounds
-    every block up to the next power of two (a 2.49 GB embedding master takes 4 GiB)."""
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+    """Host memory an offload buffer of nbytes takes: exactly its bytes (exactrl/train/pinned.py registers
+    ordinary host memory with the CUDA driver; torch's `pin_memory=True` would round each block up to the next
+    power of two: a 2.49 GB embedding master would take 4 GiB)."""
+    return max(0, nbytes)
 
 
 def host_memory_bytes() -> int | None:
@@ -92,7 +93,7 @@ class MemoryPlan:
     suggestions: list[str] = field(default_factory=list)
     # train.offload = "optimizer": the masters and moments (under FSDP2 each rank's moment shards) wait in pinned
     # host memory between steps.
-    host_pinned: int = 0  # bytes of host memory they take per rank, as torch's pinned allocator rounds them
+    host_pinned: int = 0  # bytes of host memory they take per rank
     host_memory: int | None = None  # the host's RAM as given or read (None: not checked)
     host_ranks: int = (
         1  # ranks that share that host (torchrun's processes on one node), each pinning host_pinned
@@ -280,7 +281,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         default=0,
     )
     layer = max(_numel(lay.parameters()) for lay in policy.model.layers)
-    # Offload's host buffers, one per fp32 tensor (MasterAdamW.to_host), as the pinned allocator rounds them.
+    # Offload's host buffers, one per fp32 tensor (MasterAdamW.to_host), page-locked at their exact size.
     pinned = lambda ps: sum(pinned_bytes(p.numel() * 4) for p in ps)  # noqa: E731
     out = {
         "policy_params": _numel(params),

@@ -434,14 +434,16 @@ class MasterAdamW:
         else:
             self.opt.state[m][name] = t
 
-    def _host_buffer(self, key: tuple[int, str], like: torch.Tensor) -> torch.Tensor:
+    def _host_buffer(self, key: tuple[int, str], like: torch.Tensor, own: bool = False) -> torch.Tensor:
         """The host buffer of `key`, made at first use (pinned on CUDA) with `like`'s shape and dtype."""
         host = self._host.get(key)
         if host is None:
             if not self.on_cuda:
                 host = torch.empty(like.shape, dtype=like.dtype, device="cpu")
-            elif like.device.type == "cpu" and like.is_contiguous():
-                host = pinned.register(like)  # a master made on the host: page-locked in place, no copy
+            elif own and like.device.type == "cpu" and like.is_contiguous():
+                # `like` is the key's own tensor already on the host (a master made there, a loaded moment):
+                # page-locked in place, no second copy.
+                host = pinned.register(like)
             else:
                 # Exactly its bytes (torch's pin_memory=True would round each one up to a power of two).
                 host = pinned.empty_pinned(like.shape, like.dtype)
@@ -469,7 +471,7 @@ class MasterAdamW:
         """Move the masters and moments (of the masters `idx`, default all) into their host buffers (queued, not
         waited for)."""
         for key, t in self._offloaded(idx):
-            host = self._host_buffer(key, t)
+            host = self._host_buffer(key, t, own=True)
             if host is not t:
                 host.copy_(t, non_blocking=True)
                 self._put(key, host)

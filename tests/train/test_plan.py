@@ -87,12 +87,11 @@ def test_state_bytes_equal_the_real_tensors(name):
     assert "policy_adamw_moments" not in streamed.terms
 
 
-def test_pinned_host_bytes_are_the_offloaded_tensors_as_the_pinned_allocator_rounds_them():
+def test_pinned_host_bytes_are_the_offloaded_tensors():
     """train.offload = "optimizer": the plan's host term is one pinned buffer per master and moment the optimizer
-    really moves to the host (counted on its host buffers after a step), each rounded up to a power of two as
-    torch's caching host allocator does; with fp32 weights only the moments move."""
-    assert [pinned_bytes(n) for n in (0, 1, 3, 4096, 4097, 2**30)] == [0, 1, 4, 4096, 8192, 2**30]
-    assert pinned_bytes(151_936 * 4096 * 4) == 4 * GiB  # a qwen3-8b embedding's fp32 master: 2.49 GB -> 4 GiB
+    really moves to the host (counted on its host buffers after a step), at its exact size (page-locked in place,
+    exactrl/train/pinned.py); with fp32 weights only the moments move."""
+    assert [pinned_bytes(n) for n in (0, 1, 3, 4097, 2**30)] == [0, 1, 3, 4097, 2**30]  # exact, not rounded
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
         cfg = run_cfg(f"model.dtype={name}", "train.offload=optimizer", "model.preset=tiny-moe")
         on = stepped(build_model(preset("tiny-moe"), dtype=dtype), offload="optimizer")
@@ -103,9 +102,9 @@ def test_pinned_host_bytes_are_the_offloaded_tensors_as_the_pinned_allocator_rou
 
 
 def test_offload_that_does_not_fit_the_host_is_refused_by_name():
-    """A qwen3-8b full fine-tune with its optimizer state offloaded fits an 80 GB GPU but not a 125 GiB host
-    (91.5 GiB of state pins 125.25 GiB: it was killed by the host's OOM killer on the lent H100 machine); the
-    refusal names host memory and offers settings that fit."""
+    """A qwen3-8b full fine-tune with its optimizer state offloaded (91.5 GiB pinned at the exact size; torch's
+    power-of-two blocks took 125.25 GiB and the host's OOM killer ended the run on a 125 GiB machine) fits an 80 GB
+    GPU and a 125 GiB host, not a 96 GiB one; the refusal names host memory and offers settings that fit."""
     cfg = apply_overrides(
         config_from_dict({"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}}),
         [
@@ -118,17 +117,17 @@ def test_offload_that_does_not_fit_the_host_is_refused_by_name():
     )
     cfg.validate()
     gpu = int(79.18 * GiB)
-    small = make_plan(cfg, gpu_memory=gpu, host_memory=125 * GiB)
+    small = make_plan(cfg, gpu_memory=gpu, host_memory=96 * GiB)
     assert small.device_fits and not small.host_fits and not small.fits
-    assert round(small.host_pinned / GiB, 2) == 125.25
+    assert round(small.host_pinned / GiB, 2) == 91.54
     why = small.refusal()
-    assert "pinned host memory" in why and "125.25 GiB" in why and "117.00 GiB" in why
+    assert "pinned host memory" in why and "91.54 GiB" in why and "88.00 GiB" in why
     assert any(s.startswith("lora.rank=16") for s in small.suggestions)
     # More ranks, offload kept: each rank pins its moment shards only, two ranks share the host.
     assert any(s.startswith("--nproc 2 (FSDP2") for s in small.suggestions)
-    two = make_plan(cfg, world_size=2, gpu_memory=gpu, host_memory=125 * GiB)
+    two = make_plan(cfg, world_size=2, gpu_memory=gpu, host_memory=96 * GiB)
     assert two.fits and two.host_ranks == 2 and 2 * two.host_pinned < small.host_pinned
-    big = make_plan(cfg, gpu_memory=gpu, host_memory=256 * GiB)
+    big = make_plan(cfg, gpu_memory=gpu, host_memory=125 * GiB)
     assert big.fits and not big.suggestions
 
 
