@@ -7,7 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
-#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b]
+#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [pin-8b]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -262,13 +262,25 @@ if want kv-sweep; then  # the README's bench rl at its defaults but the KV fract
   done
 fi
 if want pin-8b; then  # exact-size page-locked offload buffers, then the qwen3-8b full fine-tune on one GPU with them
-  timeout 120 python3 -m pytest -q -m gpu tests/train/test_pinned.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pin.txt"
+  timeout 90 python3 -m pytest -q -m gpu tests/train/test_pinned.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pin.txt"
   base="--set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0 --set train.steps=2
     --set algorithm.rollouts_per_step=128 --set task.num_eval=16 --set task.eval_every=0 --set run.progress=false
     --set engine.max_model_len=1024 --set sampling.max_tokens=512 --set train.save_at_end=false"
   big="--set model.preset=qwen3-8b --set train.offload=optimizer --set train.activation_checkpointing=true"
   timeout 560 python3 benchmarks/plan_check.py configs/quickstart.toml $base $big --out-dir "$OUT/plan-8b" 2>&1 \
     | grep -v -i warn | tail -24 | tee -a "$OUT/pin.txt"
+  python3 benchmarks/step_split.py "$OUT/plan-8b" 2>&1 | tee -a "$OUT/pin.txt"
+fi
+if want offload-cost; then  # qwen3-1.7b exact GRPO steps with the optimizer state on the device, then in host memory
+  base="--set model.preset=qwen3-1.7b --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
+    --set train.steps=4 --set algorithm.rollouts_per_step=128 --set task.num_eval=16 --set task.eval_every=0
+    --set run.progress=false --set engine.max_model_len=1024 --set sampling.max_tokens=512 --set train.save_at_end=false"
+  for o in none optimizer none optimizer; do
+    d="$OUT/off-$o-$RANDOM"
+    timeout 240 $X train configs/quickstart.toml $base --set train.offload=$o --set run.output_dir=$d 2>&1 \
+      | grep -v -i warn | tail -2 | tee -a "$OUT/offload_cost.txt"
+    python3 benchmarks/step_split.py "$d" 2>&1 | tee -a "$OUT/offload_cost.txt"
+  done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

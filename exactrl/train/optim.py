@@ -111,6 +111,9 @@ class MasterAdamW:
         self._chunk_tables: dict[int, object] = {}  # AdamWTables per chunk (the streamed Triton step)
         self._host: dict[tuple[int, str], torch.Tensor] = {}
         self.on_host = False  # the offloaded tensors are in their host buffers now
+        # CUDA events around each queued step (offload's copies included), read by `take_step_seconds`: the
+        # optimizer's share of a training step's time, measured without a synchronization of its own.
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         if offload == "optimizer":
             self.to_host()
 
@@ -173,6 +176,26 @@ class MasterAdamW:
         `found_inf` and `grad_scale`) takes the skip flag and the clip factor as device scalars and leaves weights,
         moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
         where reading is free, the norm is read and the update is skipped or made by the host."""
+        if not self.on_cuda:
+            return self._clip_and_step_async(max_norm, skip)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return self._clip_and_step_async(max_norm, skip)
+        finally:
+            end.record()
+            self._timings.append((start, end))
+
+    def take_step_seconds(self) -> float:
+        """Device seconds of the steps queued since the last call (waits for the last of them); 0 on the CPU."""
+        timings, self._timings = self._timings, []
+        total = 0.0
+        for start, end in timings:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        return total
+
+    def _clip_and_step_async(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
         if self.on_host and self.has_master and (self._triton_ready() or not self.on_cuda):
             # Masters of a 16-bit model: the step streams the state through the device, a group at a time.
             return self._streamed_step(max_norm, skip)
