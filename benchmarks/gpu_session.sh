@@ -267,7 +267,7 @@ if want pin-8b; then  # exact-size page-locked offload buffers, then the qwen3-8
     --set algorithm.rollouts_per_step=128 --set task.num_eval=16 --set task.eval_every=0 --set run.progress=false
     --set engine.max_model_len=1024 --set sampling.max_tokens=512 --set train.save_at_end=false"
   big="--set model.preset=qwen3-8b --set train.offload=optimizer --set train.activation_checkpointing=true"
-  timeout 560 python3 benchmarks/plan_check.py configs/quickstart.toml $base $big --out-dir "$OUT/plan-8b" 2>&1 \
+  timeout 490 python3 benchmarks/plan_check.py configs/quickstart.toml $base $big --out-dir "$OUT/plan-8b" 2>&1 \
     | grep -v -i warn | tail -24 | tee -a "$OUT/pin.txt"
   python3 benchmarks/step_split.py "$OUT/plan-8b" 2>&1 | tee -a "$OUT/pin.txt"
 fi
@@ -385,7 +385,7 @@ if want plan-check; then  # the memory plan (exactrl plan) vs measured per-phase
   # A qwen3-8b full fine-tune on one GPU: optimizer state in host memory, activation checkpointing.
   big="--set model.preset=qwen3-8b --set train.offload=optimizer --set train.activation_checkpointing=true"
   $X plan configs/quickstart.toml $base $big 2>&1 | tail -16 | tee -a "$OUT/plan_check.txt"
-  timeout 560 python3 benchmarks/plan_check.py configs/quickstart.toml $base $big --out-dir "$OUT/plan-8b" 2>&1 \
+  timeout 490 python3 benchmarks/plan_check.py configs/quickstart.toml $base $big --out-dir "$OUT/plan-8b" 2>&1 \
     | grep -v -i warn | tail -24 | tee -a "$OUT/plan_check.txt"
   $X plan configs/quickstart.toml $base --set model.preset=qwen3-30b-a3b --nproc 8 --gpu-memory 79.6 2>&1 \
     | tail -16 | tee -a "$OUT/plan_check.txt"
