@@ -7,7 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
-#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [pin-8b]
+#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [pin-8b]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -256,7 +256,7 @@ if want bench-rl-partial; then  # partial rollouts (k = 2, cut by count, resumed
   done
 fi
 if want kv-sweep; then  # the README's bench rl at its defaults but the KV fraction (memory phases on): can it rise?
-  for f in 0.3 0.45 0.6; do
+  for f in ${KV_FRACTIONS:-0.3 0.45 0.6}; do
     timeout 200 $X bench rl --preset qwen3-1.7b --mode exact --warmup 1 --steps 1 --kv-memory-fraction $f --json \
       2>&1 | grep -v Warning | tail -16 | tee -a "$OUT/kv_sweep.txt"
   done
@@ -280,6 +280,22 @@ if want offload-cost; then  # qwen3-1.7b exact GRPO steps with the optimizer sta
     timeout 240 $X train configs/quickstart.toml $base --set train.offload=$o --set run.output_dir=$d 2>&1 \
       | grep -v -i warn | tail -2 | tee -a "$OUT/offload_cost.txt"
     python3 benchmarks/step_split.py "$d" 2>&1 | tee -a "$OUT/offload_cost.txt"
+  done
+fi
+if want plan-trace; then  # plan vs measured per phase, with what is live at the training peak by allocating line
+  base="--set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0 --set train.steps=2
+    --set algorithm.rollouts_per_step=128 --set task.num_eval=16 --set task.eval_every=0 --set run.progress=false
+    --set engine.max_model_len=1024 --set sampling.max_tokens=512 --set train.save_at_end=false"
+  for run in "qwen3-1.7b optimizer true" "qwen3-0.6b none false"; do set -- $run
+    timeout 240 python3 benchmarks/plan_check.py configs/quickstart.toml $base --set model.preset=$1 \
+      --set train.offload=$2 --set train.activation_checkpointing=$3 --trace training --out-dir "$OUT/trace-$1" 2>&1 \
+      | grep -v -i warn | tail -48 | grep -v '^{' | tee -a "$OUT/plan_trace.txt"
+  done
+fi
+if want train-eager; then  # today's training step with and without its CUDA graphs (what FSDP2's eager step pays)
+  for g in on off; do
+    timeout 120 $X bench train --preset qwen3-0.6b --device cuda --tokens-per-microbatch 8192 --steps 5 --graphs $g \
+      --json 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/train_eager.txt"
   done
 fi
 if want kernels; then

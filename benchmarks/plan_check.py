@@ -31,23 +31,83 @@ from exactrl.train.optim import MasterAdamW
 from exactrl.train.trainer import PolicyTrainer
 
 PHASES = ("generation", "training", "optimizer")
+MARK_BYTES = 512 * 12347  # the phase-start mark in the allocator's trace (see PhasePeaks.start)
 
 
 class PhasePeaks:
-    """Peak allocated / reserved bytes per phase, over every time the phase ran."""
+    """Peak allocated / reserved bytes per phase, over every time the phase ran. With `trace` set to a phase, the
+    allocator's history is recorded and, each time that phase reaches a new peak, what was live at the peak is
+    grouped by the allocating line of exactrl's code (`peak_breakdown`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: str | None = None) -> None:
         self.allocated = dict.fromkeys(PHASES, 0)
         self.reserved = dict.fromkeys(PHASES, 0)
+        self.trace = trace
+        self.breakdown: list[tuple[str, int]] = []
+        if trace is not None:
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
 
     def start(self) -> None:
         torch.cuda.synchronize()
+        if (
+            self.trace is not None
+        ):  # a block of a size nothing else asks for marks the phase's start in the trace
+            torch.empty(MARK_BYTES, dtype=torch.uint8, device="cuda")  # freed at once
         torch.cuda.reset_peak_memory_stats()
 
     def end(self, phase: str) -> None:
         torch.cuda.synchronize()
-        self.allocated[phase] = max(self.allocated[phase], torch.cuda.max_memory_allocated())
+        peak = torch.cuda.max_memory_allocated()
+        if phase == self.trace and peak > self.allocated[phase]:
+            self.breakdown = peak_breakdown(torch.cuda.memory._snapshot())
+        self.allocated[phase] = max(self.allocated[phase], peak)
         self.reserved[phase] = max(self.reserved[phase], torch.cuda.max_memory_reserved())
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """An allocation's place: the innermost two frames of its Python stack in exactrl's own code (line, then its
+    caller), else the innermost frame."""
+    ours = [
+        f"{f['filename'].split('exactrl/', 1)[1]}:{f.get('line')} {f.get('name')}"
+        for f in frames
+        if "exactrl/" in f.get("filename", "") and "benchmarks/" not in f.get("filename", "")
+    ]
+    if ours:
+        return " <- ".join(ours[:2])
+    return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "?"
+
+
+def peak_breakdown(snapshot: dict[str, Any], top: int = 14) -> list[tuple[str, int]]:
+    """Replay the allocator's trace (every alloc and completed free since recording began) and return what was
+    live at its highest point after the last phase-start mark, in bytes per allocating line, largest first.
+    Raises when the trace buffer wrapped (the live set would be incomplete)."""
+    events = snapshot["device_traces"][0]
+    if len(events) >= 4_000_000:
+        raise RuntimeError("the allocator trace wrapped: the live set at the peak is unknown")
+    marks = [i for i, e in enumerate(events) if e["action"] == "alloc" and e["size"] == MARK_BYTES]
+    since = marks[-1] if marks else 0
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_at = -1
+    for i, e in enumerate(events):
+        a = e["action"]
+        if a == "alloc":
+            live[e["addr"]] = (e["size"], "")
+            total += e["size"]
+        elif a == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+        if i > since and total > best:
+            best, best_at = total, i
+    live.clear()
+    for e in events[: best_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    by_site: dict[str, int] = {}
+    for size, site in live.values():
+        by_site[site] = by_site.get(site, 0) + size
+    return sorted(by_site.items(), key=lambda kv: -kv[1])[:top] + [("(all live at the peak)", best)]
 
 
 def wrap(cls: type, name: str, before, after) -> None:
@@ -63,9 +123,9 @@ def wrap(cls: type, name: str, before, after) -> None:
     setattr(cls, name, wrapped)
 
 
-def instrument() -> tuple[PhasePeaks, list[RLRun]]:
+def instrument(trace: str | None = None) -> tuple[PhasePeaks, list[RLRun]]:
     """Phase boundaries on the classes the run uses, and a list that receives the run object."""
-    peaks = PhasePeaks()
+    peaks = PhasePeaks(trace)
     wrap(RolloutEngine, "generate", peaks.start, lambda: peaks.end("generation"))
     # The trainer's step holds the optimizer's: training is measured up to the optimizer step, and again after it.
     wrap(PolicyTrainer, "step", peaks.start, lambda: peaks.end("training"))
@@ -108,6 +168,10 @@ def report(plan: MemoryPlan, peaks: PhasePeaks, run: RLRun | None, what: dict[st
         a, r = peaks.allocated[ph], peaks.reserved[ph]
         rows[ph] = {"predicted": pred, "allocated": a, "reserved": r, "ratio": a / pred if pred else None}
         print(f"{ph:<12}{pred / 2**30:>15.2f}{a / 2**30:>15.2f}{r / 2**30:>14.2f}{a / pred:>12.3f}")
+    if peaks.breakdown:
+        print(f"live at the {peaks.trace} phase's peak, by allocating line (GiB):")
+        for site, n in peaks.breakdown:
+            print(f"  {n / 2**30:8.2f}  {site}")
     costs = switch_costs(run) if run is not None else {}
     if costs:
         print(
@@ -121,6 +185,7 @@ def report(plan: MemoryPlan, peaks: PhasePeaks, run: RLRun | None, what: dict[st
         "switches": costs,
         "device": torch.cuda.get_device_name(0),
         "plan": plan.to_json(),
+        **({"peak_breakdown": peaks.breakdown} if peaks.breakdown else {}),
     }
     print(json.dumps(record, separators=(",", ":")))
 
@@ -153,11 +218,16 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out-dir", default="/tmp/exactrl-plan-check")
     ap.add_argument(
+        "--trace",
+        choices=PHASES,
+        help="record the allocator's history; print what is live at this phase's peak",
+    )
+    ap.add_argument(
         "--bench-rl", action="store_true", help="first: the bench rl workload, its flags after it"
     )
     args = ap.parse_args(argv)
     total = torch.cuda.get_device_properties(0).total_memory
-    peaks, runs = instrument()
+    peaks, runs = instrument(args.trace)
     if args.bench_rl:
         from exactrl.bench_rl import run_bench
 
