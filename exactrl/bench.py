@@ -534,6 +534,26 @@ def bench_train(args) -> dict:
     return rec
 
 
+def _profile_step(step, device, show: bool, top: int = 18) -> None:
+    """One more step under torch.profiler: the operators by device time and by host time of their own, and how
+    much of the step's wall time the device was busy (printed; the timed steps are not profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t
+    if not show:
+        return
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka) / 1e6
+    print(f"profiled step: {wall * 1e3:.1f} ms wall (profiler on), device busy {busy * 1e3:.1f} ms")
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        print(ka.table(sort_by=key, row_limit=top, max_name_column_width=60))
+
+
 def bench_train_fsdp(args) -> dict:
     """The trainer's GRPO step (`bench_train`'s) under FSDP2 on every rank of a torchrun launch (`exactrl bench
     train --fsdp [--nproc N]` launches it). Each rank trains `--tokens-per-microbatch` tokens of its own, so the
@@ -577,6 +597,8 @@ def bench_train_fsdp(args) -> dict:
     )
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5, dist=ctx), dist=ctx)
     times = _step_times(lambda: trainer.step(rollouts), args.steps, device)
+    if getattr(args, "profile", False):
+        _profile_step(lambda: trainer.step(rollouts), device, show=ctx.rank == 0)
     sync = [par.sync_weights() for _ in range(3)]
     peak_gb, peak_kind = peak_memory_gb(
         device

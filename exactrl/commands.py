@@ -477,8 +477,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rl.add_argument(
         "--profile",
         action="store_true",
-        help="the last timed step's generate stage under torch.profiler (GPU time by kernel on CUDA, own CPU time "
-        "by operator on the CPU) in the table and the JSON; the median step is of the other steps",
+        help="rl: the last timed step's generate stage under torch.profiler (GPU time by kernel on CUDA, own CPU "
+        "time by operator on the CPU) in the table and the JSON; the median step is of the other steps. train "
+        "--fsdp: one more step under torch.profiler, operators by device and by host time (printed)",
     )
     rl.add_argument(
         "--plot-from",

@@ -35,14 +35,33 @@ def accumulate_grads(
     """Gradients of `loss` with respect to `params`, added into `buffers` (each param's persistent .grad) when
     `accumulate`, else computed and dropped (a warm-up run that must leave the buffers alone).
 
-    The add is in the buffers' dtype, as autograd's own accumulation into .grad is, so gradients summed over
-    microbatches are the same bits as `loss.backward()` would leave."""
-    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
-    if not accumulate:
+    Accumulating: a backward into the parameters' own .grad, which are the buffers. Autograd adds each gradient
+    into its .grad in place (`grad += new`, in the buffer's dtype) as soon as the gradient is ready, so no second
+    set of gradients exists at the end of the backward: the peak holds the buffers plus the gradients in flight,
+    not a whole model's worth more. Warm-up: each parameter's .grad is cleared for the backward, and a hook drops
+    every gradient the moment it lands; the buffers go back afterwards, untouched."""
+    params = list(params)
+    if accumulate:
+        for p, b in zip(params, buffers):
+            if p.grad is not b:
+                raise RuntimeError("accumulate_grads: a parameter's .grad is not its persistent buffer")
+        torch.autograd.backward(loss, inputs=params)
         return
-    pairs = [(b, g) for b, g in zip(buffers, grads) if g is not None]
-    if pairs:
-        torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
+    saved = [p.grad for p in params]
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        torch.autograd.backward(loss, inputs=params)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 class _Entry:
