@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.exactrl-setup
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-all lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest -q -n 2 tests
+
+# Everything, the extended variants too (a later -m replaces the default "not extended").
+test-all: setup
+	$(VPY) -m pytest -q -n 2 -m "" tests
 
 lint: setup
 	$(VENV)/bin/ruff check exactrl tests benchmarks

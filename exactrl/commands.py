@@ -440,7 +440,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rl.add_argument("--completion-sigma", type=float, default=0.8, help="log-normal shape of the lengths")
     rl.add_argument("--warmup", type=int, default=1, help="untimed steps first (compiles, graph captures)")
     rl.add_argument("--max-num-seqs", type=int, default=512, help="engine.max_num_seqs")
-    rl.add_argument("--kv-memory-fraction", type=float, default=0.3, help="engine.kv_memory_fraction")
+    rl.add_argument("--kv-memory-fraction", type=float, default=0.45, help="engine.kv_memory_fraction")
     rl.add_argument(
         "--reward", action="append", help="reward function (repeatable; default: the built-in numeric_match)"
     )

@@ -276,7 +276,7 @@ class EngineConfig:
     """Tokens per KV-cache block; must be a multiple of 16."""
     num_kv_blocks: int | None = None
     """Number of KV-cache blocks; unset = sized from kv_memory_fraction of free device memory."""
-    kv_memory_fraction: float = 0.3
+    kv_memory_fraction: float = 0.45
     """Fraction of free device memory given to the KV cache when num_kv_blocks is unset, in (0, 1]. In
     `exactrl train` on a GPU, free means what the memory plan leaves in the phases that hold the cache (with
     release_memory the generation phase alone, else all three), everything resident counted (optimizer state, the

@@ -38,7 +38,7 @@ class EngineConfig:
 
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from free memory (CUDA) or a CPU budget
-    kv_memory_fraction: float = 0.3
+    kv_memory_fraction: float = 0.45
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     prefill_chunk_size: int = 2048

@@ -600,6 +600,8 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
         )
     if tr.cuda_graphs:
         out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
+    if cfg.model.dtype == "float32":
+        out.append(("model.dtype=bfloat16", ["model.dtype=bfloat16"], world_size))
     if tr.offload == "none":
         out.append(('train.offload="optimizer"', ["train.offload=optimizer"], world_size))
     from exactrl.train.phases import phases_overlap
@@ -642,23 +644,33 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     # Keep one microbatch size: the largest that fits.
     mb = [s for s in out if s.startswith("train.max_tokens_per_microbatch")]
     out = mb[:1] + [s for s in out if not s.startswith("train.max_tokens_per_microbatch")]
-    if out:
-        return out
+    # Only LoRA or more ranks fit alone: the full fine-tune on these ranks may still fit with several memory
+    # settings together (the 8B on one GPU: 16-bit weights, optimizer offload, activation checkpointing).
+    if all(s.startswith(("lora.", "--nproc")) for s in out):
+        out += _together(cfg, plan, counts)
+    return out
+
+
+def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[str]:
+    """The cumulative combination of the memory settings (same ranks, full fine-tune) that first fits, if any."""
     from exactrl.train.phases import phases_overlap
 
     sets: list[str] = []
     for extra in (
-        ["engine.release_memory=true"] if not phases_overlap(cfg) else [],
-        ["train.activation_checkpointing=true"],
-        ["train.offload=optimizer"],
-        ["train.cuda_graphs=false"],
+        ["model.dtype=bfloat16"] if cfg.model.dtype == "float32" else [],
+        ["engine.release_memory=true"] if not (cfg.engine.release_memory or phases_overlap(cfg)) else [],
+        ["train.activation_checkpointing=true"] if not cfg.train.activation_checkpointing else [],
+        ["train.offload=optimizer"] if cfg.train.offload == "none" else [],
+        ["train.cuda_graphs=false"] if cfg.train.cuda_graphs else [],
         ["engine.kv_memory_fraction=0.1"] if cfg.engine.num_kv_blocks is None else [],
     ):
+        if not extra:
+            continue
         sets = sets + extra
         try:
             c2 = apply_overrides(copy.deepcopy(cfg), sets)
             p2 = plan_memory(
-                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=device, counts=counts,
+                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=plan.device, counts=counts,
                 host_memory=plan.host_memory, host_ranks=plan.host_ranks,
             )  # fmt: skip
         except ValueError:

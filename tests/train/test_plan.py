@@ -213,6 +213,27 @@ def test_a_config_that_cannot_fit_is_refused_with_knobs_that_fit():
     assert make_plan(cfg, gpu_memory=80 * GiB).fits
 
 
+def test_an_8b_full_fine_tune_is_offered_the_one_gpu_settings_that_fit():
+    """qwen3-8b at the quickstart's fp32 on one 80 GB GPU: LoRA and more ranks fit alone, and the plan also names
+    the full fine-tune on this GPU (16-bit weights, optimizer offload, activation checkpointing: the setting
+    measured on an H100, docs/memory.md) when the host can pin the offloaded state, and not when it cannot."""
+    cfg = load_config(str(Path(__file__).parents[2] / "configs/quickstart.toml"), ["model.preset=qwen3-8b"])
+    assert cfg.model.dtype == "float32"  # the README's `exactrl plan` line
+    plan = make_plan(cfg, gpu_memory=80 * GiB, device="cuda", host_memory=125 * GiB)
+    assert not plan.fits
+    together = [s for s in plan.suggestions if s.endswith(")") and " together (peak" in s]
+    assert len(together) == 1, plan.suggestions
+    sets = together[0].split(" together")[0].split()
+    wanted = {"model.dtype=bfloat16", "train.offload=optimizer", "train.activation_checkpointing=true"}
+    assert wanted <= set(sets)
+    assert "engine.release_memory=true" not in sets  # already the default: not a change to ask for
+    fixed = make_plan(apply_overrides(cfg, sets), gpu_memory=80 * GiB, device="cuda", host_memory=125 * GiB)
+    assert fixed.fits and fixed.host_fits
+    # A host that cannot pin 91.5 GiB: the combination is not offered.
+    small = make_plan(cfg, gpu_memory=80 * GiB, device="cuda", host_memory=64 * GiB)
+    assert not any(" together (peak" in s for s in small.suggestions), small.suggestions
+
+
 def test_train_refuses_before_loading(monkeypatch):
     """The check `exactrl train` runs first, with a CUDA device's total memory mocked (no GPU here)."""
 
