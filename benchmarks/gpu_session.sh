@@ -7,7 +7,7 @@
 #     [price] [price-rollout] [price-train] [bench-rl] [multi-turn-parity] [profile-gen]
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
-#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [pin-8b]
+#     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [pin-8b]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -297,6 +297,22 @@ if want train-eager; then  # today's training step with and without its CUDA gra
     timeout 120 $X bench train --preset qwen3-0.6b --device cuda --tokens-per-microbatch 8192 --steps 5 --graphs $g \
       --json 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/train_eager.txt"
   done
+fi
+if want fsdp-offload; then  # train.offload = "optimizer" under torchrun (FSDP2, NCCL) on the GPU: exact, resume bitwise
+  base="--set model.preset=qwen3-0.6b --set model.dtype=bfloat16 --set run.device=cuda --set sft.steps=0
+    --set train.steps=3 --set train.save_every=1 --set algorithm.rollouts_per_step=64 --set task.num_eval=8
+    --set task.eval_every=0 --set run.progress=false --set engine.max_model_len=256 --set sampling.max_tokens=64
+    --set train.offload=optimizer"
+  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-full --nproc 1 2>&1 \
+    | grep -v Warning | tail -3 | tee "$OUT/fsdp_offload.txt"
+  python3 -c "import sys; sys.path.insert(0, 'tests/distributed'); from pathlib import Path; import _runs
+_runs.crashed_after(Path('$OUT/fo-full'), Path('$OUT/fo-resumed'), 2)"
+  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-resumed --nproc 1 --resume 2>&1 \
+    | grep -v Warning | tail -3 | tee -a "$OUT/fsdp_offload.txt"
+  python3 -c "import sys; sys.path.insert(0, 'tests/distributed'); from pathlib import Path; import _runs
+a, b = Path('$OUT/fo-full'), Path('$OUT/fo-resumed')
+print('fsdp offload resume bitwise:', _runs.same(a, b), 'mismatched:', _runs.mismatched(a), _runs.mismatched(b))" \
+    2>&1 | tee -a "$OUT/fsdp_offload.txt"
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"
