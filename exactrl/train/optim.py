@@ -23,6 +23,7 @@ already 1/N of the model's.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 from torch import nn
@@ -113,7 +114,9 @@ class MasterAdamW:
         self.on_host = False  # the offloaded tensors are in their host buffers now
         # CUDA events around each queued step (offload's copies included), read by `take_step_seconds`: the
         # optimizer's share of a training step's time, measured without a synchronization of its own.
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # At most the last 64 steps are kept: a caller that never reads them (SFT, a critic's optimizer) holds no
+        # growing list.
+        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=64)
         if offload == "optimizer":
             self.to_host()
 
@@ -188,7 +191,7 @@ class MasterAdamW:
 
     def take_step_seconds(self) -> float:
         """Device seconds of the steps queued since the last call (waits for the last of them); 0 on the CPU."""
-        timings, self._timings = self._timings, []
+        timings, self._timings = self._timings, deque(maxlen=64)
         total = 0.0
         for start, end in timings:
             end.synchronize()

@@ -892,6 +892,8 @@ class PolicyTrainer:
         out["lr"] = float(self.opt.param_groups[0]["lr"])
         if self.opt.on_cuda:  # the optimizer's share of the step (offload's copies in and out included)
             out["perf/optimizer_s"] = self.opt.take_step_seconds()
+            if self.critic_opt is not None:
+                out["perf/optimizer_s"] += self.critic_opt.take_step_seconds()
         if self.graphs.enabled:
             out["perf/train_graphs"] = float(len(self.graphs))
             out["perf/train_graph_capture_s"] = self.graphs.capture_s
