@@ -6,7 +6,8 @@ the same run. `--vs hf` runs transformers `generate` on the same weights and pro
 
 train: tokens/s and MFU of the trainer's step (forward, GRPO loss, backward, AdamW; replayed from CUDA graphs
 unless `--graphs off`) against a bf16 matmul rate measured in the same run; `--vs hf` trains the transformers
-model on the same weights and data (cross-entropy loss, eager).
+model on the same weights and data (cross-entropy loss, eager); `--vs torch` a compiled stock-PyTorch step of the
+same shape and loss (exactrl/bench_torch.py).
 
 rl: whole GRPO steps of the RL loop and the seconds of their stages (exactrl/bench_rl.py).
 
@@ -297,6 +298,10 @@ def bench_rollout(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
+    if args.vs == "torch":
+        raise ValueError(
+            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
+        )
     if args.concurrency < ctx.world_size:
         raise ValueError(
             f"bench rollout: --concurrency {args.concurrency} requests for {ctx.world_size} ranks; every rank "
@@ -481,6 +486,10 @@ def bench_train(args) -> dict:
     from exactrl.train.trainer import PolicyTrainer, TrainerSettings
 
     device, model, tok = _load(args)
+    if args.vs == "torch" and model.config.is_moe:
+        raise ValueError(
+            f"bench train --vs torch covers dense models; {args.model or args.preset} is a mixture of experts"
+        )
     T = args.tokens_per_microbatch
     seq_len = min(1024, T)
     n_seq = max(1, T // seq_len)
@@ -531,7 +540,51 @@ def bench_train(args) -> dict:
         rec["hf_tokens_per_s"] = tokens / hwall
         rec["hf_mfu"] = flops / hwall / peak
         rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
+    if args.vs == "torch":
+        del trainer, step  # exactrl's optimizer state and graph pools: the baseline's step gets the memory
+        model.zero_grad(set_to_none=True)  # and the trainer's persistent gradient buffers
+        _reset_peak_memory(device)
+        rec.update(_vs_torch(model, rollouts, args.steps, device, flops, peak))
+        rec["over_torch"] = rec["tokens_per_s"] / rec["torch_tokens_per_s"]
+        print(f"{'step':28} {'tokens/s':>10} {'MFU':>7}")
+        print(f"{'exactrl (' + args.mode + ')':28} {rec['tokens_per_s']:10.1f} {rec['mfu']:7.3f}")
+        print(f"{'torch (compiled, stock)':28} {rec['torch_tokens_per_s']:10.1f} {rec['torch_mfu']:7.3f}")
     return rec
+
+
+def _vs_torch(model, rollouts, steps: int, device, flops: float, peak: float) -> dict:
+    """The stock-PyTorch step (`exactrl.bench_torch`) on a copy of `model`'s weights and the same sequences."""
+    from exactrl.bench_torch import (
+        GrpoBatch,
+        TorchDecoder,
+        TorchGrpoStep,
+        compiled_graph_count,
+        stock_numerics,
+    )
+
+    batch = GrpoBatch.from_sequences(
+        [r.prompt_ids + r.completion_ids for r in rollouts],
+        torch.stack([r.rollout_logprobs for r in rollouts]),
+        [r.advantage for r in rollouts],
+        prompt_len=len(rollouts[0].prompt_ids),
+        device=device,
+    )
+    tokens = int(batch.loss_mask.numel())
+    with stock_numerics():
+        tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile(), lr=1e-5)
+        graphs = compiled_graph_count()
+        t = time.perf_counter()
+        tstep(batch)  # the first call compiles (dynamo + inductor, forward and backward)
+        _sync(device)
+        compile_s = time.perf_counter() - t
+        wall = _seconds_per_step(lambda: tstep(batch), steps, device)
+    return {
+        "torch_step_s": wall,
+        "torch_tokens_per_s": tokens / wall,
+        "torch_mfu": flops / wall / peak,
+        "torch_compile_s": compile_s,
+        "torch_compiled_graphs": compiled_graph_count() - graphs,
+    }
 
 
 def _profile_step(step, device, show: bool, top: int = 18) -> None:
@@ -575,6 +628,10 @@ def bench_train_fsdp(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
+    if args.vs == "torch":
+        raise ValueError(
+            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
+        )
     expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
     expect["tokens_per_rank"] = args.tokens_per_microbatch
     baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None

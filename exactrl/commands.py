@@ -490,7 +490,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     rl.add_argument(
         "--plot", metavar="PNG", help="where the concurrency plot goes (default: next to the JSON)"
     )
-    p.add_argument("--vs", choices=["hf"], help="also run transformers on the same weights and data")
+    p.add_argument(
+        "--vs",
+        choices=["hf", "torch"],
+        help="also run, on the same weights and data: hf = transformers (eager); torch (train, dense models) = a "
+        "compiled stock-PyTorch step of the same shape (SDPA flash attention, fused AdamW)",
+    )
     p.add_argument(
         "--fsdp",
         action="store_true",
