@@ -8,6 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [pin-8b]
+#     [train-vs-torch]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -313,6 +314,16 @@ _runs.crashed_after(Path('$OUT/fo-full'), Path('$OUT/fo-resumed'), 2)"
 a, b = Path('$OUT/fo-full'), Path('$OUT/fo-resumed')
 print('fsdp offload resume bitwise:', _runs.same(a, b), 'mismatched:', _runs.mismatched(a), _runs.mismatched(b))" \
     2>&1 | tee -a "$OUT/fsdp_offload.txt"
+fi
+if want train-vs-torch; then  # exactrl's step vs a compiled stock-PyTorch step of the same shape (issue 31)
+  # exactrl/bench_torch.py: cuBLAS, SDPA flash forward and backward, torch.compile per block and for head + loss,
+  # fused AdamW on fp32 masters. Each call compiles the baseline once (torch_compile_s, not in the timed steps).
+  for P in qwen3-0.6b qwen3-1.7b; do
+    for mode in exact fast; do
+      timeout 240 $X bench train --preset $P --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 10 \
+        --vs torch --json 2>&1 | grep -E '^(step |exactrl \(|torch \(compiled|\{)|Error|error:' | tee -a "$OUT/train_vs_torch.txt"
+    done
+  done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"
