@@ -571,7 +571,7 @@ def _vs_torch(model, rollouts, steps: int, device, flops: float, peak: float) ->
     )
     tokens = int(batch.loss_mask.numel())
     with stock_numerics():
-        tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile(), lr=1e-5)
+        tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile_blocks(), lr=1e-5)
         graphs = compiled_graph_count()
         t = time.perf_counter()
         tstep(batch)  # the first call compiles (dynamo + inductor, forward and backward)

@@ -8,8 +8,9 @@ PyTorch user would write for the same shape, with a copy of the same weights in 
 - RMSNorm (HF's order: normalise in fp32, cast, multiply by the weight) and RoPE (the model's own fp32 cos/sin
   table, every rope type included) written in torch ops, for torch.compile to fuse; Qwen3's per-head q/k norm;
 - `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on [B, H, L, D]: every sequence of the
-  benchmark has the same length, so the batch is a plain [B, L] tensor and PyTorch's flash kernel runs the
-  forward and the backward (no packing, no padding);
+  benchmark has the same length, so the batch is a plain [B, L] tensor and PyTorch's flash kernel (FlashAttention-2)
+  runs the forward and the backward (no packing, no padding); on CUDA SDPA is restricted to it
+  (`attention_backends`), so a shape it cannot serve fails instead of falling back to a slower kernel;
 - SiLU-gated MLP, final norm, LM head (tied or not);
 - each decoder block compiled on its own (`nn.Module.compile`, as torchtitan does: dynamo traces the block's code
   once and every identical block reuses the graph), and the final norm, LM head and GRPO loss as one compiled
@@ -74,6 +75,11 @@ class GrpoBatch:
             raise ValueError("the torch baseline batches sequences of one length; got several lengths")
         ids = torch.tensor(seqs, dtype=torch.int64, device=device)
         B, L = ids.shape[0], ids.shape[1] - 1
+        if not 1 <= prompt_len <= L or tuple(old_logprobs.shape) != (B, L + 1 - prompt_len):
+            raise ValueError(
+                f"GrpoBatch: {B} sequences of {L + 1} tokens with a {prompt_len}-token prompt need old_logprobs "
+                f"of shape {(B, L + 1 - prompt_len)}, got {tuple(old_logprobs.shape)}"
+            )
         old = torch.zeros(B, L, dtype=torch.float32, device=device)
         old[:, prompt_len - 1 :] = old_logprobs.to(device=device, dtype=torch.float32)
         mask = torch.zeros(B, L, dtype=torch.bool, device=device)
@@ -192,7 +198,7 @@ class TorchBlock(nn.Module):
 
 class TorchDecoder(nn.Module):
     """The plain-PyTorch decoder of a dense `ModelConfig` (see the module docstring). Build it with `from_model`
-    (a copy of a `CausalLM`'s weights), then `compile()` it for the benchmark."""
+    (a copy of a `CausalLM`'s weights), then `compile_blocks()` it for the benchmark."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -211,8 +217,7 @@ class TorchDecoder(nn.Module):
         )
         # The model's own fp32 cos|sin table (every rope type's frequencies and YaRN's attention factor in it).
         self.register_buffer("cos_sin", cfg.rope_table(), persistent=False)
-        self._head_loss = grpo_head_loss
-        self.compiled = False
+        self._head_loss = grpo_head_loss  # compile_blocks() replaces it by its compiled self
 
     @staticmethod
     @torch.no_grad()
@@ -248,13 +253,13 @@ class TorchDecoder(nn.Module):
             _copy_linear(mine.mlp.down_proj, theirs.mlp.down_proj)
         return out
 
-    def compile(self) -> TorchDecoder:  # type: ignore[override]
-        """Compile each block (in place; one dynamo trace serves every identical block) and the head + loss."""
+    def compile_blocks(self) -> TorchDecoder:
+        """Compile each block (in place; one dynamo trace serves every identical block) and the head + loss, with
+        torch.compile's default mode (no CUDA graphs). Returns self."""
         check_compile_available(self.embed_tokens.weight.device)
         for block in self.layers:
             block.compile(dynamic=False)
         self._head_loss = torch.compile(grpo_head_loss, dynamic=False)
-        self.compiled = True
         return self
 
     def head_weight(self) -> torch.Tensor:

@@ -120,7 +120,7 @@ def test_compiled_baseline_computes_the_models_logprobs_with_one_graph_per_block
     cfg = CONFIGS["llama (untied head, llama3 rope)"]
     model, batch = _model(cfg), _batch(cfg)
     ref = _exactrl_logprobs(model, batch)
-    base = TorchDecoder.from_model(model).compile()
+    base = TorchDecoder.from_model(model).compile_blocks()
     torch._dynamo.reset()  # count this model's graphs alone, whatever earlier tests compiled
     before = compiled_graph_count()
     got = _baseline_logprobs(base, batch)
@@ -133,7 +133,7 @@ def test_one_step_moves_the_bf16_weights_and_the_masters():
     cfg = CONFIGS["qwen3 (tied head, q/k norm)"]
     model = _model(cfg, torch.bfloat16)
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
-    base = TorchDecoder.from_model(model).compile()
+    base = TorchDecoder.from_model(model).compile_blocks()
     step = TorchGrpoStep(base, lr=1e-3)
     assert step.has_master and all(m.dtype == torch.float32 for m in step.master)
     weights = [p.detach().clone() for p in step.params]
