@@ -79,3 +79,33 @@ def test_refuses_a_grad_that_is_not_the_buffer() -> None:
         assert "persistent buffer" in str(e)
     else:
         raise AssertionError("a .grad that is not the buffer was accepted")
+
+
+def test_gradients_land_in_the_buffers_during_the_backward() -> None:
+    """The memory claim: each gradient is added into its buffer as soon as autograd has it (a post-accumulate hook
+    sees it land once per parameter), not gathered into a whole second set first and added afterwards; and in the
+    warm-up each one is dropped as it lands (at most one gradient held at any moment)."""
+    m = _model(3)
+    params, bufs = _params_and_buffers(m)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(4))
+    landed: list[int] = []
+    held: list[int] = []
+
+    def seen(p: torch.Tensor) -> None:
+        landed.append(id(p))
+        held.append(sum(q.grad is not None for q in params))
+
+    hooks = [p.register_post_accumulate_grad_hook(seen) for p in params]
+    try:
+        accumulate_grads(_loss(m, ids), params, bufs, True)
+        assert sorted(landed) == sorted(id(p) for p in params), "a gradient did not land in its .grad"
+        landed.clear()
+        held.clear()
+        # Registered before the warm-up's own hooks, `seen` runs before each gradient is dropped: the one landing
+        # now is the only one held.
+        accumulate_grads(_loss(m, ids), params, bufs, False)
+        assert len(landed) == len(params) and held == [1] * len(params), held
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(p.grad is b for p, b in zip(params, bufs))
