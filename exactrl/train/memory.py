@@ -622,8 +622,9 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
 
 
 def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[str]:
-    """The single settings that make the plan fit, each with its peak; if none does alone, the cumulative
-    combination of the memory-only ones (microbatch, checkpointing, graphs, offload) that does."""
+    """The single settings that make the plan fit, each with its peak; and when none but LoRA or more ranks does
+    alone, the cumulative combination of the full fine-tune's memory settings on these ranks (16-bit weights, the
+    release, checkpointing, offload, no training graphs, a smaller KV cache) that first fits."""
     if plan.fits:
         return []
     out = []

@@ -466,9 +466,10 @@ class MasterAdamW:
         if host is None:
             if not self.on_cuda:
                 host = torch.empty(like.shape, dtype=like.dtype, device="cpu")
-            elif own and like.device.type == "cpu" and like.is_contiguous():
+            elif own and like.device.type == "cpu" and like.is_contiguous() and not like.is_pinned():
                 # `like` is the key's own tensor already on the host (a master made there, a loaded moment):
-                # page-locked in place, no second copy.
+                # page-locked in place, no second copy. Memory that is page-locked already (another optimizer's
+                # buffer it was loaded from) cannot be registered twice: it gets a buffer of its own below.
                 host = pinned.register(like)
             else:
                 # Exactly its bytes (torch's pin_memory=True would round each one up to a power of two).

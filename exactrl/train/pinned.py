@@ -39,6 +39,11 @@ def register(t: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return t
     rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0))
+    if rc == 712:  # cudaErrorHostMemoryAlreadyRegistered
+        raise RuntimeError(
+            f"page-locking {n} bytes of host memory for train.offload failed: the memory is page-locked already "
+            "(cudaHostRegister error 712); a registered buffer cannot be registered again"
+        )
     if rc != 0:
         raise RuntimeError(
             f"page-locking {n} bytes of host memory for train.offload failed (cudaHostRegister error {rc}): the "

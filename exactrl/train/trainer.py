@@ -252,8 +252,9 @@ class PolicyTrainer:
                 f"{settings.moe_z_loss_coef}: router losses need a mixture-of-experts model, and this one has no "
                 "sparse layer; set both to 0"
             )
-        # FSDP2-sharded parameters get their gradients from autograd's backward (its hooks reduce-scatter them),
-        # not from `torch.autograd.grad` into persistent buffers, and its collectives are not captured in graphs.
+        # FSDP2-sharded parameters get their gradients from a plain backward (its hooks reduce-scatter them into
+        # the sharded .grad), not into this trainer's persistent buffers, and its collectives are not captured in
+        # graphs.
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         on_cuda = model.device.type == "cuda"
         # A mixture of experts groups tokens by expert with host-side counts (ops.moe_experts), which a graph

@@ -62,6 +62,9 @@ def test_a_refused_registration_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(fail=2))
     with pytest.raises(RuntimeError, match=r"page-locking 4000 bytes .*cudaHostRegister error 2.*ulimit -l"):
         pinned.register(torch.zeros(1000))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(fail=712))
+    with pytest.raises(RuntimeError, match=r"page-locked already \(cudaHostRegister error 712\)"):
+        pinned.register(torch.zeros(1000))
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         pinned.register(torch.zeros(10, 10).t())
 
