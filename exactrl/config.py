@@ -743,6 +743,13 @@ class TrainConfig:
     """Learning rate after warmup: "constant", or "cosine" / "linear" decay to 0 at the last step."""
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed forward/backward microbatch (gradients are accumulated across them)."""
+    fsdp_tokens_per_microbatch: int | None = None
+    """Under torchrun at world size 2 or more (FSDP2): the sharded trainer's microbatch token budget. Each FSDP2
+    microbatch pays a round of per-layer all-gathers and reduce-scatters and runs without CUDA graphs, so fewer,
+    larger ones are faster (qwen3-0.6b on one H100: 1.82x the tokens/s at 32,768 tokens than at 8,192). Unset = on
+    GPUs, with engine.release_memory on, the largest of 32768 and 16384 (above max_tokens_per_microbatch) that the
+    memory plan fits, else max_tokens_per_microbatch; on CPU ranks max_tokens_per_microbatch. Ignored on one
+    device. Episode and SFT length limits keep following max_tokens_per_microbatch."""
     cuda_graphs: bool = True
     """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
     then padded to a few bucket shapes; padding never reaches the loss."""
@@ -794,6 +801,8 @@ class TrainConfig:
         _check_positive(self.grad_clip, "train.grad_clip")
         _check_at_least(self.warmup_steps, 0, "train.warmup_steps")
         _check_at_least(self.max_tokens_per_microbatch, 1, "train.max_tokens_per_microbatch")
+        if self.fsdp_tokens_per_microbatch is not None:
+            _check_at_least(self.fsdp_tokens_per_microbatch, 1, "train.fsdp_tokens_per_microbatch")
         _check_at_least(self.save_every, 0, "train.save_every")
         _check_at_least(self.keep_checkpoints, 1, "train.keep_checkpoints")
         _check_at_least(self.max_nan_steps, 0, "train.max_nan_steps")
@@ -913,12 +922,16 @@ class RunConfig:
             ):
                 if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > limit:
                     _fail(key, f"({limit}) must be >= env.max_episode_tokens ({self.env.max_episode_tokens})")
-        if seq_len > self.train.max_tokens_per_microbatch:
-            _fail(
-                "train.max_tokens_per_microbatch",
-                f"({self.train.max_tokens_per_microbatch}) must fit one full sequence: "
-                f"task.max_prompt_tokens + sampling.max_tokens = {seq_len}",
-            )
+        for key, budget in (
+            ("train.max_tokens_per_microbatch", self.train.max_tokens_per_microbatch),
+            ("train.fsdp_tokens_per_microbatch", self.train.fsdp_tokens_per_microbatch),
+        ):
+            if budget is not None and seq_len > budget:
+                _fail(
+                    key,
+                    f"({budget}) must fit one full sequence: "
+                    f"task.max_prompt_tokens + sampling.max_tokens = {seq_len}",
+                )
         if self.algorithm.overlap == "tail":
             _check_tail_overlap(self)
         if self.env.name is not None and self.reward.accuracy != "auto":

@@ -42,7 +42,7 @@ from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
-from exactrl.train.memory import check_before_loading
+from exactrl.train.memory import check_before_loading, microbatch_tokens
 from exactrl.train.offpolicy import (
     BehaviourBatch,
     BehaviourPolicy,
@@ -357,6 +357,13 @@ class RLRun:
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         # Before anything loads: a run whose phases cannot fit the GPU is refused now, naming the knobs.
         memory_plan = check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        # The trainer's microbatch budget: under FSDP2 the plan's (train.fsdp_tokens_per_microbatch, or the largest
+        # that fits), else train.max_tokens_per_microbatch.
+        self.microbatch_tokens = (
+            memory_plan.counts["tokens_per_microbatch"]
+            if memory_plan is not None
+            else microbatch_tokens(cfg, self.dist.world_size)
+        )
         # The phase switches (KV cache and replica released while the trainer runs), with the plan's KV size on
         # a GPU: the cache is sized so that the phases holding it fit (exactrl/train/phases.py).
         self.phases = MemoryPhases(
@@ -697,7 +704,7 @@ class RLRun:
         if self.critic is not None:
             self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
         self.opt = MasterAdamW(model, lr=tr.lr, **opt_kw)
-        settings = trainer_settings(cfg)
+        settings = trainer_settings(cfg, self.microbatch_tokens)
         if a.rollout_correction and self.exact:
             import warnings
 
@@ -1326,7 +1333,7 @@ class RLRun:
             self.behaviour,
             scores.rollouts,
             self.trainer.s.temperature,
-            self.cfg.train.max_tokens_per_microbatch,
+            self.trainer.s.max_tokens_per_microbatch,
         )
         guard_s = time.perf_counter() - t1
         return RankSample(scores, greedy, self.behaviour.version, gen_s, guard, mismatch, guard_s)
@@ -1587,8 +1594,9 @@ class _NoLogger:
         pass
 
 
-def trainer_settings(cfg: RunConfig) -> TrainerSettings:
-    """The trainer's view of the [algorithm], [train] and [sampling] sections."""
+def trainer_settings(cfg: RunConfig, microbatch_tokens: int | None = None) -> TrainerSettings:
+    """The trainer's view of the [algorithm], [train] and [sampling] sections; `microbatch_tokens` (the run's
+    budget under FSDP2, exactrl.train.memory.microbatch_tokens) replaces train.max_tokens_per_microbatch."""
     a, tr = cfg.algorithm, cfg.train
     return TrainerSettings(
         algorithm=a.name,
@@ -1613,7 +1621,7 @@ def trainer_settings(cfg: RunConfig) -> TrainerSettings:
         vf_coef=a.vf_coef,
         rollout_correction=a.rollout_correction,
         rollout_correction_threshold=a.rollout_correction_threshold,
-        max_tokens_per_microbatch=tr.max_tokens_per_microbatch,
+        max_tokens_per_microbatch=microbatch_tokens or tr.max_tokens_per_microbatch,
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
         moe_aux_loss_coef=tr.moe_aux_loss_coef,

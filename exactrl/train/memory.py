@@ -136,6 +136,8 @@ class MemoryPlan:
             lines.append(f"{n:<{w}}{cells}")
         lines.append("-" * len(head))
         lines.append(f"{'peak':<{w}}" + "".join(f"{_gib(p.peak):>14}" for p in self.phases))
+        if "tokens_per_microbatch" in self.counts:
+            lines.append(f"training microbatch: {self.counts['tokens_per_microbatch']} tokens")
         if self.available is not None:
             verdict = "fits" if self.device_fits else f"DOES NOT FIT ({self.worst.name})"
             lines.append(
@@ -507,7 +509,7 @@ def plan_memory(
             grads["critic_grad_shards"] = -(-(c["critic_trainable"] * 4 + head) // n)
         opt_state["critic_adamw_moments"] = -(-2 * (c["critic_trainable"] + c["critic_head_fp32"]) * 4 // n)
 
-    tokens = tr.max_tokens_per_microbatch
+    tokens = microbatch_tokens(cfg, n)
     act = training_activations(cfg, mcfg, b, tokens, tr.activation_checkpointing)
     # As PolicyTrainer decides: graphs on CUDA, one device, no mixture of experts (its host-side expert counts
     # cannot be captured; those microbatches run eagerly and their activations are transient).
@@ -588,11 +590,12 @@ def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
     tr = cfg.train
     out: list[tuple[str, list[str], int]] = []
     seq = cfg.task.max_prompt_tokens + cfg.sampling.max_tokens
-    t = tr.max_tokens_per_microbatch // 2
+    # The budget the trainer packs by: under FSDP2 a set train.fsdp_tokens_per_microbatch.
+    sharded_set = world_size > 1 and tr.fsdp_tokens_per_microbatch is not None
+    key = "train.fsdp_tokens_per_microbatch" if sharded_set else "train.max_tokens_per_microbatch"
+    t = microbatch_tokens(cfg, world_size) // 2
     while t >= max(seq, 256):
-        out.append(
-            (f"train.max_tokens_per_microbatch={t}", [f"train.max_tokens_per_microbatch={t}"], world_size)
-        )
+        out.append((f"{key}={t}", [f"{key}={t}"], world_size))
         t //= 2
     if not tr.activation_checkpointing:
         out.append(
@@ -643,8 +646,9 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
         if p2.fits:
             out.append(f"{label} (peak {_gib(p2.peak)} GiB)")
     # Keep one microbatch size: the largest that fits.
-    mb = [s for s in out if s.startswith("train.max_tokens_per_microbatch")]
-    out = mb[:1] + [s for s in out if not s.startswith("train.max_tokens_per_microbatch")]
+    budgets = ("train.max_tokens_per_microbatch", "train.fsdp_tokens_per_microbatch")
+    mb = [s for s in out if s.startswith(budgets)]
+    out = mb[:1] + [s for s in out if not s.startswith(budgets)]
     # Only LoRA or more ranks fit alone: the full fine-tune on these ranks may still fit with several memory
     # settings together (the 8B on one GPU: 16-bit weights, optimizer offload, activation checkpointing).
     if all(s.startswith(("lora.", "--nproc")) for s in out):
@@ -681,6 +685,39 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[
     return []
 
 
+# The microbatch sizes FSDP2 runs try before the configured one (train.fsdp_tokens_per_microbatch unset), largest
+# first: fewer FSDP2 microbatches, fewer rounds of per-layer collectives.
+FSDP_MICROBATCH_CANDIDATES = (32768, 16384)
+
+
+def microbatch_tokens(cfg: RunConfig, world_size: int) -> int:
+    """The trainer's microbatch token budget at `world_size`: train.fsdp_tokens_per_microbatch when set and the
+    run is sharded (world size 2 or more), else train.max_tokens_per_microbatch."""
+    fsdp = cfg.train.fsdp_tokens_per_microbatch
+    return fsdp if world_size > 1 and fsdp is not None else cfg.train.max_tokens_per_microbatch
+
+
+def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], **kw) -> MemoryPlan:
+    """Under FSDP2 on a GPU with train.fsdp_tokens_per_microbatch unset and the memory phases on: the plan at the
+    largest candidate microbatch that fits, or `plan` itself. Without the release the KV cache is sized from what
+    training leaves, so a larger microbatch would buy its speed with preemptions: not tried."""
+    from exactrl.train.phases import releases_memory
+
+    tr = cfg.train
+    if plan.world_size < 2 or tr.fsdp_tokens_per_microbatch is not None or plan.gpu_memory is None:
+        return plan
+    if not plan.device.startswith("cuda") or not releases_memory(cfg) or not plan.fits:
+        return plan
+    for t in FSDP_MICROBATCH_CANDIDATES:
+        if t <= tr.max_tokens_per_microbatch:
+            continue
+        c2 = apply_overrides(copy.deepcopy(cfg), [f"train.fsdp_tokens_per_microbatch={t}"])
+        p2 = plan_memory(c2, counts=counts, **kw)
+        if p2.fits:
+            return p2
+    return plan
+
+
 def make_plan(
     cfg: RunConfig,
     *,
@@ -702,7 +739,8 @@ def make_plan(
         host_ranks=host_ranks,
     )
     plan.suggestions = suggest(cfg, plan, counts)
-    return plan
+    kw = dict(world_size=world_size, gpu_memory=gpu_memory, device=device, host_memory=host_memory)
+    return _grown_microbatch(cfg, plan, counts, host_ranks=host_ranks, **kw)
 
 
 def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print) -> MemoryPlan | None:
@@ -722,8 +760,13 @@ def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print
     plan = make_plan(cfg, **kw)
     if not plan.fits:
         raise MemoryPlanError(plan.refusal())
+    tokens = plan.counts["tokens_per_microbatch"]
+    grown = (
+        f", FSDP2 microbatches of {tokens} tokens" if tokens != cfg.train.max_tokens_per_microbatch else ""
+    )
     out(
         f"memory plan: peak {_gib(plan.peak)} GiB per rank ({plan.worst.name}) of {_gib(plan.available or 0)} GiB"
+        + grown
     )
     return plan
 

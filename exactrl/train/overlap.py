@@ -190,7 +190,7 @@ class TailOverlap:
         bar = progress_bar(
             len(prompt_ids) * a.group_size, f"step {step + 1} generate + train", cfg.run.progress
         )
-        filler = MicrobatchFiller(cfg.train.max_tokens_per_microbatch)
+        filler = MicrobatchFiller(trainer.s.max_tokens_per_microbatch)
         groups: dict[int, Any] = {}  # prompt slot -> its scored group (StepRollouts of one group)
         refused = 0
         count = {"mb": 0, "mb_during": 0, "tok": 0, "tok_during": 0}

@@ -174,7 +174,7 @@ class PartialRollouts:
         t1 = time.perf_counter()
         checks = self.sampled_now(chosen + self.pool, before)
         batch.guard, batch.mismatch = check_batch(
-            run.behaviour, checks, run.trainer.s.temperature, run.cfg.train.max_tokens_per_microbatch
+            run.behaviour, checks, run.trainer.s.temperature, run.trainer.s.max_tokens_per_microbatch
         )
         batch.guard_s = time.perf_counter() - t1
         batch.checked = checks

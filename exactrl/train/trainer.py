@@ -164,6 +164,7 @@ class _Acc:
     maxs: dict[str, float] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)
     num_minibatches: int = 0
+    num_microbatches: int = 0  # the step's packed microbatches (each rank runs as many: the largest count)
     # Mixture of experts: summed `router_stats` [L, E + 2] of every training forward, and their layers.
     router: torch.Tensor | None = None
     router_layers: list[int] | None = None
@@ -214,6 +215,8 @@ class _Acc:
         out.update(self.maxs)
         out.update({k: v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.weighted.items()})
         out.update({k: v / max(1, self.num_minibatches) for k, v in self.shares.items()})
+        if self.num_microbatches:
+            out["perf/train_microbatches"] = float(self.num_microbatches)
         if self.router is not None:
             out.update(router_metrics(self.router, self.router_layers))
         return out
@@ -722,6 +725,7 @@ class PolicyTrainer:
         ]
         # Every rank runs as many microbatches as the rank with the most; the extra ones carry no loss token.
         num_micro = int(self.dist.max(len(micros)))
+        acc.num_microbatches += num_micro
         # A mixture of experts: the tokens (prompts included) of the minibatch over every rank, the router losses'
         # denominator.
         router_tokens = int(self.dist.sum(sum(len(b.seqs[i]) - 1 for i in mb_idx))) if self.moe else 0

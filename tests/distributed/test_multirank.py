@@ -108,8 +108,11 @@ def runs(tmp_path_factory):
     jobs += [cli("t2-lora", "grpo", STEPS, ckpt, *lora)]
     # bf16: the frozen base stays 16-bit in the shards beside the fp32 adapters.
     jobs += [cli("t2-lora16", "grpo", 2, ckpt, *lora, "model.dtype=bfloat16")]
-    # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step.
-    jobs += [cli("t2-kl", "grpo", 1, "algorithm.kl_coef=0.05", "model.dtype=bfloat16")]
+    # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step; its FSDP2 microbatch budget
+    # set apart from max_tokens_per_microbatch (40 tokens: a rank's 8 rollouts need more than one microbatch; 2
+    # when the setting was planted away).
+    mb = ("train.max_tokens_per_microbatch=40", "train.fsdp_tokens_per_microbatch=4096")
+    jobs += [cli("t2-kl", "grpo", 1, "algorithm.kl_coef=0.05", "model.dtype=bfloat16", *mb)]
     # `exactrl parity` on 2 ranks, bf16 (each rank's engine against the FSDP-sharded trainer forward); it exits
     # non-zero, failing the launch, on any mismatch (FSDP casting the layers' fp32 inputs made all 384 differ).
     parity = ["parity", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "4"]
@@ -290,6 +293,9 @@ def test_a_kl_reference_sharded_in_the_model_dtype_is_exact(runs):
     (m,) = _steps(runs / "t2-kl").values()
     assert m["mismatch/num_mismatched_tokens"] == 0 and m["mismatch/num_tokens"] > 0
     assert math.isfinite(m["kl_ref"])
+    # train.fsdp_tokens_per_microbatch = 4096 reached the sharded trainer: one microbatch, where
+    # max_tokens_per_microbatch = 40 packs each rank's 8 rollouts into more than one (2 with the setting ignored).
+    assert m["perf/train_microbatches"] == 1
 
 
 def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_size_1(runs):

@@ -234,6 +234,52 @@ def test_an_8b_full_fine_tune_is_offered_the_one_gpu_settings_that_fit():
     assert not any(" together (peak" in s for s in small.suggestions), small.suggestions
 
 
+def test_fsdp2_microbatch_grows_to_the_largest_that_fits():
+    """Under FSDP2 on a GPU the plan picks the largest of 32768 / 16384 tokens per microbatch whose training phase
+    fits (fewer rounds of per-layer collectives), and the configured size when neither does; a set
+    train.fsdp_tokens_per_microbatch, one device, the CPU or the release off leave the configured size."""
+    cfg = run_cfg("model.preset=qwen3-0.6b", "task.max_prompt_tokens=512", "sampling.max_tokens=512")
+    ws = 8
+
+    def training_peak(tokens: int) -> int:
+        c = apply_overrides(cfg, [f"train.fsdp_tokens_per_microbatch={tokens}"])
+        return plan_memory(c, world_size=ws, device="cuda").phase("training").peak
+
+    p32, p16, p8 = training_peak(32768), training_peak(16384), training_peak(8192)
+    assert p32 > p16 > p8  # the activations grow with the microbatch
+    ctx = 1 * GiB  # the plan's CUDA context
+
+    def chosen(gpu: int, c=cfg, world_size: int = ws, device: str = "cuda") -> int:
+        plan = make_plan(c, world_size=world_size, gpu_memory=gpu, device=device)
+        assert plan.fits
+        return plan.counts["tokens_per_microbatch"]
+
+    assert chosen(p32 + ctx + 4 * GiB) == 32768
+    between = (p16 + p32) // 2 + ctx
+    assert chosen(between) == 16384
+    assert chosen((p8 + p16) // 2 + ctx) == 8192
+    # The chosen plan is the one whose training phase it predicts.
+    assert make_plan(cfg, world_size=ws, gpu_memory=between, device="cuda").phase("training").peak == p16
+    # Set by the user, or not a sharded GPU run, or the release off: no growth.
+    assert (
+        chosen(p32 + ctx + 4 * GiB, apply_overrides(cfg, ["train.fsdp_tokens_per_microbatch=8192"])) == 8192
+    )
+    assert chosen(p32 + ctx + 4 * GiB, world_size=1) == 8192
+    assert make_plan(cfg, world_size=ws, device="cpu").counts["tokens_per_microbatch"] == 8192
+    kept = apply_overrides(cfg, ["engine.release_memory=false"])
+    assert chosen(p32 + ctx + 40 * GiB, kept) == 8192
+    # A set budget that does not fit: the refusal suggests a smaller one of that key.
+    big = apply_overrides(cfg, ["train.fsdp_tokens_per_microbatch=32768"])
+    tight = make_plan(big, world_size=ws, gpu_memory=between, device="cuda")
+    assert not tight.fits
+    assert tight.suggestions[0].startswith("train.fsdp_tokens_per_microbatch=16384"), tight.suggestions
+    # A set budget shorter than one full sequence is refused by name.
+    with pytest.raises(ValueError, match="train.fsdp_tokens_per_microbatch"):
+        run_cfg(
+            "task.max_prompt_tokens=512", "sampling.max_tokens=512", "train.fsdp_tokens_per_microbatch=1000"
+        )
+
+
 def test_train_refuses_before_loading(monkeypatch):
     """The check `exactrl train` runs first, with a CUDA device's total memory mocked (no GPU here)."""
 
