@@ -688,6 +688,10 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[
 # The microbatch sizes FSDP2 runs try before the configured one (train.fsdp_tokens_per_microbatch unset), largest
 # first: fewer FSDP2 microbatches, fewer rounds of per-layer collectives.
 FSDP_MICROBATCH_CANDIDATES = (32768, 16384)
+# A candidate is taken only with this much of the device to spare beyond its plan: an automatic choice stays inside
+# the plan's accuracy (within 10% of measured peaks on the GPU, docs/memory.md), where a configured size may go to
+# the limit.
+GROW_HEADROOM = 0.9
 
 
 def microbatch_tokens(cfg: RunConfig, world_size: int) -> int:
@@ -699,7 +703,7 @@ def microbatch_tokens(cfg: RunConfig, world_size: int) -> int:
 
 def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], **kw) -> MemoryPlan:
     """Under FSDP2 on a GPU with train.fsdp_tokens_per_microbatch unset and the memory phases on: the plan at the
-    largest candidate microbatch that fits, or `plan` itself. Without the release the KV cache is sized from what
+    largest candidate microbatch that fits with GROW_HEADROOM to spare, or `plan` itself. Without the release the KV cache is sized from what
     training leaves, so a larger microbatch would buy its speed with preemptions: not tried."""
     from exactrl.train.phases import releases_memory
 
@@ -713,7 +717,7 @@ def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], 
             continue
         c2 = apply_overrides(copy.deepcopy(cfg), [f"train.fsdp_tokens_per_microbatch={t}"])
         p2 = plan_memory(c2, counts=counts, **kw)
-        if p2.fits:
+        if p2.fits and p2.peak <= GROW_HEADROOM * (p2.available or 0):
             return p2
     return plan
 
