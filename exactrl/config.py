@@ -748,8 +748,9 @@ class TrainConfig:
     microbatch pays a round of per-layer all-gathers and reduce-scatters and runs without CUDA graphs, so fewer,
     larger ones are faster (qwen3-0.6b on one H100: 1.82x the tokens/s at 32,768 tokens than at 8,192). Unset = on
     GPUs, with engine.release_memory on, the largest of 32768 and 16384 (above max_tokens_per_microbatch) that the
-    memory plan fits with 10% of the device to spare, else max_tokens_per_microbatch; on CPU ranks max_tokens_per_microbatch. Ignored on one
-    device. Episode and SFT length limits keep following max_tokens_per_microbatch."""
+    memory plan fits with 10% of the device to spare, else max_tokens_per_microbatch; on CPU ranks
+    max_tokens_per_microbatch. Ignored on one device. Episode and SFT length limits keep following
+    max_tokens_per_microbatch."""
     cuda_graphs: bool = True
     """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
     then padded to a few bucket shapes; padding never reaches the loss."""

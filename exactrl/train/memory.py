@@ -703,8 +703,9 @@ def microbatch_tokens(cfg: RunConfig, world_size: int) -> int:
 
 def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], **kw) -> MemoryPlan:
     """Under FSDP2 on a GPU with train.fsdp_tokens_per_microbatch unset and the memory phases on: the plan at the
-    largest candidate microbatch that fits with GROW_HEADROOM to spare, or `plan` itself. Without the release the KV cache is sized from what
-    training leaves, so a larger microbatch would buy its speed with preemptions: not tried."""
+    largest candidate microbatch that fits with GROW_HEADROOM to spare, or `plan` itself. Without the release the
+    KV cache is sized from what training leaves, so a larger microbatch would buy its speed with preemptions: not
+    tried."""
     from exactrl.train.phases import releases_memory
 
     tr = cfg.train
