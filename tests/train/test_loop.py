@@ -474,13 +474,13 @@ def test_unknown_reward_function_lists_builtins(tmp_path):
         assert name in str(err.value)
 
 
-def test_missing_jsonl_names_the_path(tmp_path):
+def test_missing_jsonl_names_the_path(plugin, tmp_path):  # the base config's reward plug-in must import
     missing = tmp_path / "nope" / "train.jsonl"
     with pytest.raises(FileNotFoundError, match="nope/train.jsonl"):
         train(cfg_for(tmp_path / "run", "task.name=jsonl", f"task.path={missing}"), out=quiet)
 
 
-def test_bad_jsonl_line_names_file_and_line(tmp_path):
+def test_bad_jsonl_line_names_file_and_line(plugin, tmp_path):  # the base config's reward plug-in must import
     data = tmp_path / "data.jsonl"
     # Bad records are skipped and logged one by one; a file with none usable stops the run, naming them.
     data.write_text('{"question": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
@@ -520,7 +520,9 @@ def test_too_long_prompts_are_skipped_and_counted(plugin, tmp_path):
     assert all(r["eval/num_examples"] == 2 for r in evals)  # the long eval prompt is left out, not a crash
 
 
-def test_all_prompts_too_long_is_an_error_not_a_hang(tmp_path):
+def test_all_prompts_too_long_is_an_error_not_a_hang(
+    plugin, tmp_path
+):  # the base config's reward plug-in must import
     train_file = _write_jsonl(tmp_path / "train.jsonl", [("1+" * 100 + f"{i}=", "1") for i in range(3)])
     eval_file = _write_jsonl(tmp_path / "eval.jsonl", [("1+1=", "2")])
     cfg = cfg_for(
