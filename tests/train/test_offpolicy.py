@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from rl_runs import run_config
+from rl_runs import steps as _steps
+from rl_runs import untimed as _untimed
+from rl_runs import weights as _weights
 
 import exactrl.engine.engine as engine_mod
 import exactrl.train.loop as loop_mod
 from exactrl.algorithms import decoupled_is_weights, policy_loss_terms
-from exactrl.config import ConfigError, config_from_dict
+from exactrl.config import ConfigError
 from exactrl.train.loop import RLRun, train
 from exactrl.train.trainer import MismatchError
 
@@ -69,28 +72,7 @@ def _cfg(tmp_path: Path, k: int = 1, out: str = "run", **over):
         "train": {"steps": 3, "lr": 3e-4, "save_every": 1},
         "sft": {"steps": 0},
     }
-    for key, value in over.items():
-        section, name = key.split("__")
-        d[section][name] = value
-    d["run"]["output_dir"] = str(tmp_path / out)
-    return config_from_dict(d)
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "optimizer_steps" in r]
-
-
-def _untimed(rows: list[dict]) -> list[dict]:
-    """The records without wall-clock figures (which differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if not (k.startswith("perf/") or k.endswith("_s") or "time" in k)}
-        for r in rows
-    ]
-
-
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors"))
+    return run_config(d, over, tmp_path / out)
 
 
 @pytest.fixture

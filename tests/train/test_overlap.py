@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from rl_runs import run_config, untimed
+from rl_runs import steps as _steps
+from rl_runs import weights as _weights
 
 import exactrl.engine.engine as engine_mod
 import exactrl.train.loop as loop_mod
 import exactrl.train.overlap as overlap_mod
-from exactrl.config import ConfigError, config_from_dict
+from exactrl.config import ConfigError
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.loading import load_policy
@@ -77,27 +79,16 @@ def _cfg(tmp: Path, reward_dir: Path, overlap: str = "tail", out: str = "run", *
         "train": {"steps": 2, "lr": 3e-4, "save_every": 1, "max_tokens_per_microbatch": 64},
         "sft": {"steps": 0},
     }
-    for key, value in over.items():
-        section, name = key.split("__")
-        d[section][name] = value
-    d["run"]["output_dir"] = str(tmp / out)
-    return config_from_dict(d)
+    return run_config(d, over, tmp / out)
 
 
-def _steps(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "optimizer_steps" in r]
+# What depends on timing: wall-clock figures, and how much training was queued before generation ended (the
+# composition of the microbatches does not depend on it).
+_TIMED = ("perf/", "overlap/microbatches_during", "overlap/tokens_during", "overlap/share_during")
 
 
 def _untimed(rows: list[dict]) -> list[dict]:
-    """The records without what depends on timing: wall-clock figures, and how much training was queued before
-    generation ended (the composition of the microbatches does not depend on it)."""
-    timed = ("perf/", "overlap/microbatches_during", "overlap/tokens_during", "overlap/share_during")
-    return [{k: v for k, v in r.items() if not (k.startswith(timed) or k.endswith("_s"))} for r in rows]
-
-
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors"))
+    return untimed(rows, _TIMED, any_time=False)
 
 
 def _digest(w: dict[str, torch.Tensor]) -> str:

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from rl_runs import run_config
+from rl_runs import steps as _steps
+from rl_runs import untimed as _untimed
+from rl_runs import weights as _weights
 
 import exactrl.engine.partial as engine_partial
 import exactrl.train.loop as loop_mod
-from exactrl.config import ConfigError, config_from_dict
+from exactrl.config import ConfigError
 from exactrl.engine.block_manager import BlockManager
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.partial import PartialGeneration, PartialSample
@@ -235,27 +238,7 @@ def _cfg(tmp_path: Path, reward: Path, out: str = "run", **over):
         "train": {"steps": 4, "lr": 3e-4, "save_every": 1, "keep_checkpoints": 5},
         "sft": {"steps": 0},
     }
-    for key, value in over.items():
-        section, name = key.split("__")
-        d[section][name] = value
-    d["run"]["output_dir"] = str(tmp_path / out)
-    return config_from_dict(d)
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "optimizer_steps" in r]
-
-
-def _untimed(rows: list[dict]) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if not (k.startswith("perf/") or k.endswith("_s") or "time" in k)}
-        for r in rows
-    ]
-
-
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors"))
+    return run_config(d, over, tmp_path / out)
 
 
 @pytest.fixture(scope="module")
