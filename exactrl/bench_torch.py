@@ -46,6 +46,7 @@ from torch import nn
 
 from exactrl.model.config import ModelConfig
 from exactrl.model.qwen import CausalLM
+from exactrl.ops.torch_ops import rms_norm_torch  # HF's order, in plain torch ops (compile fuses it)
 
 
 @dataclass
@@ -91,13 +92,6 @@ class GrpoBatch:
 
 
 # -- the numerics, in plain torch ops (torch.compile fuses each chain into one kernel) --------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D] -> [..., D]: HF's order (normalise in fp32, cast to x.dtype, multiply by the weight)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, L, H, Dh]; cos, sin: [L, Dh / 2] fp32 -> x rotated (half-split layout, HF's), in x.dtype."""
     half = x.shape[-1] // 2
@@ -124,7 +118,7 @@ def grpo_head_loss(
     hidden: [B, L, D] -> (loss: 0-d fp32, logprobs: [B, L] fp32 detached, entropy: 0-d fp32 detached, the masked
     token mean). The logits are the model dtype's matmul output, upcast to fp32 before the log-softmax (as
     exactrl's logprob op does without fp32_lm_head)."""
-    x = rms_norm(hidden, norm_weight, eps)
+    x = rms_norm_torch(hidden, norm_weight, eps)
     logits = F.linear(x, head_weight).float()  # [B, L, V]
     logp = torch.log_softmax(logits, dim=-1)
     logprobs = logp.gather(-1, targets[..., None]).squeeze(-1)
@@ -161,8 +155,8 @@ class TorchAttention(nn.Module):
         k = k.view(B, L, self.num_kv_heads, self.head_dim)
         v = v.view(B, L, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
+            q = rms_norm_torch(q, self.q_norm, self.eps)
+            k = rms_norm_torch(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # [B, H, L, D] for SDPA; GQA's shared K/V heads are expanded inside the kernel, not copied.
         o = F.scaled_dot_product_attention(
@@ -192,8 +186,8 @@ class TorchBlock(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(rms_norm(h, self.input_layernorm, self.eps), cos, sin)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = h + self.self_attn(rms_norm_torch(h, self.input_layernorm, self.eps), cos, sin)
+        return h + self.mlp(rms_norm_torch(h, self.post_attention_layernorm, self.eps))
 
 
 class TorchDecoder(nn.Module):

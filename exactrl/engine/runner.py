@@ -354,9 +354,8 @@ class _StaticDecode:
         self.q_seq = torch.arange(B, dtype=torch.int64, device=dev)
         self.n = torch.arange(width, dtype=torch.int64, device=dev)
         self.params = _param_ptrs(model)
-        self.kv_ptr = runner.kv_caches[0][
-            0
-        ].data_ptr()  # the flat buffer's start: every layer's K/V moves with it
+        # The flat buffer's start: every layer's K/V moves with it.
+        self.kv_ptr = runner.kv_caches[0][0].data_ptr()
         self.greedy_mask = torch.ones(B, dtype=torch.bool, device=dev)
         # Graphs per (kind, bucket); kind None: the forward alone, (temperature, greedy): forward + LM head +
         # fused sampler + logprob. All buckets of a kind are captured together, the first time it is needed.

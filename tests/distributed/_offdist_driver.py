@@ -26,7 +26,6 @@ import gc
 import hashlib
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -167,18 +166,13 @@ def cli_job(job: dict) -> None:
 
 
 def crash_copy_job(job: dict) -> None:
+    from _runs import crashed_after
+
     from exactrl.distributed.env import init_from_env
 
     ctx = init_from_env("cpu")
     if ctx.is_main:
-        src, dst, step = Path(job["src"]), Path(job["dst"]), int(job["step"])
-        shutil.copytree(src, dst)
-        ckpts = dst / "checkpoints"
-        for d in ckpts.glob("step-*"):
-            if int(d.name.split("-")[1]) > step:
-                shutil.rmtree(d)
-        (ckpts / "latest").write_text(f"step-{step:06d}\n")
-        (dst / "summary.json").unlink()
+        crashed_after(Path(job["src"]), Path(job["dst"]), int(job["step"]))
     ctx.barrier()
 
 
