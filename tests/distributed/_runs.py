@@ -17,6 +17,22 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The quickstart shrunk for the memory-phase and offload runs: no SFT, 16 rollouts (4 prompts x 4) of 4 tokens, bf16.
+SMALL_BF16 = [
+    "sft.steps=0",
+    "train.warmup_steps=0",
+    "train.lr_schedule=constant",
+    "algorithm.rollouts_per_step=16",
+    "algorithm.group_size=4",
+    "task.num_eval=0",
+    "task.eval_every=0",
+    "sampling.max_tokens=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "model.dtype=bfloat16",
+    "train.keep_checkpoints=4",
+]
+
 REWARD = '''
 import hashlib
 

@@ -16,26 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._runs import REWARD, launch
+from ._runs import REWARD, SMALL_BF16, launch
 from ._runs import mismatched as _mismatched
 from ._runs import same as _same
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_phases_driver.py")
-SMALL = [
-    "sft.steps=0",
-    "train.warmup_steps=0",
-    "train.lr_schedule=constant",
-    "algorithm.rollouts_per_step=16",
-    "algorithm.group_size=4",
-    "task.num_eval=0",
-    "task.eval_every=0",
-    "sampling.max_tokens=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "model.dtype=bfloat16",
-    "train.keep_checkpoints=4",
-]
+SMALL = SMALL_BF16
 
 
 def _launch(
