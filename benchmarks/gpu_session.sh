@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [train-vs-torch]
+#     [profile-vs-torch]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -323,6 +323,12 @@ if want train-vs-torch; then  # exactrl's step vs a compiled stock-PyTorch step 
       timeout 240 $X bench train --preset $P --mode $mode --device cuda --tokens-per-microbatch 8192 --steps 10 \
         --vs torch --json 2>&1 | grep -E '^(step |exactrl \(|torch \(compiled|\{)|Error|error:' | tee -a "$OUT/train_vs_torch.txt"
     done
+  done
+fi
+if want profile-vs-torch; then  # GPU time by category: exactrl exact / fast vs the compiled stock step (issue 31)
+  for P in ${PROFILE_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+    timeout 300 python3 benchmarks/profile_vs_torch.py --preset $P 2>&1 | grep -v -E 'Warning|USDT' \
+      | tee -a "$OUT/profile_vs_torch.txt" | tail -60
   done
 fi
 if want kernels; then
