@@ -4,17 +4,20 @@ negative control of every exactness test (parity shows its mismatches).
 
 | op | fast kernel | why it is not batch invariant |
 | --- | --- | --- |
-| linear, packed_linear | cuBLAS (`F.linear`) | cuBLAS picks its algorithm (tile, split-K) by M |
+| linear, packed_linear | cuBLAS (`F.linear`); packed: dX as a chain of GEMMs over the parts' gradients, no concatenated copy | cuBLAS picks its algorithm (tile, split-K) by M |
 | attention, training | FlashAttention-2 varlen (`torch.nn.attention.varlen.varlen_attn`), forward and backward | FA2 picks its split by shape |
 | attention, prefill/decode | exactrl's paged Triton kernel (the exact one) | (the same kernel as exact mode) |
 | norms, RoPE, SiLU | exactrl's fused Triton kernels | (row-local: nothing to give up) |
-| logprobs, logits | exactrl's fused Triton LM-head + log-softmax kernels (forward and backward) | (the same kernels as exact mode) |
+| logprobs (training) | cuBLAS LM head, logits kept for the backward; exactrl's Triton log-softmax kernels | cuBLAS picks its algorithm by shape |
+| logits, logprobs (no grad, or too many rows to keep) | exactrl's fused Triton LM-head + log-softmax kernels | (the same kernels as exact mode) |
 | moe_experts | `torch._grouped_mm` (CUTLASS grouped GEMM) over the rows sorted by expert, combine in the model dtype | the library picks its kernel by shape; the combine rounds each weighted output to the model dtype |
 | moe_route | exactrl's Triton router (the exact one) | (row-local: nothing to give up) |
 
-The fused norm/RoPE/SiLU and logprob kernels are shared with exact mode because a fast path fuses them too and
-we have no faster non-invariant version of them (a row is reduced by one program either way; no split over the
-vocab; a split-vocab logprob kernel might be faster and is not written). The torch composition they replace (cuBLAS LM head, then log_softmax, gather and their backward as
+The fused norm/RoPE/SiLU and log-softmax kernels are shared with exact mode because a fast path fuses them too
+and we have no faster non-invariant version of them (a row is reduced by one program either way; no split over
+the vocab; a split-vocab logprob kernel might be faster and is not written). Training's LM-head GEMMs are cuBLAS's
+where the logits are kept (exactrl/ops/triton/logprobs.py: up to LOGPROB_KEEP_BYTES); a call that recomputes them
+in its backward keeps the invariant matmul, whose recomputed logits are the forward's bits. The torch composition they replace (cuBLAS LM head, then log_softmax, gather and their backward as
 separate fp32 passes over [rows, vocab]) made the fast training step slower than transformers' on an H100
 (29k vs 40k tok/s, qwen3-0.6b, 2026-11-24): not a fast path. So fast and exact differ exactly where invariance
 binds: the GEMMs and the training attention. The fast path has no varlen flash
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.triton.logprobs import logprobs as triton_logprobs
 from exactrl.ops.triton_ops import TritonOps
 
 
@@ -61,7 +65,21 @@ class FastCudaOps(TritonOps):
     def packed_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
     ) -> tuple[torch.Tensor, ...]:
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            return _CublasPackedLinear.apply(x, weight, bias, list(sizes))
         return F.linear(x, weight, bias).split(list(sizes), dim=-1)
+
+    def logprobs(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return triton_logprobs(hidden, weight, targets, temperature, with_entropy, mm=cublas_mm)
 
     def attention(
         self,
@@ -85,7 +103,7 @@ class FastCudaOps(TritonOps):
         m = int(batch.max_seqlen_q)
         return self._varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, m, m, window_size=(-1, 0))
 
-    # logprobs, logits, scale_logits, logprobs_from_logits: TritonOps' fused kernels (see the module docstring).
+    # logits, scale_logits, logprobs_from_logits: TritonOps' fused kernels (see the module docstring).
 
     def moe_experts(
         self,
@@ -117,6 +135,57 @@ class FastCudaOps(TritonOps):
         # Back to (token, rank) order, then transformers' combine: weight and sum in the model dtype.
         y = o.new_empty(o.shape).index_copy(0, order, o).view(T, k, -1)
         return (y * weights.to(x.dtype).unsqueeze(-1)).sum(1)
+
+
+def cublas_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T with cuBLAS, in x's dtype or `out_dtype` (16-bit operands into an fp32 output:
+    torch.mm's out_dtype, fp32 accumulation written without a 16-bit rounding)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, w)
+    return torch.mm(x, w.t(), out_dtype=out_dtype)
+
+
+class _CublasPackedLinear(torch.autograd.Function):
+    """Projections packed into one weight (q/k/v, gate/up) with cuBLAS: one forward GEMM split into views. The
+    backward takes the parts' gradients as they come: dX as a chain of GEMMs, each adding its part into one
+    output (beta = 1), instead of torch's split backward, which concatenates the gradients into a new
+    [T, sum(sizes)] tensor first (a full copy: 5 ms of a qwen3-1.7b step of 8,192 tokens on an H100); dW part
+    by part into the packed gradient's rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sizes):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.sizes = bias is not None, sizes
+        return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        starts = [0]
+        for n in ctx.sizes:
+            starts.append(starts[-1] + n)
+        parts = [
+            (None if g is None else g.reshape(-1, g.shape[-1]), a, b)
+            for g, a, b in zip(grads, starts, starts[1:])
+        ]
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            for g, a, b in parts:
+                if g is not None:
+                    gx = torch.mm(g, weight[a:b]) if gx is None else gx.addmm_(g, weight[a:b])
+            gx = (torch.zeros_like(x2) if gx is None else gx).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = torch.empty_like(weight)
+            for g, a, b in parts:
+                if g is None:
+                    gw[a:b].zero_()
+                else:
+                    torch.mm(g.t(), x2, out=gw[a:b])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = torch.cat([x2.new_zeros(b - a) if g is None else g.sum(0) for g, a, b in parts])
+        return gx, gw, gb, None
 
 
 def grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

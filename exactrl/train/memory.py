@@ -330,15 +330,16 @@ def activation_bytes_per_token(mcfg, dtype_bytes: int, layer: int) -> int:
 
 
 def _lm_head_bytes(mcfg, tokens: int, b: int, head_trained: bool, fp32_lm_head: bool) -> int:
-    """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): a chunk of logits and of their
-    gradient ([rows, V] together), the fp32 hidden-state gradient, and the head weight's gradient before it is
-    added into its buffer; an fp32 head also casts the weight and the hidden states."""
-    from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS
+    """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): the microbatch's logits where
+    the op keeps them for the backward (`keeps_logits`), else a chunk of them (the backward turns logits into
+    their gradient in place), the fp32 hidden-state gradient, and the head weight's gradient before it is added
+    into its buffer; an fp32 head also casts the weight and the hidden states."""
+    from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS, keeps_logits
 
     v, d = mcfg.vocab_size, mcfg.hidden_size
-    rows = min(tokens, LOGPROB_CHUNK_ROWS)
     hb = 4 if fp32_lm_head else b
-    n = 2 * rows * v * hb + tokens * d * 4
+    rows = tokens if keeps_logits(tokens, v, hb) else min(tokens, LOGPROB_CHUNK_ROWS)
+    n = rows * v * hb + tokens * d * 4
     if head_trained:
         n += v * d * hb
     if fp32_lm_head:

@@ -592,6 +592,50 @@ def test_logprobs_chunking_and_grad(dtype):
     assert rel_err(hl.grad, hr.grad) < TOL[dtype] and rel_err(wl.grad, wr.grad) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_logits_give_the_recomputing_backward_bits(dtype, monkeypatch):
+    """A call that keeps its logits (one GEMM forward, the backward in place on them) gives the same logprobs,
+    entropies and gradients, bit for bit, as one that keeps only row statistics and recomputes the logits in
+    vocabulary slices; and the kept path really ran (LOGPROB_KEEP_BYTES decides)."""
+    from exactrl.ops.triton import logprobs as lpm
+
+    T, D, V, temp = 48, 64, 1100, 0.9  # several row chunks and vocabulary slices (chunk_rows=16: 384 columns)
+    h = randn(T, D, dtype=dtype, seed=70)
+    w = randn(V, D, dtype=dtype, seed=71, scale=0.3)
+    targets = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(72)).to(DEVICE)
+    g_lp, g_ent = randn(T, seed=73), randn(T, seed=74)
+    calls: list[tuple[int, int]] = []
+
+    def counted(x, wt, out_dtype=None):
+        calls.append(tuple(x.shape))
+        return lpm.matmul(x, wt, out_dtype=out_dtype)
+
+    def run(mm=counted):
+        hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, ent = lpm.logprobs(hl, wl, targets, temp, True, chunk_rows=16, mm=mm)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return lp.detach(), ent.detach(), hl.grad, wl.grad
+
+    kept = run()
+    assert calls and calls[0] == (T, D)  # the kept path: one GEMM over every row, through `mm`
+    monkeypatch.setattr(lpm, "LOGPROB_KEEP_BYTES", 0)
+    calls.clear()
+    recomputed = run()
+    assert not calls  # recomputation never uses `mm`: only the invariant matmul gives the forward's bits
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    # Negative control: kept logits one ulp off in one column change every gradient the comparison looks at.
+    monkeypatch.setattr(lpm, "LOGPROB_KEEP_BYTES", 3 * 2**30)
+
+    def off_by_one_ulp(x, wt, out_dtype=None):
+        z = lpm.matmul(x, wt, out_dtype=out_dtype)
+        z[:, 5] = torch.nextafter(z[:, 5], torch.full_like(z[:, 5], float("inf")))
+        return z
+
+    planted = run(off_by_one_ulp)
+    assert not torch.equal(planted[2], kept[2]) and not torch.equal(planted[3], kept[3])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # AdamW (one launch for every parameter)
 # ------------------------------------------------------------------------------------------------------------

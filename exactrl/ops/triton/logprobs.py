@@ -5,11 +5,20 @@ hidden dtype), then one program per row reads them in fixed BLOCK_V slices with 
 and one final lane reduction. Nothing depends on the chunk size or on the other rows, so a row's logprob is
 the same bits whether it was computed during sampling (a decode step) or in a training batch.
 
+The backward needs the logits again. A call whose [rows, vocab] logits fit `LOGPROB_KEEP_BYTES` (a training
+microbatch of up to 8,192 tokens at a 152k vocabulary in bf16) computes them in one GEMM and keeps them: the
+backward turns them into their gradient in place, and the LM head costs three GEMMs, as in any fast trainer.
+Larger calls keep only per-row statistics and recompute the logits in vocabulary slices in the backward (a
+fourth GEMM, about 6% of a qwen3-1.7b step's FLOPs, for a peak of one chunk instead of all the logits). Both give
+the same bits: the invariant matmul gives an element the same value in any row chunk, slice or whole.
+
 The temperature enters exactly once, as `z = logits.float() / T` with IEEE division (`div_rn`, correctly
 rounded), in `scaled_logits` (what the sampler sees) and inside the logprob kernels: the same fp32 numbers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -17,7 +26,10 @@ import triton.language as tl
 
 from exactrl.ops.triton.matmul import matmul
 
-LOGPROB_CHUNK_ROWS = 1024  # rows of [rows, vocab] logits alive at once
+LOGPROB_CHUNK_ROWS = 1024  # rows of [rows, vocab] logits alive at once when they are not kept
+LOGPROB_KEEP_BYTES = (
+    3 * 2**30
+)  # the largest [rows, vocab] logits a differentiable call keeps for its backward
 _BLOCK_V = 4096  # vocabulary slice per loop step (fixed: the lane reduction tree depends on it)
 _SCALE_BLOCK = 4096
 
@@ -126,31 +138,56 @@ def logprobs_from_logits(
     return lp, ent, lse
 
 
+def keeps_logits(rows: int, vocab: int, element_size: int) -> bool:
+    """Whether a differentiable logprob call over `rows` rows keeps its logits for the backward (the memory plan
+    asks the same question: exactrl/train/memory.py)."""
+    return rows * vocab * element_size <= LOGPROB_KEEP_BYTES
+
+
+# mm(x [M, K], w [N, K], out_dtype=None) -> x @ w.T: the LM head's GEMM (the invariant matmul, or fast mode's).
+MatMul = Callable[..., torch.Tensor]
+
+
+def _vocab_slice(V: int, T: int, chunk: int) -> int:
+    """The backward's vocabulary slice: as many logits as a forward row chunk holds ([T, vc] with T * vc ~ chunk
+    * V), at least 256 columns so a slice stays a reasonable GEMM, a multiple of 64 so a slice of kept logits
+    starts 128-byte aligned (TMA)."""
+    return min(V, max(256, chunk * V // max(T, 1)) // 64 * 64)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Forward keeps only (logprob, entropy, lse) per row. Backward recomputes the logits in vocabulary slices
-    `[all rows, v0:v1)` instead of row chunks: the gradient of a logit needs only its row's saved statistics, so
-    each slice yields its rows of dweight in one GEMM over all T rows (written once, never accumulated in a
-    [V, D] buffer), while dhidden, [T, D], sums the slices' contributions in fp32. The recomputed logits are the
-    forward's bits: the invariant matmul gives an element the same value in any slice or row chunk."""
+    """Forward keeps only (logprob, entropy, lse) per row, and the logits when `keep`. Backward walks the
+    vocabulary in slices `[all rows, v0:v1)` (the kept logits' columns, or logits recomputed there): the
+    gradient of a logit needs only its row's saved statistics, so each slice yields its rows of dweight in one
+    GEMM over all T rows (written once, never accumulated in a [V, D] buffer), while dhidden, [T, D], sums the
+    slices' contributions in fp32. Each slice's logits become their gradient in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk):  # type: ignore[override]
-        T = hidden.shape[0]
-        lp = torch.empty(T, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty_like(lp)
-        lse = torch.empty_like(lp)
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            lp[s:e], ent[s:e], lse[s:e] = logprobs_from_logits(
-                matmul(hidden[s:e], weight), targets[s:e], temperature
-            )
-        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
-        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk, keep, mm):  # type: ignore[override]
+        if keep:
+            kept = mm(hidden, weight)
+            lp, ent, lse = logprobs_from_logits(kept, targets, temperature)
+        else:
+            T = hidden.shape[0]
+            kept = None
+            lp = torch.empty(T, dtype=torch.float32, device=hidden.device)
+            ent = torch.empty_like(lp)
+            lse = torch.empty_like(lp)
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                lp[s:e], ent[s:e], lse[s:e] = logprobs_from_logits(
+                    matmul(hidden[s:e], weight), targets[s:e], temperature
+                )
+        # Recomputed logits come from the invariant matmul, which gives the forward's bits; a fast GEMM (cuBLAS
+        # picks its kernel by shape) would not, so only kept logits may come from one.
+        ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.mm = temperature, with_entropy, chunk, mm
+        ctx.save_for_backward(hidden, weight, targets, lse, ent, kept)
         return lp, (ent if with_entropy else None)
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):  # type: ignore[override]
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, targets, lse, ent, kept = ctx.saved_tensors
+        mm = ctx.mm if kept is not None else matmul
         T, V = hidden.shape[0], weight.shape[0]
         if grad_lp is None:
             grad_lp = torch.zeros(T, dtype=torch.float32, device=hidden.device)
@@ -162,22 +199,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g_target = grad_lp / ctx.temperature
         gh_f = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         gw = torch.empty_like(weight) if need_w else None
-        # As many logits per slice as a forward row chunk holds ([T, vc] with T * vc ~ chunk * V), and at least
-        # 256 columns so a slice stays a reasonable GEMM.
-        vc = min(V, max(256, ctx.chunk * V // max(T, 1)))
+        vc = _vocab_slice(V, T, ctx.chunk)
         rows = torch.arange(T, device=hidden.device)
         for v0 in range(0, V, vc):
             v1 = min(V, v0 + vc)
             w_s = weight[v0:v1]
-            logits = matmul(hidden, w_s)
-            gz = torch.empty_like(logits)
+            gz = kept[:, v0:v1] if kept is not None else matmul(hidden, w_s)
+            # In place: each program reads a block of its row's logits, then writes their gradient there.
             _logprob_bwd_kernel[(T,)](
-                logits, lse, ent, grad_lp, grad_ent, gz,
-                logits.stride(0), gz.stride(0), v1 - v0, ctx.temperature, HAS_ENT=has_ent, BLOCK_V=_BLOCK_V,
+                gz, lse, ent, grad_lp, grad_ent, gz,
+                gz.stride(0), gz.stride(0), v1 - v0, ctx.temperature, HAS_ENT=has_ent, BLOCK_V=_BLOCK_V,
                 num_warps=8,
             )  # fmt: skip
             if need_h:
-                gh_f += matmul(gz, w_s.t(), out_dtype=torch.float32)
+                gh_f += mm(gz, w_s.t(), out_dtype=torch.float32)
             if need_w:
                 # One element per row (no accumulation races): the target's, or + 0 (a no-op) at a clamped
                 # column when the target lies outside this slice. No host sync.
@@ -188,7 +223,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         gh = None
         if need_h:
             gh = (gh_f + g_target[:, None] * weight[targets].float()).to(hidden.dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def _check_temperature(temperature: float) -> None:
@@ -205,12 +240,24 @@ def logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = LOGPROB_CHUNK_ROWS,
+    mm: MatMul = matmul,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden: [T, D], weight: [V, D], targets: [T] int64 -> (logprobs [T] fp32, entropy [T] fp32 or None)."""
+    """hidden: [T, D], weight: [V, D], targets: [T] int64 -> (logprobs [T] fp32, entropy [T] fp32 or None).
+
+    mm: the LM head's GEMM where the logits are kept (a differentiable call that `keeps_logits`); fast mode
+    passes cuBLAS. Everything else, and every recomputation, runs the invariant matmul."""
     _check_temperature(temperature)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     targets = targets.contiguous()
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), with_entropy, chunk_rows)
+    # Only a call that will run a backward keeps its logits: a no-grad scoring pass stays one chunk at a time.
+    keep = (
+        torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad)
+        and keeps_logits(hidden.shape[0], weight.shape[0], hidden.element_size())
+    )
+    return _ChunkedLogprobs.apply(
+        hidden, weight, targets, float(temperature), with_entropy, chunk_rows, keep, mm if keep else matmul
+    )
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
