@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [profile-vs-torch]
+#     [profile-vs-torch] [train-table] [probe-adamw]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -330,6 +330,15 @@ if want profile-vs-torch; then  # GPU time by category: exactrl exact / fast vs 
     timeout 300 python3 benchmarks/profile_vs_torch.py --preset $P 2>&1 | grep -v -E 'Warning|USDT' \
       | tee -a "$OUT/profile_vs_torch.txt" | tail -60
   done
+fi
+if want train-table; then  # exact / fast / compiled stock / transformers, alternating, repeated (issue 31)
+  for P in ${TABLE_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+    timeout 540 python3 benchmarks/train_vs_torch.py --preset $P --repeats ${REPEATS:-3} --steps 10 2>&1 \
+      | grep -E '^(repeat|step|exact|fast|stock|hf|qwen|\{)|Error|error:' | tee -a "$OUT/train_table.txt"
+  done
+fi
+if want probe-adamw; then  # the AdamW kernel's launch shape against its memory traffic
+  timeout 200 python3 benchmarks/probe_adamw.py --preset qwen3-1.7b 2>&1 | tail -9 | tee "$OUT/probe_adamw.txt"
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

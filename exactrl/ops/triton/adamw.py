@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 2048  # elements a program updates
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -69,15 +70,21 @@ class AdamWTables:
     depend on the sizes only and are built once; the address tables are rebuilt by `point_at` when a tensor
     moves (gradients that autograd allocates afresh every step)."""
 
-    def __init__(self, numels: list[int], device: torch.device):
+    def __init__(
+        self, numels: list[int], device: torch.device, block: int = BLOCK, num_warps: int = NUM_WARPS
+    ):
         if not numels:
             raise ValueError("AdamWTables: no parameters")
+        self.block, self.num_warps = (
+            block,
+            num_warps,
+        )  # launch shape only: the per-element arithmetic is fixed
         blk_t: list[int] = []
         blk_s: list[int] = []
         for i, n in enumerate(numels):
-            k = -(-n // BLOCK)
+            k = -(-n // block)
             blk_t += [i] * k
-            blk_s += range(0, k * BLOCK, BLOCK)
+            blk_s += range(0, k * block, block)
         self.numels = list(numels)
         self.num_blocks = len(blk_t)
         self.device = device
@@ -139,5 +146,5 @@ def adamw_step(
         raise ValueError("AdamWTables.point_at must be called before the first step")
     _adamw_kernel[(tables.num_blocks,)](
         *tables.blocks, *tables.pointers, scalars, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        G_DTYPE=_TL[tables.g_dtype], P_DTYPE=_TL[tables.w_dtype], BLOCK=BLOCK, num_warps=4,
+        G_DTYPE=_TL[tables.g_dtype], P_DTYPE=_TL[tables.w_dtype], BLOCK=tables.block, num_warps=tables.num_warps,
     )  # fmt: skip
