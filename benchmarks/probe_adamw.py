@@ -24,7 +24,7 @@ def main() -> int:
 
     model = build_model(preset(args.preset), device="meta", dtype=torch.bfloat16, exact=False, seed=0)
     numels = [p.numel() for p in model.parameters()]
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     g = [torch.randn(n, device=dev).to(torch.bfloat16) for n in numels]
     w = [x.clone() for x in g]
     p32 = [x.float() for x in g]
