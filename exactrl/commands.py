@@ -224,7 +224,15 @@ def cmd_plan(args) -> int:
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(0).total_memory
     host = host_memory_bytes() if args.host_memory is None else gpu_memory_bytes(args.host_memory)
-    plan = make_plan(cfg, world_size=args.world_size, gpu_memory=gpu, device="cuda", host_memory=host)
+    # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
+    # `exactrl train --nproc N` runs them.
+    sharded = args.world_size is not None
+    world_size = 1 if args.world_size is None else args.world_size
+    if world_size < 1:
+        raise ValueError(f"exactrl plan: --nproc must be at least 1, got {world_size}")
+    plan = make_plan(
+        cfg, world_size=world_size, gpu_memory=gpu, device="cuda", host_memory=host, sharded=sharded
+    )
     print_plan(plan)
     return 0 if plan.fits else 1
 
@@ -273,7 +281,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     # Its own dest: `args.nproc` makes the CLI re-launch the command under torchrun; a plan only counts ranks.
     p.add_argument(
-        "--nproc", dest="world_size", type=int, default=1, help="ranks (FSDP2 world size) the run would use"
+        "--nproc",
+        dest="world_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torchrun ranks (FSDP2 world size) the run would use, as `exactrl train --nproc N`: --nproc 1 is one "
+        "FSDP2 rank (sharded layout, the larger FSDP2 microbatch); unset: one device without torchrun",
     )
     p.add_argument(
         "--gpu-memory",

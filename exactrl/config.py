@@ -744,13 +744,13 @@ class TrainConfig:
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed forward/backward microbatch (gradients are accumulated across them)."""
     fsdp_tokens_per_microbatch: int | None = None
-    """Under torchrun at world size 2 or more (FSDP2): the sharded trainer's microbatch token budget. Each FSDP2
-    microbatch pays a round of per-layer all-gathers and reduce-scatters and runs without CUDA graphs, so fewer,
-    larger ones are faster (qwen3-0.6b on one H100: 1.82x the tokens/s at 32,768 tokens than at 8,192). Unset = on
-    GPUs, with engine.release_memory on, the largest of 32768 and 16384 (above max_tokens_per_microbatch) that the
-    memory plan fits with 10% of the device to spare, else max_tokens_per_microbatch; on CPU ranks
-    max_tokens_per_microbatch. Ignored on one device. Episode and SFT length limits keep following
-    max_tokens_per_microbatch."""
+    """Under torchrun (FSDP2), at any world size (`--nproc 1` included): the sharded trainer's microbatch
+    token budget. Each FSDP2 microbatch pays a round of per-layer all-gathers and reduce-scatters and runs
+    without CUDA graphs, so fewer, larger ones are faster (qwen3-0.6b on one H100: 1.82x the tokens/s at
+    32,768 tokens than at 8,192). Unset = on GPUs, with engine.release_memory on, the largest of 32768 and
+    16384 (above max_tokens_per_microbatch) that the memory plan fits with 10% of the device to spare, else
+    max_tokens_per_microbatch; on CPU ranks max_tokens_per_microbatch. Ignored on one device without torchrun.
+    Episode and SFT length limits keep following max_tokens_per_microbatch."""
     cuda_graphs: bool = True
     """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
     then padded to a few bucket shapes; padding never reaches the loss."""

@@ -356,13 +356,18 @@ class RLRun:
             import_wandb()  # a missing package is said now, not after the model has loaded
         self.device = rank_device(self.dist, resolve_device(cfg.run.device))
         # Before anything loads: a run whose phases cannot fit the GPU is refused now, naming the knobs.
-        memory_plan = check_before_loading(cfg, str(self.device), self.dist.world_size, out=self.out)
+        # Planned as the run trains: FSDP2 whenever torchrun started it, one rank included (its sharded layout and
+        # larger microbatch), not only at world size 2 or more.
+        sharded = self.parallel.sharded
+        memory_plan = check_before_loading(
+            cfg, str(self.device), self.dist.world_size, out=self.out, sharded=sharded
+        )
         # The trainer's microbatch budget: under FSDP2 the plan's (train.fsdp_tokens_per_microbatch, or the largest
         # that fits), else train.max_tokens_per_microbatch.
         self.microbatch_tokens = (
             memory_plan.counts["tokens_per_microbatch"]
             if memory_plan is not None
-            else microbatch_tokens(cfg, self.dist.world_size)
+            else microbatch_tokens(cfg, self.dist.world_size, sharded=sharded)
         )
         # The phase switches (KV cache and replica released while the trainer runs), with the plan's KV size on
         # a GPU: the cache is sized so that the phases holding it fit (exactrl/train/phases.py).

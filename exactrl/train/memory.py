@@ -85,6 +85,9 @@ class MemoryPlan:
     """Predicted peak bytes per rank of each phase, and the fit against `available` (None: no limit known)."""
 
     world_size: int
+    # FSDP2 (any torchrun run, `exactrl train --nproc 1` included): fp32 shards as masters, an engine replica,
+    # fp32 gradient shards, gathered layers; else one device without a process group.
+    sharded: bool
     device: str
     available: int | None  # bytes of device memory per rank, the CUDA context taken off
     gpu_memory: int | None  # the device's memory as given (--gpu-memory) or read
@@ -146,7 +149,7 @@ class MemoryPlan:
             )
         if self.host_pinned:
             line = f"host memory, pinned optimizer state (train.offload): {_gib(self.host_pinned)} GiB"
-            if self.world_size > 1:
+            if self.sharded:
                 line = (
                     f"host memory per rank, pinned AdamW moment shards (train.offload): {_gib(self.host_pinned)} "
                     f"GiB; {self.host_ranks} ranks on one host: {_gib(self.host_pinned * self.host_ranks)} GiB"
@@ -163,6 +166,7 @@ class MemoryPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
+            "sharded": self.sharded,
             "device": self.device,
             "gpu_memory_bytes": self.gpu_memory,
             "available_bytes": self.available,
@@ -194,7 +198,7 @@ class MemoryPlan:
             msg = (
                 f"memory plan: the {p.name} phase needs {_gib(p.peak)} GiB per rank ({p.peak} bytes; {what}), "
                 f"{_gib(self.available or 0)} GiB ({self.available} bytes) are available"
-                f" at world size {self.world_size}."
+                f" at world size {self.world_size}{' (FSDP2)' if self.sharded else ''}."
             )
         if not self.host_fits:
             msg += (" " if msg else "memory plan: ") + (
@@ -433,6 +437,17 @@ def decode_working_set(cfg: RunConfig, mcfg, b: int, cuda: bool) -> int:
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
+def is_sharded(world_size: int, sharded: bool | None = None) -> bool:
+    """Whether a run at `world_size` trains under FSDP2. sharded: what the run does (`Parallelism.sharded`: any
+    process group, torchrun at one rank included); None: world size 2 or more, the only way to tell without
+    knowing whether torchrun started it. More than one rank always shards."""
+    if sharded is None:
+        return world_size > 1
+    if not sharded and world_size > 1:
+        raise ValueError(f"sharded=False at world size {world_size}: more than one rank always runs FSDP2")
+    return sharded
+
+
 def plan_memory(
     cfg: RunConfig,
     *,
@@ -442,10 +457,12 @@ def plan_memory(
     counts: dict[str, int] | None = None,
     host_memory: int | None = None,
     host_ranks: int | None = None,
+    sharded: bool | None = None,
 ) -> MemoryPlan:
     """Each phase's predicted peak bytes on one rank of `world_size`. gpu_memory: the device's bytes (None: no
     fit check, and the KV cache sized as on the CPU). device: "cuda" or "cpu" (CUDA graphs and the Triton AdamW
-    only exist on CUDA). host_ranks: the ranks that share one host's memory (default all: one node)."""
+    only exist on CUDA). host_ranks: the ranks that share one host's memory (default all: one node). sharded:
+    FSDP2's layout (True under torchrun at any world size; None: world size 2 or more, `is_sharded`)."""
     from exactrl.model.hf import dtype_from_name
     from exactrl.train.phases import releases_memory
 
@@ -455,7 +472,7 @@ def plan_memory(
     c = counts if counts is not None else count_tensors(cfg)
     b = torch.empty((), dtype=dtype_from_name(cfg.model.dtype)).element_size()
     n = world_size
-    sharded = n > 1
+    sharded = is_sharded(n, sharded)
     cuda = device.startswith("cuda")
     tr, a = cfg.train, cfg.algorithm
     offload = tr.offload == "optimizer"
@@ -510,7 +527,7 @@ def plan_memory(
             grads["critic_grad_shards"] = -(-(c["critic_trainable"] * 4 + head) // n)
         opt_state["critic_adamw_moments"] = -(-2 * (c["critic_trainable"] + c["critic_head_fp32"]) * 4 // n)
 
-    tokens = microbatch_tokens(cfg, n)
+    tokens = microbatch_tokens(cfg, n, sharded=sharded)
     act = training_activations(cfg, mcfg, b, tokens, tr.activation_checkpointing)
     # As PolicyTrainer decides: graphs on CUDA, one device, no mixture of experts (its host-side expert counts
     # cannot be captured; those microbatches run eagerly and their activations are transient).
@@ -575,6 +592,7 @@ def plan_memory(
             host = c["offload_pinned_bytes_per_fp32_copy"] * (3 if has_master else 2)
     return MemoryPlan(
         world_size=n,
+        sharded=sharded,
         device=device,
         available=available,
         gpu_memory=gpu_memory,
@@ -586,15 +604,15 @@ def plan_memory(
     )
 
 
-def _knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, list[str], int]]:
-    """Single changes to try, as (what to tell the user, --set overrides, world size)."""
+def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, list[str], int]]:
+    """Single changes to try, as (what to tell the user, --set overrides, world size); `sharded` as the plan's."""
     tr = cfg.train
     out: list[tuple[str, list[str], int]] = []
     seq = cfg.task.max_prompt_tokens + cfg.sampling.max_tokens
     # The budget the trainer packs by: under FSDP2 a set train.fsdp_tokens_per_microbatch.
-    sharded_set = world_size > 1 and tr.fsdp_tokens_per_microbatch is not None
+    sharded_set = sharded and tr.fsdp_tokens_per_microbatch is not None
     key = "train.fsdp_tokens_per_microbatch" if sharded_set else "train.max_tokens_per_microbatch"
-    t = microbatch_tokens(cfg, world_size) // 2
+    t = microbatch_tokens(cfg, world_size, sharded=sharded) // 2
     while t >= max(seq, 256):
         out.append((f"{key}={t}", [f"{key}={t}"], world_size))
         t //= 2
@@ -634,13 +652,15 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     out = []
     device = plan.device
     same_counts = lambda sets: not any(s.startswith("lora.") for s in sets)  # noqa: E731
-    for label, sets, n in _knobs(cfg, plan.world_size):
+    for label, sets, n in _knobs(cfg, plan.world_size, plan.sharded):
+        same_ranks = n == plan.world_size
         try:
             c2 = apply_overrides(copy.deepcopy(cfg), sets) if sets else cfg
             p2 = plan_memory(
                 c2, world_size=n, gpu_memory=plan.gpu_memory, device=device,
                 counts=counts if same_counts(sets) else None, host_memory=plan.host_memory,
-                host_ranks=plan.host_ranks if n == plan.world_size else None,
+                host_ranks=plan.host_ranks if same_ranks else None,
+                sharded=plan.sharded if same_ranks else None,
             )  # fmt: skip
         except ValueError:
             continue  # a change the config refuses (e.g. a microbatch shorter than a sequence)
@@ -677,7 +697,7 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[
             c2 = apply_overrides(copy.deepcopy(cfg), sets)
             p2 = plan_memory(
                 c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=plan.device, counts=counts,
-                host_memory=plan.host_memory, host_ranks=plan.host_ranks,
+                host_memory=plan.host_memory, host_ranks=plan.host_ranks, sharded=plan.sharded,
             )  # fmt: skip
         except ValueError:
             continue
@@ -695,11 +715,13 @@ FSDP_MICROBATCH_CANDIDATES = (32768, 16384)
 GROW_HEADROOM = 0.9
 
 
-def microbatch_tokens(cfg: RunConfig, world_size: int) -> int:
+def microbatch_tokens(cfg: RunConfig, world_size: int, *, sharded: bool | None = None) -> int:
     """The trainer's microbatch token budget at `world_size`: train.fsdp_tokens_per_microbatch when set and the
-    run is sharded (world size 2 or more), else train.max_tokens_per_microbatch."""
+    run is sharded (FSDP2: `sharded`, None = world size 2 or more), else train.max_tokens_per_microbatch."""
     fsdp = cfg.train.fsdp_tokens_per_microbatch
-    return fsdp if world_size > 1 and fsdp is not None else cfg.train.max_tokens_per_microbatch
+    return (
+        fsdp if is_sharded(world_size, sharded) and fsdp is not None else cfg.train.max_tokens_per_microbatch
+    )
 
 
 def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], **kw) -> MemoryPlan:
@@ -710,7 +732,7 @@ def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], 
     from exactrl.train.phases import releases_memory
 
     tr = cfg.train
-    if plan.world_size < 2 or tr.fsdp_tokens_per_microbatch is not None or plan.gpu_memory is None:
+    if not plan.sharded or tr.fsdp_tokens_per_microbatch is not None or plan.gpu_memory is None:
         return plan
     if not plan.device.startswith("cuda") or not releases_memory(cfg) or not plan.fits:
         return plan
@@ -718,7 +740,7 @@ def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], 
         if t <= tr.max_tokens_per_microbatch:
             continue
         c2 = apply_overrides(copy.deepcopy(cfg), [f"train.fsdp_tokens_per_microbatch={t}"])
-        p2 = plan_memory(c2, counts=counts, **kw)
+        p2 = plan_memory(c2, counts=counts, sharded=plan.sharded, **kw)
         if p2.fits and p2.peak <= GROW_HEADROOM * (p2.available or 0):
             return p2
     return plan
@@ -732,8 +754,10 @@ def make_plan(
     device: str = "cuda",
     host_memory: int | None = None,
     host_ranks: int | None = None,
+    sharded: bool | None = None,
 ) -> MemoryPlan:
-    """`plan_memory` with the suggestions filled in when it does not fit."""
+    """`plan_memory` with the suggestions filled in when it does not fit, and under FSDP2 the larger microbatch
+    when it fits (`_grown_microbatch`). sharded: as `plan_memory`'s."""
     counts = count_tensors(cfg)
     plan = plan_memory(
         cfg,
@@ -743,24 +767,35 @@ def make_plan(
         counts=counts,
         host_memory=host_memory,
         host_ranks=host_ranks,
+        sharded=sharded,
     )
     plan.suggestions = suggest(cfg, plan, counts)
     kw = dict(world_size=world_size, gpu_memory=gpu_memory, device=device, host_memory=host_memory)
     return _grown_microbatch(cfg, plan, counts, host_ranks=host_ranks, **kw)
 
 
-def check_before_loading(cfg: RunConfig, device: str, world_size: int, out=print) -> MemoryPlan | None:
+def check_before_loading(
+    cfg: RunConfig, device: str, world_size: int, out=print, *, sharded: bool | None = None
+) -> MemoryPlan | None:
     """The check at the start of `exactrl train`: on a CUDA device, the plan against its total memory; a phase
     that cannot fit raises MemoryPlanError naming it and the settings to change (train.check_memory = false: the
     plan is returned unchecked). None on the CPU (no device limit to plan against). The run sizes its KV cache
-    from the returned plan (`counts["kv_blocks"]`)."""
+    from the returned plan (`counts["kv_blocks"]`). sharded: the run's FSDP2 (`Parallelism.sharded`; None: world
+    size 2 or more)."""
     if not device.startswith("cuda"):
         return None
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     host = host_memory_bytes()
     # The ranks of this node share its host memory (torchrun's LOCAL_WORLD_SIZE; one node when it is unset).
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    kw = dict(world_size=world_size, gpu_memory=total, device="cuda", host_memory=host, host_ranks=local)
+    kw = dict(
+        world_size=world_size,
+        gpu_memory=total,
+        device="cuda",
+        host_memory=host,
+        host_ranks=local,
+        sharded=sharded,
+    )
     if not cfg.train.check_memory:
         return plan_memory(cfg, **kw)
     plan = make_plan(cfg, **kw)

@@ -32,6 +32,7 @@ from exactrl.train.memory import (
     activation_bytes_per_token,
     check_before_loading,
     make_plan,
+    microbatch_tokens,
     pinned_bytes,
     plan_memory,
 )
@@ -281,6 +282,127 @@ def test_fsdp2_microbatch_grows_to_the_largest_that_fits():
         )
 
 
+# ----------------------------------------------------------------------------------------------------------
+# FSDP2 at one rank (`exactrl train --nproc 1`): planned as it runs, sharded
+# ----------------------------------------------------------------------------------------------------------
+
+
+def qwen3_06b(*more: str):
+    """The quickstart on qwen3-0.6b in bf16 (max_tokens_per_microbatch 4096, engine.release_memory on)."""
+    sets = ["model.preset=qwen3-0.6b", "model.dtype=bfloat16", *more]
+    return load_config(ROOT / "configs" / "quickstart.toml", sets)
+
+
+def test_fsdp2_at_one_rank_takes_the_larger_microbatch(monkeypatch):
+    """torchrun at one rank trains under FSDP2, host-bound per microbatch like world size 2: with the sharded plan
+    it takes the larger microbatch where it fits; the unsharded default (no torchrun) keeps the configured one.
+    `exactrl train`'s check (an 80 GB device mocked: no GPU here) passes the choice on."""
+    cfg = qwen3_06b()
+    configured = cfg.train.max_tokens_per_microbatch
+    assert cfg.engine.release_memory and cfg.train.fsdp_tokens_per_microbatch is None
+    one_rank = make_plan(cfg, world_size=1, sharded=True, gpu_memory=80 * GiB, device="cuda")
+    assert one_rank.fits and one_rank.sharded
+    assert one_rank.counts["tokens_per_microbatch"] == 32768 > configured
+    # Exactly the choice of world size 2 (its shards halve the state, not the activations that set the choice).
+    two = make_plan(cfg, world_size=2, gpu_memory=80 * GiB, device="cuda")
+    assert two.counts["tokens_per_microbatch"] == one_rank.counts["tokens_per_microbatch"]
+    for sharded in (None, False):
+        plan = make_plan(cfg, world_size=1, sharded=sharded, gpu_memory=80 * GiB, device="cuda")
+        assert not plan.sharded and plan.counts["tokens_per_microbatch"] == configured
+
+    class Props:
+        total_memory = 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props)
+    quiet = lambda *a: None  # noqa: E731
+    checked = check_before_loading(cfg, "cuda:0", 1, out=quiet, sharded=True)
+    assert checked is not None and checked.counts["tokens_per_microbatch"] == 32768
+    assert check_before_loading(cfg, "cuda:0", 1, out=quiet).counts["tokens_per_microbatch"] == configured
+    # More than one rank is always FSDP2: an unsharded plan of two ranks is refused by name.
+    with pytest.raises(ValueError, match="sharded=False at world size 2"):
+        make_plan(cfg, world_size=2, sharded=False, gpu_memory=80 * GiB, device="cuda")
+
+
+def test_a_set_fsdp_budget_is_honoured_at_one_rank():
+    """train.fsdp_tokens_per_microbatch under torchrun at one rank is the trainer's budget, no longer silently
+    ignored; without torchrun (sharded False or unset) max_tokens_per_microbatch stays the budget."""
+    cfg = qwen3_06b("train.fsdp_tokens_per_microbatch=16384")
+    assert microbatch_tokens(cfg, 1, sharded=True) == 16384
+    assert microbatch_tokens(cfg, 1, sharded=False) == microbatch_tokens(cfg, 1) == 4096
+    sharded = make_plan(cfg, world_size=1, sharded=True, gpu_memory=80 * GiB, device="cuda")
+    assert sharded.counts["tokens_per_microbatch"] == 16384  # set: honoured, not grown to 32768
+    single = make_plan(cfg, world_size=1, sharded=False, gpu_memory=80 * GiB, device="cuda")
+    assert single.counts["tokens_per_microbatch"] == 4096
+    # A set budget that does not fit one rank: the refusal offers a smaller one of that key.
+    big = qwen3_06b("train.fsdp_tokens_per_microbatch=65536")
+    tight = make_plan(big, world_size=1, sharded=True, gpu_memory=40 * GiB, device="cuda")
+    assert not tight.fits
+    assert tight.suggestions[0].startswith("train.fsdp_tokens_per_microbatch="), tight.suggestions
+    assert "(FSDP2)" in tight.refusal()
+
+
+def test_the_sharded_plan_at_one_rank_has_the_fsdp2_terms():
+    """One FSDP2 rank holds what a rank of two does, unsplit: fp32 shards (the masters), a replica for the engine
+    (released for training), fp32 gradient shards and the gathered layers; no training graphs."""
+    one = make_plan(run_cfg(), world_size=1, device="cuda")
+    fsdp = make_plan(run_cfg(), world_size=1, sharded=True, device="cuda")
+    two = make_plan(run_cfg(), world_size=2, device="cuda")
+    single = {k for p in one.phases for k in p.terms}
+    assert {"policy_weights", "policy_grads", "policy_masters_fp32", "train_graph_pool"} <= single
+    assert not {"engine_replica", "policy_shards", "policy_grad_shards", "fsdp_unsharded_layers"} & single
+    # The same terms as world size 2, phase by phase.
+    for name in ("generation", "training", "optimizer"):
+        assert set(fsdp.phase(name).terms) == set(two.phase(name).terms), name
+    s_one, o_one = fsdp.phase("optimizer").terms, one.phase("optimizer").terms
+    assert fsdp.phase("generation").terms["engine_replica"] == o_one["policy_weights"]
+    assert s_one["policy_shards"] == o_one["policy_masters_fp32"] == s_one["policy_grad_shards"]
+    assert s_one["policy_adamw_moments"] == o_one["policy_adamw_moments"]
+    assert "fsdp_unsharded_layers" in fsdp.phase("training").terms and not fsdp.counts["train_graphs"]
+    assert fsdp.to_json()["sharded"] is True and one.to_json()["sharded"] is False
+
+
+def test_train_at_one_torchrun_rank_plans_sharded(monkeypatch, tmp_path):
+    """RLRun under torchrun at world size 1 (a real one-rank gloo group, the CPU) asks the plan and the budget for
+    FSDP2's: sharded=True reaches check_before_loading, and the set train.fsdp_tokens_per_microbatch is taken."""
+    import torch.distributed as dist
+
+    import exactrl.train.loop as loop
+
+    class Stop(Exception):
+        pass
+
+    seen: dict = {}
+    real_microbatch = loop.microbatch_tokens
+
+    def check(cfg, device, world_size, out=print, **kw):
+        seen["check"] = (world_size, kw.get("sharded"))
+        return None  # the CPU's answer: no plan, the budget from microbatch_tokens
+
+    def budget(cfg, world_size, **kw):
+        seen["budget"] = real_microbatch(cfg, world_size, **kw)
+        return seen["budget"]
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(loop, "check_before_loading", check)
+    monkeypatch.setattr(loop, "microbatch_tokens", budget)
+    monkeypatch.setattr(loop, "MemoryPhases", stop)  # the next stage: enough has been decided
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", "0")
+    cfg = run_cfg(
+        "run.device=cpu", f"run.output_dir={tmp_path / 'run'}", "train.fsdp_tokens_per_microbatch=2048"
+    )
+    try:
+        with pytest.raises(Stop):
+            loop.RLRun(cfg, out=lambda *a, **k: None)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == {"check": (1, True), "budget": 2048}
+
+
 def test_train_refuses_before_loading(monkeypatch):
     """The check `exactrl train` runs first, with a CUDA device's total memory mocked (no GPU here)."""
 
@@ -395,6 +517,26 @@ def test_plan_command_prints_a_table_and_one_json_line(capsys):
     j = json.loads(out[-1])["memory_plan"]
     assert j["world_size"] == 8 and j["fits"] is False
     assert set(j["phases"]) == {"generation", "training", "optimizer"}
+
+
+def test_plan_command_nproc_1_is_one_fsdp2_rank(capsys):
+    """`exactrl plan --nproc 1` plans what `exactrl train --nproc 1` runs (one FSDP2 rank: sharded, the larger
+    microbatch); without --nproc, one device without torchrun."""
+    from exactrl.cli import main
+
+    base = ["plan", str(ROOT / "configs" / "quickstart.toml"), "--set", "model.preset=qwen3-0.6b"]
+    base += ["--set", "model.dtype=bfloat16", "--gpu-memory", "80"]
+    plans = {}
+    for extra in ([], ["--nproc", "1"]):
+        assert main(base + extra) == 0
+        plans[tuple(extra)] = json.loads(capsys.readouterr().out.splitlines()[-1])["memory_plan"]
+    single, fsdp = plans[()], plans[("--nproc", "1")]
+    assert single["world_size"] == fsdp["world_size"] == 1
+    assert single["sharded"] is False and fsdp["sharded"] is True
+    assert single["counts"]["tokens_per_microbatch"] == 4096
+    assert fsdp["counts"]["tokens_per_microbatch"] == 32768
+    assert "engine_replica" in fsdp["phases"]["generation"]
+    assert "engine_replica" not in single["phases"]["generation"]
 
 
 # ----------------------------------------------------------------------------------------------------------
