@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [profile-vs-torch] [train-table] [probe-adamw]
+#     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -304,11 +304,11 @@ if want fsdp-offload; then  # train.offload = "optimizer" under torchrun (FSDP2,
     --set train.steps=3 --set train.save_every=1 --set algorithm.rollouts_per_step=64 --set task.num_eval=8
     --set task.eval_every=0 --set run.progress=false --set engine.max_model_len=256 --set sampling.max_tokens=64
     --set train.offload=optimizer"
-  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-full --nproc 1 2>&1 \
+  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-full --nproc ${NPROC:-1} 2>&1 \
     | grep -v Warning | tail -3 | tee "$OUT/fsdp_offload.txt"
   python3 -c "import sys; sys.path.insert(0, 'tests/distributed'); from pathlib import Path; import _runs
 _runs.crashed_after(Path('$OUT/fo-full'), Path('$OUT/fo-resumed'), 2)"
-  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-resumed --nproc 1 --resume 2>&1 \
+  timeout 150 $X train configs/quickstart.toml $base --set run.output_dir=$OUT/fo-resumed --nproc ${NPROC:-1} --resume 2>&1 \
     | grep -v Warning | tail -3 | tee -a "$OUT/fsdp_offload.txt"
   python3 -c "import sys; sys.path.insert(0, 'tests/distributed'); from pathlib import Path; import _runs
 a, b = Path('$OUT/fo-full'), Path('$OUT/fo-resumed')
@@ -339,6 +339,17 @@ if want train-table; then  # exact / fast / compiled stock / transformers, alter
 fi
 if want probe-adamw; then  # the AdamW kernel's launch shape against its memory traffic
   timeout 200 python3 benchmarks/probe_adamw.py --preset qwen3-1.7b 2>&1 | tail -9 | tee "$OUT/probe_adamw.txt"
+fi
+if want fsdp-ws2; then  # FSDP2 at world sizes 1 and 2 (two GPUs) at the microbatch the plan picks by default
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-')
+  for a in "qwen3-0.6b 32768" "qwen3-1.7b 16384"; do set -- $a
+    timeout 300 $X bench train --fsdp --preset $1 --device cuda --tokens-per-microbatch $2 --steps 5 --json 2>&1 \
+      | grep -E '^(path|today|FSDP2|ratio)|Error' | tee -a "$OUT/fsdp_ws2.txt"
+    cp "benchmarks/results/train-$1-fsdp-exact-$gpu.json" "$OUT/fsdp-ws1-$1.json"
+    timeout 300 $X bench train --fsdp --nproc 2 --preset $1 --device cuda --tokens-per-microbatch $2 --steps 5 --json \
+      --baseline "$OUT/fsdp-ws1-$1.json" 2>&1 | grep -E '^(rank|  *[0-9]|world|scaling|speedup)|Error|^\{' \
+      | tee -a "$OUT/fsdp_ws2.txt"
+  done
 fi
 if want kernels; then
   timeout 300 python3 benchmarks/bench_kernels.py --skip-configs --out "$OUT/kernels.jsonl" 2>&1 | tail -40 | tee "$OUT/kernels.txt"

@@ -67,6 +67,8 @@ def _profile(step, steps: int) -> dict:
     by_cat: dict[str, float] = defaultdict(float)
     kernels = []
     for e in prof.key_averages():
+        if re.match(r"Optimizer\.|## ", e.key):  # ranges the profiler annotates, not kernels: counted twice
+            continue
         on_cuda = e.device_type == torch.autograd.DeviceType.CUDA
         t_us = (
             e.self_device_time_total
