@@ -746,8 +746,8 @@ class TrainConfig:
     fsdp_tokens_per_microbatch: int | None = None
     """Under torchrun (FSDP2), at any world size (`--nproc 1` included): the sharded trainer's microbatch
     token budget. Each FSDP2 microbatch pays a round of per-layer all-gathers and reduce-scatters and runs
-    without CUDA graphs, so fewer, larger ones are faster (qwen3-0.6b on one H100: 1.82x the tokens/s at
-    32,768 tokens than at 8,192). Unset = on GPUs, with engine.release_memory on, the largest of 32768 and
+    without CUDA graphs, so fewer, larger ones are faster (qwen3-0.6b on one H100, 2026-11-26: 1.98x the
+    tokens/s at 32,768 tokens than at 8,192). Unset = on GPUs, with engine.release_memory on, the largest of 32768 and
     16384 (above max_tokens_per_microbatch) that the memory plan fits with 10% of the device to spare, else
     max_tokens_per_microbatch; on CPU ranks max_tokens_per_microbatch. Ignored on one device without torchrun.
     Episode and SFT length limits keep following max_tokens_per_microbatch."""

@@ -150,7 +150,8 @@ class _CublasPackedLinear(torch.autograd.Function):
     backward takes the parts' gradients as they come: dX as a chain of GEMMs, each adding its part into one
     output (beta = 1), instead of torch's split backward, which concatenates the gradients into a new
     [T, sum(sizes)] tensor first (a full copy: 5 ms of a qwen3-1.7b step of 8,192 tokens on an H100); dW part
-    by part into the packed gradient's rows."""
+    by part into the packed gradient's rows. The price: dX is rounded to the model dtype once per part (three
+    times for q/k/v) instead of once (CPU, bf16: 2.5e-3 relative error against 1.7e-3), a fast path's trade."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sizes):  # type: ignore[override]

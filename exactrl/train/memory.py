@@ -334,15 +334,18 @@ def activation_bytes_per_token(mcfg, dtype_bytes: int, layer: int) -> int:
 
 
 def _lm_head_bytes(mcfg, tokens: int, b: int, head_trained: bool, fp32_lm_head: bool) -> int:
-    """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): the microbatch's logits where
-    the op keeps them for the backward (`keeps_logits`), else a chunk of them (the backward turns logits into
-    their gradient in place), the fp32 hidden-state gradient, and the head weight's gradient before it is added
+    """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): the most logits the op keeps for
+    the backward of a microbatch of up to `tokens` rows, or a chunk of them where it keeps none (the backward
+    turns logits into their gradient in place), the fp32 hidden-state gradient, and the head weight's gradient before it is added
     into its buffer; an fp32 head also casts the weight and the hidden states."""
-    from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS, keeps_logits
+    from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS, LOGPROB_KEEP_BYTES
 
     v, d = mcfg.vocab_size, mcfg.hidden_size
     hb = 4 if fp32_lm_head else b
-    rows = tokens if keeps_logits(tokens, v, hb) else min(tokens, LOGPROB_CHUNK_ROWS)
+    # The op keeps the logits of a call of up to LOGPROB_KEEP_BYTES // (v * hb) rows (`keeps_logits`), deciding
+    # on the rows it gets (a microbatch's completion tokens, any number up to `tokens`): the worst case is the
+    # most rows it would keep, or one chunk.
+    rows = max(min(tokens, LOGPROB_KEEP_BYTES // (v * hb)), min(tokens, LOGPROB_CHUNK_ROWS))
     n = rows * v * hb + tokens * d * 4
     if head_trained:
         n += v * d * hb
@@ -533,9 +536,14 @@ def plan_memory(
     # cannot be captured; those microbatches run eagerly and their activations are transient).
     graphs = tr.cuda_graphs and cuda and not sharded and not mcfg.is_moe
     if graphs:
-        # The captured microbatch's activations live in the graphs' private pool, kept from the first training
-        # step on: in the generation phase too.
-        resident["train_graph_pool"] = act.pop("activations")
+        # Everything the captured microbatch allocates lives in the graphs' private pool, kept from the first
+        # training step on, in the generation phase too: its activations, and the larger of what the LM head's
+        # backward (its kept logits among it) and a layer's backward need beside them (the pool reuses what the
+        # head's backward frees for the layers').
+        resident["train_graph_pool"] = act["activations"] + max(
+            act["backward_working_set"], act["lm_head_logprobs"]
+        )
+        act = {}
     decode = decode_step_bytes(cfg, mcfg) if cuda else 0
     if cuda and cfg.engine.cuda_graphs:
         # The decode graphs (and their pool) are kept between generations: in the training phase too.

@@ -624,16 +624,35 @@ def test_kept_logits_give_the_recomputing_backward_bits(dtype, monkeypatch):
     assert not calls  # recomputation never uses `mm`: only the invariant matmul gives the forward's bits
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
-    # Negative control: kept logits one ulp off in one column change every gradient the comparison looks at.
+    # Negative control: kept logits one ulp off in one column (the forward's GEMM only, not dhidden's) change both
+    # gradients the comparison looks at.
     monkeypatch.setattr(lpm, "LOGPROB_KEEP_BYTES", 3 * 2**30)
 
     def off_by_one_ulp(x, wt, out_dtype=None):
         z = lpm.matmul(x, wt, out_dtype=out_dtype)
-        z[:, 5] = torch.nextafter(z[:, 5], torch.full_like(z[:, 5], float("inf")))
+        if out_dtype is None:
+            z[:, 5] = torch.nextafter(z[:, 5], torch.full_like(z[:, 5], float("inf")))
         return z
 
     planted = run(off_by_one_ulp)
     assert not torch.equal(planted[2], kept[2]) and not torch.equal(planted[3], kept[3])
+
+
+@pytest.mark.parametrize("head_trained", [True, False])
+def test_kept_logits_refuse_a_second_backward(head_trained):
+    """The backward turns the kept logits into their gradient in place: a second backward through the same graph
+    (retain_graph) must fail in autograd's saved-tensor check, not read gradients as logits (the frozen head, a
+    LoRA run's, is where nothing else would notice)."""
+    from exactrl.ops.triton import logprobs as lpm
+
+    T, D, V = 24, 32, 300
+    h = randn(T, D, seed=80).requires_grad_(True)
+    w = randn(V, D, seed=81, scale=0.3).requires_grad_(head_trained)
+    targets = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(82)).to(DEVICE)
+    lp, _ = lpm.logprobs(h, w, targets, 1.0)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
 
 
 # ------------------------------------------------------------------------------------------------------------

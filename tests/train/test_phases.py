@@ -198,14 +198,49 @@ def test_the_plan_counts_released_terms_only_where_they_are_held():
         "engine_replica" in off4.phase(p).terms and "kv_cache" in off4.phase(p).terms
         for p in ("training", "optimizer")
     )
-    # release_memory = false: a plan that fits only with the release names it.
-    fixed = ["engine.num_kv_blocks=3000"]
+    # release_memory = false: a plan that fits only with the release names it. Without training graphs: a graph
+    # pool holds the training microbatch's memory for the whole run, generation included, and then the release
+    # frees nothing the training phase needs beyond generation's (the next test).
+    fixed = ["engine.num_kv_blocks=3000", "train.cuda_graphs=false"]
     tight = make_plan(
         apply_overrides(copy.deepcopy(cfg), [*fixed, "engine.release_memory=false"]), gpu_memory=49 * GiB
     )
     assert not tight.fits and tight.worst.name == "training"
     assert any(s.startswith("engine.release_memory=true") for s in tight.suggestions), tight.suggestions
     assert make_plan(apply_overrides(copy.deepcopy(cfg), fixed), gpu_memory=49 * GiB).fits
+
+
+def test_the_training_graph_pool_holds_the_microbatch_peak():
+    """A captured microbatch allocates everything from the graphs' private pool, which keeps it between replays:
+    the plan's pool is the activations plus the larger of the LM head's backward (its kept logits) and a layer's
+    backward working set, held in the generation phase too; without graphs those terms are the training
+    phase's own."""
+    cfg = run_cfg("model.preset=qwen3-1.7b")
+    graphs = make_plan(cfg, gpu_memory=H100)
+    eager = make_plan(apply_overrides(copy.deepcopy(cfg), ["train.cuda_graphs=false"]), gpu_memory=H100)
+    t = eager.phase("training").terms
+    pool = graphs.phase("generation").terms["train_graph_pool"]
+    assert pool == t["activations"] + max(t["backward_working_set"], t["lm_head_logprobs"])
+    assert t["lm_head_logprobs"] > t["backward_working_set"]  # qwen3-1.7b at this size: the kept logits
+    assert graphs.phase("training").terms["train_graph_pool"] == pool
+    assert not {"activations", "backward_working_set", "lm_head_logprobs"} & set(
+        graphs.phase("training").terms
+    )
+
+
+def test_the_lm_head_term_covers_every_call_the_op_may_keep():
+    """The logprob op keeps a call's logits by the rows it gets (a microbatch's completion tokens, any number up to
+    the budget): the plan's LM-head term for a budget covers the largest logits any call within it keeps, so it
+    never shrinks as the budget grows."""
+    from exactrl.ops.triton.logprobs import keeps_logits
+    from exactrl.train.memory import _lm_head_bytes
+
+    mcfg = model_config(run_cfg("model.preset=qwen3-0.6b"))
+    v = mcfg.vocab_size
+    largest_kept = max(r for r in range(0, 40000, 16) if keeps_logits(r, v, 2)) * v * 2
+    terms = [_lm_head_bytes(mcfg, t, 2, True, False) for t in (4096, 8192, 10000, 12000, 16384, 32768)]
+    assert terms == sorted(terms)
+    assert all(t >= largest_kept for t in terms[2:])
 
 
 def test_moe_trains_without_graphs_and_the_plan_knows_it():

@@ -78,10 +78,8 @@ class AdamWTables:
     ):
         if not numels:
             raise ValueError("AdamWTables: no parameters")
-        self.block, self.num_warps = (
-            block,
-            num_warps,
-        )  # launch shape only: the per-element arithmetic is fixed
+        # The launch shape only: the per-element arithmetic is fixed.
+        self.block, self.num_warps = block, num_warps
         blk_t: list[int] = []
         blk_s: list[int] = []
         for i, n in enumerate(numels):

@@ -26,10 +26,10 @@ import triton.language as tl
 
 from exactrl.ops.triton.matmul import matmul
 
-LOGPROB_CHUNK_ROWS = 1024  # rows of [rows, vocab] logits alive at once when they are not kept
-LOGPROB_KEEP_BYTES = (
-    3 * 2**30
-)  # the largest [rows, vocab] logits a differentiable call keeps for its backward
+# Rows of [rows, vocab] logits alive at once when they are not kept.
+LOGPROB_CHUNK_ROWS = 1024
+# The largest [rows, vocab] logits a differentiable call keeps for its backward.
+LOGPROB_KEEP_BYTES = 3 * 2**30
 _BLOCK_V = 4096  # vocabulary slice per loop step (fixed: the lane reduction tree depends on it)
 _SCALE_BLOCK = 4096
 
@@ -149,10 +149,12 @@ MatMul = Callable[..., torch.Tensor]
 
 
 def _vocab_slice(V: int, T: int, chunk: int) -> int:
-    """The backward's vocabulary slice: as many logits as a forward row chunk holds ([T, vc] with T * vc ~ chunk
-    * V), at least 256 columns so a slice stays a reasonable GEMM, a multiple of 64 so a slice of kept logits
-    starts 128-byte aligned (TMA)."""
-    return min(V, max(256, chunk * V // max(T, 1)) // 64 * 64)
+    """The backward's vocabulary slice: about as many logits as a forward row chunk holds ([T, vc] with T * vc ~
+    chunk * V) and at least 256 columns so a slice stays a reasonable GEMM, evened out over the slices V needs (no
+    thin last slice), and a multiple of 64 so a slice of kept logits starts 128-byte aligned (TMA)."""
+    target = max(256, chunk * V // max(T, 1))
+    slices = triton.cdiv(V, target)
+    return min(V, triton.cdiv(triton.cdiv(V, slices), 64) * 64)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -220,6 +222,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 cols = (targets - v0).clamp(0, v1 - v0 - 1)
                 gz[rows, cols] += torch.where(hit, g_target, 0.0).to(gz.dtype)
                 gw[v0:v1] = torch.matmul(gz.t(), hidden)
+        if kept is not None:
+            # The kept logits are now their gradient. The kernel's writes do not count as a modification to
+            # autograd, so say it: a second backward through this graph (retain_graph) then fails in autograd's
+            # saved-tensor check instead of reading gradients as logits.
+            torch.autograd.graph.increment_version(kept)
         gh = None
         if need_h:
             gh = (gh_f + g_target[:, None] * weight[targets].float()).to(hidden.dtype)
