@@ -655,6 +655,41 @@ def test_kept_logits_refuse_a_second_backward(head_trained):
         lp.sum().backward()
 
 
+def test_kv_write_one_launch_equals_index_copy():
+    """The Triton backends' one-launch K/V cache write leaves the cache byte for byte as the two `index_copy_` of
+    exactrl.ops.torch_ops.write_kv_cache do: K contiguous (after q/k norm and RoPE), V a view of the packed q|k|v
+    projection (row stride of all three), slots scattered over pages, the rest of the cache untouched; and a write
+    that would convert the dtype falls back to index_copy_."""
+    from exactrl.ops.torch_ops import write_kv_cache as by_index_copy
+    from exactrl.ops.triton.kv_write import write_kv_cache
+
+    T, hq, hkv, dh, pages, page = 7, 4, 2, 16, 6, 16
+    for dtype in (torch.bfloat16, torch.float32):
+        qkv = randn(T, (hq + 2 * hkv) * dh, dtype=dtype, seed=90)
+        k = randn(T, hkv, dh, dtype=dtype, seed=91)
+        v = qkv[:, (hq + hkv) * dh :].view(T, hkv, dh)
+        assert not v.is_contiguous()
+        slots = torch.tensor([3, 17, 40, 41, 70, 95, 18], device=DEVICE)
+        base = (
+            randn(pages, page, hkv, dh, dtype=dtype, seed=92),
+            randn(pages, page, hkv, dh, dtype=dtype, seed=93),
+        )
+        ref = tuple(c.clone() for c in base)
+        got = tuple(c.clone() for c in base)
+        by_index_copy(k, v, ref, slots)
+        k_flat, v_flat = write_kv_cache(k, v, got, slots)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert k_flat.data_ptr() == got[0].data_ptr() and k_flat.shape == (pages * page, hkv, dh)
+        assert not torch.equal(got[0], base[0])  # control: the write changed the cache
+    # fp32 rows into a bf16 cache: converted as torch_ops does.
+    cache = tuple(torch.zeros(pages, page, hkv, dh, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    ref = tuple(c.clone() for c in cache)
+    kf, vf = randn(T, hkv, dh, seed=94), randn(T, hkv, dh, seed=95)
+    by_index_copy(kf, vf, ref, slots)
+    write_kv_cache(kf, vf, cache, slots)
+    assert torch.equal(cache[0], ref[0]) and torch.equal(cache[1], ref[1])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # AdamW (one launch for every parameter)
 # ------------------------------------------------------------------------------------------------------------

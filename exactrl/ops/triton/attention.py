@@ -49,8 +49,8 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.batch import AttentionBatch
-from exactrl.ops.torch_ops import write_kv_cache  # one cache write for every backend
 from exactrl.ops.triton.common import mma, next_pow2, num_programs_cap
+from exactrl.ops.triton.kv_write import write_kv_cache  # K and V into the paged cache in one launch
 
 # Key tile of the forward kernel, in positions. The engine's KV page size does not need to be a multiple of it
 # (keys are gathered through key_slots), but it is the unit of the "fully masked tile is a no-op" argument.
