@@ -181,7 +181,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     matmul(hidden[s:e], weight), targets[s:e], temperature
                 )
         # Recomputed logits come from the invariant matmul, which gives the forward's bits; a fast GEMM (cuBLAS
-        # picks its kernel by shape) would not, so only kept logits may come from one.
+        # picks its kernel by shape) would not, so only kept logits may come from `mm`. dhidden's GEMM may.
         ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.mm = temperature, with_entropy, chunk, mm
         ctx.save_for_backward(hidden, weight, targets, lse, ent, kept)
         return lp, (ent if with_entropy else None)
@@ -189,7 +189,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):  # type: ignore[override]
         hidden, weight, targets, lse, ent, kept = ctx.saved_tensors
-        mm = ctx.mm if kept is not None else matmul
+        mm = ctx.mm
         T, V = hidden.shape[0], weight.shape[0]
         if grad_lp is None:
             grad_lp = torch.zeros(T, dtype=torch.float32, device=hidden.device)
@@ -251,8 +251,8 @@ def logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden: [T, D], weight: [V, D], targets: [T] int64 -> (logprobs [T] fp32, entropy [T] fp32 or None).
 
-    mm: the LM head's GEMM where the logits are kept (a differentiable call that `keeps_logits`); fast mode
-    passes cuBLAS. Everything else, and every recomputation, runs the invariant matmul."""
+    mm: the LM head's GEMM for the kept logits (a differentiable call that `keeps_logits`) and for dhidden in the
+    backward; fast mode passes cuBLAS. Logits the backward recomputes come from the invariant matmul."""
     _check_temperature(temperature)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     targets = targets.contiguous()
@@ -263,7 +263,7 @@ def logprobs(
         and keeps_logits(hidden.shape[0], weight.shape[0], hidden.element_size())
     )
     return _ChunkedLogprobs.apply(
-        hidden, weight, targets, float(temperature), with_entropy, chunk_rows, keep, mm if keep else matmul
+        hidden, weight, targets, float(temperature), with_entropy, chunk_rows, keep, mm
     )
 
 
