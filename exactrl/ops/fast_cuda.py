@@ -17,9 +17,10 @@ The fused norm/RoPE/SiLU and log-softmax kernels are shared with exact mode beca
 and we have no faster non-invariant version of them (a row is reduced by one program either way; no split over
 the vocab; a split-vocab logprob kernel might be faster and is not written). Training's LM-head GEMMs are cuBLAS's
 where the logits are kept (exactrl/ops/triton/logprobs.py: up to LOGPROB_KEEP_BYTES); a call that recomputes them
-in its backward keeps the invariant matmul, whose recomputed logits are the forward's bits. The torch composition they replace (cuBLAS LM head, then log_softmax, gather and their backward as
-separate fp32 passes over [rows, vocab]) made the fast training step slower than transformers' on an H100
-(29k vs 40k tok/s, qwen3-0.6b, 2026-11-24): not a fast path. So fast and exact differ exactly where invariance
+in its backward keeps the invariant matmul for them, whose recomputed logits are the forward's bits. The torch
+composition the fused kernels replace (cuBLAS LM head, then log_softmax, gather and their backward as separate fp32
+passes over [rows, vocab]) made the fast training step slower than transformers' on an H100 (29k vs 40k tok/s,
+qwen3-0.6b, 2026-11-24): not a fast path. So fast and exact differ exactly where invariance
 binds: the GEMMs and the training attention. The fast path has no varlen flash
 attention over a paged KV cache in this torch build (torch 2.11's `varlen_attn` takes no block table), so cached
 attention runs exactrl's own paged kernel, the same as exact mode's, with its split-KV decode at low concurrency

@@ -336,8 +336,8 @@ def activation_bytes_per_token(mcfg, dtype_bytes: int, layer: int) -> int:
 def _lm_head_bytes(mcfg, tokens: int, b: int, head_trained: bool, fp32_lm_head: bool) -> int:
     """The LM head's peak over the logprob op (exactrl/ops/triton/logprobs.py): the most logits the op keeps for
     the backward of a microbatch of up to `tokens` rows, or a chunk of them where it keeps none (the backward
-    turns logits into their gradient in place), the fp32 hidden-state gradient, and the head weight's gradient before it is added
-    into its buffer; an fp32 head also casts the weight and the hidden states."""
+    turns logits into their gradient in place), the fp32 hidden-state gradient, and the head weight's gradient
+    before it is added into its buffer; an fp32 head also casts the weight and the hidden states."""
     from exactrl.ops.triton.logprobs import LOGPROB_CHUNK_ROWS, LOGPROB_KEEP_BYTES
 
     v, d = mcfg.vocab_size, mcfg.hidden_size
