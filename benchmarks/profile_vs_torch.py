@@ -16,12 +16,12 @@ import functools
 import gc
 import json
 import re
-import time
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from train_vs_torch import _sync, _time  # benchmarks/: the script's own folder is on sys.path
 
 # First match wins; names are lower-cased. Inductor names its fused kernels after the ops they fuse
 # (triton_red_fused__log_softmax_..., triton_per_fused_add_mean_mul_pow_rsqrt_...).
@@ -45,20 +45,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _profile(step, steps: int) -> dict:
-    for _ in range(3):
+    for _ in range(2):  # and one more in _time: the graphs captured, the compiled step built
         step()
-    _sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync()
-    wall = (time.perf_counter() - t) / steps
+    wall = _time(step, steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         for _ in range(2):
