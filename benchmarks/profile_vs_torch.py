@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import re
 from collections import defaultdict
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_vs_torch import _sync, _time  # benchmarks/: the script's own folder is on sys.path
+from train_vs_torch import _free, _sync, _time  # benchmarks/: the script's own folder is on sys.path
 
 # First match wins; names are lower-cased. Inductor names its fused kernels after the ops they fuse
 # (triton_red_fused__log_softmax_..., triton_per_fused_add_mean_mul_pow_rsqrt_...).
@@ -112,25 +111,15 @@ def main() -> int:
         results[mode] = _profile(functools.partial(trainer.step, rollouts), args.steps)
         del trainer
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free()
         if i == 0:
-            batch = GrpoBatch.from_sequences(
-                [r.prompt_ids + r.completion_ids for r in rollouts],
-                torch.stack([r.rollout_logprobs for r in rollouts]),
-                [r.advantage for r in rollouts],
-                prompt_len=1,
-                device=device,
-            )
+            batch = GrpoBatch.from_rollouts(rollouts, device)
             with stock_numerics():
                 tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile_blocks(), lr=1e-5)
                 results["stock"] = _profile(functools.partial(tstep, batch), args.steps)
             del tstep
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free()
 
     names = list(results)
     cats = [c for c, _ in CATEGORIES] + ["other"]

@@ -92,13 +92,7 @@ def main() -> int:
     base = models.get("exact") or models["fast"]
     rollouts, tokens = _bench_rollouts(SimpleNamespace(tokens_per_microbatch=args.tokens), base, tok)
     seq_len = len(rollouts[0].completion_ids)
-    batch = GrpoBatch.from_sequences(
-        [r.prompt_ids + r.completion_ids for r in rollouts],
-        torch.stack([r.rollout_logprobs for r in rollouts]),
-        [r.advantage for r in rollouts],
-        prompt_len=1,
-        device=device,
-    )
+    batch = GrpoBatch.from_rollouts(rollouts, device)
     ids = torch.tensor([r.prompt_ids + r.completion_ids for r in rollouts], device=device)
     hf = _to_hf(base, tok).train() if "hf" in args.which else None
     flops = 3 * base.flops_per_token(context=seq_len // 2) * tokens

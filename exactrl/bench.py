@@ -562,13 +562,7 @@ def _vs_torch(model, rollouts, steps: int, device, flops: float, peak: float) ->
         stock_numerics,
     )
 
-    batch = GrpoBatch.from_sequences(
-        [r.prompt_ids + r.completion_ids for r in rollouts],
-        torch.stack([r.rollout_logprobs for r in rollouts]),
-        [r.advantage for r in rollouts],
-        prompt_len=len(rollouts[0].prompt_ids),
-        device=device,
-    )
+    batch = GrpoBatch.from_rollouts(rollouts, device)
     tokens = int(batch.loss_mask.numel())
     with stock_numerics():
         tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile_blocks(), lr=1e-5)

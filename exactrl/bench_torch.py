@@ -90,6 +90,17 @@ class GrpoBatch:
         adv = torch.tensor(advantages, dtype=torch.float32, device=device)
         return GrpoBatch(ids[:, :-1], ids[:, 1:], old, adv, mask)
 
+    @staticmethod
+    def from_rollouts(rollouts: list, device: torch.device | str) -> GrpoBatch:
+        """The batch of exactrl `Rollout`s of one length and one prompt length (the benchmarks' synthetic ones)."""
+        return GrpoBatch.from_sequences(
+            [r.prompt_ids + r.completion_ids for r in rollouts],
+            torch.stack([r.rollout_logprobs for r in rollouts]),
+            [r.advantage for r in rollouts],
+            prompt_len=len(rollouts[0].prompt_ids),
+            device=device,
+        )
+
 
 # -- the numerics, in plain torch ops (torch.compile fuses each chain into one kernel) --------------------------
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
