@@ -60,6 +60,15 @@ def launch(
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
 
 
+def small_argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
+    """`exactrl train` arguments of a SMALL_BF16 quickstart run of `steps` steps in tmp/name, rewarded by the
+    `hashed` plug-in written to tmp/reward.py (the tests write REWARD there)."""
+    sets = [*SMALL_BF16, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
+    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
+    argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
+    return argv + (["--resume"] if resume else ["--overwrite"])
+
+
 def crashed_after(src: Path, dst: Path, step: int) -> None:
     """A copy of run `src` as a crash right after step `step`'s checkpoint leaves it."""
     shutil.copytree(src, dst)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from ._runs import REWARD, SMALL_BF16, launch
+from ._runs import REWARD, ROOT, SMALL_BF16, launch
 from ._runs import crashed_after as _crashed_after
 from ._runs import mismatched as _mismatched
 from ._runs import records as _records
 from ._runs import same as _same
+from ._runs import small_argv as _argv
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_offload_driver.py")
 SMALL = SMALL_BF16
 ON = "train.offload=optimizer"
@@ -35,13 +35,6 @@ def _launch(
     tmp: Path, jobs: list[dict], tag: str, nproc: int = 2, timeout: float = 300
 ) -> tuple[int, str, float]:
     return launch(DRIVER, tmp, nproc, jobs, tag, timeout)
-
-
-def _argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
-    sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
-    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
-    argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
-    return argv + (["--resume"] if resume else ["--overwrite"])
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import torch
 from ._runs import REWARD, SMALL_BF16, launch
 from ._runs import mismatched as _mismatched
 from ._runs import same as _same
+from ._runs import small_argv as _argv
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_phases_driver.py")
 SMALL = SMALL_BF16
 
@@ -29,13 +29,6 @@ def _launch(
     tmp: Path, nproc: int, jobs: list[dict], tag: str, timeout: float = 300
 ) -> tuple[int, str, float]:
     return launch(DRIVER, tmp, nproc, jobs, tag, timeout)
-
-
-def _argv(tmp: Path, name: str, steps: int, *extra: str, resume: bool = False) -> list[str]:
-    sets = [*SMALL, f"train.steps={steps}", f"run.output_dir={tmp / name}", *extra]
-    sets.append(f'reward.functions=["{tmp / "reward.py"}:hashed"]')
-    argv = ["train", str(ROOT / "configs" / "quickstart.toml"), *[x for s in sets for x in ("--set", s)]]
-    return argv + (["--resume"] if resume else ["--overwrite"])
 
 
 def _released_gb(run: Path, what: str) -> list[float]:
