@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.torch_ops import write_kv_cache as write_with_index_copy
 from exactrl.ops.triton.common import next_pow2
 
 
@@ -42,8 +43,6 @@ def write_kv_cache(
     """As exactrl.ops.torch_ops.write_kv_cache (the new rows into the paged cache, before attending; returns flat
     [slots, Hkv, Dh] views), in one launch. Falls back to it where a copy would also convert the dtype or the rows
     are laid out otherwise."""
-    from exactrl.ops.torch_ops import write_kv_cache as write_with_index_copy
-
     k_cache, v_cache = kv_cache
     hkv, dh = k_cache.shape[-2:]
     k_flat = k_cache.view(-1, hkv, dh)
