@@ -31,6 +31,17 @@ fi
 if want tests-all; then  # every test marked gpu in the tree (the model, algorithm and guard GPU tests included)
   timeout 540 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests_all.txt"
 fi
+if want pdl-ab; then  # decode with programmatic dependent launch on and off, alternating, CS (default "1 256") x REPS
+  for rep in $(seq ${REPS:-2}); do
+    for c in ${CS:-1 256}; do
+      for pdl in 1 0; do
+        EXACTRL_PDL=$pdl timeout 300 $X bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} --device cuda \
+          --concurrency $c --prompt-len 128 --max-tokens 256 --json 2>>"$OUT/pdl_ab.log" | grep '^{' \
+          | sed "s/^{/{\"pdl\": $pdl, \"rep\": $rep, /" | tee -a "$OUT/pdl_ab.jsonl"
+      done
+    done
+  done
+fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
   timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \
     --json 2>&1 | tail -4 | tee -a "$OUT/parity_llama.txt"

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.triton.common import pdl, pdl_wait
+
 # Elements a program updates, and its warps: 1,024 and 4 (8 elements a thread) moved 2.93 TB/s on an H100 over
 # qwen3-1.7b's parameters against 2.53 TB/s at 2,048 and far less at 4,096 or more (benchmarks/probe_adamw.py,
 # docs/benchmarks.md). The launch shape only: an element's arithmetic is the same in each.
@@ -32,7 +34,9 @@ def _adamw_kernel(
     blk_tensor, blk_start, numels, p32_ptrs, g_ptrs, m_ptrs, v_ptrs, p16_ptrs, scalars,
     lr, beta1, beta2, eps, weight_decay,
     G_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     skip = tl.load(scalars + 3)
     if skip != 0.0:
@@ -148,4 +152,5 @@ def adamw_step(
     _adamw_kernel[(tables.num_blocks,)](
         *tables.blocks, *tables.pointers, scalars, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         G_DTYPE=_TL[tables.g_dtype], P_DTYPE=_TL[tables.w_dtype], BLOCK=tables.block, num_warps=tables.num_warps,
+        **pdl(scalars.device),
     )  # fmt: skip

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.batch import AttentionBatch
-from exactrl.ops.triton.common import mma, next_pow2, num_programs_cap
+from exactrl.ops.triton.common import mma, next_pow2, num_programs_cap, pdl, pdl_wait
 from exactrl.ops.triton.kv_write import write_kv_cache  # K and V into the paged cache in one launch
 
 # Key tile of the forward kernel, in positions. The engine's KV page size does not need to be a multiple of it
@@ -177,7 +177,9 @@ def _attn_fwd_kernel(
     stride_slots, tiles_per_seq, head_dim, qk_scale, max_chunks,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, CHUNK_TILES: tl.constexpr, PARTIAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # PARTIAL (split decode, one query per sequence): program_id(2) computes one chunk of keys and stores its
     # (m, l, acc) for the combine kernel; otherwise a program walks every chunk and folds each into the total.
     pid = tl.program_id(0)
@@ -264,7 +266,9 @@ def _attn_combine_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, lse_ptr, cu_q_ptr, q_pos_ptr,
     stride_ot, stride_oh, stride_lse, max_chunks, head_dim,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # Split decode, second kernel: one program per (sequence, KV head) folds the chunks' partials in order,
     # with the training kernel's _fold and its last two lines (out = acc / l, lse).
     b = tl.program_id(0)
@@ -302,7 +306,9 @@ def _attn_combine_kernel(
 def _attn_bwd_delta_kernel(
     do_ptr, o_ptr, delta_ptr, n_rows, num_heads, stride_dot, stride_doh, stride_ot, stride_oh, head_dim,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # delta[t, h] = sum over d of dO[t, h, d] * O[t, h, d], in fp32 from the stored dtype: one tl.sum per row.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
@@ -370,7 +376,9 @@ def _attn_bwd_dkdv_kernel(
     kv_tiles_per_seq, head_dim, qk_scale, sm_scale,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN: tl.constexpr, KEYS_MAJOR: tl.constexpr, STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // kv_tiles_per_seq
@@ -465,7 +473,9 @@ def _attn_bwd_dq_kernel(
     stride_dqt, stride_dqh, stride_lse, stride_slots, tiles_per_seq, head_dim, qk_scale, sm_scale,
     G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = pid // tiles_per_seq
@@ -621,12 +631,14 @@ def attention_fwd(
         out.stride(0), out.stride(1), lse.stride(0), slots.stride(0), tiles_per_seq, dh, sm_scale * _LOG2E,
         max_chunks, G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d,
         CHUNK_TILES=chunk_tiles, PARTIAL=split, num_warps=warps, num_stages=stages,
+        **pdl(q.device),
     )  # fmt: skip
     if split:
         _attn_combine_kernel[(B, hkv)](
             part_m, part_l, part_acc, out, lse, batch.cu_seqlens_q, batch.q_pos,
             out.stride(0), out.stride(1), lse.stride(0), max_chunks, dh,
             G=g, GP=next_pow2(g), BLOCK_N=block_n, BLOCK_D=block_d, CHUNK_TILES=chunk_tiles, num_warps=4,
+            **pdl(part_m.device),
         )  # fmt: skip
     return out, lse
 
@@ -642,6 +654,7 @@ def attention_bwd_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tens
     _attn_bwd_delta_kernel[(triton.cdiv(T * hq, block_r),)](
         grad_out, out, delta, T * hq, hq, grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1), dh,
         BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(dh)), num_warps=4,
+        **pdl(grad_out.device),
     )  # fmt: skip
     return delta
 
@@ -690,6 +703,7 @@ def attention_bwd_dkdv(
         lse.stride(0), slots.stride(0), kv_tiles, dh, sm_scale * _LOG2E, sm_scale,
         G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN=p * g == rows and dh == block_d,
         KEYS_MAJOR=_keys_major(block_n, warps, q.dtype), STAGES=stages, num_warps=warps, num_stages=stages,
+        **pdl(q.device),
     )  # fmt: skip
     return dk, dv
 
@@ -723,6 +737,7 @@ def attention_bwd_dq(
         tiles_per_seq, dh, sm_scale * _LOG2E, sm_scale,
         G=g, P=p, ROWS=rows, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=dh == block_d,
         STAGES=stages, num_warps=warps, num_stages=stages,
+        **pdl(q.device),
     )  # fmt: skip
     return dq
 

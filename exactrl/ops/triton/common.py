@@ -5,6 +5,12 @@ input_precision="ieee": exact mode never uses TF32). Under TRITON_INTERPRET=1 (t
 interpreter's `tl.dot` is unusable for these tests (it multiplies the raw uint16 bits of bf16 operands, and
 numpy's matmul gives a row different low bits depending on its place in the tile), so there `mma` upcasts to
 fp32 and sums the products over k in one order for every element. The GPU code never takes that branch.
+
+`pdl_wait` and `pdl` are programmatic dependent launch (Hopper and later): a kernel launched with `pdl(device)` may
+be started by the GPU while the kernel before it in the stream is still running, and `pdl_wait` (the first
+statement of every such kernel, before any load or store) holds it until that kernel has finished and its writes
+are visible. The launch latency of each kernel of a decode step (a dozen a layer, each a few microseconds of work)
+hides behind the one before it; no instruction of a kernel's arithmetic changes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,32 @@ else:
         else:
             out = tl.dot(a, b, acc)
         return out
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched with `pdl(device)`: wait for the previous kernel in the stream to
+    complete (its writes visible), then let the next one be launched early. A kernel that stores must wait before
+    it stores too (the previous kernel may still read the buffer), so nothing may come before this call."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with `pdl_wait(USE_PDL)`: programmatic dependent launch on a
+    Hopper-or-later GPU (off under the interpreter, on older GPUs, and with EXACTRL_PDL=0)."""
+    on = device.type == "cuda" and _pdl_capable(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    if INTERPRET or os.environ.get("EXACTRL_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def num_programs_cap(device: torch.device) -> int:

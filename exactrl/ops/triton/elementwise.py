@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import next_pow2
+from exactrl.ops.triton.common import next_pow2, pdl, pdl_wait
 
 _SILU_BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_fwd_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_fwd_kernel(
+    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -29,8 +32,19 @@ def _silu_mul_fwd_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n_
 
 @triton.jit
 def _silu_mul_bwd_kernel(
-    gy_ptr, g_ptr, u_ptr, gg_ptr, gu_ptr, stride_gy, stride_g, stride_u, n_cols, BLOCK: tl.constexpr
+    gy_ptr,
+    g_ptr,
+    u_ptr,
+    gg_ptr,
+    gu_ptr,
+    stride_gy,
+    stride_g,
+    stride_u,
+    n_cols,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -55,7 +69,9 @@ def silu_mul_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((R, C), dtype=gate.dtype, device=gate.device)
     if R and C:
         grid = (R, triton.cdiv(C, _SILU_BLOCK))
-        _silu_mul_fwd_kernel[grid](g, u, out, g.stride(0), u.stride(0), out.stride(0), C, BLOCK=_SILU_BLOCK)
+        _silu_mul_fwd_kernel[grid](
+            g, u, out, g.stride(0), u.stride(0), out.stride(0), C, BLOCK=_SILU_BLOCK, **pdl(g.device)
+        )
     return out.reshape(gate.shape)
 
 
@@ -75,7 +91,17 @@ class _SiluMul(torch.autograd.Function):
         if R and C:
             grid = (R, triton.cdiv(C, _SILU_BLOCK))
             _silu_mul_bwd_kernel[grid](
-                gy2, g, u, gg, gu, gy2.stride(0), g.stride(0), u.stride(0), C, BLOCK=_SILU_BLOCK
+                gy2,
+                g,
+                u,
+                gg,
+                gu,
+                gy2.stride(0),
+                g.stride(0),
+                u.stride(0),
+                C,
+                BLOCK=_SILU_BLOCK,
+                **pdl(gy2.device),
             )
         return gg.reshape(gate.shape), gu.reshape(up.shape)
 
@@ -94,7 +120,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _rope_kernel(
     x_ptr, pos_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_cs, stride_ot, stride_oh, n_heads, half,
     INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
@@ -133,6 +161,7 @@ def _rope_launch(
         _rope_kernel[(T,)](
             x, positions, cos_sin, out, x.stride(0), x.stride(1), cos_sin.stride(0), out.stride(0), out.stride(1),
             H, half, INVERSE=inverse, BLOCK_H=next_pow2(H), BLOCK_HALF=next_pow2(half),
+            **pdl(x.device),
         )  # fmt: skip
     return out
 

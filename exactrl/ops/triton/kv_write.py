@@ -17,13 +17,23 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.torch_ops import write_kv_cache as write_with_index_copy
-from exactrl.ops.triton.common import next_pow2
+from exactrl.ops.triton.common import next_pow2, pdl, pdl_wait
 
 
 @triton.jit
 def _kv_write_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    stride_k,
+    stride_v,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -56,5 +66,6 @@ def write_kv_cache(
         _kv_write_kernel[(T,)](
             k, v, k_flat, v_flat, slot_mapping.contiguous(), k.stride(0), v.stride(0),
             ROW=row, BLOCK=next_pow2(row), num_warps=4,
+            **pdl(k.device),
         )  # fmt: skip
     return k_flat, v_flat

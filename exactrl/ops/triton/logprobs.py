@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.triton.common import pdl, pdl_wait
 from exactrl.ops.triton.matmul import matmul
 
 # Rows of [rows, vocab] logits alive at once when they are not kept.
@@ -35,7 +36,10 @@ _SCALE_BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["n_cols"])
-def _scale_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, temperature, BLOCK: tl.constexpr):
+def _scale_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, temperature, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -45,8 +49,18 @@ def _scale_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, temperature, BLOCK
 
 @triton.jit
 def _logprob_fwd_kernel(
-    x_ptr, targets_ptr, lp_ptr, ent_ptr, lse_ptr, stride_x, V, temperature, BLOCK_V: tl.constexpr
+    x_ptr,
+    targets_ptr,
+    lp_ptr,
+    ent_ptr,
+    lse_ptr,
+    stride_x,
+    V,
+    temperature,
+    BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -79,7 +93,9 @@ def _logprob_fwd_kernel(
 def _logprob_bwd_kernel(
     x_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, gz_ptr, stride_x, stride_gz, V, temperature,
     HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     lse = tl.load(lse_ptr + row)
@@ -109,7 +125,14 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if R and V:
         grid = (R, triton.cdiv(V, _SCALE_BLOCK))
         _scale_kernel[grid](
-            logits, out, logits.stride(0), out.stride(0), V, float(temperature), BLOCK=_SCALE_BLOCK
+            logits,
+            out,
+            logits.stride(0),
+            out.stride(0),
+            V,
+            float(temperature),
+            BLOCK=_SCALE_BLOCK,
+            **pdl(logits.device),
         )
     return out
 
@@ -134,6 +157,7 @@ def logprobs_from_logits(
             float(temperature),
             BLOCK_V=_BLOCK_V,
             num_warps=8,
+            **pdl(logits.device),
         )
     return lp, ent, lse
 
@@ -212,6 +236,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 gz, lse, ent, grad_lp, grad_ent, gz,
                 gz.stride(0), gz.stride(0), v1 - v0, ctx.temperature, HAS_ENT=has_ent, BLOCK_V=_BLOCK_V,
                 num_warps=8,
+                **pdl(gz.device),
             )  # fmt: skip
             if need_h:
                 gh_f += mm(gz, w_s.t(), out_dtype=torch.float32)

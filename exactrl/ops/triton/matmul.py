@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import mma, num_programs_cap
+from exactrl.ops.triton.common import mma, num_programs_cap, pdl, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,9 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -222,12 +224,14 @@ def _matmul_tma_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     W_KN: tl.constexpr,
     SEGMENTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The same persistent GEMM with TMA tile loads/stores. Rows past M and k past K arrive as zeros (TMA
     zero fill), which add exactly 0; rows past M are clipped at the store. W_KN: w_desc describes w^T, a
     row-major [K, N] tensor (the backward's dX = dY @ W reads W as it is stored, with no transposed copy).
     SEGMENTS > 1 (the backward of packed projections only): x is the concatenation along K of x_desc [M, K],
     x2_desc [M, K2] (and x3_desc [M, K3]), each a multiple of BLOCK_K, reduced one after the other."""
+    pdl_wait(USE_PDL)
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -331,6 +335,7 @@ def matmul(
             W_KN=w_kn,
             SEGMENTS=1,
             **common,
+            **pdl(x.device),
         )
         return out
     _matmul_kernel[(min(tiles, cap),)](
@@ -349,6 +354,7 @@ def matmul(
         out.stride(1),
         EVEN_K=K % cfg.block_k == 0,
         **common,
+        **pdl(x.device),
     )
     return out
 
@@ -413,6 +419,7 @@ def _segmented_dx(grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tens
         SEGMENTS=len(grads),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl(weight.device),
     )
     return out
 

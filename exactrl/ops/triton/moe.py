@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.moe_torch import check_experts_args
-from exactrl.ops.triton.common import kernel_dtype_ok, mma, next_pow2
+from exactrl.ops.triton.common import kernel_dtype_ok, mma, next_pow2, pdl, pdl_wait
 from exactrl.ops.triton.elementwise import silu_mul_fwd
 
 # ------------------------------------------------------------------------------------------------------------
@@ -119,7 +119,9 @@ def moe_tile_config(routed_rows: int, dtype: torch.dtype) -> MoETileConfig:
 def _route_fwd_kernel(
     logits_ptr, probs_ptr, w_ptr, ids_ptr, E, stride_l,
     TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -151,7 +153,9 @@ def _route_fwd_kernel(
 def _route_bwd_kernel(
     probs_ptr, ids_ptr, gw_ptr, glogits_ptr, E, stride_g,
     TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # weights = sel / s (NORM) with sel = probs[ids], s = sum(sel): d sel = (gw - sum(gw * weights)) / s. Then
     # the softmax backward over the row: d logits = p * (g - sum(g * p)), g zero except at the k picked ids.
     row = tl.program_id(0).to(tl.int64)
@@ -195,6 +199,7 @@ class _Route(torch.autograd.Function):
             _route_bwd_kernel[(T,)](
                 probs, ids, grad_weights.float().contiguous(), glogits, E, glogits.stride(0),
                 TOP_K=ctx.top_k, NORM=ctx.norm, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(ctx.top_k),
+                **pdl(probs.device),
             )  # fmt: skip
         return glogits, None, None
 
@@ -210,6 +215,7 @@ def _route_fwd(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tens
         _route_fwd_kernel[(T,)](
             logits, probs, weights, ids, E, logits.stride(0),
             TOP_K=top_k, NORM=norm, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(top_k),
+            **pdl(logits.device),
         )  # fmt: skip
     return probs, weights, ids
 
@@ -258,9 +264,11 @@ class RoutePlan:
 def _plan_kernel(
     order_ptr, bounds_ptr, tok_ptr, pos_ptr, tile_begin_ptr, S, E,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The sort's permutation -> each sorted row's token and each pair's sorted position; program 0 also turns
     the group bounds into the row-tile table (one launch instead of a handful of small torch ops)."""
+    pdl_wait(USE_PDL)
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = j < S
     p = tl.load(order_ptr + j, mask=ok, other=0)
@@ -306,6 +314,7 @@ def route_plan(ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
             BLOCK_M=block_m,
             BLOCK=block,
             BLOCK_E=next_pow2(E),
+            **pdl(order.device),
         )
     else:
         tile_begin = torch.zeros(E + 1, dtype=torch.int64, device=dev)
@@ -336,6 +345,7 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr, SILU: tl.constexpr, STORE_GU: tl.constexpr, DSILU: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile) per program. GATHER: row j's input is a[tok[j]] (x, read in place), else a[j].
     SILU (the forward's gate/up GEMM): w is gate_up [E, 2N, K]; the program computes gate columns n and up
@@ -343,6 +353,7 @@ def _grouped_gemm_kernel(
     STORE_GU the gate/up rows [S, 2N] into gu (kept for the backward).
     DSILU (the backward's d(h) GEMM): out is d(gate_up) [S, 2N]; the epilogue applies silu_mul's backward with
     the forward's gate/up rows from gu, instead of storing d(h)."""
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     j = pid // num_pid_n  # column tiles of one row tile are neighbours: its rows are read from L2
@@ -471,6 +482,7 @@ def grouped_linear(
         EVEN_N=N % cfg.block_n == 0,
         BLOCK_E=next_pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(a.device),
     )  # fmt: skip
     return out
 
@@ -522,6 +534,7 @@ def grouped_gate_up_silu(
         EVEN_N=inter % half == 0,
         BLOCK_E=next_pow2(E), BLOCK_M=cfg.block_m, BLOCK_N=half, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(x.device),
     )  # fmt: skip
     return h, gu
 
@@ -536,7 +549,9 @@ def _grouped_wgrad_kernel(
     g_ptr, a_ptr, tok_ptr, bounds_ptr, dw_ptr,
     N, M, stride_gm, stride_am, stride_de, stride_dn,
     GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -592,6 +607,7 @@ def grouped_weight_grad(
         N, M, g.stride(0), a.stride(0), dw.stride(0), dw.stride(1),
         GATHER=gather, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(g.device),
     )  # fmt: skip
     return dw
 
@@ -605,8 +621,10 @@ def grouped_weight_grad(
 def _combine_kernel(
     src_ptr, pos_ptr, w_ptr, out_ptr, D, stride_s, stride_o,
     TOP_K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum over r = 0..k-1, in that order, of w[t, r] * src[pos[t, r]] (fp32), cast once."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -625,10 +643,12 @@ def _combine_kernel(
 def _combine_bwd_kernel(
     gy_ptr, o_ptr, pos_ptr, w_ptr, do_ptr, gw_ptr, D, stride_gy, stride_o,
     TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """For token t and rank r: d(o_r) = (w[t, r] * gy[t]).to(dtype) at o_r's sorted row, and
     d(w[t, r]) = sum over D of gy[t] * o_r in fp32: per lane over the BLOCK_D-column steps in order, then one
     reduction over the lanes."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     for r in tl.static_range(TOP_K):
         j = tl.load(pos_ptr + t * TOP_K + r)
@@ -656,6 +676,7 @@ def combine(src: torch.Tensor, plan: RoutePlan, weights: torch.Tensor | None, T:
     _combine_kernel[(T, triton.cdiv(D, block))](
         src, plan.pos, w, out, D, src.stride(0), out.stride(0),
         TOP_K=plan.top_k, HAS_W=weights is not None, BLOCK_D=block, enable_fp_fusion=False,
+        **pdl(src.device),
     )  # fmt: skip
     return out
 
@@ -701,6 +722,7 @@ class _MoEExperts(torch.autograd.Function):
             _combine_bwd_kernel[(T,)](
                 gy, o, plan.pos, weights.contiguous(), d_o, d_w, D, gy.stride(0), o.stride(0),
                 TOP_K=plan.top_k, BLOCK_D=min(_COMBINE_BLOCK, next_pow2(D)),
+                **pdl(gy.device),
             )  # fmt: skip
         elif T:
             d_w.zero_()

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import next_pow2, num_programs_cap
+from exactrl.ops.triton.common import next_pow2, num_programs_cap, pdl, pdl_wait
 
 # The forward's tile: 4096 elements, 32 per thread. The backward keeps x, dy, dx and the weight-gradient
 # accumulator live at once, so it takes a smaller tile over more warps (8 elements per thread): at D = 128 and
@@ -90,7 +90,9 @@ def _rms_norm_fwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < R
@@ -153,7 +155,9 @@ def _rms_norm_bwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_GRAD_SUM: tl.constexpr,
     ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -248,6 +252,7 @@ def rms_norm_fwd(
             HAS_RESIDUAL=residual is not None,
             ROPE=rope is not None,
             num_warps=num_warps,
+            **pdl(x.device),
         )
     return out, summed, rstd
 
@@ -289,6 +294,7 @@ def rms_norm_bwd(
             HAS_GRAD_SUM=grad_sum is not None,
             ROPE=rope is not None,
             num_warps=num_warps,
+            **pdl(gy.device),
         )
     return gx, gw_part.sum(0).to(weight.dtype)  # a few hundred partial rows, summed in a fixed order
 

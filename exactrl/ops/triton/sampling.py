@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import INTERPRET, num_programs_cap
+from exactrl.ops.triton.common import INTERPRET, num_programs_cap, pdl, pdl_wait
 
 _BLOCK_V = 8192 if INTERPRET else 2048  # vocabulary slice per loop step (any size gives the same tokens)
 _NOISE_BLOCK = 1 << 16 if INTERPRET else 2048
@@ -149,7 +149,9 @@ def _gumbel_argmax_kernel(
     x_ptr, keys_ptr, greedy_ptr, out_ptr, part_val_ptr, stride_x, stride_p, V, chunk, temperature,
     HAS_GREEDY: tl.constexpr, KEY_PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     # SPLIT: program (row, s) covers the columns [s * chunk, (s + 1) * chunk) of its row and stores its
     # candidate (value, index) at [row, s] of part_val / out for `_argmax_combine_kernel`; else one program
     # per row covers all V columns (chunk unused) and stores the token.
@@ -197,7 +199,10 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit
-def _argmax_combine_kernel(part_val_ptr, part_idx_ptr, out_ptr, S, BLOCK_S: tl.constexpr):
+def _argmax_combine_kernel(
+    part_val_ptr, part_idx_ptr, out_ptr, S, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
     # One row's S candidates from the split `_gumbel_argmax_kernel`, reduced by the rule every lane and the
     # single-program kernel follow: the first NaN if any, else the lowest index holding the maximum. Each
     # candidate is its slice's answer under that rule, and the slices cover the row in order, so this is the
@@ -216,7 +221,8 @@ def _argmax_combine_kernel(part_val_ptr, part_idx_ptr, out_ptr, S, BLOCK_S: tl.c
 
 
 @triton.jit(do_not_specialize=["V"])
-def _gumbel_noise_kernel(keys_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr):
+def _gumbel_noise_kernel(keys_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     s1, s2 = _row_seeds(tl.load(keys_ptr + row))
@@ -224,7 +230,8 @@ def _gumbel_noise_kernel(keys_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _gumbel_of_uniform_kernel(out_ptr, n, BLOCK: tl.constexpr):
+def _gumbel_of_uniform_kernel(out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + idx, _gumbel(idx.to(tl.uint32) << 9), mask=idx < n)
 
@@ -364,10 +371,17 @@ def gumbel_argmax(
         SPLIT=splits > 1,
         num_warps=8 if block >= 2048 else 4,
         **_LAUNCH_OPTS,
+        **pdl(logits.device),
     )
     if splits > 1:
         _argmax_combine_kernel[(rows,)](
-            parts_val, parts_idx, out, splits, BLOCK_S=triton.next_power_of_2(splits), **_LAUNCH_OPTS
+            parts_val,
+            parts_idx,
+            out,
+            splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            **_LAUNCH_OPTS,
+            **pdl(parts_val.device),
         )
     return out
 
@@ -384,7 +398,9 @@ def gumbel_noise_triton(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     out = torch.empty((keys.shape[0], vocab_size), dtype=torch.float32, device=keys.device)
     if out.numel():
         grid = (keys.shape[0], triton.cdiv(vocab_size, _NOISE_BLOCK))
-        _gumbel_noise_kernel[grid](keys, out, out.stride(0), vocab_size, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS)
+        _gumbel_noise_kernel[grid](
+            keys, out, out.stride(0), vocab_size, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS, **pdl(keys.device)
+        )
     return out
 
 
@@ -393,5 +409,7 @@ def _gumbel_of_all_uniforms(device: torch.device | str) -> torch.Tensor:
     n = 1 << 23
     out = torch.empty(n, dtype=torch.float32, device=device)
     _check_device(out, "_gumbel_of_all_uniforms")
-    _gumbel_of_uniform_kernel[(triton.cdiv(n, _NOISE_BLOCK),)](out, n, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS)
+    _gumbel_of_uniform_kernel[(triton.cdiv(n, _NOISE_BLOCK),)](
+        out, n, BLOCK=_NOISE_BLOCK, **_LAUNCH_OPTS, **pdl(out.device)
+    )
     return out
