@@ -34,10 +34,10 @@ fi
 if want pdl-ab; then  # decode with programmatic dependent launch on and off, alternating, CS (default "1 256") x REPS
   for rep in $(seq ${REPS:-2}); do
     for c in ${CS:-1 256}; do
-      for pdl in ${PDL_ARMS:-1 0}; do  # an arm "p" is PDL on with the decode GEMMs' L2 weight prefetch off
-        EXACTRL_PREFETCH_W=$([[ $pdl == p ]] && echo 0 || echo 1) EXACTRL_PDL=${pdl/p/1} timeout 300 $X bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} --device cuda \
+      for pdl in 1 0; do
+        EXACTRL_PDL=$pdl timeout 300 $X bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} --device cuda \
           --concurrency $c --prompt-len 128 --max-tokens 256 --json 2>>"$OUT/pdl_ab.log" | grep '^{' \
-          | sed "s/^{/{\"pdl\": \"$pdl\", \"rep\": $rep, /" | tee -a "$OUT/pdl_ab.jsonl"
+          | sed "s/^{/{\"pdl\": $pdl, \"rep\": $rep, /" | tee -a "$OUT/pdl_ab.jsonl"
       done
     done
   done

@@ -1,7 +1,6 @@
 """Programmatic dependent launch (exactrl.ops.triton.common.pdl): every Triton kernel waits for the previous
 kernel before touching memory, and every launch passes `pdl(device)`.
 
-Before the wait a kernel may only compute indices and ask L2 for its weight (`_prefetch_weight_l2`).
 A kernel launched with PDL but without the wait could read its input before the kernel that writes it has
 finished; a kernel that waits but is launched without the flag, or a launch that passes the flag to a kernel
 without the wait, would be a silent mix. The source check runs everywhere; the GPU check runs a chain of
@@ -46,39 +45,20 @@ def _kernels_and_launches() -> tuple[dict[str, ast.FunctionDef], list[tuple[str,
     return kernels, launches
 
 
-_PURE_BEFORE_WAIT = {"program_id", "cdiv", "arange"}  # calls that touch no memory
-
-
-def _touches_no_memory(stmt: ast.stmt) -> bool:
-    """An assignment whose value calls only tl.program_id / tl.cdiv / tl.arange, or `if PREFETCH_W:` around the
-    L2 weight prefetch (a hint that reads no value into the kernel)."""
-    if isinstance(stmt, ast.Assign):
-        calls = [n for n in ast.walk(stmt.value) if isinstance(n, ast.Call)]
-        return all(isinstance(c.func, ast.Attribute) and c.func.attr in _PURE_BEFORE_WAIT for c in calls)
-    if isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "PREFETCH_W":
-        return not stmt.orelse and all(
-            isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Call)
-            and isinstance(b.value.func, ast.Name)
-            and b.value.func.id == "_prefetch_weight_l2"
-            for b in stmt.body
-        )
-    return False
-
-
-def _waits_before_memory(fn: ast.FunctionDef) -> bool:
-    """pdl_wait(USE_PDL) comes before any statement that may load or store (after the docstring)."""
+def _first_statement_is_wait(fn: ast.FunctionDef) -> bool:
     body = fn.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    for stmt in body:
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-            call = stmt.value
-            if isinstance(call.func, ast.Name) and call.func.id == "pdl_wait":
-                return len(call.args) == 1 and isinstance(call.args[0], ast.Name) and call.args[0].id == "USE_PDL"
-        if not _touches_no_memory(stmt):
-            return False
-    return False
+    if not body or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
+        return False
+    call = body[0].value
+    return (
+        isinstance(call.func, ast.Name)
+        and call.func.id == "pdl_wait"
+        and len(call.args) == 1
+        and isinstance(call.args[0], ast.Name)
+        and call.args[0].id == "USE_PDL"
+    )
 
 
 def test_every_kernel_waits_first_and_every_launch_passes_pdl():
@@ -86,8 +66,8 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl():
     assert len(kernels) >= 20 and len(launches) >= len(kernels)
     no_param = [k for k, fn in kernels.items() if "USE_PDL" not in [a.arg for a in fn.args.args]]
     assert not no_param, f"kernels without a USE_PDL parameter: {no_param}"
-    late = [k for k, fn in kernels.items() if not _waits_before_memory(fn)]
-    assert not late, f"kernels that may touch memory before pdl_wait(USE_PDL): {late}"
+    late = [k for k, fn in kernels.items() if not _first_statement_is_wait(fn)]
+    assert not late, f"kernels whose first statement is not pdl_wait(USE_PDL): {late}"
 
     def passes_pdl(call: ast.Call) -> bool:
         return any(

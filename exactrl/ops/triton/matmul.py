@@ -34,7 +34,6 @@ GEMM (`_segmented_dx`), which has the bits of the GEMM over their concatenation 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +82,6 @@ _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the
 # --bk found every such tile equal to the training tile on every qwen3-0.6b/1.7b shape, H100, 2026-11-25, and
 # faster at 1-64 rows: qwen3-1.7b's gate/up 30 -> 22 us, down 15.1 -> 13.0 us at one row).
 _DECODE_ROWS = 64
-# Decode GEMMs ask L2 for their weight before waiting for the kernel before them (`_prefetch_weight_l2`);
-# EXACTRL_PREFETCH_W=0 turns that off (for measuring it; it changes no value).
-_PREFETCH_W = os.environ.get("EXACTRL_PREFETCH_W", "1") != "0"
 _DECODE_FAMILY = ((64, 64, 128, 4), (64, 32, 128, 4), (64, 16, 256, 3))
 
 
@@ -125,27 +121,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _prefetch_weight_l2(
-    w_ptr, tile_id, num_pid_m, num_pid_n, N, K, stride_wn, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
-):
-    """Ask L2 for the weight rows of this program's first tile (w [N, K] with unit K stride), every 128-byte line,
-    without waiting for them. Issued before `pdl_wait`, while the kernel before this one still runs: a decode
-    step's GEMM then streams its weight from L2 instead of starting cold after the wait. A hint only: it loads
-    nothing into registers and changes no value the kernel computes (the weight is not written inside a decode
-    step, and L2 is where every write lands, so a line it brings can never be older than memory)."""
-    _, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)
-    lines = tl.arange(0, 64) * 64  # 64 bf16 or fp16 elements: one 128-byte line
-    for k0 in range(0, K, 64 * 64):
-        offs_k = tl.minimum(k0 + lines, K - 1)
-        ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,
@@ -168,18 +143,15 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
-    PREFETCH_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    if PREFETCH_W:  # before the wait: the weight is no output of the kernel before (see _prefetch_weight_l2)
-        _prefetch_weight_l2(w_ptr, start, num_pid_m, num_pid_n, N, K, stride_wn, BLOCK_N, GROUP_M)
-    pdl_wait(USE_PDL)
     for tile_id in range(start, num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
 
@@ -381,13 +353,6 @@ def matmul(
         out.stride(0),
         out.stride(1),
         EVEN_K=K % cfg.block_k == 0,
-        # A decode step's GEMM (few rows, one of the decode tiles) asks L2 for its weight before waiting for the
-        # kernel before it (only useful, and only on, where that kernel runs meanwhile: programmatic launch).
-        PREFETCH_W=_PREFETCH_W
-        and M <= _DECODE_ROWS
-        and w.stride(1) == 1
-        and w.element_size() == 2
-        and pdl(x.device)["USE_PDL"],
         **common,
         **pdl(x.device),
     )
