@@ -77,6 +77,12 @@ BK_CANDIDATES = [
     for bn, bk, w in ((32, 128, 1), (64, 128, 2), (32, 256, 2), (64, 256, 4))
 ]
 BK_SIZES = (1, 16, 64)
+# --wide: the decode tiles (and a 128-column one) where the output is wide enough for the training tile to fill
+# the SMs (tile_config then takes it even for one row).
+WIDE_CANDIDATES = [
+    MatmulConfig(64, bn, bk, 8, 4, st)
+    for bn, bk, st in ((128, 128, 3), (64, 128, 4), (32, 128, 4), (64, 256, 3))
+]
 
 
 def main() -> None:
@@ -85,14 +91,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="narrower invariant GEMM tiles: same bits? how fast?")
     ap.add_argument("--mid", action="store_true", help="tiles and row counts between decode and training")
     ap.add_argument("--bk", action="store_true", help="deeper K blocks and 16-row tiles for decode rows")
+    ap.add_argument(
+        "--wide",
+        action="store_true",
+        help="decode rows on the wide outputs (LM head, qwen3-1.7b's gate/up) that take the training tile today",
+    )
     args = ap.parse_args()
     candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
     if args.bk:
         candidates, sizes = BK_CANDIDATES, BK_SIZES
+    if args.wide:
+        candidates, sizes = WIDE_CANDIDATES, BK_SIZES
     dt = torch.bfloat16
     torch.manual_seed(0)
     for model in ("qwen3-0.6b", "qwen3-1.7b"):
-        for part, (n, k) in _shapes(model).items():
+        shapes = _shapes(model)
+        if args.wide:
+            c = preset(model)
+            shapes = {"gate_up": shapes["gate_up"], "lm_head": (c.vocab_size, c.hidden_size)}
+        for part, (n, k) in shapes.items():
             w = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
             x = torch.randn(300, k, device="cuda").to(dt)
             ref = matmul(x, w)

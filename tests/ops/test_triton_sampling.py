@@ -240,7 +240,7 @@ def test_vocab_split_gives_the_same_tokens(monkeypatch):
     assert greedy_tokens.tolist()[1:] == [5, 7, 0, 3, 77]
     # The rule: few rows are split into whole blocks, enough rows are not.
     dev = torch.device(DEVICE)
-    want = 2 * sampling.num_programs_cap(dev)
+    want = sampling._PROGRAMS_PER_SM * sampling.num_programs_cap(dev)
     assert real(want, 151936, 2048, dev) == (1, 151936)
     splits, chunk = real(1, 151936, 2048, dev)
     assert splits > 1 and chunk % 2048 == 0 and (splits - 1) * chunk < 151936 <= splits * chunk

@@ -76,33 +76,36 @@ MATMUL_CONFIGS: dict[torch.dtype, MatmulConfig] = {
 # The 16-bit tile family, largest first: (block_m, block_n) of the 64-row tiles after the training tile.
 _TILE_FAMILY = ((64, 128), (64, 64), (64, 32), (64, 16))
 _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
-# Calls of at most _DECODE_ROWS rows (decode steps): (block_m, block_n, block_k, num_stages), largest first. A
-# program of a one-row GEMM is a chain of dependent loads down K, and deeper K steps make it shorter: the same
-# k = 16 MMAs in the same order into the same accumulator, so the same bits (benchmarks/probe_decode_gemm.py
-# --bk found every such tile equal to the training tile on every qwen3-0.6b/1.7b shape, H100, 2026-11-25, and
-# faster at 1-64 rows: qwen3-1.7b's gate/up 30 -> 22 us, down 15.1 -> 13.0 us at one row).
+# Calls of at most _DECODE_ROWS rows (decode steps): (block_m, block_n, block_k, num_stages), largest first, taken
+# whatever N (the training tile is never used for so few rows). A program of a one-row GEMM is a chain of
+# dependent loads down K, and deeper K steps make it shorter: the same k = 16 MMAs in the same order into the same
+# accumulator, so the same bits (benchmarks/probe_decode_gemm.py --bk found every such tile equal to the training
+# tile on every qwen3-0.6b/1.7b shape, H100, 2026-11-25, and faster at 1-64 rows: qwen3-1.7b's down 15.1 -> 13.0 us
+# at one row; --wide, H200, 2026-11-26: on the wide outputs the 128-column tile runs the LM head at one row in 80 us
+# against the training tile's 155 (qwen3-0.6b; cuBLAS 78) and qwen3-1.7b's gate/up in 16.5 us against 32.5).
 _DECODE_ROWS = 64
-_DECODE_FAMILY = ((64, 64, 128, 4), (64, 32, 128, 4), (64, 16, 256, 3))
+_DECODE_FAMILY = ((64, 128, 128, 3), (64, 64, 128, 4), (64, 32, 128, 4), (64, 16, 256, 3))
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every launch; one entry per (rows, N) seen
 def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConfig:
-    """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: the largest of the family (the training
-    tile first) with at least 70% of the SMs busy, else the narrowest (most tiles); at most 64 rows, from the
-    deeper-K decode tiles. On an H100 this rule picked the fastest tile or one within 15% of it for every
-    qwen3-0.6b/1.7b shape and row count probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
+    """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: at most 64 rows, the largest of the
+    deeper-K decode tiles with at least 70% of the SMs busy, else the narrowest (most tiles); more rows, the
+    largest of the family (the training tile first) with 70% of the SMs busy, else the narrowest. On an H100
+    this rule picked the fastest tile or one within 15% of it for every qwen3-0.6b/1.7b projection and row count
+    probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
     base = MATMUL_CONFIGS[dtype]
     if dtype == torch.float32:
         return base
     need = programs * _MIN_SM_SHARE
-    if triton.cdiv(m, base.block_m) * triton.cdiv(n, base.block_n) >= need:
-        return base
     if m <= _DECODE_ROWS:
         pick = next(
             (t for t in _DECODE_FAMILY if triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= need),
             _DECODE_FAMILY[-1],
         )
         return MatmulConfig(pick[0], pick[1], pick[2], 8, 4, pick[3])
+    if triton.cdiv(m, base.block_m) * triton.cdiv(n, base.block_n) >= need:
+        return base
     for bm, bn in _TILE_FAMILY:
         if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= need:
             break

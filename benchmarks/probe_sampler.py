@@ -1,0 +1,52 @@
+"""How many programs per SM should the Gumbel-max sampler aim for? (exactrl/ops/triton/sampling.py
+`_PROGRAMS_PER_SM`, which decides how many vocabulary slices a row is cut into.)
+
+For a decode step's rows (1, 16, 64, 256) of bf16 raw logits over qwen3's vocabulary, with the temperature inside
+the kernel (the form the decode graphs use), it times one call per setting inside a CUDA graph and checks that
+every setting draws the same tokens (the split never changes the token). JSON lines on stdout.
+
+Run on the GPU: `PYTHONPATH=. python3 benchmarks/probe_sampler.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
+
+from exactrl.ops.triton import sampling
+
+
+def main() -> None:
+    vocab = 151936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 16, 64, 256):
+        logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        parts = torch.stack(
+            [
+                torch.full((rows,), 1234, device="cuda"),
+                torch.arange(rows, device="cuda"),
+                torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                torch.full((rows,), 77, device="cuda"),
+            ]
+        )
+        rec: dict = {"rows": rows, "vocab": vocab, "us": {}}
+        ref = None
+        for pps in (2, 4, 8, 16):
+            sampling._PROGRAMS_PER_SM = pps
+            fn = lambda x=logits, p=parts: sampling.gumbel_argmax(x, None, key_parts=p, temperature=0.7)  # noqa: E731
+            tok = fn()
+            ref = tok if ref is None else ref
+            rec["us"][pps] = round(_time(fn), 1)
+            rec.setdefault("same_tokens", True)
+            rec["same_tokens"] &= bool(torch.equal(tok, ref))
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
