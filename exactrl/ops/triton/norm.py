@@ -24,6 +24,12 @@ of one token) as above, rounds it as `rms_norm` stores it, and rotates it with `
 partner column d +- D/2 normalised again from a second load of the same row: the bits of the two ops in turn, in
 one pass. Its backward rotates the incoming gradient back in fp32 before the norm's backward.
 
+q and k in one launch (`qk_norm_rope`, the decode step's fusion): one grid whose first programs run the tiles
+`rms_norm_rope` runs for q and whose other programs run its tiles for k, through the one @triton.jit row code
+(`_norm_rope_rows`) with norm_config(Dh)'s tile and warps; a tile never mixes q and k. Against the paged cache the
+k programs also store their finished K rows and the token's V rows at its slot: the bytes of `write_kv_cache`.
+So a Qwen3 layer's q/k norm, RoPE and K/V write are one launch instead of three, with the three's bits.
+
 Backward (training only: deterministic, not batch-invariant): a program walks a fixed run of consecutive tiles,
 writes dx, and accumulates its rows' weight-gradient terms in an fp32 register tile; it stores one partial row of
 a [programs, D] fp32 buffer, summed in a fixed order by torch. The number of programs depends on R and the SM
