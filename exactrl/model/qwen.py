@@ -49,13 +49,20 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head, then RoPE (one op, one pass on the GPU)
-            q = ops.rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, cos_sin)
-            k = ops.rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, cos_sin)
+        written = False
+        if self.q_norm is not None:
+            # Qwen3: RMSNorm over each head, then RoPE, for q and k in one op; against the cache the op also writes
+            # K and V (one launch on the GPU: a decode step of few sequences is bound by its launches). Both norms
+            # take cfg.rms_norm_eps.
+            q, k = ops.qk_norm_rope(
+                q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions, cos_sin,
+                kv_cache, None if kv_cache is None else batch.slot_mapping,
+            )  # fmt: skip
+            written = kv_cache is not None
         else:
             q = ops.rope(q, positions, cos_sin)
             k = ops.rope(k, positions, cos_sin)
-        o = ops.attention(q, k, v, batch, kv_cache)
+        o = ops.attention(q, k, v, batch, kv_cache, kv_written=written)
         return self.o_proj(ops, o.reshape(T, -1))
 
 

@@ -60,6 +60,26 @@ class Ops(Protocol):
         per-head q/k norm before RoPE); a backend may fuse the two into one pass."""
         ...
 
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, Dh], k, v: [T, Hkv, Dh] -> (rms_norm_rope(q, q_weight, ...), rms_norm_rope(k, k_weight, ...))
+        with exactly those bits: both halves of Qwen3's attention input. With kv_cache (this layer's (k_cache,
+        v_cache), each [num_blocks, block_size, Hkv, Dh]) it also writes the finished K rows and v at slot_mapping
+        [T], as `attention` would; then call `attention(..., kv_written=True)`. Differentiable in q, k and the
+        weights (without a cache). A backend may do it all in one launch (a decode step is bound by launches)."""
+        ...
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: [T, I] -> silu(gate) * up, [T, I]."""
         ...
@@ -102,11 +122,14 @@ class Ops(Protocol):
         v: torch.Tensor,
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """Causal attention. q: [T, Hq, Dh], k/v: [T, Hkv, Dh] -> [T, Hq, Dh].
 
         kv_cache: None for packed whole sequences (training), or this layer's (k_cache, v_cache), each
-        [num_blocks, block_size, Hkv, Dh]; the new rows are written at batch.slot_mapping before attending.
+        [num_blocks, block_size, Hkv, Dh]; the new rows are written at batch.slot_mapping before attending, unless
+        kv_written says `qk_norm_rope` already wrote them there (then k and v are not read).
         """
         ...
 

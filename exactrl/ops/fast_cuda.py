@@ -89,10 +89,12 @@ class FastCudaOps(TritonOps):
         v: torch.Tensor,
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         if kv_cache is None and self._varlen is not None and q.dtype != torch.float32:
             return self._flash_varlen(q, k, v, batch)
-        return super().attention(q, k, v, batch, kv_cache)
+        return super().attention(q, k, v, batch, kv_cache, kv_written=kv_written)
 
     def _flash_varlen(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch

@@ -52,14 +52,19 @@ def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def kv_cache_views(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged cache's (k_cache, v_cache), each [num_blocks, block_size, Hkv, Dh], as flat [slots, Hkv, Dh]
+    views: the key store attention reads through batch.key_slots."""
+    k_cache, v_cache = kv_cache
+    hkv, dh = k_cache.shape[-2:]
+    return k_cache.view(-1, hkv, dh), v_cache.view(-1, hkv, dh)
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new rows into the paged cache (before attending: rule 4) and return flat [slots, Hkv, Dh] views."""
-    k_cache, v_cache = kv_cache
-    hkv, dh = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, hkv, dh)
-    v_flat = v_cache.view(-1, hkv, dh)
+    k_flat, v_flat = kv_cache_views(kv_cache)
     k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
     return k_flat, v_flat
@@ -307,6 +312,28 @@ class ExactTorchOps:
     ) -> torch.Tensor:
         return self.rope(self.rms_norm(x, weight, eps), positions, cos_sin)
 
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The composition the interface describes; nothing here is bound by launches.
+        q = self.rms_norm_rope(q, q_weight, eps, positions, cos_sin)
+        k = self.rms_norm_rope(k, k_weight, eps, positions, cos_sin)
+        if kv_cache is not None:
+            if slot_mapping is None:
+                raise ValueError("qk_norm_rope with a KV cache needs slot_mapping (batch.slot_mapping)")
+            write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul_torch(gate, up)
 
@@ -319,12 +346,14 @@ class ExactTorchOps:
         # Per expert through this backend's invariant linear (exactrl/ops/moe_torch.py says why that suffices).
         return experts_exact(self.linear, self.silu_mul, x, gate_up, down, weights, ids)
 
-    def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None) -> torch.Tensor:
+    def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None, *, kv_written=False) -> torch.Tensor:
         if kv_cache is None:
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 return _PackedAttention.apply(q, k, v, batch)
             return attention_tiled(q, k, v, batch)
-        k_flat, v_flat = write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        k_flat, v_flat = (
+            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        )
         return attention_tiled(q, k_flat, v_flat, batch)
 
     def logprobs(self, hidden, weight, targets, temperature: float = 1.0, with_entropy: bool = False):
@@ -372,8 +401,10 @@ class FastOps(ExactTorchOps):
     def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
         return experts_fast(x, gate_up, down, weights, ids)
 
-    def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None) -> torch.Tensor:
+    def attention(self, q, k, v, batch: AttentionBatch, kv_cache=None, *, kv_written=False) -> torch.Tensor:
         if kv_cache is None:
             return attention_sdpa(q, k, v, batch)
-        k_flat, v_flat = write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        k_flat, v_flat = (
+            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        )
         return attention_sdpa(q, k_flat, v_flat, batch)

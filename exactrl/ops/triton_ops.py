@@ -6,7 +6,7 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 | op | kernel | invariance comes from |
 | --- | --- | --- |
 | linear | persistent GEMM, a tile family that keeps one K order | in-order K reduction, no split-K, M not specialised |
-| rms_norm, add_rms_norm | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
+| rms_norm, add_rms_norm, rms_norm_rope, qk_norm_rope | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
 | rope, silu_mul | elementwise | nothing to reduce |
 | attention | one kernel: training, prefill, decode (+ a combine kernel for split-KV decode) | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op, fixed ATTN_SPLIT_KEYS chunks folded in order |
 | logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
@@ -36,7 +36,7 @@ from exactrl.ops.triton.logprobs import (
 )
 from exactrl.ops.triton.matmul import MATMUL_CONFIGS, linear, packed_linear
 from exactrl.ops.triton.moe import moe_experts, moe_route
-from exactrl.ops.triton.norm import add_rms_norm, rms_norm, rms_norm_rope
+from exactrl.ops.triton.norm import add_rms_norm, qk_norm_rope, rms_norm, rms_norm_rope
 
 __all__ = ["ATTN_BLOCK_N", "ATTN_ROWS", "LOGPROB_CHUNK_ROWS", "MATMUL_CONFIGS", "TritonOps"]
 
@@ -77,6 +77,21 @@ class TritonOps:
     ) -> torch.Tensor:
         return rms_norm_rope(x, weight, eps, positions, cos_sin)
 
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk_norm_rope(q, k, v, q_weight, k_weight, eps, positions, cos_sin, kv_cache, slot_mapping)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate, up)
 
@@ -87,8 +102,10 @@ class TritonOps:
         v: torch.Tensor,
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        return attention(q, k, v, batch, kv_cache)
+        return attention(q, k, v, batch, kv_cache, kv_written)
 
     def logprobs(
         self,

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.batch import AttentionBatch
+from exactrl.ops.torch_ops import kv_cache_views
 from exactrl.ops.triton.common import mma, next_pow2, num_programs_cap, pdl, pdl_wait
 from exactrl.ops.triton.kv_write import write_kv_cache  # K and V into the paged cache in one launch
 
@@ -783,8 +784,10 @@ def attention(
     v: torch.Tensor,
     batch: AttentionBatch,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Causal attention, q: [T, Hq, Dh], k/v: [T, Hkv, Dh] -> [T, Hq, Dh]; differentiable when kv_cache is None."""
+    """Causal attention, q: [T, Hq, Dh], k/v: [T, Hkv, Dh] -> [T, Hq, Dh]; differentiable when kv_cache is None.
+    kv_written: the new rows are already in kv_cache (norm.qk_norm_rope wrote them), k and v are not read."""
     if kv_cache is None:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _PackedAttention.apply(q, k, v, batch)
@@ -793,5 +796,8 @@ def attention(
         raise ValueError(
             "attention with a KV cache needs batch.slot_mapping (build it with AttentionBatch.paged)"
         )
-    k_flat, v_flat = write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+    if kv_written:
+        k_flat, v_flat = kv_cache_views(kv_cache)
+    else:
+        k_flat, v_flat = write_kv_cache(k, v, kv_cache, batch.slot_mapping)
     return attention_fwd(q, k_flat, v_flat, batch)[0]

@@ -4,7 +4,8 @@
 GPU a decode step of few sequences is bound by the number of kernels it launches, not by the bytes they move
 (qwen3-0.6b at one sequence: 56 `index_copy_` launches a step of 2.2 us each, for 4 KB a layer; docs/benchmarks.md),
 so the Triton backends write K and V together: one program per new row copies its [Hkv, Dh] K and V rows to the
-slot. A copy: the cache holds the same bytes either way, so nothing here touches exactness.
+slot. A copy: the cache holds the same bytes either way, so nothing here touches exactness. Qwen3's layers (q/k
+norm) do this write inside `norm.qk_norm_rope`'s launch instead; this one serves the models without a q/k norm.
 
 Rows that share a slot (the engine points every padding row of a decode bucket at one scratch slot) race, as they do
 under `index_copy_`; the scratch slot's contents are never read by a real row.

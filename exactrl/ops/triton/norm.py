@@ -24,6 +24,12 @@ of one token) as above, rounds it as `rms_norm` stores it, and rotates it with `
 partner column d +- D/2 normalised again from a second load of the same row: the bits of the two ops in turn, in
 one pass. Its backward rotates the incoming gradient back in fp32 before the norm's backward.
 
+q and k in one launch (`qk_norm_rope`, the decode step's fusion): one grid whose first programs run the tiles
+`rms_norm_rope` runs for q and whose other programs run its tiles for k, through the one @triton.jit row code
+(`_norm_rope_rows`) with norm_config(Dh)'s tile and warps; a tile never mixes q and k. Against the paged cache the
+k programs also store their finished K rows and the token's V rows at its slot: the bytes of `write_kv_cache`.
+So a Qwen3 layer's q/k norm, RoPE and K/V write are one launch instead of three, with the three's bits.
+
 Backward (training only: deterministic, not batch-invariant): a program walks a fixed run of consecutive tiles,
 writes dx, and accumulates its rows' weight-gradient terms in an fp32 register tile; it stores one partial row of
 a [programs, D] fp32 buffer, summed in a fixed order by torch. The number of programs depends on R and the SM
@@ -39,6 +45,7 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.triton.common import next_pow2, num_programs_cap, pdl, pdl_wait
+from exactrl.ops.triton.kv_write import write_kv_cache
 
 # The forward's tile: 4096 elements, 32 per thread. The backward keeps x, dy, dx and the weight-gradient
 # accumulator live at once, so it takes a smaller tile over more warps (8 elements per thread): at D = 128 and
@@ -70,6 +77,67 @@ def _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok):
     return lo, partner, tl.load(cs_row, mask=ok, other=0.0), tl.load(cs_row + half, mask=ok, other=0.0)
 
 
+@triton.jit
+def _norm_rows(x, w_ptr, cols, D, eps):
+    # HF's RMSNorm of a loaded [ROWS, BLOCK_D] tile -> (normed * weight in fp32, not yet rounded; rstd [ROWS]).
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # one reduction per row, along the tile's axis 1
+    # HF: cast back to the input dtype before the weight.
+    normed = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    # A product of two <=16-bit floats is exact in fp32, so one rounding to the output dtype matches torch.
+    return normed.to(tl.float32) * w[None, :], rstd
+
+
+@triton.jit
+def _norm_rope_rows(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rstd_ptr,
+    pos_ptr,
+    cs_ptr,
+    stride_cs,
+    n_heads,
+    stride_xt,
+    tile,
+    R,
+    D,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+):
+    # Tile `tile` of the [T * n_heads, D] rows of x ([T, n_heads, D], heads contiguous, token stride stride_xt):
+    # rope(rms_norm(row)) into out ([R, D] contiguous) and rstd. The one copy of this arithmetic: `rms_norm_rope`
+    # and `qk_norm_rope` both run it, so a row has the same bits whichever launch computes it. Returns the rows,
+    # their mask and the stored tile (in the output dtype) for a caller that stores it elsewhere too.
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    ok = row_ok[:, None] & (cols < D)[None, :]
+    x_row = (rows // n_heads) * stride_xt + (rows % n_heads) * D
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0)
+    y, rstd = _norm_rows(x, w_ptr, cols, D, eps)
+    # rope(rms_norm(x)) with the bits of the two ops run one after the other: y is rounded to the output dtype
+    # as `rms_norm` stores it, then rotated with `rope`'s fp32 expressions. A row is one head of one token; the
+    # partner of column d is d +- D/2 in the same row (same rstd), normalised again from a second load.
+    lo, partner, cos, sin = _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok)
+    xp = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=ok, other=0.0)
+    wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
+    yp = (xp.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * wp[None, :]
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    yp = yp.to(out_ptr.dtype.element_ty).to(tl.float32)
+    # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves), in
+    # the explicit FMAs of the rope kernel: fma(y, cos, -(yp * sin)) and fma(y, cos, yp * sin).
+    ys = yp * sin
+    out = tl.fma(y, cos, tl.where(lo[None, :], -ys, ys)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=ok)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    return rows, row_ok, ok, out
+
+
 @triton.jit(do_not_specialize=["R"])
 def _rms_norm_fwd_kernel(
     x_ptr,
@@ -93,45 +161,84 @@ def _rms_norm_fwd_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    ok = row_ok[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * D + cols[None, :]
+    tile = tl.program_id(0).to(tl.int64)
     if ROPE:
         # x: [T, n_heads, D] with heads contiguous and a token stride of its own (a view of the packed qkv)
-        x_row = (rows // n_heads) * stride_xt + (rows % n_heads) * D
-        x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0)
+        _norm_rope_rows(
+            x_ptr, w_ptr, out_ptr, rstd_ptr, pos_ptr, cs_ptr, stride_cs, n_heads, stride_xt, tile, R, D, eps,
+            ROWS, BLOCK_D, True,
+        )  # fmt: skip
     else:
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        row_ok = rows < R
+        ok = row_ok[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
         x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        # torch's `x + residual`: the sum in fp32, rounded once to x.dtype; then normalised like any input.
-        res = tl.load(res_ptr + offs, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + offs, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # one reduction per row, along the tile's axis 1
-    # HF: cast back to the input dtype before the weight.
-    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    # A product of two <=16-bit floats is exact in fp32, so one rounding to the output dtype matches torch.
-    y = normed.to(tl.float32) * w[None, :]
-    if ROPE:
-        # rope(rms_norm(x)) with the bits of the two ops run one after the other: y is rounded to the output dtype
-        # as `rms_norm` stores it, then rotated with `rope`'s fp32 expressions. A row is one head of one token; the
-        # partner of column d is d +- D/2 in the same row (same rstd), normalised again from a second load.
-        lo, partner, cos, sin = _rope_tile(pos_ptr, cs_ptr, stride_cs, n_heads, rows, cols, D, row_ok, ok)
-        xp = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=ok, other=0.0)
-        wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
-        yp = (xp.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * wp[None, :]
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        yp = yp.to(out_ptr.dtype.element_ty).to(tl.float32)
-        # rope: first half x1 * cos - x2 * sin, second half x2 * cos + x1 * sin (x1, x2: the row's two halves), in
-        # the explicit FMAs of the rope kernel: fma(y, cos, -(yp * sin)) and fma(y, cos, yp * sin).
-        ys = yp * sin
-        y = tl.fma(y, cos, tl.where(lo[None, :], -ys, ys))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        if HAS_RESIDUAL:
+            # torch's `x + residual`: the sum in fp32, rounded once to x.dtype; then normalised like any input.
+            res = tl.load(res_ptr + offs, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(sum_ptr + offs, x, mask=ok)
+        y, rstd = _norm_rows(x, w_ptr, cols, D, eps)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Rq", "Rk", "q_tiles"])
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    pos_ptr,
+    cs_ptr,
+    stride_cs,
+    n_q_heads,
+    n_kv_heads,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    Rq,
+    Rk,
+    q_tiles,
+    D,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    pid = tl.program_id(0)
+    # Programs [0, q_tiles) take the q rows, the rest the k rows: a tile never mixes the two, and each is the
+    # tile `rms_norm_rope` would give that program for q or k alone (same rows, same code, same constexprs).
+    if pid < q_tiles:
+        _norm_rope_rows(
+            q_ptr, qw_ptr, q_out_ptr, q_out_ptr, pos_ptr, cs_ptr, stride_cs, n_q_heads, stride_qt,
+            pid.to(tl.int64), Rq, D, eps, ROWS, BLOCK_D, False,
+        )  # fmt: skip
+    else:
+        rows, row_ok, ok, k = _norm_rope_rows(
+            k_ptr, kw_ptr, k_out_ptr, k_out_ptr, pos_ptr, cs_ptr, stride_cs, n_kv_heads, stride_kt,
+            (pid - q_tiles).to(tl.int64), Rk, D, eps, ROWS, BLOCK_D, False,
+        )  # fmt: skip
+        if WRITE_KV:
+            # The paged-cache write of exactrl/ops/triton/kv_write.py for these rows: the finished (normalised,
+            # rotated, rounded) K row and the token's V row of the same head, at the token's slot. A copy of bytes.
+            cols = tl.arange(0, BLOCK_D)
+            token, head = rows // n_kv_heads, rows % n_kv_heads
+            slot = tl.load(slots_ptr + token, mask=row_ok, other=0).to(tl.int64)
+            dst = (slot * n_kv_heads + head) * D
+            tl.store(kc_ptr + dst[:, None] + cols[None, :], k, mask=ok)
+            v = tl.load(v_ptr + (token * stride_vt + head * D)[:, None] + cols[None, :], mask=ok)
+            tl.store(vc_ptr + dst[:, None] + cols[None, :], v, mask=ok)
 
 
 @triton.jit(do_not_specialize=["R", "tiles_per_program"])
@@ -360,30 +467,119 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.reshape(shape)
 
 
+def _check_rope_rows(op: str, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    T, _, D = x.shape
+    if D % 2 or cos_sin.shape[-1] != D or positions.shape != (T,):
+        raise ValueError(
+            f"{op} needs x [T, H, Dh] with an even Dh equal to cos_sin's width and positions [T], got x "
+            f"{tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}, positions {tuple(positions.shape)}"
+        )
+
+
+def _heads_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, Dh] as the norm + RoPE kernels read it: in place when the heads of a token are contiguous and
+    16-byte aligned (the packed qkv's q and k views), else a contiguous copy. Either way the loads see the same
+    alignment, so every call with a given Dh and dtype runs the same compiled layout."""
+    D, esize = x.shape[2], x.element_size()
+    if not (
+        x.stride(2) == 1 and x.stride(1) == D and (x.stride(0) * esize) % 16 == 0 and x.data_ptr() % 16 == 0
+    ):
+        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def rms_norm_rope(
     x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> torch.Tensor:
     """x: [T, H, Dh] -> rope(rms_norm(x, weight, eps), positions, cos_sin) in one pass (Qwen3's q/k norm), with
     the bits of the two ops run one after the other. Differentiable in x and weight."""
+    _check_rope_rows("rms_norm_rope", x, positions, cos_sin)
     T, H, D = x.shape
-    if D % 2 or cos_sin.shape[-1] != D or positions.shape != (T,):
-        raise ValueError(
-            f"rms_norm_rope needs x [T, H, Dh] with an even Dh equal to cos_sin's width and positions [T], got x "
-            f"{tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}, positions {tuple(positions.shape)}"
-        )
     weight, cos_sin, positions = weight.contiguous(), cos_sin.contiguous(), positions.contiguous()
-    # Read in place when the heads of a token are contiguous and 16-byte aligned (the packed qkv's q and k views),
-    # else from a contiguous copy: either way the loads see the same alignment, so the same compiled layout.
-    esize = x.element_size()
-    if not (
-        x.stride(2) == 1 and x.stride(1) == D and (x.stride(0) * esize) % 16 == 0 and x.data_ptr() % 16 == 0
-    ):
-        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
+    x = _heads_rows(x)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RMSNormRope.apply(x, weight, float(eps), positions, cos_sin)
     else:
         y = rms_norm_fwd(x, weight, eps, rope=RopeArgs(positions, cos_sin, H, x.stride(0)))[0]
     return y.view(T, H, D)
+
+
+def _fused_kv_write_ok(
+    k_out: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    T: int,
+    hkv: int,
+    dh: int,
+) -> bool:
+    """Whether the fused launch can write the cache as a plain copy: the finished K rows, V and both caches of
+    one dtype, shapes that match (else `write_kv_cache` converts or complains, as it always has)."""
+    k_cache, v_cache = kv_cache
+    same = k_out.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    shapes = k_cache.shape[-2:] == v_cache.shape[-2:] == (hkv, dh) and v.shape == (T, hkv, dh)
+    return same and shapes and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, Dh], k, v: [T, Hkv, Dh] -> (rms_norm_rope(q, q_weight, ...), rms_norm_rope(k, k_weight, ...)) in
+    one launch, with those bits; with kv_cache (each [num_blocks, block_size, Hkv, Dh]) the same launch also writes
+    the finished K rows and the V rows at slot_mapping [T], the bytes `write_kv_cache` writes.
+
+    Why the bits are those of the two calls: the grid's first programs run `rms_norm_rope`'s tiles of q, the rest
+    its tiles of k, through the one @triton.jit row code (`_norm_rope_rows`) with norm_config(Dh)'s tile and
+    warps, the inputs read in place under the same alignment rule (`_heads_rows`). Where autograd is recording,
+    the two calls themselves run (their backward is `_RMSNormRope`'s); a cache write that would convert a dtype
+    goes through `write_kv_cache`."""
+    _check_rope_rows("qk_norm_rope", q, positions, cos_sin)
+    _check_rope_rows("qk_norm_rope", k, positions, cos_sin)
+    if kv_cache is not None and (slot_mapping is None or slot_mapping.shape != (q.shape[0],)):
+        raise ValueError(
+            f"qk_norm_rope with a KV cache needs slot_mapping [T] (T = {q.shape[0]}), got "
+            f"{None if slot_mapping is None else tuple(slot_mapping.shape)}"
+        )
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight))
+    if grad:
+        q_out = rms_norm_rope(q, q_weight, eps, positions, cos_sin)
+        k_out = rms_norm_rope(k, k_weight, eps, positions, cos_sin)
+        if kv_cache is not None:
+            write_kv_cache(k_out, v, kv_cache, slot_mapping)
+        return q_out, k_out
+    (T, hq, D), hkv = q.shape, k.shape[1]
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    cos_sin, positions = cos_sin.contiguous(), positions.contiguous()
+    q, k = _heads_rows(q), _heads_rows(k)
+    q_out = torch.empty((T * hq, D), dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
+    k_out = torch.empty((T * hkv, D), dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
+    fused_write = kv_cache is not None and _fused_kv_write_ok(k_out, v, kv_cache, T, hkv, D)
+    if fused_write and not (v.stride(2) == 1 and v.stride(1) == D):
+        v = v.contiguous()  # the kernel reads a token's V heads as one run of Hkv * Dh elements
+    if T:
+        block_d, rows, num_warps = norm_config(D)
+        q_tiles = triton.cdiv(T * hq, rows)
+        k_cache, v_cache = kv_cache if fused_write else (k_out, k_out)
+        _qk_norm_rope_kernel[(q_tiles + triton.cdiv(T * hkv, rows),)](
+            q, k, v if fused_write else k, q_weight, k_weight, q_out, k_out, k_cache, v_cache,
+            slot_mapping.contiguous() if fused_write else positions, positions, cos_sin, cos_sin.stride(0),
+            hq, hkv, q.stride(0), k.stride(0), v.stride(0) if fused_write else 0, T * hq, T * hkv, q_tiles, D,
+            float(eps),
+            ROWS=rows, BLOCK_D=block_d, WRITE_KV=fused_write, num_warps=num_warps,
+            **pdl(q.device),
+        )  # fmt: skip
+    q_out, k_out = q_out.view(T, hq, D), k_out.view(T, hkv, D)
+    if kv_cache is not None and not fused_write:
+        write_kv_cache(k_out, v, kv_cache, slot_mapping)
+    return q_out, k_out
 
 
 def add_rms_norm(
