@@ -42,6 +42,18 @@ if want pdl-ab; then  # decode with programmatic dependent launch on and off, al
     done
   done
 fi
+if want ab-rollout; then  # decode, this tree against the exactrl package copied into $AB_BASE, alternating
+  for rep in $(seq ${REPS:-2}); do
+    for c in ${CS:-1 256}; do
+      for arm in base head; do
+        pp=.; [[ $arm == base ]] && pp=${AB_BASE:?AB_BASE: a folder holding the baseline exactrl package}
+        PYTHONPATH=$pp timeout 300 python3 -m exactrl.cli bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} \
+          --device cuda --concurrency $c --prompt-len 128 --max-tokens 256 --json 2>>"$OUT/ab_rollout.log" \
+          | grep '^{' | sed "s/^{/{\"arm\": \"$arm\", \"rep\": $rep, /" | tee -a "$OUT/ab_rollout.jsonl"
+      done
+    done
+  done
+fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
   timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \
     --json 2>&1 | tail -4 | tee -a "$OUT/parity_llama.txt"
