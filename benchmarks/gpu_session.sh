@@ -42,12 +42,13 @@ if want pdl-ab; then  # decode with programmatic dependent launch on and off, al
     done
   done
 fi
-if want ab-rollout; then  # decode, this tree against the exactrl package copied into $AB_BASE, alternating
+if want ab-rollout; then  # decode, this tree against the exactrl package copied into $AB_BASE, alternating (-P: the
+  # working directory is not put first on sys.path, so the base arm imports $AB_BASE's package, not this tree's)
   for rep in $(seq ${REPS:-2}); do
     for c in ${CS:-1 256}; do
       for arm in base head; do
         pp=.; [[ $arm == base ]] && pp=${AB_BASE:?AB_BASE: a folder holding the baseline exactrl package}
-        PYTHONPATH=$pp timeout 300 python3 -m exactrl.cli bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} \
+        PYTHONPATH=$pp timeout 300 python3 -P -m exactrl.cli bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} \
           --device cuda --concurrency $c --prompt-len 128 --max-tokens 256 --json 2>>"$OUT/ab_rollout.log" \
           | grep '^{' | sed "s/^{/{\"arm\": \"$arm\", \"rep\": $rep, /" | tee -a "$OUT/ab_rollout.jsonl"
       done
