@@ -82,7 +82,7 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl():
     assert not missing, f"kernel launches without **pdl(device): {missing}"
 
 
-def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
+def test_pdl_is_off_on_the_cpu():
     from exactrl.ops.triton.common import pdl
 
     assert pdl(torch.device("cpu")) == {"USE_PDL": False}
@@ -126,15 +126,21 @@ def test_dependent_chain_in_a_graph_same_bits_with_and_without_pdl(monkeypatch):
         torch.cuda.synchronize()
         return torch.stack(outs)
 
-    results = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("EXACTRL_PDL", flag)
-        common._pdl_capable.cache_clear()
-        assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
-        results[flag] = run_in_graph()
+    # The reference: the eager chain with PDL as this process has it (on, on Hopper), before any switch.
     common._pdl_capable.cache_clear()
+    pdl_default = common.pdl(torch.device("cuda"))["USE_PDL"]
     eager = chain(x0.clone())
     assert torch.isfinite(eager.float()).all()
+    results = {}
+    with monkeypatch.context() as m:
+        for flag in ("1", "0"):
+            m.setenv("EXACTRL_PDL", flag)
+            common._pdl_capable.cache_clear()
+            assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
+            results[flag] = run_in_graph()
+    # The switch must not outlive the test: the tests after it in this process run with PDL as they found it.
+    common._pdl_capable.cache_clear()
+    assert common.pdl(torch.device("cuda"))["USE_PDL"] is pdl_default
     for flag, outs in results.items():
         for r in range(outs.shape[0]):
             assert torch.equal(outs[r], eager), f"EXACTRL_PDL={flag}: replay {r} differs from the eager chain"

@@ -220,3 +220,13 @@ def test_torch_backends_compose_and_attend_without_writing_twice(backend):
         s.q, s.k, s.v, s.q_weight, one_ulp_away(s.k_weight), EPS, pos, s.cos_sin, bad, batch.slot_mapping
     )
     assert not torch.equal(bad[0], ref_cache[0]) and torch.equal(bad[1], ref_cache[1])
+
+
+def test_residual_and_rope_together_are_refused():
+    """rms_norm_fwd's RoPE rows read no residual: asking for both is an error, not an uninitialised `summed`."""
+    from exactrl.ops.triton.norm import RopeArgs, rms_norm_fwd
+
+    x = torch.randn(3, 2, 8)
+    cs = torch.randn(16, 8)
+    with pytest.raises(ValueError, match="residual and rope"):
+        rms_norm_fwd(x, torch.ones(8), 1e-6, residual=x, rope=RopeArgs(torch.arange(3), cs, 2, x.stride(0)))

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.torch_ops import kv_cache_views
 from exactrl.ops.torch_ops import write_kv_cache as write_with_index_copy
 from exactrl.ops.triton.common import next_pow2, pdl, pdl_wait
 
@@ -54,10 +55,8 @@ def write_kv_cache(
     """As exactrl.ops.torch_ops.write_kv_cache (the new rows into the paged cache, before attending; returns flat
     [slots, Hkv, Dh] views), in one launch. Falls back to it where a copy would also convert the dtype or the rows
     are laid out otherwise."""
-    k_cache, v_cache = kv_cache
-    hkv, dh = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, hkv, dh)
-    v_flat = v_cache.view(-1, hkv, dh)
+    k_flat, v_flat = kv_cache_views(kv_cache)
+    hkv, dh = k_flat.shape[1:]
     T = k.shape[0]
     same = k.dtype == v.dtype == k_flat.dtype == v_flat.dtype
     if not (same and k.shape == v.shape == (T, hkv, dh) and _rows_ok(k) and _rows_ok(v)):

@@ -336,7 +336,12 @@ def rms_norm_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """x (and residual): [R, D] from `_rows` -> (y [R, D] in promote(x, weight) dtype, summed [R, D] in x.dtype
     (None without a residual), rstd [R] fp32). With a residual, y normalises summed = x + residual; with `rope`,
-    y is then rotated (RoPE) as `rope` would rotate the stored norm output."""
+    y is then rotated (RoPE) as `rope` would rotate the stored norm output. Not both: the kernel's RoPE rows read
+    no residual."""
+    if residual is not None and rope is not None:
+        raise ValueError(
+            "rms_norm_fwd: a residual and rope together are not supported (the RoPE rows read no residual)"
+        )
     R, D = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1), x.shape[-1]
     out = torch.empty((R, D), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x) if residual is not None else None

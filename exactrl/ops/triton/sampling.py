@@ -268,7 +268,9 @@ def _check_keys(keys: torch.Tensor, rows: int, device: torch.device, what: str) 
 
 
 # Programs a sampling call aims for per SM. The noise costs a hash and two logarithms a column, so one program per
-# row at 256 rows (two per SM) left the SMs short of warps: 236 us a decode step on an H200 at 256 sequences.
+# row at 256 rows (two per SM) left the SMs short of warps: 334 -> 215 us at 256 rows with 8 (H200,
+# benchmarks/probe_sampler.py), at a small cost where 2 already split the rows (16 rows 20.0 -> 20.5 us, 64 rows
+# 61.5 -> 64.2).
 _PROGRAMS_PER_SM = 8
 
 
