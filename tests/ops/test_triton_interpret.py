@@ -853,6 +853,10 @@ def _row_calls(rows: int, dtype) -> None:
     ops.silu_mul(x, x)
     pos = torch.arange(rows, device=DEVICE) % 64
     ops.rope(randn(rows, H, Dh, dtype=dtype, seed=84), pos, _rope_table(64, Dh))
+    qk_w = randn(Dh, dtype=dtype, seed=86)
+    q, k = randn(rows, 2 * H, Dh, dtype=dtype, seed=87), randn(rows, H, Dh, dtype=dtype, seed=88)
+    ops.rms_norm_rope(q, qk_w, 1e-6, pos, _rope_table(64, Dh))
+    ops.qk_norm_rope(q, k, k, qk_w, qk_w, 1e-6, pos, _rope_table(64, Dh), None, None)
     ops.logits(x, wl, 0.7)
     ops.scale_logits(ops.linear(x, wl), 0.7)
     xg = x.clone().requires_grad_(True)
