@@ -3,7 +3,8 @@
 
 For a decode step's rows (1, 16, 64, 256) of bf16 raw logits over qwen3's vocabulary, with the temperature inside
 the kernel (the form the decode graphs use), it times one call per setting inside a CUDA graph and checks that
-every setting draws the same tokens (the split never changes the token). JSON lines on stdout.
+every setting draws the same tokens (the split never changes the token). A table line and a JSON line per row
+count on stdout.
 
 Run on the GPU: `PYTHONPATH=. python3 benchmarks/probe_sampler.py`.
 """
@@ -45,6 +46,8 @@ def main() -> None:
             rec["us"][pps] = round(_time(fn), 1)
             rec.setdefault("same_tokens", True)
             rec["same_tokens"] &= bool(torch.equal(tok, ref))
+        cells = "  ".join(f"{pps}/SM {us:7.1f}" for pps, us in rec["us"].items())
+        print(f"rows {rows:4d}  us per call: {cells}  same tokens: {rec['same_tokens']}", flush=True)
         print(json.dumps(rec), flush=True)
 
 
