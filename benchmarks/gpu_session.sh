@@ -9,6 +9,7 @@
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
 #     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
+#     [pdl-ab] [ab-rollout] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -54,6 +55,9 @@ if want ab-rollout; then  # decode, this tree against the exactrl package copied
       done
     done
   done
+fi
+if want probe-chunked-gemm; then  # a GEMM reducing K in fixed chunks: split-K for decode with training's bits? (~2 min)
+  timeout 400 python3 benchmarks/probe_chunked_gemm.py 2>&1 | grep -v Warning | tee "$OUT/probe_chunked_gemm.txt"
 fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
   timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \
