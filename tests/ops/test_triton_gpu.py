@@ -471,6 +471,50 @@ def test_attention_decode_sweep(dtype):
     assert rel_err(full, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("c,lo,hi", [(1, 128, 384), (64, 128, 384), (256, 128, 384), (64, 1024, 2048)])
+def test_attention_query_tiles_equal(c, lo, hi):
+    """A decode step's 16-row query tile (`_fwd_config`) and other tiles give every row the bits of training's
+    64-row tile, split-KV or not, at decode geometries where a layout-ordered row sum gave some rows other bits
+    (64 and 256 sequences of 128-384 keys, a shuffled paged cache, keys with outlier channels). Negative control:
+    another key-chunk size (a different fold order) changes some row, so the comparison can fail."""
+    from exactrl.ops.triton.attention import ATTN_ROWS, DECODE_LAUNCH, _fwd_config
+
+    gen_py = torch.Generator().manual_seed(c * 31 + lo)
+    ctx = torch.randint(lo, hi + 1, (c,), generator=gen_py).tolist()
+    page = 16
+    pages = [-(-n // page) for n in ctx]
+    ids = torch.randperm(sum(pages) + 8, generator=gen_py).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(ids[at : at + n])
+        at += n
+    slots = len(ids) * page
+    k = randn(slots, HKV, DH, scale=0.5, seed=c + 1)
+    k[:, :, :4] *= 8.0  # outlier channels, as real keys have
+    k = k.bfloat16()
+    v = randn(slots, HKV, DH, dtype=torch.bfloat16, seed=c + 2)
+    q = randn(c, HQ, DH, dtype=torch.bfloat16, scale=0.7, seed=c + 3)
+    batch = AttentionBatch.paged([n - 1 for n in ctx], [1] * c, tables, page, device=DEV)
+    assert _fwd_config(torch.bfloat16, batch, HQ // HKV)[0] == DECODE_LAUNCH[0]
+    train_tile = (ATTN_ROWS, 64, 4, 3)
+    ref = attention_fwd(q, k, v, batch, config=train_tile, split=False)[0]
+    for cfg in [
+        train_tile,
+        (DECODE_LAUNCH[0], 64, *DECODE_LAUNCH[1:]),
+        (16, 64, 1, 3),
+        (32, 64, 2, 3),
+        (64, 64, 8, 3),
+    ]:
+        for split in (False, True):
+            out = attention_fwd(q, k, v, batch, config=cfg, split=split)[0]
+            assert torch.equal(out, ref), (
+                f"tile {cfg}, split {split}: some row differs from the training tile"
+            )
+    assert torch.equal(attention_fwd(q, k, v, batch)[0], ref)  # the tile and split the exact ops pick
+    other = attention_fwd(q, k, v, batch, config=train_tile, split=False, split_keys=128)[0]
+    assert not torch.equal(other, ref), "negative control: another fold order should change some row"
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Gradients
 # ------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ Why a query row's output is the same bits in every batch, chunking and storage:
   whatever the batch. A tile's keys are gathered slot by slot, so a tile may straddle KV pages: the page size
   needs no relation to ATTN_BLOCK_N (AttentionBatch still asks for a multiple of 16).
 - Scores are `tl.dot(q_tile, k_tile^T)`: each row's scores come from its own q row alone. The online softmax
-  (running max m, sum l, accumulator acc, all fp32) is row-wise elementwise/row-reduction arithmetic.
+  (running max m, sum l, accumulator acc, all fp32) is row-wise elementwise arithmetic, a max (exact in any
+  order) and MMAs (the row sum of p is one, against a column of ones): no reduction whose order follows the
+  tile's layout, so the query tile's rows and warps never change a row's bits. Training and prefill use a 64-row
+  tile; a decode step, whose tile holds G real rows, a 16-row one (`_fwd_config`).
 - A program walks as many tiles as its *latest* query needs. For an earlier query of the same tile the extra
   tiles are fully masked, and a fully masked tile is an exact no-op: max(m, -inf) = m, exp2(m - m) = 1,
   exp2(-inf) = 0, so l * 1 + 0 = l and acc * 1 + dot(0, V) = acc, bit for bit (V is finite: keys past the
@@ -21,8 +24,8 @@ Why a query row's output is the same bits in every batch, chunking and storage:
   splits the chunks over programs (split-KV) and a combine kernel folds their partials in the same order with the
   same `_fold`. A fixed split size and merge order, never a split count chosen by the batch: a row's arithmetic
   is the same in every path. Padding rows of a tile are never stored.
-- The rows of a tile do not depend on the call's size (decode pads a tile of ROWS rows; it never switches
-  kernels), and the number of rows/sequences is excluded from Triton's integer specialisation.
+- The rows of a tile do not depend on the call's size (a step pads its tile; it never switches kernels), and the
+  number of rows/sequences is excluded from Triton's integer specialisation.
 
 Backward (training only): deterministic, not batch invariant, FlashAttention-2 style in three launches:
 1. delta = rowsum(dO * O) in fp32 per (token, q-head), read from the stored dtype (_attn_bwd_delta_kernel).
@@ -62,8 +65,13 @@ ATTN_BLOCK_N = 64
 # programs (split-KV) and fold them afterwards in a second kernel with the same arithmetic: the same bits as one
 # program walking every chunk, and as training. A multiple of ATTN_BLOCK_N.
 ATTN_SPLIT_KEYS = 256
-# Query tile: ROWS (query, q-head) rows per program. Fixed, so decode pads to it rather than switching kernels.
+# Query tile: ROWS (query, q-head) rows per program for training and prefill. A decode step (one query per sequence,
+# G real rows) takes DECODE_LAUNCH's 16-row tile instead: the same kernel and arithmetic, fewer padding rows.
 ATTN_ROWS = 64
+# (rows, num_warps, num_stages) of a decode step's tile, 16-bit (GQA groups of at most 16). H200, 2026-11-26,
+# qwen3-0.6b heads (benchmarks/probe_decode_attn.py, every tile equal to the 64-row tile's bits): 256 sequences of
+# 128-384 keys 87.8 us against 146.7 for the 64-row tile, 64 sequences 27.3 against 43.1, one sequence 9.8 / 9.4.
+DECODE_LAUNCH = (16, 2, 2)
 _LOG2E = 1.4426950408889634
 
 # (num_warps, num_stages) per dtype for the forward (the invariant kernel). bf16 on an H200 (triton 3.6):
@@ -137,9 +145,16 @@ def _fwd_tile(
     # relying on the hardware exp2 being exact at 0.
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
     p = tl.exp2(s - m_new[:, None])  # 0 exactly at masked keys
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # The row sum of p as an MMA against a column of ones (16 equal columns; max picks one exactly), from the
+    # p that the PV MMA below reads. A `tl.sum` along the tile would add a row's columns in an order that follows
+    # the register layout, hence the tile's rows and warps: a decode step's 16-row tile and training's 64-row
+    # tile gave some rows other bits (benchmarks/probe_decode_attn.py). An MMA chain is per element, the same
+    # bits for every tile (as the GEMM tiles found), so the query tile is free to differ between the paths.
+    pv = p.to(v.dtype)
+    ones = tl.full([BLOCK_N, 16], 1.0, v.dtype)
+    l_i = l_i * alpha + tl.max(mma(pv, ones, tl.zeros([q.shape[0], 16], tl.float32)), axis=1)
     acc = acc * alpha[:, None]
-    acc = mma(p.to(v.dtype), v, acc)
+    acc = mma(pv, v, acc)
     return m_new, l_i, acc
 
 
@@ -574,6 +589,14 @@ def _split_decode(batch: AttentionBatch, hkv: int, device: torch.device) -> bool
     )
 
 
+def _fwd_config(dtype: torch.dtype, batch: AttentionBatch, g: int) -> tuple[int, int, int, int]:
+    """(rows, block_n, num_warps, num_stages) of the forward: DECODE_LAUNCH's tile for a 16-bit decode step whose
+    GQA group fits it, else the training tile. Which one never changes a row's bits (the row sum is an MMA)."""
+    if batch.max_seqlen_q == 1 and dtype != torch.float32 and g <= DECODE_LAUNCH[0]:
+        return DECODE_LAUNCH[0], ATTN_BLOCK_N, DECODE_LAUNCH[1], DECODE_LAUNCH[2]
+    return ATTN_ROWS, ATTN_BLOCK_N, *_FWD_LAUNCH[dtype]
+
+
 def attention_fwd(
     q: torch.Tensor,
     k_store: torch.Tensor,
@@ -588,7 +611,7 @@ def attention_fwd(
 
     split: run a decode step (batch.max_seqlen_q == 1) as split-KV (chunk partials + combine); None: by
     `_split_decode`. `config` (rows, block_n, num_warps, num_stages) and `split_keys` are for benchmarks and tests
-    only: the exact ops always use the fixed (ATTN_ROWS, ATTN_BLOCK_N, _FWD_LAUNCH[dtype]) and ATTN_SPLIT_KEYS."""
+    only: the exact ops use `_fwd_config`'s tile and ATTN_SPLIT_KEYS."""
     q, k_store, v_store = (_last_dim_contiguous(t) for t in (q, k_store, v_store))
     hq, hkv, g, block_d = _geometry(q, k_store)
     T, _, dh = q.shape
@@ -596,7 +619,7 @@ def attention_fwd(
     lse = torch.empty((T, hq), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    rows, block_n, warps, stages = config or (ATTN_ROWS, ATTN_BLOCK_N, *_FWD_LAUNCH[q.dtype])
+    rows, block_n, warps, stages = config or _fwd_config(q.dtype, batch, g)
     split_keys = split_keys or ATTN_SPLIT_KEYS
     if split_keys % block_n:
         raise ValueError(f"the key chunk ({split_keys}) must be a multiple of the key tile ({block_n})")
