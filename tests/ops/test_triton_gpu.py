@@ -471,8 +471,9 @@ def test_attention_decode_sweep(dtype):
     assert rel_err(full, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("hq,hkv", [(HQ, HKV), (32, 4)])  # GQA groups of 2 (qwen3-0.6b) and 8 (qwen3-30b-a3b)
 @pytest.mark.parametrize("c,lo,hi", [(1, 128, 384), (64, 128, 384), (256, 128, 384), (64, 1024, 2048)])
-def test_attention_query_tiles_equal(c, lo, hi):
+def test_attention_query_tiles_equal(c, lo, hi, hq, hkv):
     """A decode step's 16-row query tile (`_fwd_config`) and other tiles give every row the bits of training's
     64-row tile, split-KV or not, at decode geometries where a layout-ordered row sum gave some rows other bits
     (64 and 256 sequences of 128-384 keys, a shuffled paged cache, keys with outlier channels). Negative control:
@@ -489,13 +490,13 @@ def test_attention_query_tiles_equal(c, lo, hi):
         tables.append(ids[at : at + n])
         at += n
     slots = len(ids) * page
-    k = randn(slots, HKV, DH, scale=0.5, seed=c + 1)
+    k = randn(slots, hkv, DH, scale=0.5, seed=c + 1)
     k[:, :, :4] *= 8.0  # outlier channels, as real keys have
     k = k.bfloat16()
-    v = randn(slots, HKV, DH, dtype=torch.bfloat16, seed=c + 2)
-    q = randn(c, HQ, DH, dtype=torch.bfloat16, scale=0.7, seed=c + 3)
+    v = randn(slots, hkv, DH, dtype=torch.bfloat16, seed=c + 2)
+    q = randn(c, hq, DH, dtype=torch.bfloat16, scale=0.7, seed=c + 3)
     batch = AttentionBatch.paged([n - 1 for n in ctx], [1] * c, tables, page, device=DEV)
-    assert _fwd_config(torch.bfloat16, batch, HQ // HKV)[0] == DECODE_LAUNCH[0]
+    assert _fwd_config(torch.bfloat16, batch, hq // hkv)[0] == DECODE_LAUNCH[0]
     train_tile = (ATTN_ROWS, 64, 4, 3)
     ref = attention_fwd(q, k, v, batch, config=train_tile, split=False)[0]
     for cfg in [
