@@ -9,7 +9,7 @@
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
 #     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
-#     [pdl-ab] [ab-rollout] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
+#     [pdl-ab] [ab-rollout] [ab-train] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -52,6 +52,18 @@ if want ab-rollout; then  # decode, this tree against the exactrl package copied
         PYTHONPATH=$pp timeout 300 python3 -P -m exactrl.cli bench rollout --preset qwen3-0.6b --mode ${MODE:-exact} \
           --device cuda --concurrency $c --prompt-len 128 --max-tokens 256 --json 2>>"$OUT/ab_rollout.log" \
           | grep '^{' | sed "s/^{/{\"arm\": \"$arm\", \"rep\": $rep, /" | tee -a "$OUT/ab_rollout.jsonl"
+      done
+    done
+  done
+fi
+if want ab-train; then  # exact training steps, this tree against the package in $AB_BASE, alternating (as ab-rollout)
+  for rep in $(seq ${REPS:-2}); do
+    for P in ${TABLE_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+      for arm in base head; do
+        pp=.; [[ $arm == base ]] && pp=${AB_BASE:?AB_BASE: a folder holding the baseline exactrl package}
+        PYTHONPATH=$pp timeout 300 python3 -P -m exactrl.cli bench train --preset $P --mode ${MODE:-exact} \
+          --device cuda --steps 10 --json 2>>"$OUT/ab_train.log" \
+          | grep '^{' | sed "s/^{/{\"arm\": \"$arm\", \"rep\": $rep, /" | tee -a "$OUT/ab_train.jsonl"
       done
     done
   done
