@@ -9,7 +9,7 @@
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
 #     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
-#     [pdl-ab] [ab-rollout] [ab-train] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
+#     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -405,6 +405,13 @@ fi
 if want attention-fwd-configs; then
   timeout 300 python3 benchmarks/bench_kernels.py --only-attention-configs --forward-only \
     --out "$OUT/attention_fwd_configs.jsonl" 2>&1 | tail -20 | tee "$OUT/attention_fwd_configs.txt"
+fi
+if want profile-decode; then  # qwen3-0.6b decode, GPU time by kernel at CS (default "1 256") sequences, PDL off (with it
+  # on, the profiler counts a kernel's wait for its predecessor as the kernel's own time)
+  for c in ${CS:-1 256}; do
+    EXACTRL_PDL=0 timeout 240 python3 benchmarks/profile_steps.py --what rollout --mode exact --concurrency $c \
+      --max-tokens 128 --top ${TOP:-22} 2>&1 | grep -v Warning | tail -$(( ${TOP:-22} + 8 )) | tee -a "$OUT/profile_decode.txt"
+  done
 fi
 if want profile; then
   timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"

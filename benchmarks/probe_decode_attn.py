@@ -104,11 +104,11 @@ def probe(c: int, lo: int, hi: int) -> dict:
 
 def probe_split(c: int, lo: int, hi: int) -> dict:
     """One decode geometry: one program per (sequence, KV head) against split-KV (chunk partials + combine) at
-    key chunks of 128, 256 and 512 positions; whether split and unsplit give the same bits at each."""
+    key chunks of 64, 128, 256 and 512 positions; whether split and unsplit give the same bits at each."""
     q, k, v, batch, ctx = _decode_inputs(c, lo, hi)
     rec: dict = {"concurrency": c, "context": [lo, hi], "kv_MB": kv_bytes(ctx) / 1e6}
     with torch.no_grad():
-        for keys in (128, 256, 512):
+        for keys in (64, 128, 256, 512):
             one = attention_fwd(q, k, v, batch, split=False, split_keys=keys)[0]
             two = attention_fwd(q, k, v, batch, split=True, split_keys=keys)[0]
             rec[f"S{keys}"] = {
@@ -145,7 +145,7 @@ def probe_split_wide(c: int, lo: int, hi: int, width: int = 2560) -> dict:
 
 
 def train_fold_cost() -> list[dict]:
-    """The training forward at key chunks of 128 .. 4096 positions (4096: no fold within these sequences)."""
+    """The training forward at key chunks of 64 .. 4096 positions (4096: no fold within these sequences)."""
     from exactrl.ops.batch import AttentionBatch
 
     out = []
@@ -157,7 +157,7 @@ def train_fold_cost() -> list[dict]:
         batch = AttentionBatch.packed([L] * B, device="cuda")
         rec = {"train": [B, L]}
         with torch.no_grad():
-            for keys in (128, 256, 512, 4096):
+            for keys in (64, 128, 256, 512, 4096):
                 rec[f"us_S{keys}"] = round(
                     _time(
                         lambda s=keys, x=(q, k, v, batch): attention_fwd(*x, split=False, split_keys=s),

@@ -59,12 +59,15 @@ from exactrl.ops.triton.kv_write import write_kv_cache  # K and V into the paged
 # Key tile of the forward kernel, in positions. The engine's KV page size does not need to be a multiple of it
 # (keys are gathered through key_slots), but it is the unit of the "fully masked tile is a no-op" argument.
 ATTN_BLOCK_N = 64
-# Keys are reduced in chunks of ATTN_SPLIT_KEYS positions ([0, 256), [256, 512), ...): each chunk's tiles go into
+# Keys are reduced in chunks of ATTN_SPLIT_KEYS positions ([0, 64), [64, 128), ...): each chunk's tiles go into
 # an online softmax of their own, from scratch, and the chunks' results are folded into the total in order. The
 # chunk boundaries are fixed positions, like the tiles', so a decode step may compute the chunks in separate
 # programs (split-KV) and fold them afterwards in a second kernel with the same arithmetic: the same bits as one
-# program walking every chunk, and as training. A multiple of ATTN_BLOCK_N.
-ATTN_SPLIT_KEYS = 256
+# program walking every chunk, and as training. A multiple of ATTN_BLOCK_N. One key tile a chunk: on an H200
+# (2026-11-26, qwen3-0.6b heads, benchmarks/probe_decode_attn.py --split) one sequence's decode attention over
+# 128-384 keys took 6.7 us split this way against 9.9 with 256-key chunks, and the training forward over 8 x 1,024
+# tokens 204 us against 216 (a chunk of one tile starts its softmax from scratch: no rescale within it).
+ATTN_SPLIT_KEYS = 64
 # Query tile: ROWS (query, q-head) rows per program for training and prefill. A decode step (one query per sequence,
 # G real rows) takes DECODE_LAUNCH's 16-row tile instead: the same kernel and arithmetic, fewer padding rows.
 ATTN_ROWS = 64
