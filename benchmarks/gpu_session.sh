@@ -9,7 +9,7 @@
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
 #     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
-#     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
+#     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -274,7 +274,7 @@ if want probes-overlap; then  # can generation share one GPU with training? stre
     > "benchmarks/results/probe-overlap-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-').jsonl"
 fi
 if want fsdp-mb; then  # FSDP2 at world size 1 vs today's step, at the default microbatch and at 32,768 tokens
-  for preset in qwen3-0.6b qwen3-1.7b; do for mb in 8192 32768; do
+  for preset in ${FSDP_PRESETS:-qwen3-0.6b qwen3-1.7b}; do for mb in ${FSDP_MBS:-8192 32768}; do
     timeout 300 $X bench train --fsdp --preset $preset --device cuda --tokens-per-microbatch $mb --steps 5 --json \
       2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/fsdp_mb.txt"
   done; done
@@ -412,6 +412,9 @@ if want profile-decode; then  # qwen3-0.6b decode, GPU time by kernel at CS (def
     EXACTRL_PDL=0 timeout 240 python3 benchmarks/profile_steps.py --what rollout --mode exact --concurrency $c \
       --max-tokens 128 --top ${TOP:-22} 2>&1 | grep -v Warning | tail -$(( ${TOP:-22} + 8 )) | tee -a "$OUT/profile_decode.txt"
   done
+fi
+if want probe-mid-bk; then  # K steps of 128 for the GEMM rows between decode and training (65..512)
+  timeout 300 python3 benchmarks/probe_decode_gemm.py --mid-bk 2>&1 | grep '^{' | tee "$OUT/probe_mid_bk.jsonl"
 fi
 if want profile; then
   timeout 300 python3 benchmarks/profile_steps.py --mode exact 2>&1 | tail -70 | tee "$OUT/profile.txt"

@@ -77,6 +77,9 @@ BK_CANDIDATES = [
     for bn, bk, w in ((32, 128, 1), (64, 128, 2), (32, 256, 2), (64, 256, 4))
 ]
 BK_SIZES = (1, 16, 64)
+# --mid-bk: the deeper K steps of the decode family for the rows between decode and training (65..512), where the
+# tile rule takes K steps of 64 today.
+MID_BK_CANDIDATES = [MatmulConfig(64, bn, 128, 8, 4, st) for bn in (32, 64, 128) for st in (3, 4)]
 # --wide: the decode tiles (and a 128-column one) where the output is wide enough for the training tile to fill
 # the SMs (tile_config then takes it even for one row).
 WIDE_CANDIDATES = [
@@ -96,12 +99,15 @@ def main() -> None:
         action="store_true",
         help="decode rows on the wide outputs (LM head, qwen3-1.7b's gate/up) that take the training tile today",
     )
+    ap.add_argument("--mid-bk", action="store_true", help="K steps of 128 at 65..512 rows")
     args = ap.parse_args()
     candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
     if args.bk:
         candidates, sizes = BK_CANDIDATES, BK_SIZES
     if args.wide:
         candidates, sizes = WIDE_CANDIDATES, BK_SIZES
+    if args.mid_bk:
+        candidates, sizes = MID_BK_CANDIDATES, MID_SIZES
     dt = torch.bfloat16
     torch.manual_seed(0)
     for model in ("qwen3-0.6b", "qwen3-1.7b"):

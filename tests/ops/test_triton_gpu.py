@@ -650,6 +650,7 @@ def test_tile_family_equal_training_tile(dtype, K, N, bias):
     order reversed differ, so the check can fail."""
     from exactrl.ops.triton.matmul import (
         _DECODE_FAMILY,
+        _MID_K,
         _TILE_FAMILY,
         MATMUL_CONFIGS,
         MatmulConfig,
@@ -662,6 +663,7 @@ def test_tile_family_equal_training_tile(dtype, K, N, bias):
     b = randn(N, dtype=dtype, seed=72) if bias else None
     full = matmul(x, w, b, config=MATMUL_CONFIGS[dtype])
     tiles = [(bm, bn, 64, 5) for bm, bn in _TILE_FAMILY] + list(_DECODE_FAMILY)
+    tiles += [(bm, bn, *_MID_K[bn]) for bm, bn in _TILE_FAMILY]
     for bm, bn, bk, stages in tiles:
         cfg = MatmulConfig(bm, bn, bk, 8, 4, stages)
         for m, off in ((1, 0), (1, 211), (5, 37), (64, 236), (200, 100)):
@@ -671,7 +673,7 @@ def test_tile_family_equal_training_tile(dtype, K, N, bias):
         (tile_config(m, N, 132, dtype).block_m, tile_config(m, N, 132, dtype).block_n) for m in (1, 64, 256)
     }
     assert picked <= set(_TILE_FAMILY) | {(128, 128)}
-    for m in (1, 3, 64, 100, 256):  # the selection the exact ops make, whatever tile it picks here
+    for m in (1, 3, 64, 100, 256, 300):  # the selection the exact ops make, whatever tile it picks here
         assert torch.equal(ops.linear(x[:m], w, b), full[:m])
     flipped = matmul(x[:64].flip(1).contiguous(), w.flip(1).contiguous(), b, config=MATMUL_CONFIGS[dtype])
     assert not torch.equal(flipped, full[:64]), "negative control: another K order should change some bits"

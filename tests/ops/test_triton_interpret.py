@@ -829,11 +829,12 @@ def _gemm_tile_ok(meta: dict) -> bool:
     """A GEMM launch of the 16-bit tile family (exactrl.ops.triton.matmul.tile_config): a (rows, columns, K step)
     tile of the family. Anything else (e.g. a K step that is not a multiple of the k = 16 MMA's, or a tile no GPU
     test checked against the training tile) may change the per-element MMA chain."""
-    from exactrl.ops.triton.matmul import _DECODE_FAMILY, _TILE_FAMILY, MATMUL_CONFIGS
+    from exactrl.ops.triton.matmul import _DECODE_FAMILY, _MID_K, _TILE_FAMILY, MATMUL_CONFIGS
 
     base = MATMUL_CONFIGS[torch.bfloat16]
     tiles = {(bm, bn, base.block_k) for bm, bn in _TILE_FAMILY} | {(base.block_m, base.block_n, base.block_k)}
     tiles |= {(bm, bn, bk) for bm, bn, bk, _ in _DECODE_FAMILY}
+    tiles |= {(bm, bn, _MID_K[bn][0]) for bm, bn in _TILE_FAMILY}
     return (meta.get("BLOCK_M"), meta.get("BLOCK_N"), meta.get("BLOCK_K")) in tiles
 
 

@@ -85,13 +85,21 @@ _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the
 # against the training tile's 155 (qwen3-0.6b; cuBLAS 78) and qwen3-1.7b's gate/up in 16.5 us against 32.5).
 _DECODE_ROWS = 64
 _DECODE_FAMILY = ((64, 128, 128, 3), (64, 64, 128, 4), (64, 32, 128, 4), (64, 16, 256, 3))
+# (block_k, num_stages) of a 64-row tile by its columns, for calls of more than _DECODE_ROWS rows that the training
+# tile would leave most SMs idle on (a rollout's 65..512 running sequences): K steps of 128 where they were
+# measured (the same k = 16 MMAs in order, the same bits: every tile equal to the training tile), else 64. H200,
+# 2026-11-26, `benchmarks/probe_decode_gemm.py --mid-bk` against K steps of 64: qwen3-0.6b's o and down at 512 rows
+# 12.8 -> 7.7 and 17.9 -> 10.5 us, at 256 rows 6.9 -> 6.5 and 9.5 -> 8.6; qwen3-1.7b's down at 512 rows 38.8 ->
+# 30.3; no shape slower by more than 3%.
+_MID_K = {16: (64, 5), 32: (128, 4), 64: (128, 3), 128: (128, 3)}
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every launch; one entry per (rows, N) seen
 def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: at most 64 rows, the largest of the
     deeper-K decode tiles with at least 70% of the SMs busy, else the narrowest (most tiles); more rows, the
-    largest of the family (the training tile first) with 70% of the SMs busy, else the narrowest. On an H100
+    largest of the family (the training tile first) with 70% of the SMs busy, else the narrowest, a 64-row one
+    with `_MID_K`'s K step. On an H100
     this rule picked the fastest tile or one within 15% of it for every qwen3-0.6b/1.7b projection and row count
     probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
     base = MATMUL_CONFIGS[dtype]
@@ -109,7 +117,8 @@ def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConf
     for bm, bn in _TILE_FAMILY:
         if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= need:
             break
-    return MatmulConfig(bm, bn, base.block_k, 8, 4, 5)
+    bk, stages = _MID_K[bn]
+    return MatmulConfig(bm, bn, bk, 8, 4, stages)
 
 
 @triton.jit
