@@ -157,6 +157,20 @@ def test_another_chunk_size_gives_other_bits():
         torch.testing.assert_close(other, lp, rtol=0, atol=1e-5)  # the same numbers up to rounding
 
 
+def test_long_chunks_loop_with_the_same_bits():
+    """A chunk of more slices than are unrolled (_UNROLL_SLICES) walks them in a loop: both forms agree there too,
+    and with one chunk covering the whole row (the kernel before the chunks) as well."""
+    R = 7
+    hidden, weight, hot = _head(R, V, D, torch.bfloat16, seed=13)
+    targets = _targets(R, V, 5 * BLOCK_V, hot, seed=14)
+    raw = lpm.matmul(hidden, weight)
+    assert 5 > lpm._UNROLL_SLICES.value
+    for chunk in (5 * BLOCK_V, 16 * BLOCK_V):
+        lp_s, ent_s = _forms(raw, targets, split=True, split_cols=chunk)
+        lp_u, ent_u = _forms(raw, targets, split=False, split_cols=chunk)
+        assert torch.equal(lp_s, lp_u) and torch.equal(ent_s, ent_u), chunk
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_chunks_of_minus_inf_are_exact_no_ops(split):
     """A masked vocabulary (-inf logits): a chunk with no finite entry leaves the row's total bit for bit as it was

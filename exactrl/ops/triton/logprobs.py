@@ -48,6 +48,8 @@ _FWD_WARPS = 8  # warps of every forward program (fixed: the lane reduction tree
 # decode step of few rows may reduce the chunks in separate programs and fold them in a second kernel. A multiple
 # of _BLOCK_V. Changing it changes every logprob's low bits (both sides at once: still exact).
 LOGPROB_SPLIT_COLS = 2 * _BLOCK_V
+# Chunks of at most this many slices are unrolled (their loads issued together); longer ones loop.
+_UNROLL_SLICES = tl.constexpr(4)
 _SCALE_BLOCK = 4096
 
 
@@ -64,6 +66,22 @@ def _scale_kernel(
 
 
 @triton.jit
+def _slice_step(base, v0, c1, temperature, m, s, sz, BLOCK_V: tl.constexpr):
+    # The columns [v0, v0 + BLOCK_V) below c1 into the per-lane online (max m, sum s, z-weighted sum sz).
+    cols = v0 + tl.arange(0, BLOCK_V)
+    ok = cols < c1
+    z = tl.math.div_rn(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), temperature)
+    m_new = tl.maximum(m, tl.where(ok, z, float("-inf")))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with no entry yet: avoid inf - inf
+    alpha = tl.exp(m - m_ref)
+    p = tl.where(ok, tl.exp(z - m_ref), 0.0)
+    s = s * alpha + p
+    # p = 0 at masked lanes and at -inf logits (a masked vocabulary): add 0 there, never 0 * -inf = NaN.
+    sz = sz * alpha + p * tl.where(p > 0.0, z, 0.0)
+    return m_new, s, sz
+
+
+@triton.jit
 def _chunk_stats(base, c0, V, temperature, BLOCK_V: tl.constexpr, CHUNK_SLICES: tl.constexpr):
     # One vocabulary chunk [c0, min(c0 + CHUNK_SLICES * BLOCK_V, V)) of a row, from scratch -> (max, sum of
     # exp(z - max), sum of exp(z - max) * z): a per-lane online softmax over the chunk's slices, then one lane
@@ -73,18 +91,13 @@ def _chunk_stats(base, c0, V, temperature, BLOCK_V: tl.constexpr, CHUNK_SLICES: 
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(z - m) per lane
     sz = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(z - m) * z per lane (for the entropy)
-    for i in tl.static_range(CHUNK_SLICES):  # unrolled: the slices' loads can be issued together
-        cols = c0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
-        ok = cols < c1
-        z = tl.math.div_rn(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), temperature)
-        m_new = tl.maximum(m, tl.where(ok, z, float("-inf")))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with no entry yet: avoid inf - inf
-        alpha = tl.exp(m - m_ref)
-        p = tl.where(ok, tl.exp(z - m_ref), 0.0)
-        s = s * alpha + p
-        # p = 0 at masked lanes and at -inf logits (a masked vocabulary): add 0 there, never 0 * -inf = NaN.
-        sz = sz * alpha + p * tl.where(p > 0.0, z, 0.0)
-        m = m_new
+    if CHUNK_SLICES <= _UNROLL_SLICES:
+        # Unrolled: the slices' loads can be issued together (a split program is one chunk: one load latency).
+        for i in tl.static_range(CHUNK_SLICES):
+            m, s, sz = _slice_step(base, c0 + i * BLOCK_V, c1, temperature, m, s, sz, BLOCK_V)
+    else:  # a long chunk (probes): a loop, the same steps in the same order
+        for v0 in range(c0, c1, BLOCK_V):
+            m, s, sz = _slice_step(base, v0, c1, temperature, m, s, sz, BLOCK_V)
     mc = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(mc == float("-inf"), 0.0, mc))  # a chunk of -inf logits only: w = 0, sums 0
     return mc, tl.sum(s * w, axis=0), tl.sum(sz * w, axis=0)
