@@ -172,20 +172,27 @@ def test_long_chunks_loop_with_the_same_bits():
 
 
 @pytest.mark.parametrize("split", [True, False])
-def test_chunks_of_minus_inf_are_exact_no_ops(split):
-    """A masked vocabulary (-inf logits): a chunk with no finite entry leaves the row's total bit for bit as it was
-    (the row of the logits cut before that chunk, same chunk boundaries, gives the same bits), and -inf logits
-    inside a chunk give no NaN (entropy included)."""
-    R, cut = 5, 3 * SPLIT_COLS
-    hidden, weight, hot = _head(R, V, D, torch.float32, seed=7)
+@pytest.mark.parametrize("dropped", [0, 1])
+def test_chunks_of_minus_inf_are_exact_no_ops(split, dropped):
+    """A masked vocabulary (-inf logits): a chunk with no finite entry, first or later, leaves the row's total bit
+    for bit as it was (the logits with that chunk and the -inf tail cut out, the other chunk boundaries unmoved,
+    give the same bits), and a -inf logit inside a chunk gives no NaN (entropy included)."""
+    R, cut = 6, 4 * SPLIT_COLS
+    hidden, weight, _ = _head(R, V, D, torch.float32, seed=7)
     raw = lpm.matmul(hidden, weight)
-    targets = _targets(R, cut, SPLIT_COLS, hot[hot < cut], seed=8)
-    targets[targets == 7] = 8  # column 7 is masked below: its logprob would be -inf
+    lo, hi = dropped * SPLIT_COLS, (dropped + 1) * SPLIT_COLS
     masked = raw.clone()
-    masked[:, cut:] = float("-inf")  # chunks 3, 4 and the partial 5 hold no finite logit
-    masked[:, 7] = float("-inf")  # and a -inf inside a chunk that has finite ones
-    lp, ent = _forms(masked, targets, split=split)
-    lp_cut, ent_cut = _forms(masked[:, :cut].contiguous(), targets, split=split)
+    masked[:, lo:hi] = float("-inf")
+    masked[:, cut:] = float("-inf")  # chunk 4 and the partial chunk 5 hold no finite logit either
+    inside = 2 * SPLIT_COLS + 7
+    masked[:, inside] = float("-inf")  # and one -inf inside a chunk that has finite ones
+    kept = torch.cat([torch.arange(0, lo), torch.arange(hi, cut)]).to(DEVICE)
+    g = torch.Generator().manual_seed(8)
+    at = torch.randint(0, len(kept), (R,), generator=g).to(DEVICE)
+    at[0], at[1] = 0, len(kept) - 1  # the first and the last finite column
+    at[kept[at] == inside] += 1  # not the -inf column: its logprob is -inf
+    lp, ent = _forms(masked, kept[at], split=split)
+    lp_cut, ent_cut = _forms(masked[:, kept].contiguous(), at, split=split)
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert torch.equal(lp, lp_cut) and torch.equal(ent, ent_cut)
 

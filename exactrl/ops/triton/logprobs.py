@@ -107,16 +107,15 @@ def _chunk_stats(base, c0, V, temperature, BLOCK_V: tl.constexpr, CHUNK_SLICES: 
 def _fold_chunk(m_t, s_t, sz_t, m_c, s_c, sz_c):
     # The row's running (max, sum, z-weighted sum) with one chunk's scalars folded in. Scalar arithmetic with
     # explicit FMAs and no reduction: the one-program-per-row kernel (folding in registers) and the combine kernel
-    # (folding partials read from memory) get the same bits. A chunk without a finite entry (s_c == 0) leaves the
-    # total as it was, bit for bit, and never computes inf - inf; the first chunk folded into the empty total
-    # (-inf, 0, 0) is that chunk exactly (a = exp(-inf) = 0, b = 1).
+    # (folding partials read from memory) get the same bits. The first chunk folded into the empty total (-inf, 0, 0)
+    # is that chunk exactly (a = exp(-inf) = 0, b = 1). A chunk without a finite entry is (-inf, 0, 0) and leaves
+    # the total as it was, bit for bit: m_new = m_t, a = 1, b = 0 (1 if the total is still empty, times zeros), and
+    # fma(0, b, x * 1) = x for the sums (never -0: they start at +0). No inf - inf: a -inf operand of a
+    # subtraction only ever meets a finite m_new.
     m_new = tl.maximum(m_t, m_c)
     a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_new))
     b = tl.where(m_new == m_c, 1.0, tl.exp(m_c - m_new))
-    s_new = tl.fma(s_c, b, s_t * a)
-    sz_new = tl.fma(sz_c, b, sz_t * a)
-    seen = s_c > 0.0
-    return tl.where(seen, m_new, m_t), tl.where(seen, s_new, s_t), tl.where(seen, sz_new, sz_t)
+    return m_new, tl.fma(s_c, b, s_t * a), tl.fma(sz_c, b, sz_t * a)
 
 
 @triton.jit
