@@ -110,11 +110,12 @@ def _fold_chunk(m_t, s_t, sz_t, m_c, s_c, sz_c):
     # (folding partials read from memory) get the same bits. The first chunk folded into the empty total (-inf, 0, 0)
     # is that chunk exactly (a = exp(-inf) = 0, b = 1). A chunk without a finite entry is (-inf, 0, 0) and leaves
     # the total as it was, bit for bit: m_new = m_t, a = 1, b = 0 (1 if the total is still empty, times zeros), and
-    # fma(0, b, x * 1) = x for the sums (never -0: they start at +0). No inf - inf: a -inf operand of a
-    # subtraction only ever meets a finite m_new.
+    # fma(0, b, x * 1) = x for the sums (never -0: they start at +0). No inf - inf, not even in a branch the
+    # where discards: while the total is empty and the chunk too, m_new = -inf is replaced by 0.
     m_new = tl.maximum(m_t, m_c)
-    a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_new))
-    b = tl.where(m_new == m_c, 1.0, tl.exp(m_c - m_new))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_ref))
+    b = tl.where(m_new == m_c, 1.0, tl.exp(m_c - m_ref))
     return m_new, tl.fma(s_c, b, s_t * a), tl.fma(sz_c, b, sz_t * a)
 
 
