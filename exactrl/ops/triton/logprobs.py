@@ -171,7 +171,7 @@ def _logprob_combine_kernel(
     pdl_wait(USE_PDL)
     # The split form's second kernel: one program per row folds its chunks' scalars in chunk order with the
     # unsplit kernel's _fold_chunk and finishes the row with its _finish_row. Unrolled over the (few) chunks so
-    # that their loads are issued together instead of one dependent load per chunk.
+    # that all their loads can be in flight at once, not one load latency per chunk.
     row = tl.program_id(0).to(tl.int64)
     m_t = tl.full([], float("-inf"), tl.float32)
     s_t = tl.zeros([], tl.float32)
@@ -235,7 +235,8 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def _split_form(rows: int, n_chunks: int, device: torch.device) -> bool:
     """Whether a call runs the split form (one program per (row, chunk), then the combine kernel): when its rows
     alone would leave most SMs idle (a decode step of a few sequences). Reads the geometry only, never values, so
-    a CUDA graph captured for a bucket keeps one choice; either choice gives the same bits."""
+    a CUDA graph captured for a bucket keeps one choice; either choice gives the same bits. The threshold (rows at
+    most half the SMs) is a first guess, not a measurement: benchmarks/probe_logprob_split.py times both forms."""
     return n_chunks > 1 and 2 * rows <= num_programs_cap(device)
 
 
