@@ -1,9 +1,19 @@
 """Token log-probabilities: log_softmax(linear(hidden, weight).float() / temperature)[targets], plus entropy.
 
-Forward rows are processed in chunks of LOGPROB_CHUNK_ROWS: the chunk's logits come from the invariant matmul (in the
-hidden dtype), then one program per row reads them in fixed BLOCK_V slices with an online (max, sum) per lane
-and one final lane reduction. Nothing depends on the chunk size or on the other rows, so a row's logprob is
-the same bits whether it was computed during sampling (a decode step) or in a training batch.
+Forward rows are processed in chunks of LOGPROB_CHUNK_ROWS whose logits come from the invariant matmul (in the
+hidden dtype). Why a row's logprob is the same bits in every path (a decode step, a scoring pass, training):
+- A row's vocabulary is reduced in fixed chunks of LOGPROB_SPLIT_COLS columns ([0, S), [S, 2S), ...): in a chunk,
+  an online (max, sum, z-weighted sum) per lane over _BLOCK_V-wide slices from scratch, then one lane reduction to
+  three scalars (`_chunk_stats`); the chunks are folded into the row's total in chunk order (`_fold_chunk`, scalar,
+  explicit FMAs); then lse, logprob and entropy (`_finish_row`). Chunk boundaries are column positions, never a
+  count chosen from the call, and nothing reads another row.
+- Two launch forms run that arithmetic: one program per row walking every chunk and folding in registers (training
+  and any call with enough rows), or, when the rows alone would leave most SMs idle (a decode step of a few
+  sequences), one program per (row, chunk) storing the chunk's scalars and a combine kernel folding them per row.
+  `_chunk_stats` runs inside the same kernel in both forms with the same _BLOCK_V and _FWD_WARPS, hence the same
+  register layout and lane reduction tree; the fold and the epilogue are the same helpers. The choice reads the
+  call's geometry only (`_split_form`). tests/ops/test_logprob_split.py checks both forms and the training path
+  against each other with torch.equal (interpreter; the real vocabulary on the GPU).
 
 The backward needs the logits again. A call whose [rows, vocab] logits fit `LOGPROB_KEEP_BYTES` (a training
 microbatch of up to 8,192 tokens at a 152k vocabulary in bf16) computes them in one GEMM and keeps them: the
@@ -24,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import pdl, pdl_wait
+from exactrl.ops.triton.common import num_programs_cap, pdl, pdl_wait
 from exactrl.ops.triton.matmul import matmul
 
 # Rows of [rows, vocab] logits alive at once when they are not kept.
@@ -32,6 +42,14 @@ LOGPROB_CHUNK_ROWS = 1024
 # The largest [rows, vocab] logits a differentiable call keeps for its backward.
 LOGPROB_KEEP_BYTES = 3 * 2**30
 _BLOCK_V = 4096  # vocabulary slice per loop step (fixed: the lane reduction tree depends on it)
+_FWD_WARPS = 8  # warps of every forward program (fixed: the lane reduction tree depends on it too)
+# A row's vocabulary is reduced in chunks of LOGPROB_SPLIT_COLS columns ([0, S), [S, 2S), ...), each from scratch,
+# folded into the row's total in chunk order: the arithmetic of every path (training, scoring, decode), so that a
+# decode step of few rows may reduce the chunks in separate programs and fold them in a second kernel. A multiple
+# of _BLOCK_V. Changing it changes every logprob's low bits (both sides at once: still exact).
+LOGPROB_SPLIT_COLS = 2 * _BLOCK_V
+# Chunks of at most this many slices are unrolled (their loads issued together); longer ones loop.
+_UNROLL_SLICES = tl.constexpr(4)
 _SCALE_BLOCK = 4096
 
 
@@ -48,45 +66,122 @@ def _scale_kernel(
 
 
 @triton.jit
-def _logprob_fwd_kernel(
-    x_ptr,
-    targets_ptr,
-    lp_ptr,
-    ent_ptr,
-    lse_ptr,
-    stride_x,
-    V,
-    temperature,
-    BLOCK_V: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_x
+def _slice_step(base, v0, c1, temperature, m, s, sz, BLOCK_V: tl.constexpr):
+    # The columns [v0, v0 + BLOCK_V) below c1 into the per-lane online (max m, sum s, z-weighted sum sz).
+    cols = v0 + tl.arange(0, BLOCK_V)
+    ok = cols < c1
+    z = tl.math.div_rn(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), temperature)
+    m_new = tl.maximum(m, tl.where(ok, z, float("-inf")))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with no entry yet: avoid inf - inf
+    alpha = tl.exp(m - m_ref)
+    p = tl.where(ok, tl.exp(z - m_ref), 0.0)
+    s = s * alpha + p
+    # p = 0 at masked lanes and at -inf logits (a masked vocabulary): add 0 there, never 0 * -inf = NaN.
+    sz = sz * alpha + p * tl.where(p > 0.0, z, 0.0)
+    return m_new, s, sz
+
+
+@triton.jit
+def _chunk_stats(base, c0, V, temperature, BLOCK_V: tl.constexpr, CHUNK_SLICES: tl.constexpr):
+    # One vocabulary chunk [c0, min(c0 + CHUNK_SLICES * BLOCK_V, V)) of a row, from scratch -> (max, sum of
+    # exp(z - max), sum of exp(z - max) * z): a per-lane online softmax over the chunk's slices, then one lane
+    # reduction. Both launch forms run this in the same kernel with the same BLOCK_V and num_warps (_FWD_WARPS), hence
+    # the same register layout and tl.max / tl.sum tree: a chunk's three scalars are the same bits in either form.
+    c1 = tl.minimum(c0 + CHUNK_SLICES * BLOCK_V, V)
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(z - m) per lane
     sz = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(z - m) * z per lane (for the entropy)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        ok = cols < V
-        z = tl.math.div_rn(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), temperature)
-        m_new = tl.maximum(m, tl.where(ok, z, float("-inf")))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with no entry yet: avoid inf - inf
-        alpha = tl.exp(m - m_ref)
-        p = tl.where(ok, tl.exp(z - m_ref), 0.0)
-        s = s * alpha + p
-        sz = sz * alpha + p * z  # z is 0, not -inf, at masked lanes: no 0 * inf
-        m = m_new
-    mx = tl.max(m, axis=0)
-    w = tl.exp(m - mx)
-    total = tl.sum(s * w, axis=0)
-    lse = mx + tl.log(total)
+    if CHUNK_SLICES <= _UNROLL_SLICES:
+        # Unrolled: the slices' loads can be issued together (a split program is one chunk: one load latency).
+        for i in tl.static_range(CHUNK_SLICES):
+            m, s, sz = _slice_step(base, c0 + i * BLOCK_V, c1, temperature, m, s, sz, BLOCK_V)
+    else:  # a long chunk (probes): a loop, the same steps in the same order
+        for v0 in range(c0, c1, BLOCK_V):
+            m, s, sz = _slice_step(base, v0, c1, temperature, m, s, sz, BLOCK_V)
+    mc = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(mc == float("-inf"), 0.0, mc))  # a chunk of -inf logits only: w = 0, sums 0
+    return mc, tl.sum(s * w, axis=0), tl.sum(sz * w, axis=0)
+
+
+@triton.jit
+def _fold_chunk(m_t, s_t, sz_t, m_c, s_c, sz_c):
+    # The row's running (max, sum, z-weighted sum) with one chunk's scalars folded in. Scalar arithmetic with
+    # explicit FMAs and no reduction: the one-program-per-row kernel (folding in registers) and the combine kernel
+    # (folding partials read from memory) get the same bits. The first chunk folded into the empty total (-inf, 0, 0)
+    # is that chunk exactly (a = exp(-inf) = 0, b = 1). A chunk without a finite entry is (-inf, 0, 0) and leaves
+    # the total as it was, bit for bit: m_new = m_t, a = 1, b = 0 (1 if the total is still empty, times zeros), and
+    # fma(0, b, x * 1) = x for the sums (never -0: they start at +0). No inf - inf, not even in a branch the
+    # where discards: while the total is empty and the chunk too, m_new = -inf is replaced by 0.
+    m_new = tl.maximum(m_t, m_c)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_ref))
+    b = tl.where(m_new == m_c, 1.0, tl.exp(m_c - m_ref))
+    return m_new, tl.fma(s_c, b, s_t * a), tl.fma(sz_c, b, sz_t * a)
+
+
+@triton.jit
+def _finish_row(base, targets_ptr, lp_ptr, ent_ptr, lse_ptr, row, m_t, s_t, sz_t, temperature):
+    # The row's epilogue, shared by both launch forms: lse, the target's logprob and the entropy.
+    lse = m_t + tl.log(s_t)
     target = tl.load(targets_ptr + row)
     zt = tl.math.div_rn(tl.load(base + target).to(tl.float32), temperature)
     tl.store(lp_ptr + row, zt - lse)
     tl.store(lse_ptr + row, lse)
     # H = -sum p log p = lse - E_p[z]
-    tl.store(ent_ptr + row, lse - tl.sum(sz * w, axis=0) / total)
+    tl.store(ent_ptr + row, lse - sz_t / s_t)
+
+
+@triton.jit
+def _logprob_fwd_kernel(
+    x_ptr, targets_ptr, lp_ptr, ent_ptr, lse_ptr, part_ptr, stride_x, V, temperature,
+    BLOCK_V: tl.constexpr, CHUNK_SLICES: tl.constexpr, PARTIAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    # PARTIAL (the split form): program (row, c) reduces chunk c of its row and stores its three scalars at
+    # part[row, c, :] for _logprob_combine_kernel. Otherwise one program per row walks every chunk in order,
+    # folding each into the row's total in registers, and finishes the row.
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    if PARTIAL:
+        c = tl.program_id(1)
+        m_c, s_c, sz_c = _chunk_stats(
+            base, c * (CHUNK_SLICES * BLOCK_V), V, temperature, BLOCK_V, CHUNK_SLICES
+        )
+        part = part_ptr + (row * tl.num_programs(1) + c) * 3
+        tl.store(part, m_c)
+        tl.store(part + 1, s_c)
+        tl.store(part + 2, sz_c)
+    else:
+        m_t = tl.full([], float("-inf"), tl.float32)
+        s_t = tl.zeros([], tl.float32)
+        sz_t = tl.zeros([], tl.float32)
+        for c0 in range(0, V, CHUNK_SLICES * BLOCK_V):
+            m_c, s_c, sz_c = _chunk_stats(base, c0, V, temperature, BLOCK_V, CHUNK_SLICES)
+            m_t, s_t, sz_t = _fold_chunk(m_t, s_t, sz_t, m_c, s_c, sz_c)
+        _finish_row(base, targets_ptr, lp_ptr, ent_ptr, lse_ptr, row, m_t, s_t, sz_t, temperature)
+
+
+@triton.jit
+def _logprob_combine_kernel(
+    x_ptr, targets_ptr, lp_ptr, ent_ptr, lse_ptr, part_ptr, stride_x, temperature,
+    N_CHUNKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    # The split form's second kernel: one program per row folds its chunks' scalars in chunk order with the
+    # unsplit kernel's _fold_chunk and finishes the row with its _finish_row. Unrolled over the (few) chunks so
+    # that all their loads can be in flight at once, not one load latency per chunk.
+    row = tl.program_id(0).to(tl.int64)
+    m_t = tl.full([], float("-inf"), tl.float32)
+    s_t = tl.zeros([], tl.float32)
+    sz_t = tl.zeros([], tl.float32)
+    for c in tl.static_range(N_CHUNKS):
+        part = part_ptr + (row * N_CHUNKS + c) * 3
+        m_t, s_t, sz_t = _fold_chunk(m_t, s_t, sz_t, tl.load(part), tl.load(part + 1), tl.load(part + 2))
+    _finish_row(
+        x_ptr + row * stride_x, targets_ptr, lp_ptr, ent_ptr, lse_ptr, row, m_t, s_t, sz_t, temperature
+    )
 
 
 @triton.jit
@@ -137,28 +232,62 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return out
 
 
+def _split_form(rows: int, n_chunks: int, device: torch.device) -> bool:
+    """Whether a call runs the split form (one program per (row, chunk), then the combine kernel): when its rows
+    alone would leave most SMs idle (a decode step of a few sequences). Reads the geometry only, never values, so
+    a CUDA graph captured for a bucket keeps one choice; either choice gives the same bits. The threshold (rows at
+    most half the SMs) is a first guess, not a measurement: benchmarks/probe_logprob_split.py times both forms."""
+    return n_chunks > 1 and 2 * rows <= num_programs_cap(device)
+
+
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    split: bool | None = None,
+    *,
+    split_cols: int | None = None,
+    block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits: [R, V] (last dim contiguous) -> (logprob [R], entropy [R], lse [R]) fp32, natural log."""
+    """logits: [R, V] (last dim contiguous), targets: [R] int64 -> (logprob [R], entropy [R], lse [R]) fp32,
+    natural log.
+
+    split: True runs one program per (row, vocabulary chunk) and the combine kernel, False one program per row;
+    None picks by `_split_form`. Same bits either way. `split_cols` (the chunk, LOGPROB_SPLIT_COLS) and `block_v`
+    (the slice, _BLOCK_V) are for tests and probes: another value gives other bits, so every path of a run must
+    use the same, and the exact ops use the module's."""
+    block_v = _BLOCK_V if block_v is None else int(block_v)
+    split_cols = LOGPROB_SPLIT_COLS if split_cols is None else int(split_cols)
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"logprobs_from_logits: block_v must be a power of two >= 16, got {block_v}")
+    if split_cols < block_v or split_cols % block_v:
+        raise ValueError(
+            f"logprobs_from_logits: the vocabulary chunk ({split_cols}) must be a multiple of the slice ({block_v})"
+        )
     R, V = logits.shape
     lp = torch.empty(R, dtype=torch.float32, device=logits.device)
     ent = torch.empty_like(lp)
     lse = torch.empty_like(lp)
-    if R:
-        _logprob_fwd_kernel[(R,)](
-            logits,
-            targets,
-            lp,
-            ent,
-            lse,
-            logits.stride(0),
-            V,
-            float(temperature),
-            BLOCK_V=_BLOCK_V,
-            num_warps=8,
+    if not R:
+        return lp, ent, lse
+    if not V:
+        raise ValueError("logprobs_from_logits: the logits have no vocabulary columns")
+    n_chunks = triton.cdiv(V, split_cols)
+    if split is None:
+        split = _split_form(R, n_chunks, logits.device)
+    part = torch.empty((R, n_chunks, 3), dtype=torch.float32, device=logits.device) if split else lp
+    meta = dict(BLOCK_V=block_v, CHUNK_SLICES=split_cols // block_v, num_warps=_FWD_WARPS)
+    _logprob_fwd_kernel[(R, n_chunks) if split else (R,)](
+        logits, targets, lp, ent, lse, part, logits.stride(0), V, float(temperature),
+        PARTIAL=bool(split), **meta,
+        **pdl(logits.device),
+    )  # fmt: skip
+    if split:
+        _logprob_combine_kernel[(R,)](
+            logits, targets, lp, ent, lse, part, logits.stride(0), float(temperature),
+            N_CHUNKS=n_chunks, num_warps=1,
             **pdl(logits.device),
-        )
+        )  # fmt: skip
     return lp, ent, lse
 
 
