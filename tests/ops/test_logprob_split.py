@@ -200,10 +200,9 @@ def test_chunks_of_minus_inf_are_exact_no_ops(split, dropped):
     assert torch.equal(lp, lp_cut) and torch.equal(ent, ent_cut)
 
 
-def test_automatic_choice_splits_only_few_rows(monkeypatch):
-    """split=None runs the split form (its combine kernel launches) for a call whose rows alone would leave most
-    programs idle, the unsplit form otherwise and whenever the row is one chunk; the same bits either way (above).
-    The interpreter's program cap is num_programs_cap's CPU value."""
+def test_automatic_choice_splits_rows_of_several_chunks(monkeypatch):
+    """split=None runs the split form (its combine kernel launches) for rows of more than one chunk, few rows or
+    many, and the unsplit form when the row is one chunk; the same bits either way (above)."""
     launches: list[int] = []
     real = lpm._logprob_combine_kernel
 
@@ -217,14 +216,14 @@ def test_automatic_choice_splits_only_few_rows(monkeypatch):
     hidden, weight, hot = _head(cap, V, D, torch.bfloat16, seed=9)
     raw = lpm.matmul(hidden, weight)
     targets = _targets(cap, V, SPLIT_COLS, hot, seed=10)
-    few = cap // 2
+    few = 3
     lp_few, _ = _forms(raw[:few], targets[:few], split=None)
-    assert launches == [few]
     lp_all, _ = _forms(raw, targets, split=None)
+    assert launches == [few, cap]
     _forms(
         raw[:1, :SPLIT_COLS].contiguous(), targets[:1] % SPLIT_COLS, split=None
     )  # one chunk: nothing to split
-    assert launches == [few] and torch.equal(lp_few, lp_all[:few])
+    assert launches == [few, cap] and torch.equal(lp_few, lp_all[:few])
 
 
 def test_chunk_must_be_whole_slices():
