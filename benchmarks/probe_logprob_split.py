@@ -1,5 +1,5 @@
 """What do the logprob kernel's vocabulary chunks cost and save? (exactrl/ops/triton/logprobs.py:
-LOGPROB_SPLIT_COLS, the split form for few rows, `_split_form`.)
+LOGPROB_SPLIT_COLS, the split form, `_split_form`.)
 
 For 1, 16, 64, 256 and 8,192 rows (a decode step's sizes and a training microbatch's) of bf16 raw logits over
 qwen3's vocabulary, temperature inside the kernel, it times one `logprobs_from_logits` call inside a CUDA graph in
@@ -58,7 +58,7 @@ def main() -> None:
             "rows": rows,
             "vocab": VOCAB,
             "module_chunk": lpm.LOGPROB_SPLIT_COLS,
-            "auto_split": lpm._split_form(rows, triton.cdiv(VOCAB, lpm.LOGPROB_SPLIT_COLS), logits.device),
+            "auto_split": lpm._split_form(triton.cdiv(VOCAB, lpm.LOGPROB_SPLIT_COLS)),
             "us": {},
             "equal": {},
         }

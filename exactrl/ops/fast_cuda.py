@@ -24,7 +24,7 @@ qwen3-0.6b, 2026-11-24): not a fast path. So fast and exact differ exactly where
 binds: the GEMMs and the training attention. The fast path has no varlen flash
 attention over a paged KV cache in this torch build (torch 2.11's `varlen_attn` takes no block table), so cached
 attention runs exactrl's own paged kernel, the same as exact mode's, with its split-KV decode at low concurrency
-(keys split across programs at fixed 256-key chunks; exact mode can afford it because training folds the same
+(keys split across programs at fixed 64-key chunks; exact mode can afford it because training folds the same
 chunks: exactrl/ops/triton/attention.py).
 """
 

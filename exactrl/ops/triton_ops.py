@@ -9,7 +9,7 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 | rms_norm, add_rms_norm, rms_norm_rope, qk_norm_rope | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
 | rope, silu_mul | elementwise | nothing to reduce |
 | attention | one kernel: training, prefill, decode (+ a combine kernel for split-KV decode) | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op, fixed ATTN_SPLIT_KEYS chunks folded in order |
-| logprobs, logits | row-chunked GEMM + row-wise log-softmax | fixed vocab slices, IEEE `/ temperature` |
+| logprobs, logits | row-chunked GEMM + log-softmax in fixed vocabulary chunks (a program per row x chunk + a combine kernel) | fixed 8,192-column chunks folded in order, IEEE `/ temperature` |
 | moe_route | one program per token: fp32 softmax, top-k | row-local, ties to the lowest expert id |
 | moe_experts | device-side sort by expert, grouped GEMMs, rank-order combine | the dense GEMM's K chain per expert, tiles cut per expert, no routed count on the host |
 

@@ -477,7 +477,11 @@ def test_attention_query_tiles_equal(c, lo, hi, hq, hkv):
     """A decode step's 16-row query tile (`_fwd_config`) and other tiles give every row the bits of training's
     64-row tile, split-KV or not, at decode geometries where a layout-ordered row sum gave some rows other bits
     (64 and 256 sequences of 128-384 keys, a shuffled paged cache, keys with outlier channels). Negative control:
-    another key-chunk size (a different fold order) changes some row, so the comparison can fail."""
+    another key-chunk size (a different fold order) changes some row, so the comparison can fail. That the
+    geometries catch the hazard itself (a `tl.sum` row sum, whose order follows the tile's layout) was shown by
+    benchmarks/probe_decode_attn.py with the kernel switched back (H200, 2026-11-26: 16- and 32-row tiles differ at
+    64 and 256 sequences; benchmarks/results/probe-attn-rowsum-NVIDIA-H200.jsonl): re-run both after a Triton
+    upgrade, the equality being the compiler's and the hardware's."""
     from exactrl.ops.triton.attention import ATTN_ROWS, DECODE_LAUNCH, _fwd_config
 
     gen_py = torch.Generator().manual_seed(c * 31 + lo)

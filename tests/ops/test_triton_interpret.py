@@ -740,10 +740,15 @@ def test_adamw_kernel_matches_torch_and_skips_exactly():
 SWEEP_M = (1, 2, 3, 5, 7, 8, 15, 16, 17, 64, 255, 256, 300)
 
 
-def test_logprobs_rows_invariant_over_the_rule_9_sweep():
+def test_logprobs_rows_invariant_over_the_rule_9_sweep(monkeypatch):
     """Every m of rule 9, up to 300 rows (the other logprob tests stay below 64 rows: a block size picked from the
     row count, e.g. another BLOCK_V from 64 rows on, would pass them). Tiny vocabulary: the interpreter's cost is
-    per program and lane, so one dtype (the kernel reads the logits in fp32 either way)."""
+    per program and lane, so one dtype (the kernel reads the logits in fp32 either way). Small slices and chunks,
+    so that the vocabulary is several chunks and the split form (chunk programs + combine) runs, as on the GPU."""
+    import exactrl.ops.triton.logprobs as lp_mod
+
+    monkeypatch.setattr(lp_mod, "_BLOCK_V", 128)
+    monkeypatch.setattr(lp_mod, "LOGPROB_SPLIT_COLS", 384)
     R, V, temp = 300, 1100, 0.7
     lin = randn(R, V, seed=70, scale=3.0)
     targets = torch.randint(0, V, (R,), generator=torch.Generator().manual_seed(72)).to(DEVICE)
@@ -870,7 +875,12 @@ def test_launch_parameters_do_not_depend_on_the_row_count(monkeypatch):
     meta-parameters (block sizes, num_warps, ...) and a grid that grows with a fixed number of rows per program;
     the 16-bit GEMM alone picks its tile per call, from a family that keeps the K loop (BLOCK_K) fixed.
     bf16, the dtype models train in (one dtype: 300 interpreted rows of every op take seconds)."""
+    import exactrl.ops.triton.logprobs as lp_mod
+
     dtype = torch.bfloat16
+    # The logprobs' vocabulary (300) in three chunks, as qwen3's 151,936 columns are in 19: the split form runs.
+    monkeypatch.setattr(lp_mod, "_BLOCK_V", 64)
+    monkeypatch.setattr(lp_mod, "LOGPROB_SPLIT_COLS", 128)
     rec = LaunchRecorder(monkeypatch)
     r1, r2 = 5, 300
     _row_calls(r1, dtype)
@@ -878,6 +888,7 @@ def test_launch_parameters_do_not_depend_on_the_row_count(monkeypatch):
     _row_calls(r2, dtype)
     many = rec.take()
     assert len(few) >= 10, few  # the recorder sees the launches
+    assert "_logprob_combine_kernel" in [k for k, _, _ in few], few  # the split logprob form ran
     assert [_family(k) for k, _, _ in few] == [_family(k) for k, _, _ in many]
     for (name, g1, m1), (_, g2, m2) in zip(few, many):
         if _family(name) == "matmul":  # 16-bit GEMM: a tile of the family per call, the K loop fixed

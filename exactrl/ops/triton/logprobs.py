@@ -44,9 +44,9 @@ LOGPROB_KEEP_BYTES = 3 * 2**30
 _BLOCK_V = 4096  # vocabulary slice per loop step (fixed: the lane reduction tree depends on it)
 _FWD_WARPS = 8  # warps of every forward program (fixed: the lane reduction tree depends on it too)
 # A row's vocabulary is reduced in chunks of LOGPROB_SPLIT_COLS columns ([0, S), [S, 2S), ...), each from scratch,
-# folded into the row's total in chunk order: the arithmetic of every path (training, scoring, decode), so that a
-# decode step of few rows may reduce the chunks in separate programs and fold them in a second kernel. A multiple
-# of _BLOCK_V. Changing it changes every logprob's low bits (both sides at once: still exact).
+# folded into the row's total in chunk order: the arithmetic of every path (training, scoring, decode), so that the
+# chunks may be reduced in separate programs (as every call of more than one chunk does) and folded in a second
+# kernel. A multiple of _BLOCK_V. Changing it changes every logprob's low bits (both sides at once: still exact).
 LOGPROB_SPLIT_COLS = 2 * _BLOCK_V
 # Chunks of at most this many slices are unrolled (their loads issued together); longer ones loop.
 _UNROLL_SLICES = tl.constexpr(4)
@@ -232,14 +232,12 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return out
 
 
-def _split_form(rows: int, n_chunks: int, device: torch.device) -> bool:
+def _split_form(n_chunks: int) -> bool:
     """Whether a call runs the split form (one program per (row, chunk), then the combine kernel): whenever a row
     has more than one chunk. Measured faster than one program per row at every row count (H200, 2026-11-26,
     benchmarks/probe_logprob_split.py, qwen3's 151,936 columns, us per call: 1 row 6.7 against 73.7, 64 rows 22.5
-    against 74.3, 256 rows 75.3 against 101.5, a training microbatch of 8,192 rows 2,197 against 3,037; the kernel
-    before the chunks took 55.4, 56.1, 79.0 and 2,353). Reads the geometry only, never values; either form gives
-    the same bits. `rows` and `device` are kept for a rule that may need them on other hardware."""
-    del rows, device
+    against 74.3, 256 rows 75.3 against 101.5, a training microbatch of 8,192 rows 2,197 against 3,037). The
+    unsplit form (same bits) stays as the reference the tests compare the split form with."""
     return n_chunks > 1
 
 
@@ -277,7 +275,7 @@ def logprobs_from_logits(
         raise ValueError("logprobs_from_logits: the logits have no vocabulary columns")
     n_chunks = triton.cdiv(V, split_cols)
     if split is None:
-        split = _split_form(R, n_chunks, logits.device)
+        split = _split_form(n_chunks)
     part = torch.empty((R, n_chunks, 3), dtype=torch.float32, device=logits.device) if split else lp
     meta = dict(BLOCK_V=block_v, CHUNK_SLICES=split_cols // block_v, num_warps=_FWD_WARPS)
     _logprob_fwd_kernel[(R, n_chunks) if split else (R,)](

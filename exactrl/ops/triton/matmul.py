@@ -99,9 +99,8 @@ def tile_config(m: int, n: int, programs: int, dtype: torch.dtype) -> MatmulConf
     """The tile of an [m, K] x [n, K]^T call on a GPU with `programs` SMs: at most 64 rows, the largest of the
     deeper-K decode tiles with at least 70% of the SMs busy, else the narrowest (most tiles); more rows, the
     largest of the family (the training tile first) with 70% of the SMs busy, else the narrowest, a 64-row one
-    with `_MID_K`'s K step. On an H100
-    this rule picked the fastest tile or one within 15% of it for every qwen3-0.6b/1.7b projection and row count
-    probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
+    taking `_MID_K`'s K step. On an H100 this rule picked the fastest tile or one within 15% of it for every
+    qwen3-0.6b/1.7b projection and row count probed, 1..512 (benchmarks/probe_decode_gemm.py)."""
     base = MATMUL_CONFIGS[dtype]
     if dtype == torch.float32:
         return base
