@@ -30,6 +30,7 @@ from exactrl.engine.sequence import Sequence
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import torch_determinism_off
 from exactrl.ops.batch import upload_int64
+from exactrl.ops.triton.common import pdl_launches
 
 
 @dataclass
@@ -310,8 +311,9 @@ class _Generation:
 
     def step(self) -> bool:
         """Run one step; False once every sequence has finished and nothing is in flight. torch's
-        deterministic algorithms are off for the step (`torch_determinism_off` says why)."""
-        with torch_determinism_off():
+        deterministic algorithms are off for the step (`torch_determinism_off` says why); its kernels are launched
+        back to back (`pdl_launches`: programmatic dependent launch on Hopper)."""
+        with torch_determinism_off(), pdl_launches():
             return self._step()
 
     def _step(self) -> bool:

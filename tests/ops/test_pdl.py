@@ -83,9 +83,35 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl():
 
 
 def test_pdl_is_off_on_the_cpu():
-    from exactrl.ops.triton.common import pdl
+    from exactrl.ops.triton.common import pdl, pdl_launches
 
     assert pdl(torch.device("cpu")) == {"USE_PDL": False}
+    with pdl_launches():
+        assert pdl(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_pdl_only_inside_the_scope_of_this_thread(monkeypatch):
+    """`pdl` asks for the launch attribute only inside `pdl_launches` (the engine's steps), never outside (a
+    training step), and a thread started inside a scope is outside it; the scope nests and restores."""
+    import threading
+
+    from exactrl.ops.triton import common
+
+    monkeypatch.setattr(common, "_pdl_capable", lambda index: True)  # as on a Hopper GPU
+    cuda = torch.device("cuda", 0)
+    on = {"USE_PDL": True, "launch_pdl": True}
+    assert common.pdl(cuda) == {"USE_PDL": False}
+    with common.pdl_launches():
+        assert common.pdl(cuda) == on
+        with common.pdl_launches(False):
+            assert common.pdl(cuda) == {"USE_PDL": False}
+        assert common.pdl(cuda) == on
+        other: list[dict] = []
+        t = threading.Thread(target=lambda: other.append(common.pdl(cuda)))
+        t.start()
+        t.join()
+        assert other == [{"USE_PDL": False}]
+    assert common.pdl(cuda) == {"USE_PDL": False}
 
 
 @pytest.mark.gpu
@@ -128,7 +154,8 @@ def test_dependent_chain_in_a_graph_same_bits_with_and_without_pdl(monkeypatch):
 
     # The reference: the eager chain with PDL as this process has it (on, on Hopper), before any switch.
     common._pdl_capable.cache_clear()
-    pdl_default = common.pdl(torch.device("cuda"))["USE_PDL"]
+    with common.pdl_launches():
+        pdl_default = common.pdl(torch.device("cuda"))["USE_PDL"]
     eager = chain(x0.clone())
     assert torch.isfinite(eager.float()).all()
     results = {}
@@ -136,11 +163,13 @@ def test_dependent_chain_in_a_graph_same_bits_with_and_without_pdl(monkeypatch):
         for flag in ("1", "0"):
             m.setenv("EXACTRL_PDL", flag)
             common._pdl_capable.cache_clear()
-            assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
-            results[flag] = run_in_graph()
+            with common.pdl_launches():
+                assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
+                results[flag] = run_in_graph()
     # The switch must not outlive the test: the tests after it in this process run with PDL as they found it.
     common._pdl_capable.cache_clear()
-    assert common.pdl(torch.device("cuda"))["USE_PDL"] is pdl_default
+    with common.pdl_launches():
+        assert common.pdl(torch.device("cuda"))["USE_PDL"] is pdl_default
     for flag, outs in results.items():
         for r in range(outs.shape[0]):
             assert torch.equal(outs[r], eager), f"EXACTRL_PDL={flag}: replay {r} differs from the eager chain"
