@@ -432,7 +432,8 @@ class _Generation:
                 self.text_len[seq.seq_id] = len(text)
         done = self.sched.take_finished()
         if done and self.progress is not None:
-            self.progress(len(done))
+            with pdl_launches(False):  # the caller's code: launches as it would outside the engine
+                self.progress(len(done))
         self.take(done)
 
     def fold_stats(self) -> None:
@@ -456,7 +457,8 @@ class _Generation:
             del self.unreported[seq.request_id]
             out = RequestOutput(seq.request_id, list(group[0].prompt_token_ids))
             self.fill(out, group)
-            self.on_request_done(out)
+            with pdl_launches(False):  # the caller's code (e.g. a reward that scores on the GPU): no PDL
+                self.on_request_done(out)
 
     def collect(self, outputs: list[RequestOutput]) -> None:
         """Put every finished sequence into its request's output, in (request, sample) order."""

@@ -61,7 +61,11 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-_SCOPE = threading.local()  # .on: whether this thread is inside `pdl_launches` (threads start outside)
+# .on: whether this thread is inside `pdl_launches` (threads start outside). Module state rather than an argument
+# threaded through every op: the launches sit deep in the kernels' host wrappers, under the model, the LoRA and MoE
+# layers and the ops interface, and the engine is the one place that enters it; thread-local, so a trainer thread
+# running beside the engine (algorithm.overlap) never takes it.
+_SCOPE = threading.local()
 
 
 @contextlib.contextmanager
