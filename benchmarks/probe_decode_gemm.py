@@ -36,14 +36,17 @@ def _shapes(name: str) -> dict[str, tuple[int, int]]:
 
 def _time(fn, reps: int = 20) -> float:
     """GPU microseconds per call: `reps` calls captured in one CUDA graph, replayed (no host launch cost, which
-    is what a decode step's graph sees)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
+    is what a decode step's graph sees), inside `pdl_launches` as the engine's steps run."""
+    from exactrl.ops.triton.common import pdl_launches
+
+    with pdl_launches():
+        for _ in range(3):
             fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
     g.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -30,6 +30,7 @@ from exactrl.engine.sequence import Sequence
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import torch_determinism_off
 from exactrl.ops.batch import upload_int64
+from exactrl.ops.triton.common import pdl_launches
 
 
 @dataclass
@@ -310,8 +311,9 @@ class _Generation:
 
     def step(self) -> bool:
         """Run one step; False once every sequence has finished and nothing is in flight. torch's
-        deterministic algorithms are off for the step (`torch_determinism_off` says why)."""
-        with torch_determinism_off():
+        deterministic algorithms are off for the step (`torch_determinism_off` says why); its kernels are launched
+        back to back (`pdl_launches`: programmatic dependent launch on Hopper)."""
+        with torch_determinism_off(), pdl_launches():
             return self._step()
 
     def _step(self) -> bool:
@@ -430,7 +432,8 @@ class _Generation:
                 self.text_len[seq.seq_id] = len(text)
         done = self.sched.take_finished()
         if done and self.progress is not None:
-            self.progress(len(done))
+            with pdl_launches(False):  # the caller's code: launches as it would outside the engine
+                self.progress(len(done))
         self.take(done)
 
     def fold_stats(self) -> None:
@@ -454,7 +457,8 @@ class _Generation:
             del self.unreported[seq.request_id]
             out = RequestOutput(seq.request_id, list(group[0].prompt_token_ids))
             self.fill(out, group)
-            self.on_request_done(out)
+            with pdl_launches(False):  # the caller's code (e.g. a reward that scores on the GPU): no PDL
+                self.on_request_done(out)
 
     def collect(self, outputs: list[RequestOutput]) -> None:
         """Put every finished sequence into its request's output, in (request, sample) order."""

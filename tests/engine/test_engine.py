@@ -180,6 +180,27 @@ def test_trace_counts_running_and_waiting_sequences_per_step():
     assert [s for s, _, _, _ in eng.trace] == list(range(int(eng.stats["steps"])))
 
 
+def test_engine_steps_launch_inside_the_pdl_scope_and_training_outside():
+    """The engine's forwards (prefill and decode) run inside `pdl_launches` (programmatic dependent launch for
+    its kernels on Hopper); a forward outside the engine (the trainer's) does not, and a step that raises leaves
+    the scope as it found it."""
+    from exactrl.ops.triton import common
+
+    model = _model()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(getattr(common._SCOPE, "on", False)))
+    eng = RolloutEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64))
+    eng.generate([[5, 6, 7], [5, 6, 8]], SamplingParams(temperature=0.7, max_tokens=6, seed=1))
+    assert len(seen) > 2 and all(seen)
+    seen.clear()
+    completion_logprobs(model, [[5, 6, 7, 8]], [3])  # the trainer's forward
+    assert seen == [False]
+    model.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):
+        eng.generate([[9, 9, 9]], SamplingParams(max_tokens=2))
+    assert not getattr(common._SCOPE, "on", False)
+
+
 def test_engine_steps_run_with_torch_determinism_off_and_restore_it():
     """The RL loop turns torch's deterministic algorithms on in exact mode (for the trainer's backward); the
     engine's steps run with them off (on a GPU they turned each KV-cache write into a sort and every

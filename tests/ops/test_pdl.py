@@ -83,9 +83,35 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl():
 
 
 def test_pdl_is_off_on_the_cpu():
-    from exactrl.ops.triton.common import pdl
+    from exactrl.ops.triton.common import pdl, pdl_launches
 
     assert pdl(torch.device("cpu")) == {"USE_PDL": False}
+    with pdl_launches():
+        assert pdl(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_pdl_only_inside_the_scope_of_this_thread(monkeypatch):
+    """`pdl` asks for the launch attribute only inside `pdl_launches` (the engine's steps), never outside (a
+    training step), and a thread started inside a scope is outside it; the scope nests and restores."""
+    import threading
+
+    from exactrl.ops.triton import common
+
+    monkeypatch.setattr(common, "_pdl_capable", lambda index: True)  # as on a Hopper GPU
+    cuda = torch.device("cuda", 0)
+    on = {"USE_PDL": True, "launch_pdl": True}
+    assert common.pdl(cuda) == {"USE_PDL": False}
+    with common.pdl_launches():
+        assert common.pdl(cuda) == on
+        with common.pdl_launches(False):
+            assert common.pdl(cuda) == {"USE_PDL": False}
+        assert common.pdl(cuda) == on
+        other: list[dict] = []
+        t = threading.Thread(target=lambda: other.append(common.pdl(cuda)))
+        t.start()
+        t.join()
+        assert other == [{"USE_PDL": False}]
+    assert common.pdl(cuda) == {"USE_PDL": False}
 
 
 @pytest.mark.gpu
@@ -128,7 +154,8 @@ def test_dependent_chain_in_a_graph_same_bits_with_and_without_pdl(monkeypatch):
 
     # The reference: the eager chain with PDL as this process has it (on, on Hopper), before any switch.
     common._pdl_capable.cache_clear()
-    pdl_default = common.pdl(torch.device("cuda"))["USE_PDL"]
+    with common.pdl_launches():
+        pdl_default = common.pdl(torch.device("cuda"))["USE_PDL"]
     eager = chain(x0.clone())
     assert torch.isfinite(eager.float()).all()
     results = {}
@@ -136,11 +163,55 @@ def test_dependent_chain_in_a_graph_same_bits_with_and_without_pdl(monkeypatch):
         for flag in ("1", "0"):
             m.setenv("EXACTRL_PDL", flag)
             common._pdl_capable.cache_clear()
-            assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
-            results[flag] = run_in_graph()
+            with common.pdl_launches():
+                assert common.pdl(torch.device("cuda"))["USE_PDL"] is (flag == "1")
+                results[flag] = run_in_graph()
     # The switch must not outlive the test: the tests after it in this process run with PDL as they found it.
     common._pdl_capable.cache_clear()
-    assert common.pdl(torch.device("cuda"))["USE_PDL"] is pdl_default
+    with common.pdl_launches():
+        assert common.pdl(torch.device("cuda"))["USE_PDL"] is pdl_default
     for flag, outs in results.items():
         for r in range(outs.shape[0]):
             assert torch.equal(outs[r], eager), f"EXACTRL_PDL={flag}: replay {r} differs from the eager chain"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_with_pdl_records_the_trainers_bits(monkeypatch):
+    """The engine launches its kernels inside `pdl_launches` (each kernel's USE_PDL build), the trainer outside
+    (the other build): the recorded logprobs must equal the trainer's with torch.equal, at qwen3-0.6b's real shapes
+    (GQA 2, head dim 128, the 151,936-column vocabulary: the split logprob form; one and several sequences: split-KV
+    decode, the 16-row decode tile, the decode GEMM tiles), from CUDA graphs. The engine with its scope forced off
+    records the same bits. Control: the trainer at a temperature one part in a million away differs."""
+    from exactrl.engine import engine as engine_mod
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.sampler import SamplingParams
+    from exactrl.model import build_model, preset
+    from exactrl.ops import set_exact_environment
+    from exactrl.ops.triton import common
+    from exactrl.train.packing import completion_logprobs
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    set_exact_environment(True)
+    common._pdl_capable.cache_clear()
+    model = build_model(preset("qwen3-0.6b"), device="cuda", dtype=torch.bfloat16, exact=True, seed=0)
+    prompts = [[(13 * i + 7 * j) % 5000 + 10 for j in range(20 + 37 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.7, max_tokens=48, n=2, seed=11)
+
+    def record() -> list[tuple[list[int], torch.Tensor]]:
+        eng = RolloutEngine(model, EngineConfig(max_num_seqs=16, max_model_len=512))
+        return [(s.token_ids, s.rollout_logprobs) for o in eng.generate(prompts, params) for s in o.samples]
+
+    with_pdl = record()
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "pdl_launches", lambda on=True: common.pdl_launches(False))
+        without = record()
+    seqs = [prompts[i // params.n] + t for i, (t, _) in enumerate(with_pdl)]
+    plens = [len(prompts[i // params.n]) for i in range(len(with_pdl))]
+    trainer = completion_logprobs(model, seqs, plens, temperature=0.7)
+    for (ta, la), (tb, lb), lt in zip(with_pdl, without, trainer):
+        assert ta == tb and torch.equal(la, lb), "the engine's PDL and plain builds recorded other bits"
+        assert torch.equal(la, lt), "the engine (PDL) and the trainer (no PDL) disagree"
+    off = completion_logprobs(model, seqs, plens, temperature=0.7 * (1 + 1e-6))
+    assert any(not torch.equal(la, lo) for (_, la), lo in zip(with_pdl, off)), "control: the check can fail"

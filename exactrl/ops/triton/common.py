@@ -10,13 +10,18 @@ fp32 and sums the products over k in one order for every element. The GPU code n
 be started by the GPU while the kernel before it in the stream is still running, and `pdl_wait` (the first
 statement of every such kernel, before any load or store) holds it until that kernel has finished and its writes
 are visible. The launch latency of each kernel of a decode step (a dozen a layer, each a few microseconds of work)
-hides behind the one before it; no instruction of a kernel's arithmetic changes.
+hides behind the one before it; no instruction of a kernel's arithmetic changes. Only kernels launched inside
+`pdl_launches()` (the engine's steps) take it: a training step's long kernels have no launch latency to hide, and
+on an H100 the attribute cost qwen3-1.7b's training step 7% (docs/benchmarks.md, sixteenth session).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -56,11 +61,36 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# .on: whether this thread is inside `pdl_launches` (threads start outside). Module state rather than an argument
+# threaded through every op: the launches sit deep in the kernels' host wrappers, under the model, the LoRA and MoE
+# layers and the ops interface, and the engine is the one place that enters it; thread-local, so a trainer thread
+# running beside the engine (algorithm.overlap) never takes it.
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def pdl_launches(on: bool = True) -> Iterator[None]:
+    """Kernels this thread launches inside the block use programmatic dependent launch where `pdl` allows it; the
+    engine runs each step (prefill, decode graphs and their capture, sampling) inside one. Outside, and in other
+    threads, launches are plain. Same bits either way (tests/ops/test_pdl.py). Training stays outside: on an H100
+    (2026-11-26, same session, `exactrl bench train --preset qwen3-1.7b`) its step ran 38.4k tok/s with the
+    attribute on every kernel against 41.1k without it."""
+    prev = getattr(_SCOPE, "on", False)
+    _SCOPE.on = on
+    try:
+        yield
+    finally:
+        _SCOPE.on = prev
+
+
 def pdl(device: torch.device) -> dict:
     """Launch arguments of a kernel that starts with `pdl_wait(USE_PDL)`: programmatic dependent launch on a
-    Hopper GPU (off under the interpreter, on ROCm, on other GPUs, and with EXACTRL_PDL=0)."""
-    on = device.type == "cuda" and _pdl_capable(
-        device.index if device.index is not None else torch.cuda.current_device()
+    Hopper GPU inside `pdl_launches` (off outside it, under the interpreter, on ROCm, on other GPUs, and with
+    EXACTRL_PDL=0)."""
+    on = (
+        getattr(_SCOPE, "on", False)
+        and device.type == "cuda"
+        and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
     )
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
