@@ -9,7 +9,7 @@
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
 #     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
-#     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2]
+#     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
 set -uo pipefail
@@ -73,6 +73,12 @@ if want probe-chunked-gemm; then  # a GEMM reducing K in fixed chunks: split-K f
 fi
 if want probe-l2; then  # one-row GEMMs cold, hot, and with the next weight asked of L2 one kernel ahead (~1 min)
   timeout 300 python3 benchmarks/probe_l2_prefetch.py ${L2_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/probe_l2.txt"
+fi
+if want step-times; then  # each exact training step's time (qwen3-1.7b), collector on and off, then a profiled step (~2 min)
+  for g in on off; do
+    timeout 200 python3 benchmarks/probe_step_times.py --preset ${STEP_PRESET:-qwen3-1.7b} --gc $g \
+      $([[ $g == off ]] && echo --profile) 2>&1 | grep '^{' | tee -a "$OUT/step_times.jsonl"
+  done
 fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16
   timeout 200 $X parity --preset llama3.2-1b --device cuda --dtype bfloat16 --num-prompts 8 --max-tokens 128 \

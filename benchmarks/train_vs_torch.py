@@ -13,9 +13,13 @@ one optimizer step a step. The four steps:
   run it (no compile).
 
 Each repeat runs every step in turn: build it (exactrl's trainers capture their graphs; the stock step compiles
-on the first repeat and reuses dynamo's cache later), one warm-up step, `--steps` timed steps, then free it.
-exact runs with exact mode's numerics switches, the others with PyTorch's defaults (`stock_numerics`). Reported:
-per step the median tok/s over the repeats with the smallest and largest, MFU (forward+backward FLOPs at half
+on the first repeat and reuses dynamo's cache later), one warm-up step, `--steps` timed steps, then free it. A
+repeat's rate is its tokens over the median of its steps' times (`--stat mean`: over their mean). On an H100
+(2026-11-26) the exact qwen3-1.7b step ran 197-203 ms with pairs of 215-235 ms steps, 0-8 of every 30 (Python's
+garbage collector did not run; they came with it disabled too), which moved a 10-step mean by up to 4% between
+processes; the median is the step's steady rate. exact runs with exact mode's numerics switches, the others with
+PyTorch's defaults (`stock_numerics`). Reported: per step the median tok/s over the repeats with the smallest and
+largest, MFU (forward+backward FLOPs at half
 the sequence as attention context, over the measured bf16 matmul rate), and each step's ratio to the stock
 step's median. One JSON line at the end.
 
@@ -49,14 +53,17 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _time(step: Callable[[], object], steps: int) -> float:
+def _time(step: Callable[[], object], steps: int, stat: str = "median") -> float:
+    """Seconds a step after one warm-up step: the median (or mean) of `steps` synchronized steps' times."""
     step()
     _sync()
-    t = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t = time.perf_counter()
         step()
-    _sync()
-    return (time.perf_counter() - t) / steps
+        _sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) if stat == "median" else statistics.fmean(times)
 
 
 def main() -> int:
@@ -67,6 +74,7 @@ def main() -> int:
     ap.add_argument("--which", nargs="+", default=list(STEPS), choices=STEPS)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a small preset")
+    ap.add_argument("--stat", choices=("median", "mean"), default="median", help="a repeat's step time")
     args = ap.parse_args()
 
     from exactrl.bench import _bench_rollouts, _to_hf, measure_matmul_rate, source_commit, source_hash
@@ -144,7 +152,7 @@ def main() -> int:
             ctx = stock_numerics() if kind != "exact" else contextlib.nullcontext()
             with ctx:
                 step, free = build(kind)
-                rates[kind].append(tokens / _time(step, args.steps))
+                rates[kind].append(tokens / _time(step, args.steps, args.stat))
                 free()
                 del step
             _free()
@@ -153,7 +161,7 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in rates.items()}
     ref = med.get("stock")
     print(
-        f"\n{args.preset}, {tokens} tokens a step, {args.repeats} repeats of {args.steps} steps, alternating"
+        f"\n{args.preset}, {tokens} tokens a step, {args.repeats} repeats of {args.steps} steps ({args.stat}), alternating"
     )
     print(f"{'step':8} {'tok/s median':>13} {'min':>9} {'max':>9} {'MFU':>6} {'/ stock':>8}")
     for k, v in rates.items():
@@ -170,6 +178,7 @@ def main() -> int:
         "tokens_per_step": tokens,
         "repeats": args.repeats,
         "steps": args.steps,
+        "step_stat": args.stat,
         "matmul_peak_TFLOPs": peak / 1e12,
         **{f"{k}_tokens_per_s": round(med[k], 1) for k in rates},
         **{f"{k}_runs": [round(x, 1) for x in v] for k, v in rates.items()},
