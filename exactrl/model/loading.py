@@ -13,7 +13,14 @@ from exactrl.model.qwen import CausalLM, build_model
 from exactrl.model.tokenizer import Tokenizer, byte_tokenizer
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str | torch.device) -> str:
+    """A device string ("auto", "cpu", "cuda", "cuda:N") or a torch.device -> the device string to build on."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(
+            f"device must be a string such as 'cuda:0' or a torch.device, got {type(device).__name__}"
+        )
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -25,7 +32,7 @@ def load_policy(
     *,
     preset_name: str | None = None,
     path: str | Path | None = None,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     dtype: str = "float32",
     exact: bool = True,
     fp32_lm_head: bool = False,
