@@ -77,7 +77,8 @@ fi
 if want step-times; then  # each exact training step's time (qwen3-1.7b), collector on and off, then a profiled step (~2 min)
   for g in on off; do
     timeout 200 python3 benchmarks/probe_step_times.py --preset ${STEP_PRESET:-qwen3-1.7b} --gc $g \
-      $([[ $g == off ]] && echo --profile) 2>&1 | grep '^{' | tee -a "$OUT/step_times.jsonl"
+      $([[ $g == off ]] && echo --profile) > "$OUT/step_times_$g.log" 2>&1
+    grep '^{' "$OUT/step_times_$g.log" | tee -a "$OUT/step_times.jsonl" || tail -5 "$OUT/step_times_$g.log"
   done
 fi
 if want parity-llama; then  # the Llama 3 presets through the same decoder, exact, bf16

@@ -14,13 +14,13 @@ one optimizer step a step. The four steps:
 
 Each repeat runs every step in turn: build it (exactrl's trainers capture their graphs; the stock step compiles
 on the first repeat and reuses dynamo's cache later), one warm-up step, `--steps` timed steps, then free it. A
-repeat's rate is its tokens over the median of its steps' times (`--stat mean`: over their mean). On an H100
-(2026-11-26) the exact qwen3-1.7b step ran 197-203 ms with pairs of 215-235 ms steps, 0-8 of every 30 (Python's
-garbage collector did not run; they came with it disabled too), which moved a 10-step mean by up to 4% between
-processes; the median is the step's steady rate. exact runs with exact mode's numerics switches, the others with
-PyTorch's defaults (`stock_numerics`). Reported: per step the median tok/s over the repeats with the smallest and
-largest, MFU (forward+backward FLOPs at half
-the sequence as attention context, over the measured bf16 matmul rate), and each step's ratio to the stock
+repeat's rate is its tokens over the median of its steps' times (CUDA events between back-to-back steps; `--stat
+mean`: over their mean, which is the whole run's time over its steps, the rule before). On an H100 (2026-11-26) the
+exact qwen3-1.7b step ran 193-207 ms with occasional, mostly paired, 215-236 ms steps (0-8 of every 30; Python's
+garbage collector did not run, and they came with it disabled too); the median is the steady rate. exact runs
+with exact mode's numerics switches, the others with PyTorch's defaults (`stock_numerics`). Reported: per step
+kind the median over the repeats of their rates, with the smallest and largest, MFU (forward+backward FLOPs at
+half the sequence as attention context, over the measured bf16 matmul rate), and each kind's ratio to the stock
 step's median. One JSON line at the end.
 
 Usage (GPU): PYTHONPATH=. python benchmarks/train_vs_torch.py --preset qwen3-1.7b [--repeats 3] [--steps 10]
@@ -54,15 +54,26 @@ def _free() -> None:
 
 
 def _time(step: Callable[[], object], steps: int, stat: str = "median") -> float:
-    """Seconds a step after one warm-up step: the median (or mean) of `steps` synchronized steps' times."""
+    """Seconds a step after one warm-up step: the median (or mean) of `steps` back-to-back steps' times. On CUDA an
+    event between consecutive steps times each from the stream, with one synchronization at the end, so a step
+    that never waits for the GPU (stock, hf) still overlaps its host work with the step before, as it did when the
+    whole run was timed at once (the mean of the intervals is that old figure)."""
     step()
     _sync()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
+    if torch.cuda.is_available():
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for i in range(steps):
+            step()
+            marks[i + 1].record()
         _sync()
-        times.append(time.perf_counter() - t)
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+    else:
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
     return statistics.median(times) if stat == "median" else statistics.fmean(times)
 
 
