@@ -31,7 +31,10 @@ import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -998,12 +1001,16 @@ def episode_token_limit(cfg: RunConfig) -> int:
     return min(cfg.engine.max_model_len, cfg.train.max_tokens_per_microbatch)
 
 
-def resolve_device(cfg: RunConfig | str) -> str:
-    """The torch device string for ``cfg.run.device`` (or a device string): "auto" -> "cuda" if available else "cpu"."""
+def resolve_device(cfg: RunConfig | str | torch.device) -> str:
+    """The torch device string for ``cfg.run.device`` (or a device string or torch.device): "auto" -> "cuda" if
+    available else "cpu"."""
+    import torch
+
+    if isinstance(cfg, torch.device):
+        return str(cfg)
     device = cfg if isinstance(cfg, str) else cfg.run.device
     if device != "auto":
         return device
-    import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 

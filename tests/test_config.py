@@ -658,6 +658,7 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     assert resolve_device("cpu") == "cpu"
+    assert resolve_device(torch.device("cpu")) == "cpu"
     assert resolve_device(load_config(None, [*PRESET, "run.device=cuda:1"])) == "cuda:1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(RunConfig()) == "cpu"
