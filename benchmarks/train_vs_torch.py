@@ -42,38 +42,18 @@ import torch
 STEPS = ("exact", "fast", "stock", "hf")
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def _time(step: Callable[[], object], steps: int, stat: str = "median") -> float:
-    """Seconds a step after one warm-up step: the median (or mean) of `steps` back-to-back steps' times. On CUDA an
-    event between consecutive steps times each from the stream, with one synchronization at the end, so a step
-    that never waits for the GPU (stock, hf) still overlaps its host work with the step before, as it did when the
-    whole run was timed at once (the mean of the intervals is that old figure)."""
-    step()
-    _sync()
-    if torch.cuda.is_available():
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        marks[0].record()
-        for i in range(steps):
-            step()
-            marks[i + 1].record()
-        _sync()
-        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
-    else:
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
+def _time(step: Callable[[], object], steps: int, device: torch.device, stat: str = "median") -> float:
+    """Seconds a step: the median (or mean) of `steps` back-to-back steps' times after one warm-up step
+    (`exactrl.bench.back_to_back_step_times`: CUDA events between steps, one synchronization at the end)."""
+    from exactrl.bench import back_to_back_step_times
+
+    times = back_to_back_step_times(step, steps, device)
     return statistics.median(times) if stat == "median" else statistics.fmean(times)
 
 
@@ -163,7 +143,7 @@ def main() -> int:
             ctx = stock_numerics() if kind != "exact" else contextlib.nullcontext()
             with ctx:
                 step, free = build(kind)
-                rates[kind].append(tokens / _time(step, args.steps, args.stat))
+                rates[kind].append(tokens / _time(step, args.steps, device, args.stat))
                 free()
                 del step
             _free()

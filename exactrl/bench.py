@@ -39,6 +39,29 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def back_to_back_step_times(step, steps: int, device) -> list[float]:
+    """Seconds of each of `steps` calls of step() run back to back after one warm-up call. On CUDA, events recorded
+    between consecutive calls time each from the stream, with one synchronization at the end: a step that never
+    waits for the GPU still overlaps its host work with the step before, and the times sum to the whole run's
+    (their mean is `_seconds_per_step`'s figure). Elsewhere each call is timed on the host clock."""
+    step()
+    _sync(device)
+    if torch.device(device).type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for i in range(steps):
+            step()
+            marks[i + 1].record()
+        _sync(device)
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _seconds_per_step(step, steps: int, device) -> float:
     """Mean wall time of step() over `steps` calls, after one warm-up call."""
     step()
@@ -509,7 +532,8 @@ def bench_train(args) -> dict:
     def step():
         trainer.step(rollouts)
 
-    wall = _seconds_per_step(step, args.steps, device)
+    times = back_to_back_step_times(step, args.steps, device)
+    wall = statistics.fmean(times)
     tokens = n_seq * seq_len
     flops = 3 * model.flops_per_token(context=seq_len // 2) * tokens
     peak = measure_matmul_rate(device)
@@ -520,6 +544,9 @@ def bench_train(args) -> dict:
         "cuda_graphs": trainer.graphs.replays > 0,
         "step_s": wall,
         "tokens_per_s": tokens / wall,
+        # The steady rate: a few slow steps (10-20% on an H100, 0-8 in 30) move the mean (docs/benchmarks.md).
+        "step_s_median": statistics.median(times),
+        "tokens_per_s_median": tokens / statistics.median(times),
         "achieved_TFLOPs": flops / wall / 1e12,
         "matmul_peak_TFLOPs": peak / 1e12,
         "mfu": flops / wall / peak,

@@ -191,3 +191,31 @@ def test_bench_train_vs_torch_refuses_a_mixture_of_experts(tmp_path, capsys):
         in capsys.readouterr().err
     )
     assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_back_to_back_step_times_times_each_step_after_a_warm_up() -> None:
+    import time
+
+    from exactrl.bench import back_to_back_step_times
+
+    calls = []
+
+    def step() -> None:  # the warm-up call sleeps longest: it must not be among the times
+        time.sleep(0.3 if not calls else 0.01 * len(calls))
+        calls.append(1)
+
+    times = back_to_back_step_times(step, 3, "cpu")
+    assert len(calls) == 4 and len(times) == 3
+    assert all(t >= 0.01 * (i + 1) for i, t in enumerate(times)), times  # each step's own time, in order
+    assert max(times) < 0.2, times  # not the warm-up's
+
+
+def test_bench_train_reports_the_median_step_beside_the_mean(tmp_path, capsys) -> None:
+    from exactrl.cli import main
+
+    argv = [*TRAIN, "--tokens-per-microbatch", "128", "--steps", "3", "--json", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rec = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+    assert rec["tokens_per_s_median"] == rec["tokens_per_step"] / rec["step_s_median"]
+    assert rec["tokens_per_s"] == rec["tokens_per_step"] / rec["step_s"]
