@@ -47,12 +47,13 @@ def back_to_back_step_times(step, steps: int, device) -> list[float]:
     step()
     _sync(device)
     if torch.device(device).type == "cuda":
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        marks[0].record()
-        for i in range(steps):
-            step()
-            marks[i + 1].record()
-        _sync(device)
+        with torch.cuda.device(torch.device(device)):  # the events on the stream of the step's device
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            marks[0].record()
+            for i in range(steps):
+                step()
+                marks[i + 1].record()
+            torch.cuda.synchronize()
         return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
     times = []
     for _ in range(steps):
