@@ -9,27 +9,14 @@ several chunks and the last one is partial. The `gpu` test repeats the compariso
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_mode import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
-
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from exactrl.ops.triton import common  # noqa: E402
 from exactrl.ops.triton import logprobs as lpm  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if (
-    DEVICE == "cpu" and not common.INTERPRET
-):  # pragma: no cover - only when another module imported them first
-    pytest.skip(
-        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
-        allow_module_level=True,
-    )
 
 # Slice and chunk for the interpreter: 64-wide slices, chunks of 3 slices; V = 1000 is not a multiple of the chunk
 # (5 full chunks of 192 and a last one of 40 columns, less than a slice).

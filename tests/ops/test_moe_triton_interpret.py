@@ -9,16 +9,12 @@ roughly doubles each bf16 rounding error: hence the looser bf16 tolerance here.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_mode import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
-
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from exactrl.ops.fast_cuda import FastCudaOps  # noqa: E402
 from exactrl.ops.triton import common  # noqa: E402
@@ -33,13 +29,6 @@ from exactrl.ops.triton.moe import (  # noqa: E402
     route_plan,
 )
 from exactrl.ops.triton_ops import TritonOps  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not common.INTERPRET:  # pragma: no cover - another module imported them first
-    pytest.skip(
-        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
-        allow_module_level=True,
-    )
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2 if common.INTERPRET else 1e-2}

@@ -9,32 +9,19 @@ shared by several rows; a weight one ulp away must show.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from qk_step import EPS, clone_cache, differences, fused, make_step, one_ulp_away, unfused
+from triton_mode import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
-
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from exactrl.model.config import ModelConfig  # noqa: E402
 from exactrl.model.qwen import Attention  # noqa: E402
 from exactrl.ops.batch import AttentionBatch  # noqa: E402
 from exactrl.ops.torch_ops import ExactTorchOps, FastOps  # noqa: E402
-from exactrl.ops.triton import common, kv_write, norm  # noqa: E402
+from exactrl.ops.triton import kv_write, norm  # noqa: E402
 from exactrl.ops.triton_ops import TritonOps  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if (
-    DEVICE == "cpu" and not common.INTERPRET
-):  # pragma: no cover - only when another module imported them first
-    pytest.skip(
-        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
-        allow_module_level=True,
-    )
 
 ops = TritonOps()
 HQ, HKV, DH = 6, 2, 64  # GQA 3; norm_config(64) tiles 64 rows, so q and k each end in a partial tile mostly

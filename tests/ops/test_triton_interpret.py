@@ -7,17 +7,13 @@ lives in test_triton_gpu.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from attn_rows import decode_rows
 from norm_invariance import norm_row_failures as _norm_row_failures
+from triton_mode import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
-
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from exactrl.ops.batch import AttentionBatch  # noqa: E402
 from exactrl.ops.torch_ops import attention_reference, rms_norm_torch, rope_torch, silu_mul_torch  # noqa: E402
@@ -32,15 +28,6 @@ from exactrl.ops.triton.attention import (  # noqa: E402
 from exactrl.ops.triton.logprobs import logprobs_from_logits  # noqa: E402
 from exactrl.ops.triton.norm import norm_config  # noqa: E402
 from exactrl.ops.triton_ops import TritonOps  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if (
-    DEVICE == "cpu" and not common.INTERPRET
-):  # pragma: no cover - only when another module imported them first
-    pytest.skip(
-        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
-        allow_module_level=True,
-    )
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

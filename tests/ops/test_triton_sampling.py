@@ -9,32 +9,20 @@ uniform -> Gumbel map (both logarithms) is compared with the torch code on every
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from triton_mode import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernel modules
-
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from exactrl.engine import sampler  # noqa: E402
-from exactrl.ops.triton import common  # noqa: E402
 from exactrl.ops.triton.sampling import (  # noqa: E402
     _gumbel_of_all_uniforms,
     fused_sampling_supported,
     gumbel_argmax,
     gumbel_noise_triton,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Only when another module imported the kernels first, without TRITON_INTERPRET=1.
-if DEVICE == "cpu" and not common.INTERPRET:
-    pytest.skip(
-        "the Triton kernels were imported without TRITON_INTERPRET=1; run this file on its own or set the variable",
-        allow_module_level=True,
-    )
 
 QWEN_VOCAB = 151936
 
