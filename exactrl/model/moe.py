@@ -180,7 +180,8 @@ class SparseMoeBlock(nn.Module):
         out = ops.moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
         if self.shared_expert is not None:
             # transformers' order and dtypes: sigmoid of the gate in the model dtype, times the shared output,
-            # added to the routed output (each product and sum rounded once to the model dtype).
-            shared = torch.sigmoid(self.shared_expert_gate(ops, x)) * self.shared_expert(ops, x)
+            # added to the routed output (each product and sum rounded once to the model dtype). The sigmoid goes
+            # through the ops: torch's CPU sigmoid rounds a tensor's tail differently from its body (DESIGN rule 9).
+            shared = ops.sigmoid(self.shared_expert_gate(ops, x)) * self.shared_expert(ops, x)
             out = out + shared
         return out

@@ -84,6 +84,11 @@ class Ops(Protocol):
         """gate, up: [T, I] -> silu(gate) * up, [T, I]."""
         ...
 
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [...] -> sigmoid(x) in x.dtype (computed in fp32); exact backends: an element's bits never depend on
+        the tensor's length or its place in it (Qwen2-MoE's shared-expert gate)."""
+        ...
+
     def moe_route(
         self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

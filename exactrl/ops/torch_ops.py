@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from exactrl.ops.batch import BLOCK_N, AttentionBatch
+from exactrl.ops.elementwise_torch import sigmoid_exact, silu_mul_exact
 from exactrl.ops.moe_torch import experts_exact, experts_fast, route_topk
 
 ROW_MULTIPLE = 16  # linear pads its rows to a multiple of this (and at least this many)
@@ -335,7 +336,11 @@ class ExactTorchOps:
         return q, k
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return silu_mul_torch(gate, up)
+        # Not F.silu: its CPU kernel rounds a tensor's tail differently from its body (elementwise_torch.py).
+        return silu_mul_exact(gate, up)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return sigmoid_exact(x)
 
     def moe_route(
         self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -387,6 +392,12 @@ class FastOps(ExactTorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_mul_torch(gate, up)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x)
 
     def moe_route(
         self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool

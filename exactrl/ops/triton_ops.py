@@ -7,7 +7,7 @@ arithmetic is fixed independently of the batch (see each kernel module's docstri
 | --- | --- | --- |
 | linear | persistent GEMM, a tile family that keeps one K order | in-order K reduction, no split-K, M not specialised |
 | rms_norm, add_rms_norm, rms_norm_rope, qk_norm_rope | a tile of rows per program, tile shape from D alone | one fixed-size reduction per row |
-| rope, silu_mul | elementwise | nothing to reduce |
+| rope, silu_mul, sigmoid | elementwise (sigmoid: torch's CUDA kernel) | nothing to reduce |
 | attention | one kernel: training, prefill, decode (+ a combine kernel for split-KV decode) | keys from position 0 in ATTN_BLOCK_N tiles, masked tile = no-op, fixed ATTN_SPLIT_KEYS chunks folded in order |
 | logprobs, logits | row-chunked GEMM + log-softmax in fixed vocabulary chunks (a program per row x chunk + a combine kernel) | fixed 8,192-column chunks folded in order, IEEE `/ temperature` |
 | moe_route | one program per token: fp32 softmax, top-k | row-local, ties to the lowest expert id |
@@ -94,6 +94,11 @@ class TritonOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate, up)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        # CUDA's elementwise sigmoid applies one per-element functor (1 / (1 + exp(-x)) in fp32) to every element,
+        # vectorised loads or not: nothing to reduce, no tail routine (tests/ops/test_sigmoid_gpu.py sweeps rows).
+        return torch.sigmoid(x)
 
     def attention(
         self,

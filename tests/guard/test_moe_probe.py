@@ -44,9 +44,9 @@ def model():
     return m.requires_grad_(False)
 
 
-def _busiest_expert(model) -> int:
+def _busiest_expert(model, completion: list[int] = COMPLETION) -> int:
     """The expert of layer LAYER that the most tokens of the probed sequence use (a clean forward)."""
-    seq = PROMPT + COMPLETION
+    seq = PROMPT + completion
     pb = PackedBatch.build([seq], [len(PROMPT)])
     with torch.no_grad(), collect_router_outputs(model) as rec:
         model(pb.input_ids, pb.batch.q_pos, pb.batch)
@@ -78,23 +78,37 @@ def _ulp_up(t: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(t, torch.full_like(t, float("inf")))
 
 
+def _scaled_up(t: torch.Tensor) -> torch.Tensor:
+    """Every element times (1 + 2^-7): far above an ulp, so every nonzero product it enters changes its bits on any
+    machine (a one-ulp bump can round away on one CPU and not on another)."""
+    return t * (1 + 2**-7)
+
+
+def _probe_planted(model, undo: Callable[[], None], completion: list[int] = COMPLETION):
+    """probe_layers with a plant in place, removed afterwards; fails as "the plant did not take" when the engine's
+    and the trainer's final hidden states came out equal (then nothing below can be about the probe)."""
+    try:
+        p = probe_layers(model, PROMPT, completion)
+    finally:
+        undo()
+    if p.final_equal and p.layer is None:
+        pytest.fail(f"the plant did not take: the engine's path gave the trainer's bits ({p.describe()})")
+    return p
+
+
 def test_clean_moe_model_agrees_at_every_layer(model):
     p = probe_layers(model, PROMPT, COMPLETION)
     assert p.layer is None and p.final_equal and p.experts is None
 
 
-def test_one_ulp_in_one_experts_weights_names_that_expert(model):
+def test_a_change_in_one_experts_weights_names_that_expert(model):
     e = _busiest_expert(model)
 
     def bump(w):
-        w[e] = _ulp_up(w[e])
+        w[e] = _scaled_up(w[e])
         return w
 
-    undo = _on_engine_path(model, LAYER, lambda m: m.mlp.experts.down, bump)
-    try:
-        p = probe_layers(model, PROMPT, COMPLETION)
-    finally:
-        undo()
+    p = _probe_planted(model, _on_engine_path(model, LAYER, lambda m: m.mlp.experts.down, bump))
     assert p.layer == LAYER, p.describe()
     x = p.experts
     assert x is not None and x.finding == "expert" and x.expert == e, p.describe()
@@ -111,10 +125,7 @@ def test_a_changed_router_names_the_token_and_both_sides_experts(model):
         lambda m: m.mlp.gate.weight,
         lambda w: torch.cat([w[:e], -w[e : e + 1] * 50, w[e + 1 :]]),
     )
-    try:
-        p = probe_layers(model, PROMPT, COMPLETION)
-    finally:
-        undo()
+    p = _probe_planted(model, undo)
     assert p.layer == LAYER, p.describe()
     x = p.experts
     assert x is not None and x.finding == "routing", p.describe()
@@ -125,22 +136,14 @@ def test_a_changed_router_names_the_token_and_both_sides_experts(model):
 
 def test_router_weights_one_ulp_off_with_the_same_experts_are_named(model):
     """Every router weight one ulp up: the logits move, the top-k does not (here): the routing weights differ."""
-    undo = _on_engine_path(model, LAYER, lambda m: m.mlp.gate.weight, _ulp_up)
-    try:
-        p = probe_layers(model, PROMPT, COMPLETION)
-    finally:
-        undo()
+    p = _probe_planted(model, _on_engine_path(model, LAYER, lambda m: m.mlp.gate.weight, _ulp_up))
     assert p.layer == LAYER and p.experts is not None, p.describe()
     assert p.experts.finding == "router_logits" and p.experts.engine_experts == p.experts.trainer_experts
     assert "the router picked the same experts for every token, but its logits differ" in p.describe()
 
 
 def test_a_fault_before_the_router_is_not_blamed_on_the_experts(model):
-    undo = _on_engine_path(model, LAYER, lambda m: m.self_attn.o_proj.weight, _ulp_up)
-    try:
-        p = probe_layers(model, PROMPT, COMPLETION)
-    finally:
-        undo()
+    p = _probe_planted(model, _on_engine_path(model, LAYER, lambda m: m.self_attn.o_proj.weight, _scaled_up))
     assert p.layer == LAYER and p.experts is not None and p.experts.finding == "input", p.describe()
 
 
@@ -170,12 +173,20 @@ def test_replay_of_an_moe_mismatch_names_the_expert(tmp_path, model, monkeypatch
     d = write_mismatch_report(
         tmp_path, 4, cfg=cfg, model=model, tokenizer=tok, sequences=[seq], sampling=params, probe_layers=False
     )
-    e = _busiest_expert(model)
+    e = _busiest_expert(model, smp.token_ids)
     real = loading.load_policy
 
     def bump(w):
-        w[e] = _ulp_up(w[e])
+        w[e] = _scaled_up(w[e])
         return w
+
+    # The plant must change what the replay compares (the engine's logprobs of the report's sequence), or the
+    # test would assert about a replay that had nothing to find.
+    p = _probe_planted(
+        model, _on_engine_path(model, LAYER, lambda m: m.mlp.experts.down, bump), smp.token_ids
+    )
+    if p.final_equal:
+        pytest.fail(f"the plant did not take: the final hidden states are equal ({p.describe()})")
 
     def load_with_fault(**kw):
         m, t = real(**kw)
