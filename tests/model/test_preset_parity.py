@@ -19,7 +19,6 @@ from exactrl.model.config import PRESETS
 from exactrl.model.qwen import build_model
 from exactrl.parity import run_parity
 
-
 # One preset per architecture (the module code a forward runs): the ops-boundary watch is slow, and the other
 # presets run the same modules with other sizes.
 ARCHITECTURES = {"tiny", "tiny-llama", "tiny-moe", "tiny-qwen2-moe", "qwen2.5-0.5b"}
