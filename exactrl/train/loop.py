@@ -48,7 +48,6 @@ from exactrl.train.offpolicy import (
     BehaviourPolicy,
     GenerationWorker,
     check_batch,
-    check_supported,
     save_pending,
     staleness_metrics,
 )
@@ -64,8 +63,9 @@ from exactrl.train.offpolicy_dist import (
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.overlap import TailOverlap
 from exactrl.train.overlap import check_supported as check_overlap_supported
-from exactrl.train.partial import PartialRollouts, check_partial_supported
+from exactrl.train.partial import PartialRollouts
 from exactrl.train.phases import MemoryPhases
+from exactrl.train.preflight import check_run_config, dropped_on_resume
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -333,13 +333,8 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
-        check_supported(cfg, self.dist.distributed)
-        check_partial_supported(cfg, self.dist.distributed)
-        if cfg.algorithm.prompts_per_step < self.dist.world_size:
-            raise ValueError(
-                f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
-                f"{self.dist.world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
-            )
+        # What `exactrl plan` refuses too: the checks that need the world size or the model's shape.
+        check_run_config(cfg, self.dist.world_size, distributed=self.dist.distributed)
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
@@ -759,6 +754,10 @@ class RLRun:
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
+        for note in dropped_on_resume(
+            self.resume_from, off_policy=self.behaviour is not None, partial=self.partial is not None
+        ):
+            self.out(note)
         if self.behaviour is not None:
             if isinstance(self.behaviour, ReplicaBehaviour):  # the full sync above refreshed the replica
                 self.behaviour.version = self.step

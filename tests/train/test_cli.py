@@ -373,7 +373,7 @@ def test_overwrite_starts_the_run_over(config, small_run, tmp_path, capsys):
     (run / "checkpoints" / "step-000099").mkdir()  # a stray old checkpoint must not survive
     argv = ["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]
     assert main([*argv, "--set", "sft.steps=1", "--overwrite"]) == 0
-    assert "--overwrite: deleting" in capsys.readouterr().out
+    assert "--overwrite: the previous run's" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000001"]
     assert "steps = 1" in (run / "config.toml").read_text().split("[sft]")[1]
 

@@ -513,7 +513,9 @@ def test_plan_command_prints_a_table_and_one_json_line(capsys):
     )
     out = capsys.readouterr().out.splitlines()
     assert rc == 1  # does not fit: the exit code says so
-    assert out[0].startswith("bytes per rank (GiB)") and "generation" in out[0]
+    # The quickstart is a CPU config: --gpu-memory plans it on a CUDA device, and says so first.
+    assert out[0].startswith('run.device = "cpu" in the config: planned for a CUDA device of 80 GiB')
+    assert out[1].startswith("bytes per rank (GiB)") and "generation" in out[1]
     j = json.loads(out[-1])["memory_plan"]
     assert j["world_size"] == 8 and j["fits"] is False
     assert set(j["phases"]) == {"generation", "training", "optimizer"}
