@@ -484,7 +484,7 @@ def test_qwen3_30b_a3b_on_8_x_80gb_fits_with_the_moment_shards_offloaded():
     assert gen["kv_cache"] >= off.phase("generation").terms["kv_cache"]
     assert plan.fits and plan.worst.name == "generation"
     assert 70 * GiB < plan.peak <= plan.available
-    # Host: per rank, two pinned buffers per trained tensor's rank-0 shard, a power of two each.
+    # Host: per rank, two pinned buffers per trained tensor's rank-0 shard, each its exact size (pinned_bytes).
     with torch.device("meta"):
         model = CausalLM(preset("qwen3-30b-a3b"))
     shard = [torch.chunk(q, 8, dim=0)[0].numel() * 4 for q in model.parameters()]
