@@ -1423,7 +1423,9 @@ class RLRun:
         m["offpolicy/refresh_s"] = refresh_s
         m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
-        m["perf/tokens_per_s"] = sum(sr.lengths) / max(batch.generate_s, 1e-9)
+        # The generation's speed: partial rollouts sample other tokens than the batch holds (carried ones).
+        sampled = m.get("offpolicy/partial/sampled_tokens", sum(sr.lengths))
+        m["perf/tokens_per_s"] = sampled / max(batch.generate_s, 1e-9)
         if torch.device(self.device).type == "cuda":
             m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         m.update(sr.advantage_metrics)

@@ -266,6 +266,35 @@ def test_partial_is_exact_across_refreshes(partial_run):
     assert (tmp / "run" / "checkpoints" / "step-000002" / PARTIAL_FILE).is_file()
 
 
+def test_the_step_line_says_how_many_of_the_trained_batch_were_checked(partial_run):
+    """The guard's mismatch/num_tokens counts this generation's sampled tokens (batch and carried), which is not
+    the batch trained: the line and the metrics say both, and tok/s is the generation's own (sampled tokens over
+    its time); the off-policy figures reach the line and report.png."""
+    pytest.importorskip("matplotlib")
+    from exactrl.report import report_figure
+    from exactrl.train.logging import step_line
+
+    tmp, _ = partial_run
+    rows = _steps(tmp / "run")
+    assert any(r["mismatch/num_tokens"] != r["num_tokens"] for r in rows)  # the two counts do differ
+    assert any(r["mismatch/batch_tokens_checked_earlier"] > 0 for r in rows)  # carried tokens were trained
+    for r in rows:
+        assert r["mismatch/batch_tokens"] == r["num_tokens"]  # the tokens trained (single-turn: all of them)
+        assert 0 <= r["mismatch/batch_tokens_checked_earlier"] <= r["num_tokens"]
+        assert r["offpolicy/partial/sampled_tokens"] == r["mismatch/num_tokens"]
+        assert r["perf/tokens_per_s"] * r["perf/generate_s"] == pytest.approx(
+            r["offpolicy/partial/sampled_tokens"]
+        )
+        line = step_line(r)
+        n, e = int(r["num_tokens"]), int(r["mismatch/batch_tokens_checked_earlier"])
+        assert f"sampled, batch {n} checked ({e} earlier)" in line and "tok/s sampled" in line
+        assert f"| behind {r['offpolicy/versions_behind/token_mean']:.2f} (max " in line and " is-w " in line
+    fig = report_figure(rows)
+    ax = next(a for a in fig.axes if a.get_title().startswith("off-policy"))
+    curves = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    assert curves["versions behind (max)"] == [r["offpolicy/versions_behind/max"] for r in rows]
+
+
 def test_partial_same_seed_same_run(partial_run, tmp_path, reward_path):
     tmp, _ = partial_run
     train(_cfg(tmp_path, reward_path), out=lambda *a: None)
