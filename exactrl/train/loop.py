@@ -552,6 +552,8 @@ class RLRun:
                 loaded = load_model(sft_dir, device=self.device, dtype=model.dtype, exact=self.exact)
                 model.load_state_dict(loaded.state_dict())
                 done = self.sft_point.finished
+                # The run's time up to SFT's end, from the invocation that ran it (the summary splits SFT from RL).
+                self.summary["sft_elapsed_s"] = float(done.get(self.clock.KEY, 0.0))
                 if done.get("skipped_prompts"):
                     self.summary["sft_skipped_prompts_total"] = done["skipped_prompts"]
                 self.out(
@@ -609,11 +611,14 @@ class RLRun:
             checkpoints=ck,
         )
         self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
+        sft_s = self.clock.total_s()
+        self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings
         skipped = sft.filter.skipped if sft.filter is not None else 0
         if skipped:
             self.summary["sft_skipped_prompts_total"] = skipped
         if self.dist.is_main:
-            extra = {"skipped_prompts": skipped, self.clock.KEY: self.clock.total_s()}
+            extra = {"skipped_prompts": skipped, self.clock.KEY: sft_s}
             write_sft_model(
                 model, self.tok, sft_dir, steps_done=sft.steps_done, steps=cfg.sft.steps, extra=extra
             )
@@ -1536,11 +1541,14 @@ class RLRun:
         self.logger.log({"step": self.step, **after, "phase": "after_rl"})
         self.logger.close()
         t = self.totals
+        total_s = self.clock.total_s()
         self.summary.update(
             {
                 "accuracy_after_rl": after.get("eval/accuracy"),
                 "rl_steps": self.step,
-                "minutes": self.clock.total_s() / 60.0,
+                "minutes": total_s / 60.0,
+                # After SFT (and the model's loading before it): RL steps, evaluations, checkpoints.
+                "rl_elapsed_s": total_s - self.summary.get("sft_elapsed_s", 0.0),
                 "mismatched_tokens_total": t["mismatched"],
                 "compared_tokens_total": t["compared"],
                 "skipped_prompts_total": t["skipped_prompts"],
@@ -1645,7 +1653,9 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
 
     return (
         f"\n== {s['algorithm']} ({'exact' if s['exact'] else 'fast'} mode): {s['rl_steps']} RL steps in "
-        f"{s['minutes']:.1f} min\n"
+        f"{s['rl_elapsed_s'] / 60 if 'rl_elapsed_s' in s else s['minutes']:.1f} min"
+        + (f" after {s['sft_elapsed_s'] / 60:.1f} min of SFT" if "sft_elapsed_s" in s else "")
+        + "\n"
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
         f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
