@@ -325,6 +325,33 @@ def test_partial_resume_is_bitwise(partial_run, tmp_path, reward_path, monkeypat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_into_the_synchronous_loop_says_what_it_drops(tmp_path, reward_path, monkeypatch):
+    """Stopped after step 1 of a partial run (a batch sampled ahead and groups in flight in the checkpoint), then
+    resumed with partial rollouts off under --allow-config-change: the run says both are dropped, not in silence."""
+    from exactrl.train.offpolicy import PENDING_FILE
+    from exactrl.train.rundir import check_run_dir
+
+    monkeypatch.setattr(RLRun, "stop_requested", lambda self: self.step == 1)
+    train(_cfg(tmp_path, reward_path), out=lambda *a: None)
+    monkeypatch.undo()
+    ck = tmp_path / "run" / "checkpoints" / "step-000001"
+    assert (ck / PENDING_FILE).is_file() and json.loads((ck / PARTIAL_FILE).read_text())["pool"]
+    sync = _cfg(
+        tmp_path,
+        reward_path,
+        algorithm__partial_rollouts=False,
+        algorithm__max_off_policy_steps=0,
+        train__steps=2,
+    )
+    plan = check_run_dir(sync, resume=True, allow_config_change=True)
+    lines: list[str] = []
+    s = train(sync, resume=True, run_dir=plan, out=lambda *a: lines.append(" ".join(map(str, a))))
+    assert s["rl_steps"] == 2
+    said = "\n".join(lines)
+    assert "the checkpoint holds the batch sampled ahead" in said and "that batch is dropped" in said
+    assert "prompt group(s) in flight (partial rollouts)" in said and "they are dropped" in said
+
+
 def _plant_at_second_cut(monkeypatch, mark) -> None:
     """The second generation (the worker's, during step 1's update) records one logprob one ulp off: the first token
     of a sample it cuts, one this generation started (so every token of it is this generation's)."""
