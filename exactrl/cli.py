@@ -1,4 +1,4 @@
-"""The `exactrl` command line: train | sft | generate | eval | parity | bench | report | init-model."""
+"""The `exactrl` command line: one subcommand per job (`exactrl --help` lists them all, from the parser)."""
 
 from __future__ import annotations
 
@@ -391,7 +391,7 @@ def _main(argv: list[str] | None = None) -> int:
     from exactrl.commands import add_nproc_arg
 
     _quiet_unless_rank0()
-    parser = argparse.ArgumentParser(prog="exactrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="exactrl")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
 
@@ -496,6 +496,8 @@ def _main(argv: list[str] | None = None) -> int:
     from exactrl import commands
 
     commands.register(sub)
+    # The description names every subcommand registered above, so --help cannot drift from the parser.
+    parser.description = "The `exactrl` command line: " + " | ".join(sub.choices) + "."
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

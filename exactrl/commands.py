@@ -28,12 +28,21 @@ def _run(cfg, args) -> int:
     checkpoint): 130 after Ctrl-C, 143 after SIGTERM (a scheduler's preemption)."""
     import os
 
+    from exactrl.config import resolve_device
+    from exactrl.distributed.env import under_torchrun
     from exactrl.train.loop import train
+    from exactrl.train.preflight import check_run_config, inert_keys
 
+    main = os.environ.get("RANK", "0") == "0"
+    # The config is refused before the run directory is looked at: no "--overwrite: ..." line above a refusal.
+    check_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), distributed=under_torchrun())
+    if main:
+        for note in inert_keys(cfg, resolve_device(cfg.run.device)):
+            print(f"warning: {note}")
     # Under torchrun rank 0 alone checks the run directory (the others write nothing there; torchrun stops them
     # if rank 0 refuses). The plan commits (clears an --overwrite's old files, writes config.toml) once
     # everything has loaded.
-    plan = _run_dir_plan(cfg, args) if os.environ.get("RANK", "0") == "0" else None
+    plan = _run_dir_plan(cfg, args) if main else None
     summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan)
     if summary.get("reward_failure"):  # every reward call failed, or every call of the correctness function
         return 3
@@ -212,27 +221,46 @@ def cmd_twin(args) -> int:
 
 def cmd_plan(args) -> int:
     """The run's memory plan per rank (exactrl.plan); exit 1 when a phase would not fit --gpu-memory, or the
-    optimizer state offload pins would not fit --host-memory."""
+    optimizer state offload pins would not fit --host-memory. The config passes the checks `exactrl train` makes
+    before anything loads (exactrl.train.preflight), at the planned world size."""
     from exactrl.config import load_config
     from exactrl.train.memory import gpu_memory_bytes, host_memory_bytes, make_plan, print_plan
+    from exactrl.train.preflight import check_run_config, inert_keys
 
     cfg = load_config(args.config, args.set or [])
-    gpu = gpu_memory_bytes(args.gpu_memory)
-    if gpu is None:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_properties(0).total_memory
-    host = host_memory_bytes() if args.host_memory is None else gpu_memory_bytes(args.host_memory)
-    # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
-    # `exactrl train --nproc N` runs them.
-    sharded = args.world_size is not None
     world_size = 1 if args.world_size is None else args.world_size
     if world_size < 1:
         raise ValueError(f"exactrl plan: --nproc must be at least 1, got {world_size}")
+    # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
+    # `exactrl train --nproc N` runs them.
+    sharded = args.world_size is not None
+    check_run_config(cfg, world_size, distributed=sharded)
+    gpu = gpu_memory_bytes(args.gpu_memory)
+    host = gpu_memory_bytes(args.host_memory, "--host-memory")
+    # run.device = "cpu" plans a CPU run (host memory per rank, no verdict) unless --gpu-memory asks for a GPU;
+    # "auto" and "cuda" plan a CUDA device.
+    device = "cpu" if cfg.run.device == "cpu" and gpu is None else "cuda"
+    if cfg.run.device == "cpu" and gpu is not None:
+        print(
+            f'run.device = "cpu" in the config: planned for a CUDA device of {args.gpu_memory:g} GiB (--gpu-memory)'
+        )
+    for note in inert_keys(cfg, device):
+        print(f"note: {note}")
+    here = False  # whether the device planned is this machine's GPU
+    if gpu is None and device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            gpu, here = torch.cuda.get_device_properties(0).total_memory, True
+    # The host is this machine's only when the GPU is too: planning a GPU node from a laptop or a login node
+    # (--gpu-memory, or no GPU here) checks pinned host memory only against a given --host-memory.
+    host_from = "--host-memory" if host is not None else "not checked"
+    if host is None and here:
+        host, host_from = host_memory_bytes(), "this machine"
     plan = make_plan(
-        cfg, world_size=world_size, gpu_memory=gpu, device="cuda", host_memory=host, sharded=sharded
-    )
+        cfg, world_size=world_size, gpu_memory=gpu, device=device, host_memory=host, sharded=sharded,
+        host_memory_from=host_from,
+    )  # fmt: skip
     print_plan(plan)
     return 0 if plan.fits else 1
 
@@ -302,7 +330,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="GB",
-        help='host RAM in GiB that train.offload = "optimizer" pins its state in (default: this machine\'s)',
+        help='host RAM in GiB that train.offload = "optimizer" pins its state in (default: this machine\'s when the '
+        "plan is for this machine's GPU; not checked when --gpu-memory plans another machine)",
     )
     p.set_defaults(func=cmd_plan)
 

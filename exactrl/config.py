@@ -700,6 +700,13 @@ class AlgorithmConfig:
         _check_nonneg(self.vf_coef, "algorithm.vf_coef")
         _check_positive(self.rollout_correction_threshold, "algorithm.rollout_correction_threshold")
         if self.partial_rollouts:
+            if self.overlap == "tail":
+                # Said first: each mode's own check would ask for a max_off_policy_steps the other refuses.
+                _fail(
+                    "algorithm.partial_rollouts",
+                    '= true cannot be combined with algorithm.overlap = "tail": partial rollouts train off-policy '
+                    "(max_off_policy_steps >= 2), the tail overlap on-policy (0); choose one of the two",
+                )
             if isinstance(self.max_off_policy_steps, bool) or not (
                 isinstance(self.max_off_policy_steps, int) and self.max_off_policy_steps >= 2
             ):
@@ -1129,21 +1136,22 @@ def _unknown_error(cls: type, prefix: str, name: str, is_section: bool, ctx: _Ct
             if close:
                 suggestion = f"[{close[0]}]"
     else:
-        # A value cannot be a section: suggest among the sibling keys only ('lr' at the top is not [lora]).
+        # A value cannot be a section: suggest keys only ('lr' at the top is not [lora]). The same key in another
+        # section comes first (train.release_memory is engine.release_memory, not the sibling train.check_memory a
+        # spelling match would offer), then a sibling spelled alike.
         scalars = [n for n in siblings if not _is_dataclass_type(hints[n])]
+        keys = _all_keys(ctx.root)
+        same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == name]
         close = difflib.get_close_matches(name, scalars, n=1, cutoff=0.6)
-        if close:
+        if same_leaf:
+            suggestion = same_leaf[0]
+        elif close:
             suggestion = f"{prefix}{close[0]}"
         else:
-            keys = _all_keys(ctx.root)
-            same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == name]
-            if same_leaf:
-                suggestion = same_leaf[0]
-            else:
-                leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
-                close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
-                if close:
-                    suggestion = leaves[close[0]]
+            leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+            close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+            if close:
+                suggestion = leaves[close[0]]
     shown = f"[{full}]" if is_section else full
     msg = f"unknown {'section' if is_section else 'key'} '{shown}'{_in(ctx.where)}"
     if suggestion is not None:

@@ -1,6 +1,7 @@
 """`exactrl report RUN_DIR`: reward, accuracy, response length and mismatch curves from metrics.jsonl to a PNG;
 for a multi-turn run (env.name set) also the episodes' turns, tool calls, tool errors, environment time and
-observation tokens, drawn and summed up in text."""
+observation tokens, drawn and summed up in text; a panel for a mixture of experts' router and one for off-policy
+staleness and importance weights when the run logged them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ EPISODE_METRICS = {
     "env/tool_errors_mean": "tool errors per episode",
     "env/time_s": "environment time, summed over the episodes (s)",
     "env/observation_tokens_mean": "observation tokens per episode",
+}
+
+
+# The panels a mode adds when its metrics are in the run (exactrl/train/router.py, exactrl/train/offpolicy.py,
+# the decoupled-PPO loss): the title, and each curve's key and label.
+MODE_PANELS = {
+    "mixture of experts (router)": {
+        "moe/load_max_over_mean": "busiest expert's load / mean",
+        "moe/router_entropy": "router entropy",
+        "moe/aux_loss": "load-balancing loss",
+    },
+    "off-policy (staleness, importance weights)": {
+        "offpolicy/versions_behind/token_mean": "versions behind (token mean)",
+        "offpolicy/versions_behind/max": "versions behind (max)",
+        "offpolicy/is_weight/mean": "importance weight (mean)",
+        "offpolicy/is_weight/capped_frac": "importance weight capped (fraction)",
+    },
 }
 
 
@@ -91,7 +109,8 @@ def accuracy_label(run_dir: str | Path) -> str:
 
 
 def report_figure(rows: list[dict], accuracy: str = ""):
-    """The report as a matplotlib Figure: 2 x 2 panels, and a third row for a multi-turn run's episodes.
+    """The report as a matplotlib Figure: 2 x 2 panels, a row for a multi-turn run's episodes, and the modes'
+    panels (MODE_PANELS, two a row) when their metrics are present.
     accuracy: what the accuracy counts (`accuracy_label`), shown in the held-out panel's title."""
     import matplotlib
 
@@ -101,7 +120,10 @@ def report_figure(rows: list[dict], accuracy: str = ""):
     steps = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     multi = is_multi_turn(steps)
-    fig, axes = plt.subplots(3 if multi else 2, 2, figsize=(11, 10.5 if multi else 7))
+    # The modes' own panels, one each when the run logged its metrics: a mixture of experts, off-policy steps.
+    extra = [name for name, keys in MODE_PANELS.items() if any(k in r for r in steps for k in keys)]
+    n_rows = 2 + (1 if multi else 0) + (len(extra) + 1) // 2
+    fig, axes = plt.subplots(n_rows, 2, figsize=(11, 3.5 * n_rows), squeeze=False)
 
     ax = axes[0, 0]
     ax.plot(*_series(steps, "reward/mean"), label="reward (train)")
@@ -147,6 +169,17 @@ def report_figure(rows: list[dict], accuracy: str = ""):
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = twin.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2)
+    first = 3 if multi else 2
+    for i, name in enumerate(extra):
+        ax = axes[first + i // 2, i % 2]
+        for key, label in MODE_PANELS[name].items():
+            if any(key in r for r in steps):
+                ax.plot(*_series(steps, key), label=label)
+        ax.set_title(name)
+        ax.set_xlabel("RL step")
+        ax.legend()
+    if len(extra) % 2:
+        axes[-1, 1].axis("off")
     fig.tight_layout()
     return fig
 

@@ -83,3 +83,25 @@ def test_single_turn_report_has_no_episode_panels(tmp_path):
     assert len(fig.axes) == 4 and "multi-turn episodes" not in [ax.get_title() for ax in fig.axes]
     assert episode_summary(rows) == []
     assert read_metrics(_write(tmp_path / "st", rows)) == rows
+
+
+def test_mode_panels_draw_moe_and_off_policy_metrics():
+    """A mixture of experts' router metrics (as exactrl.train.router.router_metrics names them) and off-policy
+    staleness get a panel each; a run without them gets none (the test above)."""
+    import torch
+
+    from exactrl.train.router import router_metrics
+
+    rows = _rows(multi_turn=False)
+    for r in rows[1:]:
+        stats = torch.tensor([[3.0, 1.0, 0.0, 2.0, 1.5, 6.0]], dtype=torch.float64) * r["step"]
+        r |= router_metrics(stats) | {"moe/aux_loss": 0.01 * r["step"]}
+    fig = report_figure(rows)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "mixture of experts (router)" in titles and not any(t.startswith("off-policy") for t in titles)
+    c = _curves(fig)
+    assert c["busiest expert's load / mean"] == [2.0] * 3 and c["load-balancing loss"] == [0.01, 0.02, 0.03]
+    for r in rows[1:]:
+        r |= {"offpolicy/versions_behind/token_mean": 0.5, "offpolicy/versions_behind/max": 1.0}
+    titles = [ax.get_title() for ax in report_figure(rows).axes]
+    assert "off-policy (staleness, importance weights)" in titles

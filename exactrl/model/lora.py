@@ -203,7 +203,8 @@ def add_lora(model: CausalLM, spec: LoraSpec, seed: int = 0) -> list[nn.Paramete
             m.weight.device,
             m.weight.dtype,
         )
-        for j in range(len(targets)):
+        # A meta-device model (the memory plan's) has shapes only: drawing its init would take seconds for nothing.
+        for j in range(0 if m.weight.is_meta else len(targets)):
             if spec.init == "gaussian":
                 a = torch.randn(spec.rank, in_features, generator=g) / spec.rank
             else:

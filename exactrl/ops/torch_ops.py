@@ -282,9 +282,15 @@ class ExactTorchOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         mp = _round_up(m, ROW_MULTIPLE)
-        if mp != m:  # pad rows so the GEMM takes the same blocking path whatever the batch (see module doc)
-            x = F.pad(x, (0, 0, 0, mp - m))
-        return F.linear(x, weight, bias)[:m]
+        if mp == m:
+            return F.linear(x, weight, bias)
+        # Pad rows so the GEMM takes the same blocking path whatever the batch (see module doc). The padded rows
+        # are cut off by a copy, not a slice: a slice is a view, and a view returned by an FSDP2-sharded decoder
+        # layer (its MLP's down projection) makes torch warn that an in-place op on it could skip the layer's
+        # all-gather in the backward, at every microbatch whose token count is not a multiple of ROW_MULTIPLE.
+        # The copy is m x n elements beside an m x n x k GEMM, and gives the same bits.
+        x = F.pad(x, (0, 0, 0, mp - m))
+        return F.linear(x, weight, bias)[:m].clone()
 
     def packed_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]

@@ -242,7 +242,8 @@ def _start_wandb(
 
 
 def step_line(m: dict[str, Any]) -> str:
-    """The live line printed per step."""
+    """The live line printed per step; the modes' own figures (mixture of experts, off-policy) are appended,
+    compactly, only when the step logged them."""
 
     def f(key: str, fmt: str = ".3f", default: str = "-") -> str:
         v = m.get(key)
@@ -250,13 +251,37 @@ def step_line(m: dict[str, Any]) -> str:
 
     mism = m.get("mismatch/num_mismatched_tokens")
     mism_s = "-" if mism is None else f"{int(mism)}/{int(m.get('mismatch/num_tokens', 0))}"
+    tps = "tok/s"
+    if "mismatch/batch_tokens" in m:
+        # Partial rollouts: the guard checks what this step's generation sampled (the batch's new tokens and the
+        # carried samples'); the trained batch's tokens were each checked by the generation that sampled them.
+        mism_s += (
+            f" sampled, batch {int(m['mismatch/batch_tokens'])} checked "
+            f"({int(m.get('mismatch/batch_tokens_checked_earlier', 0))} earlier)"
+        )
+        tps = "tok/s sampled"
     # Failed reward calls (errors, timeouts) show next to the reward they lowered; acc is the correctness verdict
     # (train/accuracy, "-" when the run has no correctness function).
     failed = m.get("reward/errors") or 0
     failed_s = f" ({int(failed)} failed)" if failed else ""
+    extra = ""
+    if "moe/load_max_over_mean" in m:  # a mixture of experts: the busiest expert's load over the mean
+        extra += f" | moe load {f('moe/load_max_over_mean', '.2f')}x"
+        if "moe/aux_loss" in m:
+            extra += f" aux {f('moe/aux_loss', '.4f')}"
+    if "offpolicy/versions_behind/token_mean" in m:  # off-policy: staleness and the importance weights
+        extra += (
+            f" | behind {f('offpolicy/versions_behind/token_mean', '.2f')} "
+            f"(max {f('offpolicy/versions_behind/max', '.0f')})"
+        )
+        if "offpolicy/is_weight/mean" in m:
+            extra += (
+                f" is-w {f('offpolicy/is_weight/mean', '.3f')} "
+                f"({f('offpolicy/is_weight/capped_frac', '.1%')} capped)"
+            )
     return (
         f"step {m['step']:>4} | reward {f('reward/mean')}{failed_s} | acc {f('train/accuracy', '.2f')} | "
         f"len {f('response_length/mean', '.1f')} | loss {f('loss', '.4f')} | kl {f('kl_ref', '.4f')} | "
-        f"ent {f('entropy', '.3f')} | mismatch {mism_s} | {f('perf/tokens_per_s', '.0f')} tok/s | "
-        f"{f('perf/step_s', '.1f')} s"
+        f"ent {f('entropy', '.3f')} | mismatch {mism_s} | {f('perf/tokens_per_s', '.0f')} {tps} | "
+        f"{f('perf/step_s', '.1f')} s{extra}"
     )

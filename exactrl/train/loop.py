@@ -48,7 +48,6 @@ from exactrl.train.offpolicy import (
     BehaviourPolicy,
     GenerationWorker,
     check_batch,
-    check_supported,
     save_pending,
     staleness_metrics,
 )
@@ -64,8 +63,9 @@ from exactrl.train.offpolicy_dist import (
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.overlap import TailOverlap
 from exactrl.train.overlap import check_supported as check_overlap_supported
-from exactrl.train.partial import PartialRollouts, check_partial_supported
+from exactrl.train.partial import PartialRollouts
 from exactrl.train.phases import MemoryPhases
+from exactrl.train.preflight import check_run_config, dropped_on_resume
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -333,13 +333,8 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
-        check_supported(cfg, self.dist.distributed)
-        check_partial_supported(cfg, self.dist.distributed)
-        if cfg.algorithm.prompts_per_step < self.dist.world_size:
-            raise ValueError(
-                f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
-                f"{self.dist.world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
-            )
+        # What `exactrl plan` refuses too: the checks that need the world size or the model's shape.
+        check_run_config(cfg, self.dist.world_size, distributed=self.dist.distributed)
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
@@ -557,6 +552,8 @@ class RLRun:
                 loaded = load_model(sft_dir, device=self.device, dtype=model.dtype, exact=self.exact)
                 model.load_state_dict(loaded.state_dict())
                 done = self.sft_point.finished
+                # The run's time up to SFT's end, from the invocation that ran it (the summary splits SFT from RL).
+                self.summary["sft_elapsed_s"] = float(done.get(self.clock.KEY, 0.0))
                 if done.get("skipped_prompts"):
                     self.summary["sft_skipped_prompts_total"] = done["skipped_prompts"]
                 self.out(
@@ -614,11 +611,14 @@ class RLRun:
             checkpoints=ck,
         )
         self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
+        sft_s = self.clock.total_s()
+        self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings
         skipped = sft.filter.skipped if sft.filter is not None else 0
         if skipped:
             self.summary["sft_skipped_prompts_total"] = skipped
         if self.dist.is_main:
-            extra = {"skipped_prompts": skipped, self.clock.KEY: self.clock.total_s()}
+            extra = {"skipped_prompts": skipped, self.clock.KEY: sft_s}
             write_sft_model(
                 model, self.tok, sft_dir, steps_done=sft.steps_done, steps=cfg.sft.steps, extra=extra
             )
@@ -759,6 +759,10 @@ class RLRun:
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
+        for note in dropped_on_resume(
+            self.resume_from, off_policy=self.behaviour is not None, partial=self.partial is not None
+        ):
+            self.out(note)
         if self.behaviour is not None:
             if isinstance(self.behaviour, ReplicaBehaviour):  # the full sync above refreshed the replica
                 self.behaviour.version = self.step
@@ -1424,7 +1428,9 @@ class RLRun:
         m["offpolicy/refresh_s"] = refresh_s
         m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
         m["perf/step_s"] = time.perf_counter() - t_step
-        m["perf/tokens_per_s"] = sum(sr.lengths) / max(batch.generate_s, 1e-9)
+        # The generation's speed: partial rollouts sample other tokens than the batch holds (carried ones).
+        sampled = m.get("offpolicy/partial/sampled_tokens", sum(sr.lengths))
+        m["perf/tokens_per_s"] = sampled / max(batch.generate_s, 1e-9)
         if torch.device(self.device).type == "cuda":
             m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         m.update(sr.advantage_metrics)
@@ -1535,11 +1541,14 @@ class RLRun:
         self.logger.log({"step": self.step, **after, "phase": "after_rl"})
         self.logger.close()
         t = self.totals
+        total_s = self.clock.total_s()
         self.summary.update(
             {
                 "accuracy_after_rl": after.get("eval/accuracy"),
                 "rl_steps": self.step,
-                "minutes": self.clock.total_s() / 60.0,
+                "minutes": total_s / 60.0,
+                # After SFT (and the model's loading before it): RL steps, evaluations, checkpoints.
+                "rl_elapsed_s": total_s - self.summary.get("sft_elapsed_s", 0.0),
                 "mismatched_tokens_total": t["mismatched"],
                 "compared_tokens_total": t["compared"],
                 "skipped_prompts_total": t["skipped_prompts"],
@@ -1644,7 +1653,9 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
 
     return (
         f"\n== {s['algorithm']} ({'exact' if s['exact'] else 'fast'} mode): {s['rl_steps']} RL steps in "
-        f"{s['minutes']:.1f} min\n"
+        f"{s['rl_elapsed_s'] / 60 if 'rl_elapsed_s' in s else s['minutes']:.1f} min"
+        + (f" after {s['sft_elapsed_s'] / 60:.1f} min of SFT" if "sft_elapsed_s" in s else "")
+        + "\n"
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
         f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"

@@ -101,6 +101,9 @@ class MemoryPlan:
     host_ranks: int = (
         1  # ranks that share that host (torchrun's processes on one node), each pinning host_pinned
     )
+    # Where host_memory came from: "this machine" (read here: the refusal names --host-memory, which plans for
+    # another host), "--host-memory" (given) or "not checked" (exactrl plan for another machine without it).
+    host_memory_from: str = "this machine"
 
     @property
     def host_available(self) -> int | None:
@@ -147,6 +150,11 @@ class MemoryPlan:
                 f"available per rank: {_gib(self.available)} GiB ({_gib(self.gpu_memory or 0)} GiB device - "
                 f"{_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context): {verdict}"
             )
+        if not self.device.startswith("cuda"):
+            lines.append(
+                f"run.device = {self.device!r}: each term is host memory of one rank (no device to fit, and "
+                "`exactrl train` checks nothing on a CPU); --gpu-memory GB plans the run on a CUDA device instead"
+            )
         if self.host_pinned:
             line = f"host memory, pinned optimizer state (train.offload): {_gib(self.host_pinned)} GiB"
             if self.sharded:
@@ -157,9 +165,11 @@ class MemoryPlan:
             if self.host_available is not None:
                 verdict = "fits" if self.host_fits else "DOES NOT FIT"
                 line += (
-                    f" of {_gib(self.host_available)} GiB ({_gib(self.host_memory or 0)} GiB RAM - "
-                    f"{_gib(HOST_RESERVE_BYTES)} GiB for the process and the system): {verdict}"
+                    f" of {_gib(self.host_available)} GiB ({_gib(self.host_memory or 0)} GiB RAM, "
+                    f"{self._host_name()}, - {_gib(HOST_RESERVE_BYTES)} GiB for the process and the system): {verdict}"
                 )
+            else:
+                line += "; not checked against a host's RAM (--host-memory GB checks it)"
             lines.append(line)
         return "\n".join(lines)
 
@@ -174,6 +184,7 @@ class MemoryPlan:
             "host_pinned_bytes": self.host_pinned,
             "host_ranks": self.host_ranks,
             "host_memory_bytes": self.host_memory,
+            "host_memory_from": self.host_memory_from,
             "host_fits": self.host_fits,
             "peak_bytes": self.peak,
             "peak_phase": self.worst.name,
@@ -189,6 +200,9 @@ class MemoryPlan:
             f"; {_gib(self.host_pinned)} GiB of moment shards per rank x {self.host_ranks} ranks on the host"
         )
 
+    def _host_name(self) -> str:
+        return "this machine's" if self.host_memory_from == "this machine" else "--host-memory"
+
     def refusal(self) -> str:
         p = self.worst
         top = sorted(p.terms.items(), key=lambda kv: -kv[1])[:4]
@@ -201,12 +215,19 @@ class MemoryPlan:
                 f" at world size {self.world_size}{' (FSDP2)' if self.sharded else ''}."
             )
         if not self.host_fits:
+            # The buffers are page-locked at their exact size (exactrl/train/pinned.py), not torch's power-of-two
+            # pinned blocks: the text says what the count is.
+            here = (
+                " (this machine's RAM: `exactrl plan --host-memory GB` plans for another host)"
+                if self.host_memory_from == "this machine"
+                else ""
+            )
             msg += (" " if msg else "memory plan: ") + (
                 f'train.offload = "optimizer" keeps the masters and AdamW moments in pinned host memory: '
-                f"{_gib(self.host_pinned * self.host_ranks)} GiB as torch's pinned allocator takes them (each tensor "
-                f"rounded up to a power of two{self._per_rank()}), {_gib(self.host_available or 0)} GiB of host memory are available "
+                f"{_gib(self.host_pinned * self.host_ranks)} GiB, one page-locked buffer of its exact size per "
+                f"tensor{self._per_rank()}; {_gib(self.host_available or 0)} GiB of host memory are available "
                 f"({_gib(self.host_memory or 0)} GiB RAM less {_gib(HOST_RESERVE_BYTES)} GiB for the process "
-                "and the system)."
+                f"and the system){here}."
             )
         if self.suggestions:
             msg += " Settings that would make it fit: " + "; ".join(self.suggestions) + "."
@@ -252,11 +273,19 @@ def _meta_models(cfg: RunConfig):
     return policy, critic
 
 
+_MOMENT_SHARDS: dict[tuple, int] = {}  # moment_shard_pinned_bytes by the model, LoRA, critic and ranks
+
+
 def moment_shard_pinned_bytes(cfg: RunConfig, world_size: int) -> int:
     """FSDP2 with train.offload = "optimizer": the pinned host bytes of one rank's AdamW moments, two fp32 buffers
     per trained tensor's local shard (MasterAdamW.to_host), on the rank that holds the most: FSDP2 splits every
-    parameter along dim 0 as torch.chunk does, so rank 0 holds ceil(rows / N) rows of each, and the pinned
-    allocator rounds each buffer up to a power of two."""
+    parameter along dim 0 as torch.chunk does, so rank 0 holds ceil(rows / N) rows of each; each buffer is
+    page-locked at its exact size (`pinned_bytes`)."""
+    # The suggestions re-plan a config a dozen times with other memory settings: the models' shapes are the same,
+    # and building an 8B or 30B on the meta device each time took most of `exactrl plan`'s half a minute.
+    key = (repr(cfg.model), repr(cfg.lora), cfg.algorithm.needs_critic, cfg.run.seed, world_size)
+    if key in _MOMENT_SHARDS:
+        return _MOMENT_SHARDS[key]
     policy, critic = _meta_models(cfg)
     params = [p for p in policy.parameters() if p.requires_grad]
     if critic is not None:
@@ -266,6 +295,7 @@ def moment_shard_pinned_bytes(cfg: RunConfig, world_size: int) -> int:
         rows = p.shape[0] if p.dim() else 1
         per_row = p.numel() // rows if rows else 0
         total += 2 * pinned_bytes(-(-rows // world_size) * per_row * 4)
+    _MOMENT_SHARDS[key] = total
     return total
 
 
@@ -634,6 +664,8 @@ def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, li
         out.append(("model.dtype=bfloat16", ["model.dtype=bfloat16"], world_size))
     if tr.offload == "none":
         out.append(('train.offload="optimizer"', ["train.offload=optimizer"], world_size))
+    else:  # the device may hold the state where the host cannot pin it
+        out.append(('train.offload="none"', ["train.offload=none"], world_size))
     from exactrl.train.phases import phases_overlap
 
     if not cfg.engine.release_memory and not phases_overlap(cfg):
@@ -681,14 +713,44 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     # Only LoRA or more ranks fit alone: the full fine-tune on these ranks may still fit with several memory
     # settings together (the 8B on one GPU: 16-bit weights, optimizer offload, activation checkpointing).
     if all(s.startswith(("lora.", "--nproc")) for s in out):
-        out += _together(cfg, plan, counts)
+        out += _together(cfg, plan, counts, plan.world_size)
+    # Nothing on these ranks: the fewest more ranks at which the full fine-tune fits with the memory settings
+    # (qwen3-30b-a3b at --nproc 2: --nproc 8 with the optimizer state offloaded).
+    if not any(s.startswith("--nproc") for s in out) and not any(not s.startswith("lora.") for s in out):
+        for more in (2, 4, 8):
+            if more > plan.world_size:
+                found = _together(cfg, plan, counts, more)
+                if found:
+                    out += [f"--nproc {more} with {found[0]}"]
+                    break
     return out
 
 
-def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[str]:
-    """The cumulative combination of the memory settings (same ranks, full fine-tune) that first fits, if any."""
+def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], world_size: int) -> list[str]:
+    """The memory settings (full fine-tune) that make the plan fit at `world_size` ranks (FSDP2 when it is not the
+    plan's): the first single one that fits, else their cumulative combination that first fits; [] if none."""
     from exactrl.train.phases import phases_overlap
 
+    same = world_size == plan.world_size
+    kw = dict(
+        world_size=world_size, gpu_memory=plan.gpu_memory, device=plan.device, counts=counts,
+        host_memory=plan.host_memory, host_ranks=plan.host_ranks if same else None,
+        sharded=plan.sharded if same else None,
+    )  # fmt: skip
+    if not same:
+        for label, single, n in _knobs(cfg, world_size, is_sharded(world_size)):
+            if (
+                n != world_size
+                or not single
+                or any(x.startswith(("lora.", "train.max_tokens", "train.fsdp")) for x in single)
+            ):
+                continue
+            try:
+                p2 = plan_memory(apply_overrides(copy.deepcopy(cfg), single), **kw)
+                if p2.fits:
+                    return [f"{label} (peak {_gib(p2.peak)} GiB)"]
+            except ValueError:
+                continue
     sets: list[str] = []
     for extra in (
         ["model.dtype=bfloat16"] if cfg.model.dtype == "float32" else [],
@@ -702,11 +764,7 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[
             continue
         sets = sets + extra
         try:
-            c2 = apply_overrides(copy.deepcopy(cfg), sets)
-            p2 = plan_memory(
-                c2, world_size=plan.world_size, gpu_memory=plan.gpu_memory, device=plan.device, counts=counts,
-                host_memory=plan.host_memory, host_ranks=plan.host_ranks, sharded=plan.sharded,
-            )  # fmt: skip
+            p2 = plan_memory(apply_overrides(copy.deepcopy(cfg), sets), **kw)
         except ValueError:
             continue
         if p2.fits:
@@ -763,9 +821,11 @@ def make_plan(
     host_memory: int | None = None,
     host_ranks: int | None = None,
     sharded: bool | None = None,
+    host_memory_from: str = "this machine",
 ) -> MemoryPlan:
     """`plan_memory` with the suggestions filled in when it does not fit, and under FSDP2 the larger microbatch
-    when it fits (`_grown_microbatch`). sharded: as `plan_memory`'s."""
+    when it fits (`_grown_microbatch`). sharded: as `plan_memory`'s. host_memory_from: "this machine" or
+    "--host-memory", said where the host check refuses."""
     counts = count_tensors(cfg)
     plan = plan_memory(
         cfg,
@@ -779,7 +839,9 @@ def make_plan(
     )
     plan.suggestions = suggest(cfg, plan, counts)
     kw = dict(world_size=world_size, gpu_memory=gpu_memory, device=device, host_memory=host_memory)
-    return _grown_microbatch(cfg, plan, counts, host_ranks=host_ranks, **kw)
+    out = _grown_microbatch(cfg, plan, counts, host_ranks=host_ranks, **kw)
+    out.host_memory_from = host_memory_from
+    return out
 
 
 def check_before_loading(
@@ -828,11 +890,22 @@ def print_plan(plan: MemoryPlan, out=print) -> None:
     out(json.dumps({"memory_plan": plan.to_json()}, separators=(",", ":")))
 
 
-def gpu_memory_bytes(gb: float | None) -> int | None:
-    """--gpu-memory GB as bytes, counted in GiB (2**30 bytes) as torch reports memory: an "80 GB" H100 has
-    79.6 GiB in all, so `--gpu-memory 80` is a hair more than it has."""
+def gpu_memory_bytes(gb: float | None, flag: str = "--gpu-memory") -> int | None:
+    """--gpu-memory GB (or `flag`'s, --host-memory) as bytes, counted in GiB (2**30 bytes) as torch reports
+    memory: an "80 GB" H100 has 79.6 GiB in all, so `--gpu-memory 80` is a hair more than it has. The device must
+    hold more than the CUDA context, the host more than what the plan leaves to the process and the system: less
+    would be planned as a negative number of bytes available."""
     if gb is None:
         return None
     if not (isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0):
-        raise ValueError(f"--gpu-memory must be a positive number of GB, got {gb!r}")
+        raise ValueError(f"{flag} must be a positive number of GB, got {gb!r}")
+    floor, what = (
+        (HOST_RESERVE_BYTES, "left to the process and the system")
+        if flag == "--host-memory"
+        else (CUDA_CONTEXT_BYTES, "of CUDA context outside torch's allocator")
+    )
+    if gb * GiB <= floor:
+        raise ValueError(
+            f"{flag} {gb:g}: the plan counts {_gib(floor)} GiB {what}; give more than {floor / GiB:g} GB"
+        )
     return int(gb * GiB)

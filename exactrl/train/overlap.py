@@ -73,9 +73,14 @@ class _Run(Protocol):
 
 def check_supported(distributed: bool, model: torch.nn.Module) -> None:
     """What the config cannot say (exactrl.config checks the rest): one process, a dense model."""
+    check_supported_config(distributed, has_experts(model))
+
+
+def check_supported_config(distributed: bool, moe: bool) -> None:
+    """`check_supported` before the model exists (exactrl.train.preflight: moe from the model's config)."""
     if distributed:
         raise ValueError('algorithm.overlap = "tail" runs on one process for now (not under torchrun)')
-    if has_experts(model):
+    if moe:
         raise ValueError(
             'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
             "collected through the model object, which the engine runs at the same time"

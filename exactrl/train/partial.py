@@ -185,7 +185,19 @@ class PartialRollouts:
             dropped = sum(g.request_id in bad for g in self.pool)
             self.pool = [g for g in self.pool if g.request_id not in bad]
         mixed = sum(len(set(s.versions)) > 1 for g in chosen for s in g.samples.values())
+        # The guard's counts (mismatch/*) are this generation's tokens, in the batch and the carried samples; the
+        # batch trained holds tokens of earlier generations too, checked when they were sampled. Both are logged,
+        # so the step line can say how many of the trained batch's tokens were checked, and where.
+        batch_tokens = sum(len(s.completion_ids) for g in chosen for s in g.samples.values())
+        earlier = sum(
+            min(before.get((g.request_id, i), 0), len(s.completion_ids))
+            for g in chosen
+            for i, s in g.samples.items()
+        )
         batch.partial = {
+            "mismatch/batch_tokens": float(batch_tokens),
+            "mismatch/batch_tokens_checked_earlier": float(earlier),
+            "offpolicy/partial/sampled_tokens": float(sum(len(r.completion_ids) for r in checks)),
             **stats,
             "offpolicy/partial/carried_groups": float(len(self.pool)),
             "offpolicy/partial/carried_samples": float(

@@ -185,7 +185,11 @@ def check_run_dir(
         plan.to_delete = [p for p in entries if p.name in RUN_FILES or p.name.startswith("config.toml")]
         if plan.to_delete:
             names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in plan.to_delete)
-            plan.notes.append(f"--overwrite: deleting the previous run's {names} in {out_dir}")
+            # Deleted at commit, once the run's inputs have loaded: a run refused before that deletes nothing.
+            plan.notes.append(
+                f"--overwrite: the previous run's {names} in {out_dir} will be deleted once the model, data and "
+                "rewards have loaded (a run refused before that deletes nothing)"
+            )
         return plan
     if not resume and all(p.name in ("config.toml", "config.toml.tmp") for p in entries):
         # Only a config: a start that stopped before its first output (e.g. bad data). No results to lose.

@@ -373,7 +373,7 @@ def test_overwrite_starts_the_run_over(config, small_run, tmp_path, capsys):
     (run / "checkpoints" / "step-000099").mkdir()  # a stray old checkpoint must not survive
     argv = ["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]
     assert main([*argv, "--set", "sft.steps=1", "--overwrite"]) == 0
-    assert "--overwrite: deleting" in capsys.readouterr().out
+    assert "--overwrite: the previous run's" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000001"]
     assert "steps = 1" in (run / "config.toml").read_text().split("[sft]")[1]
 
@@ -545,10 +545,21 @@ def test_sigterm_in_sft_resumes_sft_from_its_checkpoint_to_the_same_bits(
     logged = [r["sft_step"] for r in sft_rows if "sft_step" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 3  # no SFT step logged twice
 
+    # The resumed SFT's minutes (both invocations) are SFT's, not RL's: the summary splits them.
+    sft_s = json.loads((run / "sft" / "sft_state.json").read_text())["elapsed_s"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["sft_elapsed_s"] == sft_s and summary["rl_steps"] == 0
+    assert summary["rl_elapsed_s"] == pytest.approx(summary["minutes"] * 60 - sft_s)
+    assert summary["rl_elapsed_s"] < summary["sft_elapsed_s"]
+
     # A resume of a run whose SFT finished (no RL checkpoint yet): SFT is not run again.
     calls[:] = []
     assert main(["train", *argv[1:], "--set", "train.steps=1", "--resume"]) == 0
-    assert calls == [] and "SFT finished earlier (4 steps)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert calls == [] and "SFT finished earlier (4 steps)" in out
+    assert "1 RL steps in " in out and f"min after {sft_s / 60:.1f} min of SFT" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["sft_elapsed_s"] == sft_s
 
     # sft/ without its state (an older run) and no RL or SFT checkpoint: refused, nothing touched.
     shutil.rmtree(run / "checkpoints")

@@ -92,3 +92,26 @@ def test_logging_config_keys_validate():
     cfg.validate()
     with pytest.raises(ValueError, match="run.log_samples_every"):
         apply_overrides(cfg, ["run.log_samples_every=-1"]).validate()
+
+
+def test_the_step_line_shows_the_modes_figures_when_logged():
+    """moe/* (exactrl.train.router.router_metrics's names) and the off-policy staleness and importance weights
+    join the step line when the step logged them, and only then."""
+    import torch
+
+    from exactrl.train.logging import step_line
+    from exactrl.train.router import router_metrics
+
+    base = {"step": 3, "reward/mean": 0.5, "mismatch/num_mismatched_tokens": 0.0, "mismatch/num_tokens": 10.0}
+    plain = step_line(base)
+    assert "moe" not in plain and "behind" not in plain and plain.endswith("- s")
+    moe = router_metrics(torch.tensor([[3.0, 1.0, 0.0, 2.0, 1.5, 6.0]], dtype=torch.float64))
+    line = step_line(base | moe | {"moe/aux_loss": 0.0123})
+    assert line.endswith("| moe load 2.00x aux 0.0123")
+    off = {
+        "offpolicy/versions_behind/token_mean": 0.75,
+        "offpolicy/versions_behind/max": 1.0,
+        "offpolicy/is_weight/mean": 1.002,
+        "offpolicy/is_weight/capped_frac": 0.015,
+    }
+    assert step_line(base | off).endswith("| behind 0.75 (max 1) is-w 1.002 (1.5% capped)")

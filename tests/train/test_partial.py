@@ -266,6 +266,35 @@ def test_partial_is_exact_across_refreshes(partial_run):
     assert (tmp / "run" / "checkpoints" / "step-000002" / PARTIAL_FILE).is_file()
 
 
+def test_the_step_line_says_how_many_of_the_trained_batch_were_checked(partial_run):
+    """The guard's mismatch/num_tokens counts this generation's sampled tokens (batch and carried), which is not
+    the batch trained: the line and the metrics say both, and tok/s is the generation's own (sampled tokens over
+    its time); the off-policy figures reach the line and report.png."""
+    pytest.importorskip("matplotlib")
+    from exactrl.report import report_figure
+    from exactrl.train.logging import step_line
+
+    tmp, _ = partial_run
+    rows = _steps(tmp / "run")
+    assert any(r["mismatch/num_tokens"] != r["num_tokens"] for r in rows)  # the two counts do differ
+    assert any(r["mismatch/batch_tokens_checked_earlier"] > 0 for r in rows)  # carried tokens were trained
+    for r in rows:
+        assert r["mismatch/batch_tokens"] == r["num_tokens"]  # the tokens trained (single-turn: all of them)
+        assert 0 <= r["mismatch/batch_tokens_checked_earlier"] <= r["num_tokens"]
+        assert r["offpolicy/partial/sampled_tokens"] == r["mismatch/num_tokens"]
+        assert r["perf/tokens_per_s"] * r["perf/generate_s"] == pytest.approx(
+            r["offpolicy/partial/sampled_tokens"]
+        )
+        line = step_line(r)
+        n, e = int(r["num_tokens"]), int(r["mismatch/batch_tokens_checked_earlier"])
+        assert f"sampled, batch {n} checked ({e} earlier)" in line and "tok/s sampled" in line
+        assert f"| behind {r['offpolicy/versions_behind/token_mean']:.2f} (max " in line and " is-w " in line
+    fig = report_figure(rows)
+    ax = next(a for a in fig.axes if a.get_title().startswith("off-policy"))
+    curves = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    assert curves["versions behind (max)"] == [r["offpolicy/versions_behind/max"] for r in rows]
+
+
 def test_partial_same_seed_same_run(partial_run, tmp_path, reward_path):
     tmp, _ = partial_run
     train(_cfg(tmp_path, reward_path), out=lambda *a: None)
@@ -294,6 +323,33 @@ def test_partial_resume_is_bitwise(partial_run, tmp_path, reward_path, monkeypat
     assert _untimed(_steps(tmp_path / "run")) == _untimed(_steps(tmp / "run"))
     a, b = _weights(tmp / "run", 4), _weights(tmp_path / "run", 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_into_the_synchronous_loop_says_what_it_drops(tmp_path, reward_path, monkeypatch):
+    """Stopped after step 1 of a partial run (a batch sampled ahead and groups in flight in the checkpoint), then
+    resumed with partial rollouts off under --allow-config-change: the run says both are dropped, not in silence."""
+    from exactrl.train.offpolicy import PENDING_FILE
+    from exactrl.train.rundir import check_run_dir
+
+    monkeypatch.setattr(RLRun, "stop_requested", lambda self: self.step == 1)
+    train(_cfg(tmp_path, reward_path), out=lambda *a: None)
+    monkeypatch.undo()
+    ck = tmp_path / "run" / "checkpoints" / "step-000001"
+    assert (ck / PENDING_FILE).is_file() and json.loads((ck / PARTIAL_FILE).read_text())["pool"]
+    sync = _cfg(
+        tmp_path,
+        reward_path,
+        algorithm__partial_rollouts=False,
+        algorithm__max_off_policy_steps=0,
+        train__steps=2,
+    )
+    plan = check_run_dir(sync, resume=True, allow_config_change=True)
+    lines: list[str] = []
+    s = train(sync, resume=True, run_dir=plan, out=lambda *a: lines.append(" ".join(map(str, a))))
+    assert s["rl_steps"] == 2
+    said = "\n".join(lines)
+    assert "the checkpoint holds the batch sampled ahead" in said and "that batch is dropped" in said
+    assert "prompt group(s) in flight (partial rollouts)" in said and "they are dropped" in said
 
 
 def _plant_at_second_cut(monkeypatch, mark) -> None:

@@ -484,7 +484,7 @@ def test_qwen3_30b_a3b_on_8_x_80gb_fits_with_the_moment_shards_offloaded():
     assert gen["kv_cache"] >= off.phase("generation").terms["kv_cache"]
     assert plan.fits and plan.worst.name == "generation"
     assert 70 * GiB < plan.peak <= plan.available
-    # Host: per rank, two pinned buffers per trained tensor's rank-0 shard, a power of two each.
+    # Host: per rank, two pinned buffers per trained tensor's rank-0 shard, each its exact size (pinned_bytes).
     with torch.device("meta"):
         model = CausalLM(preset("qwen3-30b-a3b"))
     shard = [torch.chunk(q, 8, dim=0)[0].numel() * 4 for q in model.parameters()]
@@ -513,7 +513,9 @@ def test_plan_command_prints_a_table_and_one_json_line(capsys):
     )
     out = capsys.readouterr().out.splitlines()
     assert rc == 1  # does not fit: the exit code says so
-    assert out[0].startswith("bytes per rank (GiB)") and "generation" in out[0]
+    # The quickstart is a CPU config: --gpu-memory plans it on a CUDA device, and says so first.
+    assert out[0].startswith('run.device = "cpu" in the config: planned for a CUDA device of 80 GiB')
+    assert out[1].startswith("bytes per rank (GiB)") and "generation" in out[1]
     j = json.loads(out[-1])["memory_plan"]
     assert j["world_size"] == 8 and j["fits"] is False
     assert set(j["phases"]) == {"generation", "training", "optimizer"}

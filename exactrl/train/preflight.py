@@ -1,0 +1,102 @@
+"""The checks a run's config passes before anything loads, shared by `exactrl train` and `exactrl plan`.
+
+`exactrl plan` answers "can I run this?", so it must refuse what `exactrl train` would refuse: the config's own
+checks (`RunConfig.validate`), and the ones that need the world size or the model's shape (a mixture of experts is
+read from the preset or the checkpoint's config.json, nothing is built). One function, called by both.
+
+Keys that do nothing in the mode the config chose (`inert_keys`) follow one rule: a warning that names the key,
+why it does nothing and what would make it act, printed when the run (or the plan) starts. Not a refusal: a config
+kept for several modes (a GPU config smoke-tested on a CPU, partial rollouts switched off for a comparison) should
+run unchanged, and the run it gives is the one asked for. A key whose value would make the run something other than
+the config says (router losses on a dense model, tail overlap with a mixture of experts) is refused instead.
+
+A resume into another mode says what the checkpoint held that the new mode does not use (`dropped_on_resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from exactrl.config import AlgorithmConfig, RunConfig
+
+
+def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> None:
+    """Refuse (ValueError, ConfigError) a config `exactrl train` would refuse at `world_size` ranks, before anything
+    loads. distributed: under torchrun (any world size, one included)."""
+    from exactrl.train.memory import model_config
+    from exactrl.train.offpolicy import check_supported as check_offpolicy
+    from exactrl.train.overlap import check_supported_config as check_overlap
+    from exactrl.train.partial import check_partial_supported
+
+    cfg.validate()
+    check_offpolicy(cfg, distributed)
+    check_partial_supported(cfg, distributed)
+    if cfg.algorithm.prompts_per_step < world_size:
+        raise ValueError(
+            f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
+            f"{world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
+        )
+    tr = cfg.train
+    moe = model_config(cfg).is_moe
+    if (tr.moe_aux_loss_coef or tr.moe_z_loss_coef) and not moe:
+        raise ValueError(
+            f"train.moe_aux_loss_coef = {tr.moe_aux_loss_coef} and train.moe_z_loss_coef = {tr.moe_z_loss_coef}: "
+            f"router losses need a mixture-of-experts model, and {cfg.model.preset or cfg.model.path} has no "
+            "sparse layer; set both to 0"
+        )
+    if cfg.algorithm.overlap == "tail":
+        check_overlap(distributed, moe)
+
+
+def _default(cls: type, name: str):
+    return next(f for f in dataclasses.fields(cls) if f.name == name).default
+
+
+def inert_keys(cfg: RunConfig, device: str) -> list[str]:
+    """Keys set away from their default that do nothing in the mode the config chose, each as a sentence that
+    names the key, says why, and what makes it act. device: the run's resolved device ("cpu", "cuda", ...)."""
+    a, notes = cfg.algorithm, []
+    if not a.partial_rollouts and a.partial_oversample != _default(AlgorithmConfig, "partial_oversample"):
+        notes.append(
+            f"algorithm.partial_oversample = {a.partial_oversample} does nothing: it sizes the extra groups of "
+            "partial rollouts, and algorithm.partial_rollouts is false"
+        )
+    if a.max_off_policy_steps == 0 and a.off_policy_is_cap != _default(AlgorithmConfig, "off_policy_is_cap"):
+        notes.append(
+            f"algorithm.off_policy_is_cap = {a.off_policy_is_cap} does nothing: it caps the importance weight of "
+            "off-policy steps, and algorithm.max_off_policy_steps = 0 trains on-policy"
+        )
+    if cfg.train.offload == "optimizer" and not device.startswith("cuda"):
+        notes.append(
+            f'train.offload = "optimizer" saves nothing on run.device = {device!r}: the optimizer state moves '
+            "between two host buffers (device memory is what it frees, on CUDA)"
+        )
+    return notes
+
+
+def dropped_on_resume(directory: Path, *, off_policy: bool, partial: bool) -> list[str]:
+    """What a checkpoint holds for an asynchronous mode that the resumed run's mode does not take (after
+    `--allow-config-change`): the batch sampled ahead (one-step-off, partial rollouts) and the groups in flight
+    (partial rollouts), each as a sentence saying it is dropped."""
+    from exactrl.train.offpolicy import PENDING_FILE
+    from exactrl.train.offpolicy_dist import RANKS_DIR
+    from exactrl.train.partial import PARTIAL_FILE
+
+    notes = []
+    if not off_policy and ((directory / PENDING_FILE).is_file() or (directory / RANKS_DIR).is_dir()):
+        notes.append(
+            "resume: the checkpoint holds the batch sampled ahead for the next step (an off-policy run); this run "
+            "is synchronous (algorithm.max_off_policy_steps = 0), so that batch is dropped and the next step "
+            "samples its own from the checkpoint's weights"
+        )
+    path = directory / PARTIAL_FILE
+    if not partial and path.is_file():
+        pool = json.loads(path.read_text()).get("pool", [])
+        if pool:
+            notes.append(
+                f"resume: the checkpoint holds {len(pool)} prompt group(s) in flight (partial rollouts); this run "
+                "has algorithm.partial_rollouts = false, so they are dropped (their prompts are not trained on)"
+            )
+    return notes
