@@ -413,3 +413,37 @@ def test_resume_after_resampled_steps_is_bitwise(tmp_path, one_thread):
     ckpt = "checkpoints/step-000003/policy/model.safetensors"
     wa, wb = load_file(str(tmp_path / "whole" / ckpt)), load_file(str(tmp_path / "resumed" / ckpt))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_dapo_recipe(tmp_path, one_thread):
+    """configs/quickstart-dapo.toml shrunk: DAPO's four parts set, a run that drops, resamples and penalises."""
+    from exactrl.config import load_config
+    from exactrl.train.loop import train
+
+    (tmp_path / "coin.py").write_text(COIN)
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(
+        root / "configs" / "quickstart-dapo.toml",
+        [
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "sft.steps=0",
+            "algorithm.rollouts_per_step=8",
+            "algorithm.group_size=2",
+            "task.num_eval=4",
+            "task.eval_every=0",
+            "sampling.temperature=1.0",
+            f'reward.functions=["{tmp_path / "coin.py"}:coin"]',  # the verdict reward.accuracy finds ("auto")
+        ],
+    )
+    a, r = cfg.algorithm, cfg.reward
+    assert (a.eps_low, a.eps_high, a.aggregation) == (0.2, 0.28, "token-mean")
+    assert (a.dynamic_sampling, r.overlong_buffer_tokens, cfg.sampling.max_tokens) == ("accuracy", 2, 6)
+    summary = train(cfg, out=lambda *_: None)
+    rows = _steps(tmp_path / "run")
+    assert summary["mismatched_tokens_total"] == 0 and len(rows) == 2
+    assert sum(x["dynamic_sampling/groups_dropped"] for x in rows) > 0
+    assert all(x["overlong/penalized_samples"] > 0 for x in rows)  # a random model runs to the limit
