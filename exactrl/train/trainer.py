@@ -987,6 +987,12 @@ def _concat_batches(batches: list[StepBatch]) -> StepBatch:
         norm_constant=first.norm_constant,
         old_lp=cat([b.rollout_lp for b in batches]),
         use_loss_kl=first.use_loss_kl,
+        # The pieces' counts (one process: the accumulated step is refused under torchrun), e.g. overlong filtering's.
+        metrics={
+            k: sum(b.metrics[k] for b in batches)
+            for k in ("overlong/filtered_samples",)
+            if k in first.metrics
+        },
     )
 
 

@@ -105,3 +105,18 @@ def test_a_difference_in_a_filtered_rollout_fails_closed(sampled, cut):
     m = _trainer(cfg, model, overlong_filter=True).step(ok)
     assert m["mismatch/num_tokens"] == sum(len(r.completion_ids) for r in ok)
     assert m["mismatch/num_mismatched_tokens"] == 0
+
+
+def test_fed_step_filters_the_same(sampled):
+    """The tail overlap's accumulated step (groups fed as they finish): the same loss as the whole filtered step, the
+    same count, every token checked."""
+    cfg, model, rollouts = sampled
+    whole = _trainer(cfg, model, overlong_filter=True).step(rollouts)
+    tr = _trainer(cfg, model, overlong_filter=True)
+    acc = tr.begin_accumulation()
+    for piece in (rollouts[4:], rollouts[:4]):  # groups arrive in another order
+        tr.accumulate(acc, piece)
+    fed = tr.finish_accumulation(acc)
+    assert fed["overlong/filtered_samples"] == whole["overlong/filtered_samples"] == len(CUT)
+    assert math.isclose(fed["pg_loss"], whole["pg_loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert fed["mismatch/num_tokens"] == whole["mismatch/num_tokens"]
