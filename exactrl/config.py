@@ -112,6 +112,7 @@ KLKind = Literal["k1", "k2", "k3"]
 RolloutCorrection = Literal["token-tis", "seq-tis", "token-mis", "seq-mis", "icepop"]
 LRSchedule = Literal["constant", "cosine", "linear"]
 Overlap = Literal["none", "tail"]
+DynamicSampling = Literal["off", "reward", "accuracy"]
 
 ARITHMETIC_OPS = ("+", "-", "*")
 _DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -439,6 +440,10 @@ class RewardConfig:
     """Reward model weights' dtype."""
     accuracy: str = "auto"
     """Which reward function is the correctness verdict that accuracy counts (a sample is correct when its unweighted score is > 0.5), named as in functions; "auto" = the built-in numeric_match / exact_match if exactly one is listed, else the first function that is not "format", else none (accuracy not reported); "off" = no accuracy. Multi-turn runs (env.name set): always the environment's verdict, episode reward > 0.5 (keep "auto")."""
+    overlong_buffer_tokens: int = 0
+    """DAPO's soft overlong penalty: the band of tokens before sampling.max_tokens inside which the reward falls linearly, from 0 at sampling.max_tokens - overlong_buffer_tokens to -overlong_penalty at sampling.max_tokens (length = completion tokens); 0 = off. Logged as reward/overlong_penalty and overlong/penalized_samples. Single-turn only."""
+    overlong_penalty: float = 1.0
+    """The soft overlong penalty at the band's end (DAPO's penalty factor), added to the reward as -overlong_penalty * (length - (max_tokens - overlong_buffer_tokens)) / overlong_buffer_tokens inside the band."""
     max_error_share: float = 0.5
     """A reward function failing (error, non-finite value, timeout) on more than this share of a step's calls is logged as a warning with its first error's file and line; 0 = any failure."""
 
@@ -451,6 +456,9 @@ class RewardConfig:
                 f"= {self.accuracy!r} must name one of reward.functions {self.functions} (as listed), "
                 '"auto" or "off"',
             )
+        _check_at_least(self.overlong_buffer_tokens, 0, "reward.overlong_buffer_tokens")
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
+            _fail("reward.overlong_penalty", f"must be finite and >= 0, got {self.overlong_penalty!r}")
         if not (math.isfinite(self.max_error_share) and 0.0 <= self.max_error_share <= 1.0):
             _fail("reward.max_error_share", f"must be within [0, 1], got {self.max_error_share!r}")
         for i, name in enumerate(self.functions):
@@ -572,6 +580,12 @@ class AlgorithmConfig:
     generation where it is due, never cut. See docs/algorithms.md."""
     partial_oversample: float = 0.25
     """Partial rollouts: groups in flight beyond prompts_per_step, as a fraction of it (rounded up), in (0, 1]."""
+    dynamic_sampling: DynamicSampling = "off"
+    """DAPO's dynamic sampling, named by the value it filters on: a group whose samples all have the same "reward" (the reward the advantages see, overlong penalty included) or the same "accuracy" verdict (correct or not, by reward.accuracy's function; a multi-turn episode's: reward > 0.5) carries no gradient under a group baseline and is dropped; more prompts are drawn and sampled, in up to dynamic_sampling_max_rounds extra rounds, until the step holds prompts_per_step groups with signal (surplus ones are discarded). Short after the cap, the step trains on what there is (dynamic_sampling/groups_missing says so). "off" = every group is trained on. See docs/algorithms.md."""
+    dynamic_sampling_max_rounds: int = 8
+    """Dynamic sampling: extra generation rounds allowed per step beyond the first (verl's max_num_gen_batches - 1); 0 = drop groups without signal, never draw more."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: a truncated sample (single-turn: it hit sampling.max_tokens; multi-turn: its episode hit env.max_turns or its token limit) is masked out of the loss (its group's advantages still count its reward); the guard still checks its tokens. Counted in overlong/filtered_samples."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -669,6 +683,23 @@ class AlgorithmConfig:
                 )
             _check_positive(self.kl_target, "algorithm.kl_target")
         _check_at_least(self.kl_horizon, 1, "algorithm.kl_horizon")
+        _check_at_least(self.dynamic_sampling_max_rounds, 0, "algorithm.dynamic_sampling_max_rounds")
+        if self.dynamic_sampling != "off":
+            why = f"with algorithm.dynamic_sampling = {self.dynamic_sampling!r}"
+            if adv not in GROUP_BASELINE_ADVANTAGES:
+                # Only a group baseline makes an all-equal group's advantages zero: elsewhere (a critic, a greedy
+                # baseline, batch-whitened returns) such a group still carries a gradient, and dropping it would bias.
+                _fail(
+                    "algorithm.advantage",
+                    f"{adv!r} is not supported {why}: a group whose rewards are all equal has zero advantage only "
+                    f"under a group baseline; use one of {GROUP_BASELINE_ADVANTAGES}",
+                )
+            if self.partial_rollouts:
+                _fail(
+                    "algorithm.partial_rollouts",
+                    f"must be false {why}: partial rollouts cut generation by a count of finished groups, and a "
+                    "group dropped after that cut would leave the step short with its samples already carried",
+                )
         _check_at_least(self.rollouts_per_step, 1, "algorithm.rollouts_per_step")
         if self.rollouts_per_step % self.group_size:
             _fail(
@@ -945,12 +976,46 @@ class RunConfig:
                 )
         if self.algorithm.overlap == "tail":
             _check_tail_overlap(self)
+        _check_dapo(self)
         if self.env.name is not None and self.reward.accuracy != "auto":
             # Episodes are scored by the environment, not by reward.functions: there is no function to name.
             _fail(
                 "reward.accuracy",
                 f"= {self.reward.accuracy!r} with env.name = {self.env.name!r}: a multi-turn run's accuracy is the "
                 'environment\'s verdict (episode reward > 0.5); leave reward.accuracy = "auto"',
+            )
+
+
+def _check_dapo(cfg: RunConfig) -> None:
+    """Dynamic sampling and the soft overlong penalty against the other sections (their own checks are in
+    AlgorithmConfig and RewardConfig)."""
+    a, r = cfg.algorithm, cfg.reward
+    if a.dynamic_sampling == "accuracy" and r.accuracy == "off" and cfg.env.name is None:
+        _fail(
+            "algorithm.dynamic_sampling",
+            '= "accuracy" needs a correctness verdict, and reward.accuracy = "off" turns it off; name the '
+            'correctness function in reward.accuracy (or filter on "reward")',
+        )
+    if a.dynamic_sampling != "off" and a.overlap == "tail":
+        _fail(
+            "algorithm.overlap",
+            f'"tail" is not supported with algorithm.dynamic_sampling = {a.dynamic_sampling!r}: the tail overlap '
+            "trains on a group as soon as it finishes, before the step knows which groups it keeps",
+        )
+    if r.overlong_buffer_tokens > 0:
+        if cfg.env.name is not None:
+            _fail(
+                "reward.overlong_buffer_tokens",
+                f"must be 0 with env.name = {cfg.env.name!r}: the soft overlong penalty is measured against "
+                "sampling.max_tokens, a single completion's limit (an episode's limits are env.max_turns and "
+                "env.max_episode_tokens); algorithm.overlong_filter does apply to episodes",
+            )
+        if r.overlong_buffer_tokens >= cfg.sampling.max_tokens:
+            _fail(
+                "reward.overlong_buffer_tokens",
+                f"({r.overlong_buffer_tokens}) must be < sampling.max_tokens ({cfg.sampling.max_tokens}): it is "
+                "the band before max_tokens in which the reward falls; a band as long as max_tokens penalises "
+                "every length",
             )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from exactrl.algorithms import KLController, advantage_metrics, compute_advantages, reward_metrics
+from exactrl.algorithms.overlong import add_overlong_penalty, overlong_metrics
 from exactrl.config import RunConfig, episode_token_limit
 from exactrl.distributed.checkpoint import (
     is_sharded_checkpoint,
@@ -41,6 +42,7 @@ from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
+from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
 from exactrl.train.memory import check_before_loading, microbatch_tokens
 from exactrl.train.offpolicy import (
@@ -310,6 +312,7 @@ class RankScores:
     completions: list[str]
     answers: list[str]
     refused: int  # this rank's prompts the engine refused
+    metrics: dict[str, float] = field(default_factory=dict)  # the step's, e.g. dynamic sampling's
 
 
 class RLRun:
@@ -476,6 +479,17 @@ class RLRun:
         self.pending: BehaviourBatch | None = None
         # algorithm.partial_rollouts: the groups in flight between generations (built with the weight copy).
         self.partial: PartialRollouts | None = None
+        # algorithm.dynamic_sampling: groups without signal dropped, more prompts drawn (train/dynamic_sampling.py).
+        self.dynamic: DynamicSampler | None = None
+        if a.dynamic_sampling != "off":
+            self.dynamic = DynamicSampler(
+                a.dynamic_sampling,
+                a.group_size,
+                a.prompts_per_step,
+                a.dynamic_sampling_max_rounds,
+                self.dist,
+                self.out,
+            )
 
     def check_resume_point(self) -> None:
         """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
@@ -843,11 +857,14 @@ class RLRun:
             stop_token_ids=sorted(set(self.tok.stop_token_ids) | set(sp.stop_token_ids)),
         )
 
-    def rollout(self, step: int, prompt_ids: list[list[int]], index: list[int]) -> list[RequestOutput]:
+    def rollout(
+        self, step: int, prompt_ids: list[list[int]], index: list[int], round_: int = 0
+    ) -> list[RequestOutput]:
         """Sample group_size completions per prompt from the current weights. Request ids (the prompt's index
-        in the step, offset by the step) are unique across the run: they key the sampling noise."""
+        in the step, offset by the step; a dynamic sampling round's above every round 0's) are unique across the
+        run: they key the sampling noise."""
         n = self.cfg.algorithm.group_size
-        base_id = step * self.cfg.algorithm.prompts_per_step
+        base_id = request_id_base(step, round_, self.cfg.algorithm.prompts_per_step)
         bar = progress_bar(len(prompt_ids) * n, f"step {step + 1} generate", enabled=self.cfg.run.progress)
         outs = self.engine.generate(
             prompt_ids,
@@ -908,7 +925,29 @@ class RLRun:
                 "engine.max_model_len against the prompt lengths"
             )
         res = self.rewards(completions, answers, exs)
+        if self.cfg.reward.overlong_buffer_tokens:  # DAPO's soft overlong penalty (algorithms/overlong.py)
+            r = self.cfg.reward
+            lengths = [len(ro.completion_ids) for ro in rollouts]
+            add_overlong_penalty(
+                res, lengths, self.cfg.sampling.max_tokens, r.overlong_buffer_tokens, r.overlong_penalty
+            )
         return RankScores(rollouts, res, completions, [str(x) for x in answers], refused)
+
+    def dynamic_scores(
+        self, step: int, examples: list[Example], prompt_ids: list[list[int]], index: list[int]
+    ) -> RankScores:
+        """algorithm.dynamic_sampling: this rank's share of the step's kept groups, sampled round by round from
+        these prompts on (exactrl/train/dynamic_sampling.py); its metrics travel in `metrics`."""
+        assert self.dynamic is not None
+
+        def sample(round_: int, d: tuple[list[Example], list[list[int]], list[int]]) -> RankScores:
+            if self.env is not None:  # multi-turn: a round of episodes
+                return self.rank_episodes(step, *d, round_=round_)
+            return self.rank_scores(step, d[0], d[1], self.rollout(step, d[1], d[2], round_))
+
+        rs, metrics = self.dynamic.collect(step, (examples, prompt_ids, index), self.prompts, sample)
+        rs.metrics.update(metrics)
+        return rs
 
     def step_scores(self, rs: RankScores, baseline: torch.Tensor | None) -> StepRollouts:
         """The step's advantages and reward failures from every rank's `rank_scores` (collectives)."""
@@ -930,6 +969,7 @@ class RLRun:
                 for name, n in counts.items():
                     key = f"{name}/{kind}"
                     sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
+        sr.advantage_metrics.update(rs.metrics)
         return sr
 
     def episodes(
@@ -937,7 +977,31 @@ class RLRun:
     ) -> StepRollouts:
         """Multi-turn: group_size episodes per prompt against the configured environment, continuously batched
         in the engine (a turn resumes on the conversation's cached KV); the environment gives the reward. The
-        trainer gets the engine's token ids, observations masked out of the loss."""
+        trainer gets the engine's token ids, observations masked out of the loss. With dynamic sampling the
+        episodes are sampled round by round (`dynamic_scores`); env/* metrics are then the first round's, the
+        environment's errors and timeouts every round's."""
+        if self.dynamic is not None:
+            rs = self.dynamic_scores(step, examples, prompt_ids, index)
+        else:
+            rs = self.rank_episodes(step, examples, prompt_ids, index)
+        res = rs.rewards
+        errors = sum(res.num_errors.values()) + sum(res.num_timeouts.values())
+        sr = self.with_advantages(
+            rs.rollouts, res.rewards, {}, errors, rs.completions, rs.answers, None, refused=rs.refused
+        )
+        sr.advantage_metrics.update(rs.metrics)  # turns, tool calls, environment errors and timeouts
+        return sr
+
+    def rank_episodes(
+        self,
+        step: int,
+        examples: list[Example],
+        prompt_ids: list[list[int]],
+        index: list[int],
+        round_: int = 0,
+    ) -> RankScores:
+        """This rank's episodes of one round, no collective: rewards the environment's, the verdict (`correct`)
+        reward > 0.5, the environment's failures as num_errors/num_timeouts, its metrics in `metrics`."""
         from exactrl.envs import run_episodes
         from exactrl.envs.rollout import env_report, env_stop
 
@@ -945,6 +1009,7 @@ class RLRun:
         assert self.env is not None
         params = self.sampling_params()
         params.stop = env_stop(params.stop, self.env.cls)
+        base_id = request_id_base(step, round_, a.prompts_per_step)
         bar = progress_bar(
             len(prompt_ids) * a.group_size, f"step {step + 1} episodes", enabled=cfg.run.progress
         )
@@ -956,7 +1021,7 @@ class RLRun:
             self.env.make,
             self.env.settings,
             params,
-            request_ids=[step * a.prompts_per_step + i for i in index],
+            request_ids=[base_id + i for i in index],
             progress=bar.update,
             pool=self.env.pool(),  # the environment's worker processes, started once for the run
         )
@@ -979,7 +1044,7 @@ class RLRun:
                         completion_ids=e.completion_ids,
                         rollout_logprobs=e.rollout_logprobs,
                         truncated=e.finish_reason in ("max_turns", "max_tokens"),
-                        request_id=step * a.prompts_per_step + index[k],
+                        request_id=base_id + index[k],
                         sample_index=j,
                         loss_mask=e.loss_mask,
                     )
@@ -992,10 +1057,15 @@ class RLRun:
                 f"step {step + 1}: the engine refused every prompt of this share of the step "
                 f"({eb.errors[0] if eb.errors else 'no prompt'})"
             )
-        errors = int(eb.metrics.get("env/errors", 0) + eb.metrics.get("env/timeouts", 0))
-        sr = self.with_advantages(rollouts, rewards, {}, errors, completions, answers, None, refused=refused)
-        sr.advantage_metrics.update(eb.metrics)  # turns, tool calls, environment errors and timeouts
-        return sr
+        failures = {k: int(eb.metrics.get(f"env/{k}", 0)) for k in ("errors", "timeouts")}
+        res = RewardResult(
+            rewards,
+            {},
+            {"env": failures["errors"]},
+            {"env": failures["timeouts"]},
+            correct=[r > CORRECT_ABOVE for r in rewards],  # the environment's verdict
+        )
+        return RankScores(rollouts, res, completions, answers, refused, metrics=dict(eb.metrics))
 
     def with_advantages(
         self,
@@ -1161,6 +1231,7 @@ class RLRun:
         if not a.needs_critic:  # GAE's token-level advantages are logged by the trainer
             m.update(advantage_metrics(sr.advantages[:, None], torch.ones(len(sr.advantages), 1)))
         m.update(response_length_metrics(lengths, torch.tensor(sr.truncated)))
+        m.update(overlong_metrics(sr.per_function))
         # Accuracy is the correctness verdict, never the summed reward (a format bonus is not a right answer):
         # a multi-turn episode's is its environment's reward; a single-turn sample's is the correctness function's
         # score (reward.accuracy); without one it is not reported.
@@ -1267,6 +1338,10 @@ class RLRun:
             gen_s = time.perf_counter() - t_gen
         elif self.tail is not None:  # algorithm.overlap = "tail": the update runs inside, group by group
             sr, m, gen_s, train_s = self.tail.step(step, examples, prompt_ids, index)
+        elif self.dynamic is not None:  # groups without signal dropped, more prompts sampled in their place
+            rs = self.dynamic_scores(step, examples, prompt_ids, index)
+            gen_s = time.perf_counter() - t_gen
+            sr = self.step_scores(rs, None)
         else:
             outs = self.rollout(step, prompt_ids, index)
             gen_s = time.perf_counter() - t_gen
@@ -1331,11 +1406,16 @@ class RLRun:
         t0 = time.perf_counter()
         examples, prompt_ids, index = self.prompts()
         self.phases.size(self.engine)  # the plan's KV size (kept in every phase: one step off never releases)
-        outs = self.rollout(step, prompt_ids, index)
         greedy = None
-        if self.cfg.algorithm.resolved_advantage == "remax":
-            greedy = self.greedy_rewards(step, prompt_ids, index, examples)
-        scores = self.rank_scores(step, examples, prompt_ids, outs)
+        if (
+            self.dynamic is not None
+        ):  # one process (refused under torchrun): dropped groups never become pending
+            scores = self.dynamic_scores(step, examples, prompt_ids, index)
+        else:
+            outs = self.rollout(step, prompt_ids, index)
+            if self.cfg.algorithm.resolved_advantage == "remax":
+                greedy = self.greedy_rewards(step, prompt_ids, index, examples)
+            scores = self.rank_scores(step, examples, prompt_ids, outs)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         guard, mismatch = check_batch(
@@ -1640,6 +1720,7 @@ def trainer_settings(cfg: RunConfig, microbatch_tokens: int | None = None) -> Tr
         grad_clip=tr.grad_clip,
         moe_aux_loss_coef=tr.moe_aux_loss_coef,
         moe_z_loss_coef=tr.moe_z_loss_coef,
+        overlong_filter=a.overlong_filter,
         exact=cfg.run.exact,
         on_mismatch=cfg.run.on_mismatch,
         norm_constant=float(cfg.sampling.max_tokens),

@@ -25,6 +25,7 @@ from exactrl.config import AlgorithmConfig, RunConfig
 def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> None:
     """Refuse (ValueError, ConfigError) a config `exactrl train` would refuse at `world_size` ranks, before anything
     loads. distributed: under torchrun (any world size, one included)."""
+    from exactrl.train.dynamic_sampling import check_dynamic_sampling_supported
     from exactrl.train.memory import model_config
     from exactrl.train.offpolicy import check_supported as check_offpolicy
     from exactrl.train.overlap import check_supported_config as check_overlap
@@ -33,6 +34,7 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> N
     cfg.validate()
     check_offpolicy(cfg, distributed)
     check_partial_supported(cfg, distributed)
+    check_dynamic_sampling_supported(cfg, distributed)
     if cfg.algorithm.prompts_per_step < world_size:
         raise ValueError(
             f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "

@@ -120,6 +120,9 @@ class TrainerSettings:
     # to the policy loss from the router outputs of the training forward; 0 = off (the metrics are logged anyway).
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
+    # DAPO's overlong filtering (algorithm.overlong_filter): a truncated rollout is masked out of the loss (its
+    # tokens still checked by the guard, which compares the model's tokens, not the loss's).
+    overlong_filter: bool = False
 
 
 def _pad(flat: torch.Tensor, seq_idx: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -325,8 +328,9 @@ class PolicyTrainer:
             total = self._add_router_loss(total, logits, ids, x, pm)
             extra["router"] = router_stats(logits, ids, x["router_mask"], logits[0].shape[1])
             self._router_layers = [r.layer for r in router.records]
-        # Exact mode's old logprobs are the engine's: count the loss tokens whose logprob here differs (bitwise).
-        pm["mismatch/sum"] = masked_sum((lp.detach() != x["old_lp"]).float(), m)
+        # Exact mode's old logprobs are the engine's: count the model's tokens whose logprob here differs (bitwise),
+        # those the loss leaves out (overlong filtering) included.
+        pm["mismatch/sum"] = masked_sum((lp.detach() != x["old_lp"]).float(), x["guard_mask"])
         pm["total"] = total.detach()
         if self.sharded:
             total.backward()
@@ -421,6 +425,10 @@ class PolicyTrainer:
         # no-grad forward over the step scores every token first, and the verdict is known before any update.
         guard = self.s.exact and self.s.on_mismatch != "warn"
         single_update = len(plan) <= 1
+        if single_update and self.s.exact and not self.dist.sum(float(batch.full_mask.sum())):
+            # No loss token anywhere (overlong filtering cut every sample): no minibatch runs a forward, so the
+            # check that rides on it would not happen; the scoring forward checks every token instead.
+            single_update = False
         if self.s.exact and not single_update:
             self._prescore(batch, rollouts)
             if guard and batch.mismatched:
@@ -624,15 +632,21 @@ class PolicyTrainer:
                         f"rollout {i}: loss_mask has {len(r.loss_mask)} entries for {lengths[i]} completion tokens"
                     )
                 token_mask[i, : lengths[i]] &= torch.tensor(r.loss_mask, dtype=torch.bool)
+        loss_mask = token_mask.clone()
+        if s.overlong_filter:
+            cut = torch.tensor([r.truncated for r in rollouts], dtype=torch.bool)
+            loss_mask[cut] = False
         b = StepBatch(
             lengths=lengths,
-            full_mask=token_mask.clone(),
+            full_mask=loss_mask,
             token_mask=token_mask,
             rollout_lp=_padded_list([r.rollout_logprobs for r in rollouts], L, "cpu"),
             seqs=[r.prompt_ids + r.completion_ids for r in rollouts],
             plens=[len(r.prompt_ids) for r in rollouts],
             norm_constant=s.norm_constant or float(L),
         )
+        if s.overlong_filter:  # the step's count, over every rank
+            b.metrics["overlong/filtered_samples"] = self.dist.sum(float(cut.sum()))
         if self.ref_model is not None and s.kl_coef > 0:
             b.ref_lp = _padded_list(self._score(self.ref_model, rollouts), L, "cpu")
         b.use_loss_kl = b.ref_lp is not None and not s.kl_in_reward
@@ -776,6 +790,7 @@ class PolicyTrainer:
             old_lp=_rows(b.old_lp, ids, B, C),
             adv=_rows(b.advantages, ids, B, C),
             mask=m,
+            guard_mask=_rows(b.token_mask, ids, B, C),
             divisor=torch.tensor(float(divisor)),
             norm_constant=torch.tensor(b.norm_constant),
         )
@@ -972,6 +987,12 @@ def _concat_batches(batches: list[StepBatch]) -> StepBatch:
         norm_constant=first.norm_constant,
         old_lp=cat([b.rollout_lp for b in batches]),
         use_loss_kl=first.use_loss_kl,
+        # The pieces' counts (one process: the accumulated step is refused under torchrun), e.g. overlong filtering's.
+        metrics={
+            k: sum(b.metrics[k] for b in batches)
+            for k in ("overlong/filtered_samples",)
+            if k in first.metrics
+        },
     )
 
 
