@@ -312,6 +312,18 @@ class RankScores:
     refused: int  # this rank's prompts the engine refused
 
 
+def check_world_size(cfg: RunConfig, world_size: int, distributed: bool) -> None:
+    """What the config cannot do on `world_size` ranks (`distributed`: under torchrun, one rank included), said
+    before anything loads: by each run, and by `train --nproc N` before torchrun starts the ranks."""
+    check_supported(cfg, distributed)
+    check_partial_supported(cfg, distributed)
+    if cfg.algorithm.prompts_per_step < world_size:
+        raise ValueError(
+            f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
+            f"{world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
+        )
+
+
 class RLRun:
     """One `exactrl train` job, cut into the stages of the algorithm:
 
@@ -333,13 +345,7 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
-        check_supported(cfg, self.dist.distributed)
-        check_partial_supported(cfg, self.dist.distributed)
-        if cfg.algorithm.prompts_per_step < self.dist.world_size:
-            raise ValueError(
-                f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
-                f"{self.dist.world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
-            )
+        check_world_size(cfg, self.dist.world_size, self.dist.distributed)
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
