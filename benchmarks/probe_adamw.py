@@ -12,6 +12,7 @@ import argparse
 import json
 
 import torch
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 
 def main() -> int:
@@ -19,6 +20,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-1.7b")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
+    require_cuda("probe_adamw.py")
     from exactrl.model import build_model, preset
     from exactrl.ops.triton.adamw import AdamWTables, adamw_step
 

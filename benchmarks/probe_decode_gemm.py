@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.model.config import preset
 from exactrl.ops.triton.matmul import MatmulConfig, matmul
@@ -104,6 +105,7 @@ def main() -> None:
     )
     ap.add_argument("--mid-bk", action="store_true", help="K steps of 128 at 65..512 rows")
     args = ap.parse_args()
+    require_cuda("probe_decode_gemm.py")
     candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
     if args.bk:
         candidates, sizes = BK_CANDIDATES, BK_SIZES

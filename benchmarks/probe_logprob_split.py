@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import triton
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
@@ -44,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,16,64,256,8192", help="comma-separated row counts")
     args = ap.parse_args()
+    require_cuda("probe_logprob_split.py")
     whole = triton.cdiv(VOCAB, lpm._BLOCK_V) * lpm._BLOCK_V  # one chunk: the single chain of old
     chunks = sorted({4096, 8192, 16384, 32768, lpm.LOGPROB_SPLIT_COLS}) + [whole]
     gen = torch.Generator(device="cuda").manual_seed(0)

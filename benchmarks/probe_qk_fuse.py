@@ -15,6 +15,7 @@ import json
 import time
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.ops.triton.kv_write import write_kv_cache
 from exactrl.ops.triton.norm import qk_norm_rope, rms_norm_rope
@@ -72,6 +73,8 @@ def _us_per_layer(fn, s: dict, replays: int = 300) -> float:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_qk_fuse.py")
     rows = []
     for T in (1, 8, 64, 256):
         s = _step(T)

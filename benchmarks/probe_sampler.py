@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
@@ -24,6 +25,8 @@ from exactrl.ops.triton import sampling
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_sampler.py")
     vocab = 151936
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows in (1, 16, 64, 256):

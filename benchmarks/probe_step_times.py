@@ -20,6 +20,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 
 def main() -> None:
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--gc", choices=("on", "off"), default="on")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    require_cuda("probe_step_times.py")
 
     from exactrl.bench import _bench_rollouts, _step_times
     from exactrl.model.loading import load_policy

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _shapes, _time  # noqa: E402
@@ -85,6 +86,8 @@ def probe(model: str, rows: int = 8192) -> dict:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_train_gemm.py")
     for model in ("qwen3-0.6b", "qwen3-1.7b"):
         print(json.dumps(probe(model)), flush=True)
 

@@ -15,6 +15,7 @@ import json
 import time
 
 import torch
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -105,6 +106,7 @@ def main() -> int:
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
     )
     args = ap.parse_args()
+    require_cuda("profile_steps.py")
 
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.engine.sampler import SamplingParams
