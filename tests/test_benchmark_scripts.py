@@ -220,6 +220,32 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         True,  # compiles the stock step with inductor on the CPU: about a minute on 2 cores
     ),
+    "probe_step_times.py": (
+        ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
+        {},
+        False,
+    ),
+    "profile_steps.py": (
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            *TINY,
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+            "--train-tokens",
+            "64",
+            "--top",
+            "3",
+        ],
+        {},
+        False,
+    ),  # fmt: skip
     "reward_overhead.py": (["--rollouts", "16", "--repeats", "1", "--workers", "1"], {}, False),
     "scaling_table.py": (_multirank_record, {}, True),  # two CPU ranks under torchrun first
     "step_split.py": (_metrics_run, {}, False),
@@ -258,9 +284,7 @@ GPU_ONLY = {
     "probe_qk_fuse.py",
     "probe_sampler.py",
     "probe_sm_reserve.py",
-    "probe_step_times.py",
     "probe_train_gemm.py",
-    "profile_steps.py",
 }
 
 
