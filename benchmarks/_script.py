@@ -19,3 +19,20 @@ def require_cuda(script: str) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: needs a CUDA GPU (torch sees none here); --help says what it measures")
+
+
+def kernel_device(script: str) -> str:
+    """Where a probe of exactrl's Triton kernels runs: the GPU, or the CPU under Triton's interpreter
+    (TRITON_INTERPRET=1: the dry run at small sizes, bits checked, times meaningless); else refuse in one line."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    raise SystemExit(
+        f"{script}: needs a CUDA GPU, or TRITON_INTERPRET=1 for a dry run on the CPU with small sizes; --help says "
+        "what it measures"
+    )

@@ -220,6 +220,12 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         True,  # compiles the stock step with inductor on the CPU: about a minute on 2 cores
     ),
+    "probe_logprob_split.py": (
+        ["--vocab", "12288", "--rows", "1,3", "--chunks", "4096,8192"],
+        {"TRITON_INTERPRET": "1"},
+        False,
+    ),
+    "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_step_times.py": (
         ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
         {},
@@ -278,11 +284,9 @@ GPU_ONLY = {
     "probe_decode_gemm.py",
     "probe_fast_attn.py",
     "probe_l2_prefetch.py",
-    "probe_logprob_split.py",
     "probe_moe.py",
     "probe_priority.py",
     "probe_qk_fuse.py",
-    "probe_sampler.py",
     "probe_sm_reserve.py",
     "probe_train_gemm.py",
 }
