@@ -214,6 +214,11 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         False,
     ),
+    "probe_adamw.py": (
+        [*TINY, "--iters", "1"],
+        {"TRITON_INTERPRET": "1"},
+        True,  # seven launch shapes over the tiny preset's 0.85M parameters in the interpreter: about 20 s
+    ),
     "probe_chunked_gemm.py": (["--small"], {"TRITON_INTERPRET": "1"}, False),
     "profile_vs_torch.py": (
         ["--device", "cpu", *TINY, "--steps", "1", "--tokens", "64", "--modes", "exact"],
@@ -279,7 +284,6 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
 GPU_ONLY = {
     "bench_kernels.py",
     "plan_check.py",
-    "probe_adamw.py",
     "probe_decode_attn.py",
     "probe_decode_gemm.py",
     "probe_fast_attn.py",
