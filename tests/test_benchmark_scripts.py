@@ -230,6 +230,7 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {"TRITON_INTERPRET": "1"},
         False,
     ),
+    "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_step_times.py": (
         ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
@@ -290,7 +291,6 @@ GPU_ONLY = {
     "probe_l2_prefetch.py",
     "probe_moe.py",
     "probe_priority.py",
-    "probe_qk_fuse.py",
     "probe_sm_reserve.py",
     "probe_train_gemm.py",
 }
