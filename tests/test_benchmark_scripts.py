@@ -235,7 +235,7 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
     "probe_step_times.py": (
         ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
         {},
-        False,
+        True,  # a model's train steps under the profiler: the heavier dry runs
     ),
     "profile_steps.py": (
         [
@@ -256,7 +256,7 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
             "3",
         ],
         {},
-        False,
+        True,  # a model's train steps under the profiler: the heavier dry runs
     ),  # fmt: skip
     "reward_overhead.py": (["--rollouts", "16", "--repeats", "1", "--workers", "1"], {}, False),
     "scaling_table.py": (_multirank_record, {}, True),  # two CPU ranks under torchrun first
