@@ -230,6 +230,7 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {"TRITON_INTERPRET": "1"},
         False,
     ),
+    "probe_train_gemm.py": (["--presets", "tiny", "--rows", "32"], {"TRITON_INTERPRET": "1"}, False),
     "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_step_times.py": (
@@ -292,7 +293,6 @@ GPU_ONLY = {
     "probe_moe.py",
     "probe_priority.py",
     "probe_sm_reserve.py",
-    "probe_train_gemm.py",
 }
 
 
