@@ -25,7 +25,10 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"
 
 
 def _run(script: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 300):
-    full = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}  # as on a machine without a GPU
+    # As on a machine without a GPU: no CUDA, and Triton's interpreter only where the dry run asks for it (the
+    # suite's conftest sets TRITON_INTERPRET=1 for its own process on a CPU).
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
     full["PYTHONPATH"] = os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, str(BENCH / script), *args],
@@ -59,7 +62,8 @@ print(json.dumps(out))
 
 
 def _run_mains(scripts: list[str], args: list[str]) -> dict[str, list]:
-    full = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in _run
+    full["CUDA_VISIBLE_DEVICES"] = ""
     full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH), full.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-c", MAIN_DRIVER, json.dumps(args), *(str(BENCH / s) for s in scripts)]
     res = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
@@ -330,3 +334,14 @@ def test_the_gpu_sessions_name_only_scripts_that_exist():
     for session in ("gpu_session.sh", "multi_gpu_session.sh"):
         named = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / session).read_text()))
         assert named <= set(SCRIPTS), f"{session} runs scripts that are gone: {sorted(named - set(SCRIPTS))}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU sees")
+def test_a_kernel_probe_without_the_interpreter_names_it():
+    """The Triton probes that dry-run under the interpreter say how, on a CPU without TRITON_INTERPRET=1."""
+    probes = sorted(s for s, (_, env, _) in DRY_RUNS.items() if env.get("TRITON_INTERPRET"))
+    for script, (code, _) in _run_mains(probes, []).items():
+        assert code == (
+            f"SystemExit: {script}: needs a CUDA GPU, or TRITON_INTERPRET=1 for a dry run on the CPU with small "
+            "sizes; --help says what it measures"
+        ), f"{script}: {code}"
