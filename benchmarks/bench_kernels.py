@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 DEVICE = "cuda"
 ATTN_TRAIN_CASES = [(8, 2048), (32, 512)]  # (sequences, length) packed for training
@@ -461,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-only", action="store_true", help="with --only-attention-configs: the forward's"
     )
     args = ap.parse_args(argv)
+    require_cuda("bench_kernels.py")
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 1

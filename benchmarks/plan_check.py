@@ -22,6 +22,7 @@ import tempfile
 from typing import Any
 
 import torch
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.config import RunConfig, apply_overrides, load_config
 from exactrl.engine.engine import RolloutEngine
@@ -226,6 +227,7 @@ def main() -> None:
         "--bench-rl", action="store_true", help="first: the bench rl workload, its flags after it"
     )
     args = ap.parse_args(argv)
+    require_cuda("plan_check.py")
     total = torch.cuda.get_device_properties(0).total_memory
     peaks, runs = instrument(args.trace)
     if args.bench_rl:

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from _script import kernel_device  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exactrl.ops.triton.common import INTERPRET, mma
+from exactrl.ops.triton.common import mma
 from exactrl.ops.triton.matmul import matmul
 
 
@@ -156,8 +157,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="small shapes, bits only (the interpreter's check)")
     args = ap.parse_args()
-    dev = "cpu" if INTERPRET else "cuda"
-    dt = torch.float32 if INTERPRET else torch.bfloat16
+    dev = kernel_device("probe_chunked_gemm.py")
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
     if args.small:
         shapes = {"small": (48, 200)}  # N, K: K not a multiple of the chunk nor of BLOCK_K
         chunks, rows, full_rows, bk = (64,), (1, 3), 20, 32

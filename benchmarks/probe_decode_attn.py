@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
@@ -170,12 +171,19 @@ def train_fold_cost() -> list[dict]:
 
 
 def main() -> None:
-    if "--wide" in sys.argv:
+    ap = parser(__doc__)
+    ap.add_argument(
+        "--split", action="store_true", help="split-KV decode against one program per (sequence, KV head)"
+    )
+    ap.add_argument("--wide", action="store_true", help="split-KV decode at wider concurrencies and contexts")
+    args = ap.parse_args()
+    require_cuda("probe_decode_attn.py")
+    if args.wide:
         for c in (16, 32, 48, 64, 128, 256):
             for lo, hi in ((128, 384), (384, 1024), (1024, 2048)):
                 print(json.dumps(probe_split_wide(c, lo, hi)), flush=True)
         return
-    if "--split" in sys.argv:
+    if args.split:
         for rec in train_fold_cost():
             print(json.dumps(rec), flush=True)
         for c, lo, hi in GEOMETRIES:

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.model.config import preset
 from exactrl.ops.triton.matmul import MatmulConfig, matmul
@@ -39,6 +40,10 @@ def _time(fn, reps: int = 20) -> float:
     is what a decode step's graph sees), inside `pdl_launches` as the engine's steps run."""
     from exactrl.ops.triton.common import pdl_launches
 
+    if not torch.cuda.is_available():  # Triton's interpreter on the CPU (a dry run): wall time of one call
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
     with pdl_launches():
         for _ in range(3):
             fn()
@@ -104,6 +109,7 @@ def main() -> None:
     )
     ap.add_argument("--mid-bk", action="store_true", help="K steps of 128 at 65..512 rows")
     args = ap.parse_args()
+    require_cuda("probe_decode_gemm.py")
     candidates, sizes = (MID_CANDIDATES, MID_SIZES) if args.mid else (CANDIDATES, SIZES)
     if args.bk:
         candidates, sizes = BK_CANDIDATES, BK_SIZES

@@ -9,9 +9,12 @@ import json
 import time
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_fast_attn.py")
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda}))
     from torch.nn.attention import varlen
 

@@ -25,6 +25,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.model.config import preset
 from exactrl.ops.triton.common import pdl, pdl_launches, pdl_wait
@@ -154,6 +155,7 @@ def main() -> None:
     ap.add_argument("--spin", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--chain", action="store_true")
     args = ap.parse_args()
+    require_cuda("probe_l2_prefetch.py")
     dev = torch.device("cuda")
     if args.chain:
         _chain(torch.cuda.get_device_name(dev))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import triton
+from _script import kernel_device  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
@@ -32,10 +33,10 @@ VOCAB = 151936
 TEMPERATURE = 0.7
 
 
-def _logits(rows: int, gen: torch.Generator) -> torch.Tensor:
+def _logits(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     # Trained-looking raw logits: std ~2.5 over the bulk, a few tokens ~20 above it.
-    x = torch.randn(rows, VOCAB, device="cuda", generator=gen) * 2.5
-    hot = torch.randint(0, VOCAB, (8,), device="cuda", generator=gen)
+    x = torch.randn(rows, vocab, device=gen.device, generator=gen) * 2.5
+    hot = torch.randint(0, vocab, (8,), device=gen.device, generator=gen)
     x[:, hot] += 20.0
     return x.to(torch.bfloat16)
 
@@ -43,22 +44,27 @@ def _logits(rows: int, gen: torch.Generator) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,16,64,256,8192", help="comma-separated row counts")
-    args = ap.parse_args()
-    whole = triton.cdiv(VOCAB, lpm._BLOCK_V) * lpm._BLOCK_V  # one chunk: the single chain of old
-    chunks = sorted({4096, 8192, 16384, 32768, lpm.LOGPROB_SPLIT_COLS}) + [whole]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    print(
-        f"device: {torch.cuda.get_device_name()}, vocab {VOCAB}, module chunk {lpm.LOGPROB_SPLIT_COLS}",
-        flush=True,
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (qwen3's by default)")
+    ap.add_argument(
+        "--chunks", default="4096,8192,16384,32768", help="comma-separated column chunks (the module's added)"
     )
+    args = ap.parse_args()
+    dev = kernel_device("probe_logprob_split.py")
+    vocab = args.vocab
+    whole = triton.cdiv(vocab, lpm._BLOCK_V) * lpm._BLOCK_V  # one chunk: the single chain of old
+    chunks = sorted({*(int(c) for c in args.chunks.split(",")), lpm.LOGPROB_SPLIT_COLS} - {whole}) + [whole]
+    chunks = [c for c in chunks if c <= whole]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter)"
+    print(f"device: {name}, vocab {vocab}, module chunk {lpm.LOGPROB_SPLIT_COLS}", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        logits = _logits(rows, gen)
-        targets = torch.randint(0, VOCAB, (rows,), device="cuda", generator=gen)
+        logits = _logits(rows, vocab, gen)
+        targets = torch.randint(0, vocab, (rows,), device=dev, generator=gen)
         rec: dict = {
             "rows": rows,
-            "vocab": VOCAB,
+            "vocab": vocab,
             "module_chunk": lpm.LOGPROB_SPLIT_COLS,
-            "auto_split": lpm._split_form(triton.cdiv(VOCAB, lpm.LOGPROB_SPLIT_COLS)),
+            "auto_split": lpm._split_form(triton.cdiv(vocab, lpm.LOGPROB_SPLIT_COLS)),
             "us": {},
             "equal": {},
         }
@@ -85,7 +91,8 @@ def main() -> None:
         )
         print(f"rows {rows:5d}  us (unsplit/split) per chunk  {cells}  equal: {rec['equal']}", flush=True)
         print(json.dumps(rec), flush=True)
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Callable, Iterator
 
 import torch
+from _script import require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.ops import set_exact_environment
 from exactrl.ops.fast_cuda import FastCudaOps, grouped_mm_ok
@@ -194,6 +195,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="token counts, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="time the exact path's candidate tiles instead")
     args = ap.parse_args()
+    require_cuda("probe_moe.py")
     set_exact_environment(True)
     torch.manual_seed(0)
     dt = torch.bfloat16

@@ -11,6 +11,7 @@ import threading
 import time
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 
 def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -20,6 +21,8 @@ def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_priority.py")
     dev = torch.device("cuda")
     x = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)
     w = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16) * 0.001

@@ -15,6 +15,7 @@ import json
 import time
 
 import torch
+from _script import kernel_device, parser  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.ops.triton.kv_write import write_kv_cache
 from exactrl.ops.triton.norm import qk_norm_rope, rms_norm_rope
@@ -22,20 +23,20 @@ from exactrl.ops.triton.norm import qk_norm_rope, rms_norm_rope
 HQ, HKV, DH, LAYERS, EPS = 16, 8, 128, 28, 1e-6
 
 
-def _step(T: int, dtype: torch.dtype = torch.bfloat16, pages: int = 64, page: int = 16) -> dict:
+def _step(T: int, dev: str, dtype: torch.dtype = torch.bfloat16, pages: int = 64, page: int = 16) -> dict:
     g = torch.Generator().manual_seed(T)
-    qkv = (torch.randn(T, (HQ + 2 * HKV) * DH, generator=g) * 2).to(dtype).cuda()
+    qkv = (torch.randn(T, (HQ + 2 * HKV) * DH, generator=g) * 2).to(dtype).to(dev)
     ang = torch.arange(4096, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(DH // 2) / (DH // 2))
     return dict(
         q=qkv[:, : HQ * DH].view(T, HQ, DH),
         k=qkv[:, HQ * DH : (HQ + HKV) * DH].view(T, HKV, DH),
         v=qkv[:, (HQ + HKV) * DH :].view(T, HKV, DH),
-        qw=(1 + 0.5 * torch.randn(DH, generator=g)).to(dtype).cuda(),
-        kw=(1 + 0.5 * torch.randn(DH, generator=g)).to(dtype).cuda(),
-        pos=torch.randint(0, 4096, (T,), generator=g).cuda(),
-        cs=torch.cat((ang.cos(), ang.sin()), -1).float().cuda(),
-        slots=torch.randperm(pages * page, generator=g)[:T].cuda(),
-        cache=[torch.zeros(pages, page, HKV, DH, dtype=dtype, device="cuda") for _ in range(2)],
+        qw=(1 + 0.5 * torch.randn(DH, generator=g)).to(dtype).to(dev),
+        kw=(1 + 0.5 * torch.randn(DH, generator=g)).to(dtype).to(dev),
+        pos=torch.randint(0, 4096, (T,), generator=g).to(dev),
+        cs=torch.cat((ang.cos(), ang.sin()), -1).float().to(dev),
+        slots=torch.randperm(pages * page, generator=g)[:T].to(dev),
+        cache=[torch.zeros(pages, page, HKV, DH, dtype=dtype, device=dev) for _ in range(2)],
     )
 
 
@@ -52,6 +53,10 @@ def one_launch(s: dict, cache) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _us_per_layer(fn, s: dict, replays: int = 300) -> float:
     cache = [c.clone() for c in s["cache"]]
+    if not torch.cuda.is_available():  # Triton's interpreter on the CPU (the dry run): one call's wall time
+        t = time.perf_counter()
+        fn(s, cache)
+        return (time.perf_counter() - t) * 1e6
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -72,9 +77,14 @@ def _us_per_layer(fn, s: dict, replays: int = 300) -> float:
 
 
 def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--rows", default="1,8,64,256", help="comma-separated new rows T of a decode step")
+    args = ap.parse_args()
+    dev = kernel_device("probe_qk_fuse.py")
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter)"
     rows = []
-    for T in (1, 8, 64, 256):
-        s = _step(T)
+    for T in (int(t) for t in args.rows.split(",")):
+        s = _step(T, dev)
         ca, cb = [c.clone() for c in s["cache"]], [c.clone() for c in s["cache"]]
         equal = all(
             torch.equal(a, b) for a, b in zip((*three_launches(s, ca), *ca), (*one_launch(s, cb), *cb))
@@ -87,14 +97,14 @@ def main() -> None:
                 equal=equal,
             )
         )
-    print(f"{torch.cuda.get_device_name()}: us per layer (28 layers in one CUDA graph)")
+    print(f"{name}: us per layer (28 layers in one CUDA graph)")
     print(
         "| T | three launches | one launch | saved per step (28 layers) | bits equal |\n|---:|---:|---:|---:|:---:|"
     )
     for r in rows:
         saved = (r["three_us"] - r["one_us"]) * LAYERS
         print(f"| {r['T']} | {r['three_us']:.2f} | {r['one_us']:.2f} | {saved:.0f} us | {r['equal']} |")
-    print(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}))
+    print(json.dumps({"device": name, "rows": rows}))
 
 
 if __name__ == "__main__":

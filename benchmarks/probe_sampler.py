@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _script import kernel_device, parser  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _time  # noqa: E402  (GPU microseconds per call, from a CUDA graph)
@@ -24,16 +25,21 @@ from exactrl.ops.triton import sampling
 
 
 def main() -> None:
-    vocab = 151936
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1, 16, 64, 256):
-        logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    ap = parser(__doc__)
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size (qwen3's by default)")
+    ap.add_argument("--rows", default="1,16,64,256", help="comma-separated row counts (a decode step's)")
+    args = ap.parse_args()
+    dev = kernel_device("probe_sampler.py")
+    vocab = args.vocab
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for rows in (int(r) for r in args.rows.split(",")):
+        logits = (torch.randn(rows, vocab, device=dev, generator=gen) * 3).to(torch.bfloat16)
         parts = torch.stack(
             [
-                torch.full((rows,), 1234, device="cuda"),
-                torch.arange(rows, device="cuda"),
-                torch.zeros(rows, dtype=torch.int64, device="cuda"),
-                torch.full((rows,), 77, device="cuda"),
+                torch.full((rows,), 1234, device=dev),
+                torch.arange(rows, device=dev),
+                torch.zeros(rows, dtype=torch.int64, device=dev),
+                torch.full((rows,), 77, device=dev),
             ]
         )
         rec: dict = {"rows": rows, "vocab": vocab, "us": {}}

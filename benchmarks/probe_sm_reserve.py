@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from _script import parser, require_cuda  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.ops.triton import matmul as mm
 from exactrl.ops.triton.matmul import linear
@@ -39,6 +40,8 @@ def sms_reserved(n: int) -> Iterator[None]:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    require_cuda("probe_sm_reserve.py")
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     x = torch.randn(32, 2048, device=dev, dtype=torch.bfloat16)

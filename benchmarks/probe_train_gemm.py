@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _script import kernel_device, parser  # benchmarks/: the script's own folder is on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_decode_gemm import _shapes, _time  # noqa: E402
@@ -25,12 +26,12 @@ from exactrl.model.config import preset  # noqa: E402
 from exactrl.ops.triton.matmul import _segmented_dx, matmul  # noqa: E402
 
 
-def _time_part(n: int, k: int, rows: int, split: list[int] | None) -> dict[str, float]:
+def _time_part(n: int, k: int, rows: int, split: list[int] | None, dev: str) -> dict[str, float]:
     """Microseconds of one projection's forward and dX, Triton and cuBLAS (split: a packed projection's parts)."""
     dt = torch.bfloat16
-    w = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
-    x = torch.randn(rows, k, device="cuda").to(dt)
-    gy = (torch.randn(rows, n, device="cuda") * 1e-3).to(dt)
+    w = (torch.randn(n, k, device=dev) * 0.02).to(dt)
+    x = torch.randn(rows, k, device=dev).to(dt)
+    gy = (torch.randn(rows, n, device=dev) * 1e-3).to(dt)
     us = {
         "fwd_triton": _time(lambda: matmul(x, w), reps=5),
         "fwd_cublas": _time(lambda: torch.matmul(x, w.t()), reps=5),
@@ -45,7 +46,7 @@ def _time_part(n: int, k: int, rows: int, split: list[int] | None) -> dict[str, 
     return us
 
 
-def probe(model: str, rows: int = 8192) -> dict:
+def probe(model: str, rows: int = 8192, dev: str = "cuda") -> dict:
     c = preset(model)
     dt = torch.bfloat16
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def probe(model: str, rows: int = 8192) -> dict:
     splits = {"qkv": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
               "gate_up": [c.intermediate_size, c.intermediate_size]}  # fmt: skip
     for part, (n, k) in _shapes(model).items():
-        us = _time_part(n, k, rows, splits.get(part))
+        us = _time_part(n, k, rows, splits.get(part), dev)
         flop = 2.0 * rows * n * k
         rec["parts"][part] = {
             kk: {"us": round(v, 1), "TFLOPs": round(flop / v / 1e6, 1)} for kk, v in us.items()
@@ -64,10 +65,10 @@ def probe(model: str, rows: int = 8192) -> dict:
     # LM head, as the chunked logprobs' backward runs it: logits of a vocabulary slice over all rows (Triton),
     # dhidden from the slice (Triton, fp32 out) or cuBLAS.
     V, D = c.vocab_size, c.hidden_size
-    vc = max(256, 1024 * V // rows)
-    w = (torch.randn(vc, D, device="cuda") * 0.02).to(dt)
-    h = torch.randn(rows, D, device="cuda").to(dt)
-    gz = (torch.randn(rows, vc, device="cuda") * 1e-4).to(dt)
+    vc = min(V, max(256, 1024 * V // rows))
+    w = (torch.randn(vc, D, device=dev) * 0.02).to(dt)
+    h = torch.randn(rows, D, device=dev).to(dt)
+    gz = (torch.randn(rows, vc, device=dev) * 1e-4).to(dt)
     slices = -(-V // vc)
     flop = 2.0 * rows * vc * D
     lm = {
@@ -85,8 +86,13 @@ def probe(model: str, rows: int = 8192) -> dict:
 
 
 def main() -> None:
-    for model in ("qwen3-0.6b", "qwen3-1.7b"):
-        print(json.dumps(probe(model)), flush=True)
+    ap = parser(__doc__)
+    ap.add_argument("--presets", default="qwen3-0.6b,qwen3-1.7b", help="comma-separated model shapes")
+    ap.add_argument("--rows", type=int, default=8192, help="rows of a microbatch")
+    args = ap.parse_args()
+    dev = kernel_device("probe_train_gemm.py")
+    for model in args.presets.split(","):
+        print(json.dumps(probe(model, args.rows, dev)), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,29 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _own_us(e) -> float:
+    """An event's own time: GPU time of a kernel; on a CPU (the dry run) an operator's own CPU time."""
+    return e.self_device_time_total if torch.cuda.is_available() else e.self_cpu_time_total
+
+
 def _table(prof, label: str, top: int) -> None:
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    print(f"\n== {label}: GPU time by kernel (total {total / 1e3:.1f} ms)")
+    kind = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+    total = sum(_own_us(e) for e in events) or 1.0
+    events.sort(key=_own_us, reverse=True)
+    print(
+        f"\n== {label}: {'GPU' if kind == torch.autograd.DeviceType.CUDA else 'CPU'} time (total {total / 1e3:.1f} ms)"
+    )
     rows = []
     for e in events[:top]:
-        share = e.self_device_time_total / total
-        print(f"{e.self_device_time_total / 1e3:9.2f} ms {share:6.1%} {e.count:7d}x  {e.key[:90]}")
-        rows.append({"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "count": e.count})
+        share = _own_us(e) / total
+        print(f"{_own_us(e) / 1e3:9.2f} ms {share:6.1%} {e.count:7d}x  {e.key[:90]}")
+        rows.append({"kernel": e.key[:120], "ms": _own_us(e) / 1e3, "count": e.count})
     print(json.dumps({"profile": label, "total_gpu_ms": total / 1e3, "top": rows}))
 
 
@@ -37,17 +50,17 @@ def _host_profile(step, top: int) -> None:
     import cProfile
     import pstats
 
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    _sync()
     print(json.dumps({"train_step_s": (time.perf_counter() - t) / 3}))
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    _sync()
     pr.disable()
     print("\n== host: functions by own time over 2 steps (cProfile)")
     pstats.Stats(pr).sort_stats("tottime").print_stats(top)
@@ -104,6 +117,11 @@ def main() -> int:
     ap.add_argument(
         "--graphs", default="on", choices=["on", "off"], help="train: replay the step from CUDA graphs"
     )
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (with a small preset)")
+    ap.add_argument(
+        "--train-tokens", type=int, default=8192, help="train: tokens a step, in sequences of 1,024"
+    )
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     args = ap.parse_args()
 
     from exactrl.engine.engine import EngineConfig, RolloutEngine
@@ -116,11 +134,13 @@ def main() -> int:
     if args.torch_deterministic != "off":
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = args.torch_deterministic == "on"
-    model = build_model(preset(args.preset), device="cuda", dtype=torch.bfloat16, exact=exact, seed=0)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(preset(args.preset), device=args.device, dtype=dtype, exact=exact, seed=0)
+    vocab = model.config.vocab_size
     C, P, N = args.concurrency, args.prompt_len, args.max_tokens
     g = torch.Generator().manual_seed(0)
     if "rollout" in args.what:
-        prompts = torch.randint(0, 150000, (C, P), generator=g).tolist()
+        prompts = torch.randint(0, vocab, (C, P), generator=g).tolist()
         eng = RolloutEngine(
             model,
             EngineConfig(
@@ -133,12 +153,14 @@ def main() -> int:
         )
         params = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
         eng.generate(prompts, params)  # warm-up: compile, capture graphs
-        torch.cuda.synchronize()
+        _sync()
         eng.reset_stats()
         t = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        ) as prof:
             eng.generate(prompts, params)
-            torch.cuda.synchronize()
+            _sync()
         wall = time.perf_counter() - t
         st = eng.stats
         print(json.dumps({"rollout_wall_s": wall, **{k: v for k, v in st.items()}}))
@@ -152,7 +174,7 @@ def main() -> int:
             pr = cProfile.Profile()
             pr.enable()
             eng.generate(prompts, params)
-            torch.cuda.synchronize()
+            _sync()
             pr.disable()
             print(f"\n== host: rollout generate ({N} new tokens), functions by own time (cProfile)")
             pstats.Stats(pr).sort_stats("tottime").print_stats(args.top)
@@ -160,13 +182,20 @@ def main() -> int:
         from exactrl.train.optim import MasterAdamW
         from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
 
-        seqs = torch.randint(0, 150000, (8, 1025), generator=g).tolist()
+        length = min(1024, args.train_tokens)
+        seqs = torch.randint(
+            0, vocab, (max(1, args.train_tokens // length), length + 1), generator=g
+        ).tolist()
         rollouts = [
-            Rollout(s[:1], s[1:], torch.zeros(1024), advantage=1.0 - 2 * (i % 2)) for i, s in enumerate(seqs)
+            Rollout(s[:1], s[1:], torch.zeros(length), advantage=1.0 - 2 * (i % 2))
+            for i, s in enumerate(seqs)
         ]
         # Synthetic rollouts (no engine logprobs): the check runs at its cost, "warn" keeps it from stopping us.
         settings = TrainerSettings(
-            max_tokens_per_microbatch=8192, exact=True, cuda_graphs=args.graphs == "on", on_mismatch="warn"
+            max_tokens_per_microbatch=max(8192, args.train_tokens),
+            exact=True,
+            cuda_graphs=args.graphs == "on" and args.device == "cuda",
+            on_mismatch="warn",
         )
         trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
 
@@ -175,15 +204,19 @@ def main() -> int:
 
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
-        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=acts, with_stack=bool(args.trace)) as prof:
             for _ in range(2):
                 step()
-            torch.cuda.synchronize()
+            _sync()
         print(json.dumps({"train_step_s_profiled": (time.perf_counter() - t) / 2}))
-        _table(prof, f"train {args.preset} {args.mode} 8x1024 graphs {args.graphs} (2 steps)", args.top)
+        _table(
+            prof,
+            f"train {args.preset} {args.mode} {len(seqs)}x{length} graphs {args.graphs} (2 steps)",
+            args.top,
+        )
         if args.trace:
             _trace(prof, args.trace, f"train-{args.preset}-{args.mode}-graphs-{args.graphs}")
         if args.host:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_vs_torch import _free, _sync, _time  # benchmarks/: the script's own folder is on sys.path
+from train_vs_torch import _free, _time  # benchmarks/: the script's own folder is on sys.path
 
 # First match wins; names are lower-cased. Inductor names its fused kernels after the ops they fuse
 # (triton_red_fused__log_softmax_..., triton_per_fused_add_mean_mul_pow_rsqrt_...).
@@ -44,10 +44,15 @@ def category(name: str) -> str:
     return "other"
 
 
-def _profile(step, steps: int) -> dict:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _profile(step, steps: int, device: torch.device) -> dict:
     for _ in range(2):  # and one more in _time: the graphs captured, the compiled step built
         step()
-    wall = _time(step, steps)
+    wall = _time(step, steps, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         for _ in range(2):
@@ -108,7 +113,7 @@ def main() -> int:
             on_mismatch="warn",
         )
         trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
-        results[mode] = _profile(functools.partial(trainer.step, rollouts), args.steps)
+        results[mode] = _profile(functools.partial(trainer.step, rollouts), args.steps, device)
         del trainer
         model.zero_grad(set_to_none=True)
         _free()
@@ -116,7 +121,7 @@ def main() -> int:
             batch = GrpoBatch.from_rollouts(rollouts, device)
             with stock_numerics():
                 tstep = TorchGrpoStep(TorchDecoder.from_model(model).compile_blocks(), lr=1e-5)
-                results["stock"] = _profile(functools.partial(tstep, batch), args.steps)
+                results["stock"] = _profile(functools.partial(tstep, batch), args.steps, device)
             del tstep
         del model
         _free()

@@ -9,6 +9,7 @@ and shape among the arguments (or the record's own `--baseline` figure when no s
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -58,9 +59,11 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", help="result JSON files of `exactrl bench ... [--nproc N]`")
     records = []
-    for p in paths:
+    for p in ap.parse_args(argv).results:
         rec = json.loads(Path(p).read_text().strip().splitlines()[-1])
         if "world_size" not in rec or "per_rank" not in rec:
             print(

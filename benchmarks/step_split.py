@@ -10,8 +10,8 @@ gives the mean over the steps after it when there are any.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 KEYS = ("perf/generate_s", "perf/train_s", "perf/optimizer_s", "perf/step_s")
@@ -33,7 +33,9 @@ def split(run_dir: Path) -> dict[str, object]:
 
 
 def main() -> None:
-    for d in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="an `exactrl train` run's output_dir")
+    for d in ap.parse_args().run_dirs:
         print(json.dumps({"step_split": split(Path(d))}, separators=(",", ":")))
 
 

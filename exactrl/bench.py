@@ -326,11 +326,7 @@ def bench_rollout(args) -> dict:
         raise ValueError(
             "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
         )
-    if args.concurrency < ctx.world_size:
-        raise ValueError(
-            f"bench rollout: --concurrency {args.concurrency} requests for {ctx.world_size} ranks; every rank "
-            "needs at least one"
-        )
+    check_ranks(args, ctx.world_size)
     base_expect = {
         k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
     }
@@ -743,6 +739,16 @@ def bench_train_fsdp(args) -> dict:
         print(f"{'ratio FSDP / today':28} {rec['fsdp_over_today']:9.3f}")
     print(f"{'weight sync (s, bytes)':28} {rec['weight_sync_s']:9.4f} {rec['weight_sync_bytes']:10.3g}")
     return rec
+
+
+def check_ranks(args, world_size: int) -> None:
+    """What the options ask of `world_size` ranks that the benchmark cannot give: said on each rank, and by the
+    `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    if args.what == "rollout" and args.concurrency < world_size:
+        raise ValueError(
+            f"bench rollout: --concurrency {args.concurrency} requests for {world_size} ranks; every rank "
+            "needs at least one"
+        )
 
 
 def main(args) -> int:

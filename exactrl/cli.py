@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -349,20 +350,39 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `exactrl <argv>` on `nproc` local ranks under torchrun (standalone: one node, a free port) and return
-    its exit status. torchrun's agent stops every rank as soon as one fails and prints that rank's error."""
+    """Run `exactrl <argv>` on `nproc` local ranks under torchrun and return the status to exit with: torchrun's
+    agent stops every rank as soon as one fails, and the first failing rank's error is printed once
+    (exactrl.distributed.launch). Check the command first (`check_before_launch`): what fails there starts nothing."""
     from exactrl.distributed.env import under_torchrun
+    from exactrl.distributed.launch import launch
 
     if under_torchrun():
         raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "exactrl.cli", *_without_nproc(argv)]
-    print(f"exactrl: launching {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    from exactrl.distributed.launch import call_forwarding_signals
+    return launch(nproc, "exactrl.cli", _without_nproc(argv))
 
-    return call_forwarding_signals(cmd)  # SIGTERM / Ctrl-C reach the ranks, which checkpoint and stop
+
+def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
+    """Refuse, before torchrun starts anything, what the command cannot do on `nproc` ranks: its row of
+    commands.NOT_ON_RANKS (N > 1), and its own checks of its options and config (`before_launch`, set by its
+    parser: the same validation the command runs on each rank). Raises ValueError."""
+    from exactrl.commands import NOT_ON_RANKS
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if nproc > 1:
+        for command, applies, why in NOT_ON_RANKS:
+            if command == args.command and applies(args):
+                raise ValueError(why(args) if callable(why) else why)
+    before_launch = getattr(args, "before_launch", None)
+    if before_launch is not None:
+        before_launch(args, nproc)
+
+
+def _parity_before_launch(args: argparse.Namespace, nproc: int) -> None:
+    if args.num_prompts < nproc:  # as run_parity says on each rank
+        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of ranks ({nproc})")
 
 
 def _quiet_unless_rank0() -> None:
@@ -377,14 +397,26 @@ def _quiet_unless_rank0() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script. Under torchrun it runs inside torch.distributed.elastic's `record`, which writes a
-    failing rank's exception and traceback to the error file torchrun's agent reads and prints in its report
-    (outside torchrun there is no such file, and `record` would turn `--help`'s SystemExit into a return)."""
+    """The console script. Under a plain torchrun it runs inside torch.distributed.elastic's `record`, which
+    writes a failing rank's exception and traceback to the error file torchrun's agent reads and prints in its
+    report (outside torchrun there is no such file, and `record` would turn `--help`'s SystemExit into a return).
+    Under exactrl's own launcher (`--nproc N`) a rank's error goes to the launcher instead, which prints the first
+    one once (`_say_error`)."""
     from exactrl.distributed.env import under_torchrun
+    from exactrl.distributed.launch import RANK_ERRORS_ENV
 
-    if under_torchrun():
+    if under_torchrun() and not os.environ.get(RANK_ERRORS_ENV):
         return int(record(_main)(argv) or 0)
     return _main(argv)
+
+
+def _say_error(text: str) -> None:
+    """A command's error: to exactrl's launcher when it started this rank (it prints the first failing rank's
+    error once), else on stderr."""
+    from exactrl.distributed.launch import write_rank_error
+
+    if not write_rank_error(text):
+        print(text, file=sys.stderr)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -447,7 +479,7 @@ def _main(argv: list[str] | None = None) -> int:
         "engine and trainer diverge; --device defaults to the run's, --mode to exact",
     )
     add_nproc_arg(p)
-    p.set_defaults(func=cmd_parity)
+    p.set_defaults(func=cmd_parity, before_launch=_parity_before_launch)
 
     p = sub.add_parser("generate", help="sample completions with the rollout engine", formatter_class=fmt)
     _model_args(p)
@@ -503,14 +535,25 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "nproc", None) is not None:
+            check_before_launch(args, args.nproc)
             return launch_torchrun(args.nproc, argv)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"exactrl {args.command}{_rank_note()}: error: {e}", file=sys.stderr)
+        _say_error(f"exactrl {args.command}{_rank_note()}: error: {e}")
         return 2  # the process group is left to the exit: the other ranks may still be inside a collective
     except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
-        print(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", file=sys.stderr)
+        _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}")
         return 1
+    except Exception:
+        from exactrl.distributed.launch import write_rank_error
+
+        # A crash (a bug): under exactrl's launcher its traceback is printed once, by the launcher; elsewhere it
+        # propagates as ever (`record` files it for a plain torchrun).
+        if write_rank_error(
+            f"exactrl {args.command}{_rank_note()} failed:\n{traceback.format_exc().rstrip()}"
+        ):
+            return 1
+        raise
     _end_process_group()
     return code
 

@@ -5,7 +5,35 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+
+# What a command cannot do on several ranks (`--nproc N`, N > 1), refused by the launcher before torchrun starts
+# anything (exactrl.cli.check_before_launch): (command, when it applies to the parsed options, why: a text or a
+# function of the options). The ranks check again under a plain torchrun. A command that learns to run on ranks
+# loses its row here.
+NOT_ON_RANKS: list[
+    tuple[str, Callable[[argparse.Namespace], bool], str | Callable[[argparse.Namespace], str]]
+] = [
+    ("bench", lambda a: a.what == "rl", "bench rl does not implement --nproc N > 1"),
+    (
+        "bench",
+        lambda a: a.what == "train" and not a.fsdp,
+        "bench train on several ranks measures the FSDP2 step: add --fsdp",
+    ),
+    (
+        "bench",
+        lambda a: a.what in ("rollout", "train") and bool(a.vs),
+        lambda a: (
+            f"bench {a.what}{' --fsdp' if a.fsdp else ''} --vs {a.vs} runs at world size 1; drop --vs or --nproc"
+        ),
+    ),
+    (
+        "parity",
+        lambda a: bool(a.replay),
+        "parity --replay recomputes a report on one process; drop --nproc",
+    ),
+]
 
 
 def _run_dir_plan(cfg, args):
@@ -49,6 +77,23 @@ def _run(cfg, args) -> int:
     if not summary.get("stopped_early"):
         return 0
     return 143 if summary.get("stopped_by") == "SIGTERM" else 130
+
+
+def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
+    """What `train --nproc N` checks before torchrun starts the ranks: the config (TOML + --set, validated), what
+    it cannot do under torchrun at this world size, and the run directory (checked, nothing written)."""
+    from exactrl.config import load_config
+    from exactrl.train.loop import check_world_size
+    from exactrl.train.rundir import check_run_dir
+
+    cfg = load_config(args.config, args.set or [])
+    check_world_size(cfg, nproc, distributed=True)
+    check_run_dir(
+        cfg,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        allow_config_change=args.allow_config_change,
+    )
 
 
 def cmd_train(args) -> int:
@@ -265,6 +310,12 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits else 1
 
 
+def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
+    from exactrl.bench import check_ranks
+
+    check_ranks(args, nproc)
+
+
 def cmd_bench(args) -> int:
     from exactrl import bench
 
@@ -298,7 +349,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
     add_nproc_arg(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, before_launch=_train_before_launch)
 
     p = sub.add_parser(
         "plan",
@@ -551,6 +602,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the result JSON of the same benchmark at another world size: adds the scaling efficiency",
     )
     add_nproc_arg(p)
+    p.set_defaults(before_launch=_bench_before_launch)
     p.add_argument(
         "--out-dir",
         "--output-dir",

@@ -315,6 +315,13 @@ class RankScores:
     metrics: dict[str, float] = field(default_factory=dict)  # the step's, e.g. dynamic sampling's
 
 
+def check_world_size(cfg: RunConfig, world_size: int, distributed: bool) -> None:
+    """What the config cannot do on `world_size` ranks (`distributed`: under torchrun, one rank included), said
+    before anything loads: by each run, by `exactrl plan`, and by `train --nproc N` before torchrun starts the
+    ranks. One set of checks (exactrl/train/preflight.py)."""
+    check_run_config(cfg, world_size, distributed=distributed)
+
+
 class RLRun:
     """One `exactrl train` job, cut into the stages of the algorithm:
 
@@ -336,8 +343,9 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         self.dist = init_from_env(resolve_device(cfg.run.device))
         self.parallel = Parallelism(self.dist)
-        # What `exactrl plan` refuses too: the checks that need the world size or the model's shape.
-        check_run_config(cfg, self.dist.world_size, distributed=self.dist.distributed)
+        # What `exactrl plan` and `train --nproc N` (before launching) refuse too: the checks that need the world
+        # size or the model's shape.
+        check_world_size(cfg, self.dist.world_size, self.dist.distributed)
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)

@@ -1,0 +1,347 @@
+"""Every script in benchmarks/ answers --help on a machine without a GPU, names only things that exist, and has a
+dry run here: on the CPU (a tiny preset, --device cpu, Triton's interpreter) or over recorded result files. A
+probe of CUDA kernels, streams or graphs that has no CPU path refuses in one line instead (`_script.require_cuda`).
+A refactor that breaks a script's imports, its arguments or its CPU path fails here, not on a lent GPU."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+RESULTS = BENCH / "results"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+def _run(script: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 300):
+    # As on a machine without a GPU: no CUDA, and Triton's interpreter only where the dry run asks for it (the
+    # suite's conftest sets TRITON_INTERPRET=1 for its own process on a CPU).
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# Runs each script as __main__ with the same arguments, one after another in one interpreter (torch imported once,
+# not once per script): {script: [its exit code (or the exception that escaped), what it printed]}.
+MAIN_DRIVER = """
+import contextlib, io, json, runpy, sys
+args, out = json.loads(sys.argv[1]), {}
+for path in sys.argv[2:]:
+    sys.argv = [path, *args]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            runpy.run_path(path, run_name="__main__")
+        code = "returned without exiting"
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else f"SystemExit: {e.code}"
+    except BaseException as e:
+        code = f"{type(e).__name__}: {e}"
+    out[path] = [code or 0, buf.getvalue()[:300]]
+print(json.dumps(out))
+"""
+
+
+def _run_mains(scripts: list[str], args: list[str]) -> dict[str, list]:
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in _run
+    full["CUDA_VISIBLE_DEVICES"] = ""
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH), full.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", MAIN_DRIVER, json.dumps(args), *(str(BENCH / s) for s in scripts)]
+    res = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {Path(k).name: v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.fixture(scope="module")
+def help_answers() -> dict[str, list]:
+    return _run_mains(SCRIPTS, ["--help"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_without_a_gpu(script, help_answers):
+    code, text = help_answers[script]
+    assert code == 0, f"{script} --help: {code}"
+    assert text.startswith("usage:"), text
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_name_a_script_imports_exists(script):
+    """Imports anywhere in a script (main's lazy ones included) from exactrl or from a sibling script name things
+    that exist: a GPU-only probe that a refactor broke fails here (profile_vs_torch imported a `_sync` that
+    train_vs_torch no longer had)."""
+    missing = []
+    for node in ast.walk(ast.parse((BENCH / script).read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.module is None:
+            continue
+        sibling = BENCH / f"{node.module}.py"
+        if sibling.is_file():
+            have = _top_level_names(sibling)
+            missing += [f"{node.module}.{a.name}" for a in node.names if a.name not in have]
+        elif node.module.split(".")[0] == "exactrl":
+            module = importlib.import_module(node.module)
+            for a in node.names:
+                if not hasattr(module, a.name):
+                    try:  # a submodule not imported by its package
+                        importlib.import_module(f"{node.module}.{a.name}")
+                    except ImportError:
+                        missing.append(f"{node.module}.{a.name}")
+    assert not missing, f"{script} imports names that do not exist: {missing}"
+
+
+def _metrics_run(tmp: Path) -> list[str]:
+    """A run directory whose metrics.jsonl has the step lines `exactrl train` writes (the keys step_split reads)."""
+    run = tmp / "run"
+    run.mkdir()
+    rows = [
+        {
+            "step": s,
+            "perf/generate_s": 1.0 + s,
+            "perf/train_s": 0.5,
+            "perf/optimizer_s": 0.1,
+            "perf/step_s": 1.7 + s,
+        }
+        for s in (1, 2, 3)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [str(run)]
+
+
+def _trace(tmp: Path) -> list[str]:
+    """A Chrome trace as torch.profiler writes it: two kernels with a gap, and the host op running in the gap."""
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 400, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 120, "dur": 250},
+    ]
+    path = tmp / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return [str(path), "--min-us", "10"]
+
+
+def _multirank_record(tmp: Path) -> list[str]:
+    """A real `exactrl bench rollout --nproc 2` record (CPU ranks), the input scaling_table reads."""
+    from exactrl.cli import main
+
+    out = tmp / "out"
+    args = [
+        "bench",
+        "rollout",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--concurrency",
+        "2",
+    ]
+    args += ["--prompt-len", "8", "--max-tokens", "4", "--out-dir", str(out), "--nproc", "2"]
+    assert main(args) == 0
+    return [str(p) for p in sorted(out.glob("*.json"))]
+
+
+TINY = ["--preset", "tiny"]
+# script -> (arguments, or a function of a temporary folder that makes the input files and returns them; extra
+# environment; extended: a heavier dry run, left out of `make test`). GPU-only probes are in GPU_ONLY below.
+DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str], bool]] = {
+    "bench_check.py": (
+        [str(RESULTS / "train-qwen3-0.6b-fsdp-exact-NVIDIA-H100-80GB-HBM3.json"), "--results", str(RESULTS)],
+        {},
+        False,
+    ),
+    "bench_guard.py": (
+        [
+            *TINY,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+            "--reps",
+            "1",
+        ],
+        {},
+        False,
+    ),  # fmt: skip
+    "bench_scheduler.py": (
+        ["--concurrency", "4", "--prompt-len", "8", "--max-tokens", "4", "--repeat", "1"],
+        {},
+        False,
+    ),
+    "mismatch_vs_length.py": ([*TINY, "--prompts", "1", "--samples", "2", "--lengths", "4"], {}, False),
+    "plot_price.py": (
+        lambda tmp: [
+            str(RESULTS / "price-rollout-qwen3-0.6b-NVIDIA-H100-80GB-HBM3.jsonl"),
+            str(RESULTS / "price-train-NVIDIA-H100-80GB-HBM3.jsonl"),
+            "--png",
+            str(tmp / "price.png"),
+        ],
+        {},
+        False,
+    ),
+    "probe_adamw.py": (
+        [*TINY, "--iters", "1"],
+        {"TRITON_INTERPRET": "1"},
+        True,  # seven launch shapes over the tiny preset's 0.85M parameters in the interpreter: about 20 s
+    ),
+    "probe_chunked_gemm.py": (["--small"], {"TRITON_INTERPRET": "1"}, False),
+    "profile_vs_torch.py": (
+        ["--device", "cpu", *TINY, "--steps", "1", "--tokens", "64", "--modes", "exact"],
+        {},
+        True,  # compiles the stock step with inductor on the CPU: about a minute on 2 cores
+    ),
+    "probe_logprob_split.py": (
+        ["--vocab", "12288", "--rows", "1,3", "--chunks", "4096,8192"],
+        {"TRITON_INTERPRET": "1"},
+        False,
+    ),
+    "probe_train_gemm.py": (["--presets", "tiny", "--rows", "32"], {"TRITON_INTERPRET": "1"}, False),
+    "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
+    "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
+    "probe_step_times.py": (
+        ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
+        {},
+        True,  # a model's train steps under the profiler: the heavier dry runs
+    ),
+    "profile_steps.py": (
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            *TINY,
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+            "--train-tokens",
+            "64",
+            "--top",
+            "3",
+        ],
+        {},
+        True,  # a model's train steps under the profiler: the heavier dry runs
+    ),  # fmt: skip
+    "reward_overhead.py": (["--rollouts", "16", "--repeats", "1", "--workers", "1"], {}, False),
+    "scaling_table.py": (_multirank_record, {}, True),  # two CPU ranks under torchrun first
+    "step_split.py": (_metrics_run, {}, False),
+    "trace_gaps.py": (_trace, {}, False),
+    "train_vs_torch.py": (
+        [
+            "--device",
+            "cpu",
+            *TINY,
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--tokens",
+            "64",
+            "--which",
+            "exact",
+            "fast",
+        ],
+        {},
+        False,
+    ),
+}
+# Probes of CUDA kernels, streams, graphs or device memory with no CPU path: on a CPU they say so in one line.
+GPU_ONLY = {
+    "bench_kernels.py",
+    "plan_check.py",
+    "probe_decode_attn.py",
+    "probe_decode_gemm.py",
+    "probe_fast_attn.py",
+    "probe_l2_prefetch.py",
+    "probe_moe.py",
+    "probe_priority.py",
+    "probe_sm_reserve.py",
+}
+
+
+def test_every_script_has_a_dry_run_or_is_declared_gpu_only():
+    assert set(DRY_RUNS) | GPU_ONLY == set(SCRIPTS), "a script without a dry run: add it to DRY_RUNS"
+    assert not set(DRY_RUNS) & GPU_ONLY
+
+
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(s, marks=[pytest.mark.extended] if DRY_RUNS[s][2] else []) for s in sorted(DRY_RUNS)],
+)
+def test_dry_run_on_the_cpu(script, tmp_path):
+    args, env, _ = DRY_RUNS[script]
+    res = _run(script, args(tmp_path) if callable(args) else args, env)
+    assert res.returncode == 0, f"{script}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    assert res.stdout.strip(), f"{script} printed nothing"
+
+
+@pytest.fixture(scope="module")
+def gpu_only_answers() -> dict[str, list]:
+    return _run_mains(sorted(GPU_ONLY), [])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU sees")
+@pytest.mark.parametrize("script", sorted(GPU_ONLY))
+def test_a_gpu_only_probe_refuses_in_one_line_on_a_cpu(script, gpu_only_answers):
+    code, _ = gpu_only_answers[script]
+    assert (
+        code == f"SystemExit: {script}: needs a CUDA GPU (torch sees none here); --help says what it measures"
+    )
+
+
+def test_the_gpu_sessions_name_only_scripts_that_exist():
+    for session in ("gpu_session.sh", "multi_gpu_session.sh"):
+        named = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / session).read_text()))
+        assert named <= set(SCRIPTS), f"{session} runs scripts that are gone: {sorted(named - set(SCRIPTS))}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU sees")
+def test_a_kernel_probe_without_the_interpreter_names_it():
+    """The Triton probes that dry-run under the interpreter say how, on a CPU without TRITON_INTERPRET=1."""
+    probes = sorted(s for s, (_, env, _) in DRY_RUNS.items() if env.get("TRITON_INTERPRET"))
+    for script, (code, _) in _run_mains(probes, []).items():
+        assert code == (
+            f"SystemExit: {script}: needs a CUDA GPU, or TRITON_INTERPRET=1 for a dry run on the CPU with small "
+            "sizes; --help says what it measures"
+        ), f"{script}: {code}"
