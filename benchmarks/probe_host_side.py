@@ -62,9 +62,13 @@ def main() -> None:
     ap.add_argument("--mode", default="exact", choices=("exact", "fast"))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--busy-cores", type=int, default=0, help="spinning processes beside the run")
+    ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
 
     import torch
+
+    if args.host_threads:
+        torch.set_num_threads(args.host_threads)
 
     from exactrl.bench import _bench_rollouts
     from exactrl.model.loading import load_policy
@@ -131,6 +135,7 @@ def main() -> None:
         "mode": args.mode,
         "tokens": tokens,
         "busy_cores": args.busy_cores,
+        "host_threads": torch.get_num_threads(),
         "step_wall_ms": round(wall_ms, 1),
         "gpu_kernel_ms": round(gpu_ms, 1),
         "gpu_busy_share": round(gpu_ms / wall_ms, 3) if cuda else None,
