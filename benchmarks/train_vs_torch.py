@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -57,6 +58,11 @@ def _time(step: Callable[[], object], steps: int, device: torch.device, stat: st
     return statistics.median(times) if stat == "median" else statistics.fmean(times)
 
 
+def _spin() -> None:  # pragma: no cover - a busy core beside the run
+    while True:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b")
@@ -66,10 +72,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a small preset")
     ap.add_argument("--stat", choices=("median", "mean"), default="median", help="a repeat's step time")
+    ap.add_argument(
+        "--busy-cores", type=int, default=0, help="spinning processes beside the run (a shared host)"
+    )
     args = ap.parse_args()
 
     from exactrl.bench import _bench_rollouts, _to_hf, measure_matmul_rate, source_commit, source_hash
     from exactrl.bench_torch import GrpoBatch, TorchDecoder, TorchGrpoStep, stock_numerics
+    from exactrl.distributed.env import limit_host_threads
     from exactrl.model.loading import load_policy
     from exactrl.ops import set_exact_environment
     from exactrl.train.optim import MasterAdamW
@@ -77,6 +87,12 @@ def main() -> int:
 
     device = torch.device(args.device)
     set_exact_environment(True)  # exact's switches; the other steps run inside stock_numerics()
+    host_threads = limit_host_threads(
+        device
+    )  # as every exactrl command on CUDA (each step kind runs under it)
+    spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.busy_cores)]
+    for p in spinners:
+        p.start()
     models = {}
     for mode in ("exact", "fast"):
         if mode in args.which or (mode == "exact" and {"stock", "hf"} & set(args.which)):
@@ -170,6 +186,8 @@ def main() -> int:
         "repeats": args.repeats,
         "steps": args.steps,
         "step_stat": args.stat,
+        "host_threads": host_threads,
+        "busy_cores": args.busy_cores,
         "matmul_peak_TFLOPs": peak / 1e12,
         **{f"{k}_tokens_per_s": round(med[k], 1) for k in rates},
         **{f"{k}_runs": [round(x, 1) for x in v] for k, v in rates.items()},

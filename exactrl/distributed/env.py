@@ -118,13 +118,31 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+# Intra-op threads of the host in a GPU run. Measured on an H200 host (16 cores, 2026-11-28, qwen3-0.6b exact step
+# of 8 x 1,024 tokens, benchmarks/probe_host_side.py): torch's default of one OpenMP thread per core, 98.8 ms a
+# step, 199.8 ms with one busy core beside it (every parallel region of the step's host-side bookkeeping waits for
+# the thread that lost its core: aten::index 69 ms, exp 14 ms); 4 threads: 94.4 ms with the busy core, 93.9 without.
+HOST_THREADS_CUDA = 4
+
+
+def limit_host_threads(device: str | torch.device) -> int:
+    """On a CUDA run, cap torch's intra-op threads at HOST_THREADS_CUDA: the host's torch ops there are bookkeeping
+    on kilobyte tensors (masks, advantages, packing), where a fork-join over every core costs more than it saves
+    and one busy core stalls every region. Left alone: CPU runs (their math is the host's), and a process whose
+    OMP_NUM_THREADS was set (by the user, or by torchrun for several ranks). Returns the thread count now."""
+    if torch.device(device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(HOST_THREADS_CUDA, torch.get_num_threads())))
+    return torch.get_num_threads()
+
+
 def init_from_env(device: str, timeout_s: float = 1800.0) -> DistContext:
     """Start the process group when launched by torchrun, else the single-process context.
 
     device: the run's resolved device ("cpu", "cuda", "cuda:N"): gloo on the CPU, NCCL on CUDA, where each rank
     takes the GPU of its LOCAL_RANK. timeout_s bounds every collective: long enough for rank 0's held-out
     evaluation, which the other ranks wait out at their next collective; a rank that dies is caught sooner, by
-    torchrun, which stops the others."""
+    torchrun, which stops the others. On CUDA it also caps the host's intra-op threads (`limit_host_threads`)."""
+    limit_host_threads(device)
     if not under_torchrun():
         return DistContext.single()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
