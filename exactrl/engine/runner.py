@@ -40,6 +40,7 @@ from exactrl.engine.sampler import noise_keys, sample
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import BLOCK_N, AttentionBatch
 from exactrl.ops.batch import upload_int64
+from exactrl.progress import Progress
 
 
 @dataclass
@@ -499,21 +500,29 @@ class _StaticDecode:
         (Triton compilation, side streams, allocator growth) on all-padding metadata, which writes only into
         the scratch page; so does the capture, which executes nothing."""
         self._fill([], self.B)
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        n = len(self.buckets)
+        what = "decode" if kind is None else "sampling decode"
+        # The first warm-up compiles the Triton kernels: with the captures, seconds to minutes for a large model.
+        with Progress(
+            f"capturing {what} CUDA graphs ({n} batch sizes up to {self.B})", 2 * n, "steps"
+        ) as bar:
+            stream = torch.cuda.Stream(self.model.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for b in reversed(self.buckets):
+                    self._compute(kind, b)
+                    bar.update(1)
+            torch.cuda.current_stream().wait_stream(stream)
             for b in reversed(self.buckets):
-                self._compute(kind, b)
-        torch.cuda.current_stream().wait_stream(stream)
-        for b in reversed(self.buckets):
-            g = torch.cuda.CUDAGraph()
-            # thread_local: with algorithm.overlap = "tail" the trainer's thread may launch (and allocate) while
-            # this engine thread captures; only this thread's own calls must stay capture-safe.
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._compute(kind, b)
-            self.graphs[(kind, b)] = (g, out)
-        self.kinds.add(kind)
-        torch.cuda.synchronize(self.model.device)
+                g = torch.cuda.CUDAGraph()
+                # thread_local: with algorithm.overlap = "tail" the trainer's thread may launch (and allocate)
+                # while this engine thread captures; only this thread's own calls must stay capture-safe.
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                    out = self._compute(kind, b)
+                self.graphs[(kind, b)] = (g, out)
+                bar.update(1)
+            self.kinds.add(kind)
+            torch.cuda.synchronize(self.model.device)
 
 
 def _param_ptrs(model: CausalLM) -> tuple[int, ...]:

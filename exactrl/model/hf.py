@@ -7,6 +7,7 @@ tensor of the wrong shape is refused with an error naming it, and nothing is par
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from exactrl.model.files import CheckpointError, read_json, writing
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import get_ops
+from exactrl.progress import Progress, amount
 
 # Tensors some exporters write that carry no information for us.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -71,6 +73,16 @@ def _open_safetensors(f: Path):
         return safe_open(str(f), framework="pt")
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError): both mean a bad file
         raise CheckpointError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+
+
+def _embedding_dtype(f: Path) -> torch.dtype:
+    """The dtype of the checkpoint's embedding (the model's dtype when none is asked for), from one row of it."""
+    name = "model.embed_tokens.weight"
+    with _open_safetensors(f) as sf:
+        try:
+            return sf.get_slice(name)[0:1].dtype
+        except Exception as e:  # a truncated file: the same error the full read gives
+            raise CheckpointError(f"{f}: tensor {name} is unreadable ({_first_line(e)})") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -135,23 +147,29 @@ def load_model(
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
-    for f, names in by_file.items():
-        with _open_safetensors(f) as sf:
-            present = set(sf.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{f}: has no tensor {name}, which the index puts there")
-                try:
-                    t = sf.get_tensor(name)
-                except Exception as e:  # a tensor whose bytes run past the end of a truncated file
-                    raise CheckpointError(f"{f}: tensor {name} is unreadable ({_first_line(e)})") from None
-                if tuple(t.shape) != expected[name]:
-                    raise ValueError(
-                        f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}"
-                    )
-                state[name] = t
-    target_dtype = dtype or state["model.embed_tokens.weight"].dtype
-    state = {k: v.to(device=device, dtype=target_dtype) for k, v in state.items()}
+    target_dtype = dtype if dtype is not None else _embedding_dtype(files["model.embed_tokens.weight"])
+    total = sum(math.prod(shape) for shape in expected.values())
+    desc = f"loading {model_dir} ({amount(total, 'params')}, {len(by_file)} files)"
+    with Progress(desc, total, "params") as bar:
+        for f, names in by_file.items():
+            with _open_safetensors(f) as sf:
+                present = set(sf.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{f}: has no tensor {name}, which the index puts there")
+                    try:
+                        t = sf.get_tensor(name)
+                    except Exception as e:  # a tensor whose bytes run past the end of a truncated file
+                        raise CheckpointError(
+                            f"{f}: tensor {name} is unreadable ({_first_line(e)})"
+                        ) from None
+                    if tuple(t.shape) != expected[name]:
+                        raise ValueError(
+                            f"{f}: tensor {name} has shape {tuple(t.shape)}, the config needs {expected[name]}"
+                        )
+                    # To the device as it is read: the host holds one tensor at a time, not the checkpoint.
+                    state[name] = t.to(device=device, dtype=target_dtype)
+                    bar.update(t.numel())
     model.load_state_dict(state, assign=True, strict=True)
     return model
 

@@ -58,7 +58,13 @@ def load_policy(
         check_vocab(tok, cfg.vocab_size, tokenizer_path, f"preset {preset_name}")
         cfg = preset(preset_name, eos_token_id=tok.eos_token_id, **(preset_overrides or {}))
         model = build_model(
-            cfg, device=device, dtype=torch_dtype, exact=exact, seed=seed, fp32_lm_head=fp32_lm_head
+            cfg,
+            device=device,
+            dtype=torch_dtype,
+            exact=exact,
+            seed=seed,
+            fp32_lm_head=fp32_lm_head,
+            name=preset_name if not preset_overrides else f"{preset_name} {preset_overrides}",
         )
     check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
     return model, tok

@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from exactrl.model.config import ModelConfig
+from exactrl.model.init import normal_into
 from exactrl.model.layers import MLP, Linear, PackedLinear, RMSNorm, pack_state_dict
 from exactrl.model.moe import SparseMoeBlock
 from exactrl.ops import AttentionBatch, Ops, get_ops
+from exactrl.progress import Progress, amount
 
 
 class Attention(nn.Module):
@@ -126,21 +128,29 @@ class CausalLM(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02) -> CausalLM:
-        """Random init as HF does for Qwen (normal(0, 0.02) for matrices, ones for norms, zeros for biases)."""
+    def init_weights(self, seed: int = 0, std: float = 0.02, desc: str | None = None) -> CausalLM:
+        """Random init as HF does for Qwen (normal(0, 0.02) for matrices, ones for norms, zeros for biases).
+
+        One CPU generator draws every matrix in parameter order, fp32 normal(0, 1) times std rounded to the
+        parameter's dtype: the same values on every device and dtype. Drawn in place, chunk by chunk
+        (`exactrl.model.init`), with progress shown when it takes a while (desc: what to call the phase)."""
         g = torch.Generator().manual_seed(seed)
         packed = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, PackedLinear)}
-        for name, p in self.named_parameters():
-            if ".lora." in name:  # adapters have their own init (exactrl.model.lora.add_lora)
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:  # a packed weight part by part, in HF's order: the draws of the unpacked model
-                rows = list(packed[name].parts.values()) if name in packed else [p.shape[0]]
-                for piece in p.split(rows, dim=0):
-                    piece.copy_(torch.randn(piece.shape, generator=g, dtype=torch.float32) * std)
+        # adapters have their own init (exactrl.model.lora.add_lora)
+        todo = [(n, p) for n, p in self.named_parameters() if ".lora." not in n]
+        total = sum(p.numel() for _, p in todo)
+        with Progress(desc or "initialising weights", total, "params") as bar:
+            for name, p in todo:
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    bar.update(p.numel())
+                elif name.endswith(".bias"):
+                    p.zero_()
+                    bar.update(p.numel())
+                else:  # a packed weight part by part, in HF's order: the draws of the unpacked model
+                    rows = list(packed[name].parts.values()) if name in packed else [p.shape[0]]
+                    for piece in p.split(rows, dim=0):
+                        normal_into(piece, std, g, bar.update)
         return self
 
     @property
@@ -240,13 +250,26 @@ def build_model(
     exact: bool = True,
     seed: int = 0,
     fp32_lm_head: bool = False,
+    name: str | None = None,
 ) -> CausalLM:
-    """A randomly initialised model on `device` with the ops backend for (device, exact)."""
+    """A randomly initialised model on `device` with the ops backend for (device, exact). name: what to call it
+    in the progress lines (a preset's name).
+
+    The parameters are made where and as they live (`dtype` on `device`) and drawn in place: the values of an fp32
+    model drawn on the CPU and then cast and moved, with no fp32 copy of the whole model on the host."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)
-    model = model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.to(device=device, dtype=dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    n = sum(p.numel() for p in model.parameters())
+    what = name or f"a {cfg.architecture} model"
+    model.init_weights(
+        seed, desc=f"random weights of {what} ({amount(n, 'params')}, {dtype_name(dtype)}, {device})"
+    )
+    return model
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def count_params(model: nn.Module) -> int:

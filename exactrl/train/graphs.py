@@ -26,6 +26,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from exactrl.progress import Progress
+
 Body = Callable[[Hashable, dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]
 
 
@@ -150,16 +152,20 @@ class MicrobatchGraphs:
         static = {k: v.to(device, copy=True) for k, v in inputs.items()}
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # One eager warm-up run first (Triton compiles for the bucket's shapes, side streams and lazy state are
-        # created), on the current stream so that its activations go back to the pool eager steps use. Its
-        # gradients are dropped.
-        self.body(key, static, False)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the off-policy loop's generation worker (exactrl/train/offpolicy.py) keeps launching the
-        # engine's kernels on its own stream while a training graph is captured here; only this thread's calls
-        # must stay capture-safe. One thread (the synchronous loop): the same as the default mode.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self.body(key, static, True)
+        # A first capture compiles the Triton kernels for the bucket's shapes: it can take a while, and says so.
+        with Progress(f"capturing the training CUDA graph of bucket {key}", 2, "steps") as bar:
+            # One eager warm-up run first (Triton compiles for the bucket's shapes, side streams and lazy state
+            # are created), on the current stream so that its activations go back to the pool eager steps use.
+            # Its gradients are dropped.
+            self.body(key, static, False)
+            bar.update(1)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the off-policy loop's generation worker (exactrl/train/offpolicy.py) keeps launching
+            # the engine's kernels on its own stream while a training graph is captured here; only this thread's
+            # calls must stay capture-safe. One thread (the synchronous loop): the same as the default mode.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.body(key, static, True)
+            bar.update(1)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         return _Entry(graph, static, out)

@@ -1339,7 +1339,8 @@ class RLRun:
         t_step = time.perf_counter()
         self.set_lr(step)
         examples, prompt_ids, index = self.prompts()
-        self.phases.size(self.engine)
+        # The plan's KV size, and the replica back if a step left it released.
+        self.phases.to_generation(self.engine)
         t_gen = time.perf_counter()
         if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
             sr = self.episodes(step, examples, prompt_ids, index)

@@ -56,6 +56,16 @@ class MemoryPhases:
         if self.kv_blocks is not None and engine.config.num_kv_blocks is None:
             engine.config.num_kv_blocks = self.kv_blocks
 
+    def to_generation(self, engine: RolloutEngine) -> None:
+        """The engine is about to generate (every rank, together: the rebuild is a collective). The plan's KV size
+        (`size`); the KV cache itself comes back inside `generate`. The replica normally came back in the weight
+        sync that ends every step, whether or not the step made an update; a step that ended without that sync
+        (a driver that skips it when nothing changed) would leave the engine sampling from freed storage, so it is
+        rebuilt here from the shards: the same bits the sync would have written."""
+        self.size(engine)
+        if self.parallel.replica_released:
+            self.parallel.sync_weights()
+
     def to_training(self, engine: RolloutEngine) -> None:
         """Generation is over for this step: free the KV cache, and the replica under torchrun. No-op when the
         run keeps them (engine.release_memory = false, one step off)."""

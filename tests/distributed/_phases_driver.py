@@ -5,11 +5,16 @@
       "fail_release"   the switch to training raises (the replica's release)
       "fail_rebuild"   the replica's rebuild in the weight sync raises
       "stale_replica"  the rebuild skips the all-gather and leaves zeros: the negative control
+    {"kind": "cli", "argv": [...], "no_update": {"skip": [S, ...], "nan": [S, ...]}}   steps that make no update
+      (step indices from 0, on every rank): "skip" moves one rollout logprob of the step by one ulp (the guard's
+      mismatch: run.on_mismatch = "skip_step" drops the step), "nan" gives one rollout a NaN advantage (a
+      non-finite loss: the device skips the optimizer step)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,6 +58,30 @@ def _plant(name: str, rank: int):
     return undo
 
 
+def _no_update(skip: list[int], nan: list[int]):
+    """Patch the loop's update so that the listed steps make none; returns the function that undoes it."""
+    from exactrl.train import loop
+
+    real = loop.RLRun.update
+
+    def update(self, step, rollouts, *a, **k):
+        if step in skip:
+            r = rollouts[0]
+            lp = r.rollout_logprobs.clone()
+            lp[0] = torch.nextafter(lp[0], torch.tensor(-math.inf))
+            r.rollout_logprobs = lp
+        if step in nan:
+            rollouts[0].advantage = math.nan
+        return real(self, step, rollouts, *a, **k)
+
+    loop.RLRun.update = update
+
+    def undo():
+        loop.RLRun.update = real
+
+    return undo
+
+
 def main() -> None:
     import exactrl.cli
 
@@ -66,6 +95,9 @@ def main() -> None:
         undo = None
         if plant is not None and job.get("rank", rank) == rank:
             undo = _plant(plant, rank)
+        if "no_update" in job:
+            assert undo is None, "one patch a job"
+            undo = _no_update(job["no_update"].get("skip", []), job["no_update"].get("nan", []))
         try:
             _driver.cli_job(job)
         finally:

@@ -72,6 +72,51 @@ def test_release_is_exact_at_world_size_2(tmp):
     _check_exact(tmp, 2)
 
 
+def _records_text(run: Path) -> str:
+    """The run's step records (timings aside) as text: a skipped step logs NaN (no gradient norm), which equals
+    itself only as text."""
+    from ._runs import records
+
+    return json.dumps(records(run))
+
+
+def test_steps_without_an_update_rebuild_the_released_replica(tmp):
+    """Step 1 dropped by the guard (run.on_mismatch = "skip_step"), step 2 skipped on the device for a non-finite
+    loss, step 3 a normal update: the replica (and the KV cache) released during each step's training phase must be
+    back, with the sampling weights' bits, for the next generation, whether or not the step changed a weight. The
+    run with the release on equals the run with it off in every record and weight bit."""
+    no_update = {"skip": [0], "nan": [1]}
+    sets = ("run.on_mismatch=skip_step",)
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, "on", 3, *sets), "no_update": no_update},
+        {
+            "kind": "cli",
+            "argv": _argv(tmp, "off", 3, *sets, "engine.release_memory=false"),
+            "no_update": no_update,
+        },
+    ]
+    code, out, secs = _launch(tmp, 2, jobs, "no-update")
+    print(f"steps without an update: {secs:.1f} s")
+    assert code == 0, out[-6000:]
+    rows = [json.loads(line) for line in (tmp / "on" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "optimizer_steps" in r]
+    assert [r["optimizer_steps"] for r in steps] == [0.0, 0.0, 1.0]
+    assert steps[0]["mismatch/step_skipped"] == 1.0 and steps[1]["nan_skipped"] == 1.0
+    # The logprob step 1's plant moved on each rank is the only difference the guard saw: the later steps sampled
+    # from the right bits.
+    assert [r["mismatch/num_mismatched_tokens"] for r in steps] == [2.0, 0.0, 0.0]
+    assert _released_gb(tmp / "on", "replica") == [_replica_gb()] * 3
+    assert _records_text(tmp / "on") == _records_text(tmp / "off")
+    assert _same_weights(tmp / "on", tmp / "off")
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    from ._runs import weights
+
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 @pytest.mark.slow
 def test_release_is_exact_at_world_size_4(tmp):
     _check_exact(tmp, 4)

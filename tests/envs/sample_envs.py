@@ -38,6 +38,20 @@ class Flaky(Environment):
         return StepResult(observation="x")
 
 
+class SlowStep(Environment):
+    """The episodes of a prompt whose answer is "slow" hang at their first step (stopped at the timeout); the others
+    run like Counter."""
+
+    def reset(self, example):
+        self.q, self.turns = example.answer, 0
+
+    def step(self, turn):
+        if self.q == "slow":
+            time.sleep(60)
+        self.turns += 1
+        return StepResult(observation=[65], reward=1.0)
+
+
 class Garbage(Environment):
     def step(self, turn):
         return {"observation": "not a StepResult"}

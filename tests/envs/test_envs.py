@@ -283,6 +283,27 @@ def test_environment_errors_say_where_and_a_failing_environment_is_loud():
     assert env_report(b, EpisodeSettings()) == [] and b.metrics["env/error_share"] == 0.0
 
 
+def test_timed_out_environment_calls_count_toward_the_error_share():
+    """An environment step that runs past env.timeout_s fails as surely as one that raises: it counts in
+    env/error_share, and past env.max_error_share the step's report warns."""
+    from sample_envs import SlowStep
+
+    examples = [Example("Q0:", "slow"), Example("Q1:", "1"), Example("Q2:", "2")]
+    _, b = _run(SlowStep, n=2, timeout_s=0.3, examples=examples, isolation="process", workers=6)
+    assert all(e.finish_reason == "env_timeout" and e.reward == 0.0 for e in b.groups[0])
+    assert all(e.finish_reason == "max_turns" for g in b.groups[1:] for e in g)
+    m = b.metrics
+    # A call is reset with the first step, then one per step: prompt 0's 2 episodes made 1 call each (timed out),
+    # the other 4 episodes 3 each.
+    assert m["env/timeouts"] == 2 and m["env/errors"] == 0 and m["env/calls"] == 2 + 4 * 3
+    assert m["env/error_share"] == 2 / 14
+    lines = env_report(b, EpisodeSettings())  # env.max_error_share's default, 0.1
+    assert lines[0].startswith("environment timeouts: 2 of 14 calls; first: ")
+    assert len(lines) == 2 and "WARNING: the environment failed on 14% of its calls" in lines[1]
+    assert "env.max_error_share = 0.1" in lines[1]
+    assert len(env_report(b, EpisodeSettings(max_error_share=0.15))) == 1  # below the share: no warning
+
+
 def test_where_calls_run_and_what_cannot_go_to_a_worker(tmp_path):
     from exactrl.envs.rollout import isolation_of
 

@@ -49,6 +49,19 @@ def _parse(text):
 def lib_fails(completion, answer, example):
     import json
     return json.loads(completion)  # line 27: raises deep inside the json package
+
+
+def sleeps(completion, answer, example):
+    import time
+    if completion == "slow":
+        time.sleep(60)  # far past any timeout the tests set: the call is stopped, never finished
+    return 1.0
+
+
+def hangs(completion, answer, example):
+    import time
+    time.sleep(60)
+    return 1.0
 """
 
 
@@ -151,6 +164,36 @@ def test_a_function_failing_past_the_share_is_loud(user_dir: Path, caplog: pytes
         len(loud) == 1 and "'rw.py:huge' failed on 3 of 4" in loud[0] and "max_error_share = 0.5" in loud[0]
     )
     assert "1e+300" in loud[0]
+
+
+def test_timeouts_are_failures_for_the_share_and_the_exit_rule(
+    user_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A function that hangs fails as surely as one that raises: its timeouts count toward reward.max_error_share
+    (the loud warning) and toward the rule that a run whose correctness function never succeeded exits 3."""
+    names = ["rw.py:sleeps", "rw.py:always_one"]
+    with RewardComputer(names, base_dir=user_dir, timeout_s=0.2, max_error_share=0.5) as rc:
+        with caplog.at_level(logging.INFO, logger="exactrl.tasks.rewards"):
+            res = rc(["slow", "ok", "ok", "ok"], ["1"] * 4, [EX] * 4)  # 1 of 4 times out: counted, not loud
+            assert res.num_timeouts["rw.py:sleeps"] == 1 and res.num_errors["rw.py:sleeps"] == 0
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert any("'rw.py:sleeps' failed on 1 of 4" in r.message for r in caplog.records)
+            caplog.clear()
+            rc(["slow", "slow", "slow", "ok"], ["1"] * 4, [EX] * 4)  # 3 of 4: loud
+        loud = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(loud) == 1 and "'rw.py:sleeps' failed on 3 of 4 calls (0 errors, 3 timeouts" in loud[0]
+        assert "max_error_share = 0.5" in loud[0]
+        assert rc.run_failure() is None  # it succeeded on some calls: often hung, not broken
+    with RewardComputer(names, base_dir=user_dir, timeout_s=0.2) as rc:
+        rc(["slow", "slow"], ["1", "1"], [EX, EX])
+        assert not rc.all_calls_failed()  # always_one worked
+        failure = rc.run_failure()
+    assert failure is not None and "correctness function 'rw.py:sleeps'" in failure
+    assert "every failure a timeout, reward.timeout_s = 0.2" in failure
+    # Every call of every function timed out: trained on zeros.
+    with RewardComputer(["rw.py:sleeps"], base_dir=user_dir, timeout_s=0.2) as rc:
+        rc(["slow"], ["1"], [EX])
+        assert rc.all_calls_failed() and "every reward call failed" in (rc.run_failure() or "")
 
 
 def test_correctness_function_that_never_succeeds_fails_the_run(user_dir: Path) -> None:
@@ -274,7 +317,7 @@ steps = 0
 
 
 def _train(
-    user_dir: Path, functions: list[str], capsys: pytest.CaptureFixture
+    user_dir: Path, functions: list[str], capsys: pytest.CaptureFixture, *sets: str
 ) -> tuple[int, str, dict, list]:
     from exactrl.cli import main
 
@@ -286,7 +329,8 @@ def _train(
     cwd = os.getcwd()
     os.chdir(user_dir)  # relative paths in a config (the reward file) resolve from the working directory
     try:
-        code = main(["train", str(config), "--set", f"run.output_dir={out_dir}"])
+        sets = (f"run.output_dir={out_dir}", *sets)
+        code = main(["train", str(config), *[x for s in sets for x in ("--set", s)]])
     finally:
         os.chdir(cwd)
         torch.set_num_threads(torch_threads)
@@ -392,3 +436,23 @@ def test_eval_command_accuracy_is_the_correctness_functions(
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["eval/reward"] == 1.0 + rec["eval/reward/numeric_match"]
     assert rec["eval/accuracy"] == rec["eval/reward/numeric_match"] < 1.0
+
+
+def test_run_whose_correctness_function_always_times_out_exits_non_zero(
+    user_dir: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The exit rule above, for a function that hangs instead of raising: every call stopped at reward.timeout_s."""
+    sets = ("reward.timeout_s=0.2", "task.num_eval=2")
+    with caplog.at_level(logging.INFO, logger="exactrl.tasks.rewards"):
+        code, printed, summary, rows = _train(user_dir, ["rw.py:hangs", "rw.py:always_one"], capsys, *sets)
+    assert code == 3, printed
+    assert summary["accuracy_function_failed"] and not summary["all_reward_calls_failed"]
+    assert "correctness function 'rw.py:hangs'" in summary["reward_failure"]
+    assert "every failure a timeout, reward.timeout_s = 0.2" in summary["reward_failure"]
+    assert "!! every call of the correctness function 'rw.py:hangs' failed" in printed
+    loud = [r.message for r in caplog.records if r.levelno == logging.WARNING and "8 of 8" in r.message]
+    assert len(loud) == 1  # the training step's (the evaluations score 2 prompts)
+    assert "(0 errors, 8 timeouts > 0.2 s), more than reward.max_error_share = 0.5" in loud[0]
+    step = next(r for r in rows if "reward/mean" in r)
+    assert step["reward/rw.py:hangs/timeouts"] == 8.0 and step["reward/rw.py:hangs/errors"] == 0.0
+    assert step["reward/errors"] == 8.0  # the step's failures, timeouts included

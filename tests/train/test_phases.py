@@ -26,7 +26,7 @@ from exactrl.model import build_model, preset
 from exactrl.train.memory import GiB, kv_cache_bytes, make_plan, model_config, plan_memory
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_plan import plugin, rl_cfg, run_cfg, same_run  # noqa: E402,F401  (the plugin fixture too)
+from test_plan import plugin, rl_cfg, run_cfg, run_records, run_weights, same_run  # noqa: E402,F401  (the plugin fixture too)
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = int(79.6 * GiB)  # what torch reports for an "80 GB" H100
@@ -129,6 +129,49 @@ def test_rl_run_with_the_release_is_bitwise_the_same(tmp_path, monkeypatch):
     cfg = rl_cfg(tmp_path / "bad", "run.on_mismatch=warn")
     train(cfg, out=quiet)
     assert not same_run(tmp_path / "kept", tmp_path / "bad")
+
+
+@pytest.mark.usefixtures("plugin")
+def test_steps_without_an_update_get_their_cache_back(tmp_path, monkeypatch):
+    """Step 1 dropped by the guard (run.on_mismatch = "skip_step": one rollout logprob moved by one ulp), step 2
+    skipped for a non-finite loss (a NaN advantage), step 3 an update: after each, the next generation has its KV
+    cache back and samples the same bits as the run that never released it. (Under torchrun the replica too:
+    tests/distributed/test_phases_multirank.py.)"""
+    import json
+
+    from exactrl.train import loop
+    from exactrl.train.loop import train
+
+    torch.set_num_threads(1)
+    real_update = loop.RLRun.update
+    held: list[int] = []
+
+    def update(self, step, rollouts, *a, **k):
+        held.append(self.engine.runner.kv_cache_bytes)
+        if step == 0:
+            lp = rollouts[0].rollout_logprobs.clone()
+            lp[0] = torch.nextafter(lp[0], torch.tensor(-math.inf))
+            rollouts[0].rollout_logprobs = lp
+        if step == 1:
+            rollouts[0].advantage = math.nan
+        return real_update(self, step, rollouts, *a, **k)
+
+    monkeypatch.setattr(loop.RLRun, "update", update)
+    quiet = lambda *a, **k: None  # noqa: E731
+    sets = ("train.steps=3", "run.on_mismatch=skip_step")
+    train(rl_cfg(tmp_path / "kept", *sets, "engine.release_memory=false"), out=quiet)
+    assert min(held) > 0
+    held.clear()
+    train(rl_cfg(tmp_path / "released", *sets), out=quiet)
+    assert held == [0, 0, 0]
+    rows = [r for r in run_records(tmp_path / "released") if "optimizer_steps" in r]
+    assert [r["optimizer_steps"] for r in rows] == [0.0, 0.0, 1.0]
+    assert rows[0]["mismatch/step_skipped"] == 1.0 and rows[1]["nan_skipped"] == 1.0
+    assert [r["mismatch/num_mismatched_tokens"] for r in rows] == [1.0, 0.0, 0.0]
+    # A skipped step logs NaN (no gradient norm), which equals itself only as text.
+    assert json.dumps(run_records(tmp_path / "kept")) == json.dumps(run_records(tmp_path / "released"))
+    wa, wb = run_weights(tmp_path / "kept"), run_weights(tmp_path / "released")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.mark.usefixtures("plugin")
