@@ -462,6 +462,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--on-mismatch", default="abort", choices=["abort", "skip_step", "warn"], help="run.on_mismatch"
     )
     rl.add_argument(
+        "--generator-ranks",
+        type=int,
+        default=0,
+        help="with --nproc N: distributed.generator_ranks, the ranks that only generate (the others only train); "
+        "0 = every rank colocated",
+    )
+    rl.add_argument(
         "--max-off-policy-steps",
         type=int,
         default=0,
@@ -519,7 +526,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--baseline",
         metavar="JSON",
-        help="the result JSON of the same benchmark at another world size: adds the scaling efficiency",
+        help="the result JSON of the same benchmark at another world size: adds the scaling efficiency (rl: "
+        "another layout or world size; adds speedup_vs_baseline, the ratio of the median step times)",
     )
     add_nproc_arg(p)
     p.add_argument(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,11 +40,8 @@ def check_disaggregated_supported(cfg: RunConfig) -> None:
     why = f"with distributed.generator_ranks = {g}"
     a = cfg.algorithm
     refusals = [
-        (
-            a.max_off_policy_steps > 0,
-            "algorithm.max_off_policy_steps",
-            "must be 0 (one-step-off is not done yet)",
-        ),
+        # max_off_policy_steps = 1 runs as under colocated torchrun (the replica is the behaviour copy and the guard's
+        # weights); the generator samples the next batch while the trainers train. Its other limits are its own.
         (a.partial_rollouts, "algorithm.partial_rollouts", "is not supported yet"),
         (
             a.overlap != "none",
@@ -136,9 +134,6 @@ class RemoteEngine:
 def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
     """A generator rank's whole job: load the model, then answer the trainers until they stop. Returns an empty
     summary (rank 0, a trainer, writes the run's)."""
-    from exactrl.model.loading import load_policy
-    from exactrl.ops import set_exact_environment
-
     # The trainers stop the run (and checkpoint) on a signal; a generator waits for their "stop" instead of dying
     # under them (torchrun's agent passes every signal on to every rank).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -146,6 +141,19 @@ def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
+    GeneratorLoop(generator_engine(cfg, layout), layout).serve()
+    return {}
+
+
+def generator_engine(
+    cfg: RunConfig, layout: Layout, make: Callable[..., RolloutEngine] = RolloutEngine
+) -> RolloutEngine:
+    """The generator's engine: the run's model shape and dtype on this rank's device, in the exact environment the
+    trainers set (its weights come from trainer 0 before the first generation). make: the engine class (or a
+    factory with its signature; `exactrl bench rl` plans completion lengths)."""
+    from exactrl.model.loading import load_policy
+    from exactrl.ops import set_exact_environment
+
     device = rank_device(layout.world, resolve_device(cfg.run.device))
     set_exact_environment(cfg.run.exact)
     torch.manual_seed(cfg.run.seed)
@@ -163,19 +171,30 @@ def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         tokenizer_path=cfg.model.tokenizer,
     )
     model.requires_grad_(False)
-    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
-    GeneratorLoop(engine, layout).serve()
-    return {}
+    return make(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+
+
+@dataclass
+class Round:
+    """What a generator did in one round, by wall clock (time.time(): comparable with the trainers' on one host)."""
+
+    kind: str  # "generate" or "sync"
+    start: float  # the work's start (after the commands arrived)
+    end: float
+    tokens: int = 0  # completion tokens generated
+    bytes: int = 0  # weight bytes received
 
 
 class GeneratorLoop:
-    """One generator's rounds: a command from each of its trainers, then the work they ask for."""
+    """One generator's rounds: a command from each of its trainers, then the work they ask for. `rounds` keeps
+    what each round did (`exactrl bench rl` reads it)."""
 
     def __init__(self, engine: RolloutEngine, layout: Layout) -> None:
         self.engine = engine
         self.layout = layout
         self.trainers = layout.trainers_of(layout.world.rank)
         self.params = dict(engine.model.named_parameters())
+        self.rounds: list[Round] = []
 
     def serve(self) -> None:
         while True:
@@ -183,6 +202,7 @@ class GeneratorLoop:
             kinds = {c.kind for c in cmds}
             if "stop" in kinds:
                 return
+            t0 = time.time()
             if kinds == {"sync"}:
                 names = cmds[0].names
                 missing = [n for n in names if n not in self.params]
@@ -190,17 +210,22 @@ class GeneratorLoop:
                     raise RuntimeError(
                         f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
                     )
-                recv_weights([self.params[n] for n in names], self.layout.sync_group)
+                moved = recv_weights([self.params[n] for n in names], self.layout.sync_group)
+                self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if "sync" in kinds:
                 raise RuntimeError(
                     f"generator rank {self.layout.world.rank}: a weight sync out of step ({kinds})"
                 )
-            self.generate([(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"])
+            asks = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"]
+            if asks:
+                tokens = self.generate(asks)
+                self.rounds.append(Round("generate", t0, time.time(), tokens=tokens))
 
-    def generate(self, asks: list[tuple[int, Command]]) -> None:
+    def generate(self, asks: list[tuple[int, Command]]) -> int:
         """One `generate` over every trainer's prompts that share sampling parameters (batch-invariant: the same
-        bits as one call each), each trainer's outputs sent back to it."""
+        bits as one call each), each trainer's outputs sent back to it. Returns the completion tokens."""
+        tokens = 0
         while asks:
             params = asks[0][1].params
             same = [(r, c) for r, c in asks if c.params == params]
@@ -208,7 +233,9 @@ class GeneratorLoop:
             prompts = [p for _, c in same for p in c.prompts]
             ids = [i for _, c in same for i in (c.request_ids or [])]
             outs = self.engine.generate(prompts, params, request_ids=ids)
+            tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
             start = 0
             for r, c in same:
                 send_object(outs[start : start + len(c.prompts)], r)
                 start += len(c.prompts)
+        return tokens

@@ -1443,6 +1443,8 @@ class RLRun:
         refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
         if isinstance(self.behaviour, ReplicaBehaviour):  # torchrun: that refresh was the weight sync
             m.update(self.behaviour.last_sync)
+            if self.remote is not None:  # disaggregated: the generators take the refreshed replica's bytes
+                m.update(self.remote.push(self.parallel.replica_weights()))
         else:
             m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
         m.update(self.phases.metrics(self.engine))  # decode graph captures (the cache is never released here)

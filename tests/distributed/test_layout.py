@@ -37,7 +37,7 @@ def test_layouts_that_cannot_work_are_refused(world: DistContext, g: int, words:
 @pytest.mark.parametrize(
     ("key", "words"),
     [
-        ("algorithm.max_off_policy_steps=1", "algorithm.max_off_policy_steps"),
+        ('algorithm.overlap="tail"', "algorithm.overlap"),
         ("lora.rank=4", "lora.rank"),
         ('env.name="calculator"', "env.name"),
     ],
