@@ -766,8 +766,6 @@ def main(args) -> int:
         refused = (
             ("--vs", getattr(args, "vs", None)),
             ("--fsdp", getattr(args, "fsdp", False)),
-            ("--baseline", getattr(args, "baseline", None)),
-            ("--nproc N > 1", int(os.environ.get("WORLD_SIZE", "1")) > 1),
         )
         for flag, given in refused:
             if given:

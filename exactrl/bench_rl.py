@@ -193,6 +193,10 @@ class _StageTimers:
                     "exactrl/bench_rl.py"
                 )
             setattr(owner, name, self._wrap(key, fn))
+        remote = getattr(run, "remote", None)
+        self.disaggregated = remote is not None
+        if self.disaggregated:  # the trainers' send of the new weights to the generators
+            remote.push = self._wrap("weight_send_s", remote.push)
 
     def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -237,6 +241,10 @@ class _StageTimers:
 
     def check_step(self) -> None:
         """Every stage ran once: otherwise the breakdown would silently miss time (the loop changed)."""
+        if self.disaggregated and self.calls.get("weight_send_s") != 1:
+            raise RuntimeError(
+                f"bench rl: the weight send ran {self.calls.get('weight_send_s', 0)} times in one step (expected once)"
+            )
         for key, name in STAGES:
             if self.tail and name != "sync_weights":
                 continue
@@ -290,6 +298,7 @@ def _config(args: Any, out_dir: str, steps: int):
             "partial_rollouts": bool(getattr(args, "partial_rollouts", False)),
             "partial_oversample": getattr(args, "partial_oversample", 0.25),
         },
+        "distributed": {"generator_ranks": getattr(args, "generator_ranks", 0)},
         "train": {
             "steps": steps,
             "max_tokens_per_microbatch": max(args.tokens_per_microbatch, seq_len),
@@ -307,8 +316,12 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
     short (a timeout) still leaves its finished steps."""
+    from exactrl.distributed.env import init_from_env, under_torchrun
+    from exactrl.distributed.layout import split_layout
     from exactrl.engine.engine import EngineConfig
+    from exactrl.model.loading import resolve_device
     from exactrl.tasks import Example
+    from exactrl.train.disagg import check_disaggregated_supported
     from exactrl.train.loop import RLRun
 
     if args.steps < 1 or args.warmup < 0:
@@ -319,37 +332,33 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         # keeps the last timed step in that steady state (its batch, sampled ahead, is never trained on).
         cfg = _config(args, tmp, total + (1 if getattr(args, "max_off_policy_steps", 0) else 0))
         quiet = lambda *a, **k: print(*a, file=sys.stderr)  # noqa: E731
-        run = RLRun(cfg, out=quiet)
+        layout = None
+        if under_torchrun():  # --nproc N: colocated ranks, or generator ranks apart (--generator-ranks)
+            check_disaggregated_supported(cfg)
+            world = init_from_env(resolve_device(cfg.run.device))
+            layout = split_layout(world, cfg.distributed.generator_ranks)
+            if layout.role == "generator":
+                return _serve_as_generator(args, cfg, layout)
+        elif cfg.distributed.generator_ranks:
+            raise ValueError("bench rl: --generator-ranks needs --nproc N (torchrun ranks)")
+        run = RLRun(cfg, out=quiet, layout=layout)
+        remote = run.remote is not None
         try:
             device = run.device
-            vocab = min(run.tok.vocab_size, run.model.config.vocab_size)
-            wl = Workload.draw(
-                prompts=args.prompts,
-                samples=args.samples,
-                prompt_min=args.prompt_min,
-                prompt_max=args.prompt_max,
-                completion_median=args.completion_median,
-                completion_sigma=args.completion_sigma,
-                max_tokens=args.max_tokens,
-                vocab=vocab,
-                seed=args.seed,
-            )
+            wl = _workload(args, run.tok, run.model)
             overlapped = cfg.algorithm.max_off_policy_steps > 0
-            if not overlapped:
-                run.engine = PlannedLengthEngine(
-                    run.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
-                )
             run.build_trainer()
-            if overlapped:  # the engine samples from its own weight copy, taken in build_trainer
+            if not remote:  # this rank's engine (the policy on one device, the replica under torchrun)
+                sampler = run.behaviour.model if overlapped else run.engine.model
                 run.engine = PlannedLengthEngine(
-                    run.behaviour.model, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
+                    sampler, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
                 )
-            elif run.engine.model is not run.model:
-                raise ValueError("bench rl runs on one device (the engine samples from the trainer's model)")
+            full_sync = _full_weight_sync(run)
             examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
-            index = list(range(len(wl.prompt_ids)))
-            # The step's prompts stage: the workload's prompts, the same in every step.
-            run.prompts = lambda: (examples, wl.prompt_ids, index)
+            # The step's prompts stage: the workload's prompts, the same in every step; under torchrun this
+            # trainer's share, as RLRun.prompts shares a step's prompts (request ids: their index in the step).
+            mine = list(run.dist.shard(len(wl.prompt_ids)))
+            run.prompts = lambda: ([examples[i] for i in mine], [wl.prompt_ids[i] for i in mine], mine)
             if run.partial is not None:
                 run.prompts = _cycling_prompts(examples, wl.prompt_ids)
             timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
@@ -365,13 +374,115 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
                     f"{records[-1]['step_s']:.2f} s",
                     file=sys.stderr,
                 )
-                if on_step is not None and k >= args.warmup:
+                if on_step is not None and k >= args.warmup and run.dist.is_main and not remote:
                     partial = _record(args, device, wl, run, records[args.warmup :], records[: args.warmup])
                     on_step({**partial, "partial": k + 1 < total})
         finally:
             run.close()
     timed = records[args.warmup :]
-    return _record(args, device, wl, run, timed, records[: args.warmup])
+    rec = _record(args, device, wl, run, timed, records[: args.warmup])
+    rec.update(full_sync)
+    if layout is not None:
+        rec.update(_roles(layout, run, timed))
+    return rec
+
+
+def _workload(args: Any, tok: Any, model: Any) -> Workload:
+    return Workload.draw(
+        prompts=args.prompts,
+        samples=args.samples,
+        prompt_min=args.prompt_min,
+        prompt_max=args.prompt_max,
+        completion_median=args.completion_median,
+        completion_sigma=args.completion_sigma,
+        max_tokens=args.max_tokens,
+        vocab=min(tok.vocab_size, model.config.vocab_size),
+        seed=args.seed,
+    )
+
+
+def _full_weight_sync(run: Any) -> dict[str, Any]:
+    """Every weight once, timed, before the first step: disaggregated, trainer 0's broadcast to the generators
+    (after the trainers' all-gather into its replica; the generators then hold the trainers' weights); colocated
+    under torchrun, the all-gather into each rank's replica. The figure for a whole model's move."""
+    if not run.parallel.sharded:
+        return {}
+    sync = run.parallel.sync_weights(full=True)
+    rec = {
+        "weight_sync_full_bytes": sync["weight_sync/bytes"],
+        "weight_sync_full_s": sync["time/weight_sync_s"],
+    }
+    if run.remote is not None:
+        send = run.remote.push(run.parallel.replica_weights(full=True))
+        rec["weight_send_full_s"] = send["time/weight_send_s"]
+        rec["weight_send_full_gb_per_s"] = send.get("perf/weight_send_gb_per_s", 0.0)
+    else:
+        rec["weight_sync_full_gb_per_s"] = (
+            rec["weight_sync_full_bytes"] / max(rec["weight_sync_full_s"], 1e-9) / 1e9
+        )
+    return rec
+
+
+def _serve_as_generator(args: Any, cfg: Any, layout: Any) -> dict[str, Any]:
+    """A generator rank of `bench rl --generator-ranks G`: the run's generator loop on an engine with the
+    workload's length plan; then its rounds go to rank 0 (`_roles`, a collective of every rank)."""
+    from exactrl.train.disagg import GeneratorLoop, generator_engine
+
+    def make(model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
+        return PlannedLengthEngine(
+            model, config, tokenizer=tokenizer, workload=_workload(args, tokenizer, model)
+        )
+
+    loop = GeneratorLoop(generator_engine(cfg, layout, make), layout)
+    loop.serve()
+    layout.world.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
+    return {}
+
+
+def _overlap_s(windows: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in windows)
+
+
+def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Under torchrun: the layout, and per role what its ranks did during the timed steps (a collective of every
+    rank of the job). Trainers: each stage's seconds (rank 0's, the record's median step) and the rest idle;
+    generators: from their rounds' wall-clock windows, the seconds generating and receiving weights in each timed
+    step, the rest idle. Tokens per second per GPU divide the step's completion tokens by every rank of the job."""
+    mine = {"rank": layout.world.rank, "rounds": None}
+    parts = layout.world.all_gather_object(mine)
+    world = layout.world.world_size
+    steps = [(r["wall_start"], r["wall_end"]) for r in timed]
+    out: dict[str, Any] = {
+        "world_size": world,
+        "generator_ranks": layout.generators,
+        "trainer_ranks": layout.trainers,
+    }
+    med = min(timed, key=lambda r: abs(r["step_s"] - statistics.median(x["step_s"] for x in timed)))
+    out["tokens_per_s_per_gpu"] = med["generated_tokens"] / med["step_s"] / world
+    out["trainer_idle_s"] = med["idle_s"]
+    gens = [p for p in parts if p["rounds"] is not None]
+    if gens:
+        per_gen = []
+        for p in gens:
+            rounds = p["rounds"]
+            gen_w = [(x["start"], x["end"]) for x in rounds if x["kind"] == "generate"]
+            sync_w = [(x["start"], x["end"]) for x in rounds if x["kind"] == "sync"]
+            gen_s = [_overlap_s(gen_w, s, e) for s, e in steps]
+            sync_s = [_overlap_s(sync_w, s, e) for s, e in steps]
+            idle_s = [(e - s) - g - w for (s, e), g, w in zip(steps, gen_s, sync_s)]
+            per_gen.append(
+                {
+                    "rank": p["rank"],
+                    "generate_s": statistics.median(gen_s),
+                    "weight_recv_s": statistics.median(sync_s),
+                    "idle_s": statistics.median(idle_s),
+                }
+            )
+        out["generators"] = per_gen
+        out["generator_generate_s"] = max(g["generate_s"] for g in per_gen)
+        out["generator_weight_recv_s"] = max(g["weight_recv_s"] for g in per_gen)
+        out["generator_idle_s"] = min(g["idle_s"] for g in per_gen)
+    return out
 
 
 def _cycling_prompts(examples: list[Any], prompt_ids: list[list[int]]) -> Callable[..., Any]:
@@ -396,7 +507,8 @@ def _asdict(x: Any) -> dict[str, Any]:
 
 
 def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[str, Any]:
-    eng = run.engine
+    # Disaggregated, the engine runs on the generator ranks (its figures: `_roles`); here a stand-in without any.
+    eng = run.engine if getattr(run, "remote", None) is None else _NoEngine()
     eng.trace = []
     eng.reset_stats()
     graph_capture_before = _train_capture_s(run)
@@ -406,7 +518,7 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
         torch.cuda.reset_peak_memory_stats()
     timers.start_step()
     _sync(device)
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     m = run.rl_step()
     _sync(device)
     step_s = time.perf_counter() - t0
@@ -417,6 +529,9 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
         timers.seconds["reward_s"] = float(m["perf/score_s"])
         timers.seconds["train_s"] = float(m["perf/train_s"])
     rec: dict[str, Any] = {"step_s": step_s, **{k: timers.seconds[k] for k, _ in STAGES}}
+    rec["wall_start"], rec["wall_end"] = wall0, wall0 + step_s  # wall clock: the generators' rounds line up
+    if "weight_send_s" in timers.seconds:  # disaggregated: trainer 0's broadcast to the generators
+        rec["weight_send_s"] = timers.seconds["weight_send_s"]
     if timers.tail:
         rec["train_after_generate_s"] = float(m["perf/train_after_generate_s"])
         rec["overlap_wait_s"] = float(m["perf/wait_s"])
@@ -433,15 +548,17 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
             if f"offpolicy/{key}" in m:
                 rec[f"offpolicy_{key.replace('/', '_')}"] = float(m[f"offpolicy/{key}"])
         rec["idle_s"] = step_s - rec["train_s"] - rec["weight_sync_s"] - rec["offpolicy_wait_s"]
+        rec["idle_s"] -= rec.get("weight_send_s", 0.0)
     else:
-        rec["idle_s"] = step_s - sum(timers.seconds[k] for k, _ in STAGES)
+        rec["idle_s"] = step_s - sum(timers.seconds.values())
     rec["generated_tokens"] = int(sum(sr.lengths))
-    rec["prompt_tokens"] = int(sum(len(r.prompt_ids) for r in sr.rollouts))
+    # every rank's prompts (this rank's rollouts are its share)
+    rec["prompt_tokens"] = int(run.dist.sum(sum(len(r.prompt_ids) for r in sr.rollouts)))
     rec["truncated"] = int(sum(sr.truncated))
     rec["lengths"] = [int(x) for x in sr.lengths]
     rec["engine_steps"] = int(eng.stats["steps"])
     rec["preemptions"] = int(eng.stats["preemptions"])
-    rec["kv_cache_tokens"] = eng.runner.num_blocks * eng.config.block_size
+    rec["kv_cache_tokens"] = eng.runner.num_blocks * eng.config.block_size if eng.runner is not None else 0
     rec["cuda_graph_steps"] = int(eng.stats["cuda_graph_steps"])
     rec["engine_graph_capture_s"] = (
         eng.runner.capture_seconds if eng.runner is not None else 0.0
@@ -460,6 +577,17 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     rec["trace"] = [[round(t - g0, 6), r, w] for _, t, r, w in eng.trace]
     eng.trace = None
     return rec
+
+
+class _NoEngine:
+    """The engine figures of a trainer rank that has no engine (disaggregated): none."""
+
+    runner = None
+    config = None
+    stats = {"steps": 0, "preemptions": 0, "cuda_graph_steps": 0}
+
+    def reset_stats(self) -> None:
+        pass
 
 
 def _train_capture_s(run: Any) -> float:
@@ -505,6 +633,7 @@ def _record(
     rec["partial_rollouts"] = run.cfg.algorithm.partial_rollouts
     partial = [f"offpolicy_{key.replace('/', '_')}" for key in PARTIAL_KEYS]
     for k in (
+        "weight_send_s",
         "overlapped",
         "offpolicy_wait_s",
         "offpolicy_guard_s",
@@ -632,7 +761,17 @@ def _table(rec: dict[str, Any]) -> str:
         ("  reward_s", rec["reward_s"]),
         ("  train_s", rec["train_s"]),
         ("  weight_sync_s", rec["weight_sync_s"]),
+        ("  weight_send_s (to generators)", rec.get("weight_send_s")),
         ("  idle_s", rec["idle_s"]),
+        ("world_size", rec.get("world_size")),
+        ("generator_ranks", rec.get("generator_ranks")),
+        ("generators: generate_s", rec.get("generator_generate_s")),
+        ("generators: weight_recv_s", rec.get("generator_weight_recv_s")),
+        ("generators: idle_s", rec.get("generator_idle_s")),
+        ("tokens_per_s_per_gpu", rec.get("tokens_per_s_per_gpu")),
+        ("full weight send GB/s", rec.get("weight_send_full_gb_per_s")),
+        ("full weight sync GB/s", rec.get("weight_sync_full_gb_per_s")),
+        ("speedup_vs_baseline", rec.get("speedup_vs_baseline")),
         ("  offpolicy_wait_s", rec.get("offpolicy_wait_s")),
         ("  offpolicy_guard_s", rec.get("offpolicy_guard_s")),
         ("offpolicy_versions_behind", rec.get("offpolicy_versions_behind")),
@@ -681,9 +820,16 @@ def main(args: Any) -> int:
         out = Path(args.plot or Path(args.out_dir) / f"rl-{recs[0]['preset']}-concurrency.png")
         print(f"plot written to {plot_concurrency(recs, out)}", file=sys.stderr)
         return 0
+    import os
+
     from exactrl.model.loading import resolve_device
 
     name = args.preset if not args.model else Path(args.model).name
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # next to the one-process record, not over it
+        name += f"-nproc{world}" + (
+            f"-gen{args.generator_ranks}" if getattr(args, "generator_ranks", 0) else ""
+        )
     if getattr(args, "max_off_policy_steps", 0):
         name += f"-offpolicy{args.max_off_policy_steps}"  # next to the synchronous record, not over it
     if getattr(args, "overlap", "none") != "none":
@@ -691,14 +837,30 @@ def main(args: Any) -> int:
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
+    if baseline is not None and baseline.get("bench") != "rl":
+        raise ValueError(f"--baseline {args.baseline}: not a `bench rl` result")
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 (a trainer) writes the record
+    if main_rank:
+        path.parent.mkdir(parents=True, exist_ok=True)
     rec = run_bench(args, on_step=lambda r: path.write_text(json.dumps(r) + "\n"))
+    if not main_rank:
+        return 0
+    rec.setdefault("world_size", 1)
+    rec.setdefault("generator_ranks", 0)
+    if baseline is not None:
+        rec["baseline"] = str(args.baseline)
+        rec["baseline_world_size"] = baseline.get("world_size", 1)
+        rec["baseline_generator_ranks"] = baseline.get("generator_ranks", 0)
+        rec["baseline_max_off_policy_steps"] = baseline.get("max_off_policy_steps", 0)
+        rec["speedup_vs_baseline"] = baseline["step_s_median"] / rec["step_s_median"]
     rec["partial"] = False
-    try:
-        png = plot_concurrency([rec], Path(args.plot) if args.plot else path.with_suffix(".png"))
-        rec["plot"] = str(png)
-    except ImportError as err:  # the JSON holds the trace: `--plot-from` draws it where matplotlib is
-        print(f"no plot drawn ({err}); draw it later with --plot-from {path}", file=sys.stderr)
+    if rec["trace"]:
+        try:
+            png = plot_concurrency([rec], Path(args.plot) if args.plot else path.with_suffix(".png"))
+            rec["plot"] = str(png)
+        except ImportError as err:  # the JSON holds the trace: `--plot-from` draws it where matplotlib is
+            print(f"no plot drawn ({err}); draw it later with --plot-from {path}", file=sys.stderr)
     path.write_text(json.dumps(rec) + "\n")
     print(_table(rec))
     line = {k: v for k, v in rec.items() if k not in ("trace", "steps_detail", "generate_kernels")}

@@ -15,7 +15,6 @@ from pathlib import Path
 NOT_ON_RANKS: list[
     tuple[str, Callable[[argparse.Namespace], bool], str | Callable[[argparse.Namespace], str]]
 ] = [
-    ("bench", lambda a: a.what == "rl", "bench rl does not implement --nproc N > 1"),
     (
         "bench",
         lambda a: a.what == "train" and not a.fsdp,
@@ -542,6 +541,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--on-mismatch", default="abort", choices=["abort", "skip_step", "warn"], help="run.on_mismatch"
     )
     rl.add_argument(
+        "--generator-ranks",
+        type=int,
+        default=0,
+        help="with --nproc N: distributed.generator_ranks, the ranks that only generate (the others only train); "
+        "0 = every rank colocated",
+    )
+    rl.add_argument(
         "--max-off-policy-steps",
         type=int,
         default=0,
@@ -599,7 +605,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--baseline",
         metavar="JSON",
-        help="the result JSON of the same benchmark at another world size: adds the scaling efficiency",
+        help="the result JSON of the same benchmark at another world size: adds the scaling efficiency (rl: "
+        "another layout or world size; adds speedup_vs_baseline, the ratio of the median step times)",
     )
     add_nproc_arg(p)
     p.set_defaults(before_launch=_bench_before_launch)

@@ -918,6 +918,17 @@ class EnvConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """The layout of a torchrun run's ranks: every rank colocated (engine and trainer take turns), or generator ranks apart."""
+
+    generator_ranks: int = 0
+    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N."""
+
+    def validate(self) -> None:
+        _check_at_least(self.generator_ranks, 0, "distributed.generator_ranks")
+
+
+@dataclass
 class RunConfig:
     """The complete configuration of a run; one attribute per TOML section."""
 
@@ -943,6 +954,8 @@ class RunConfig:
     """Multi-turn episodes: the model talks to an environment (a tool, a game) for several turns; unset name = single-turn completions."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters on the decoder's projections instead of every weight (rank 0 = off)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The layout of a torchrun run's ranks: every rank colocated (engine and trainer take turns), or generator ranks apart."""
 
     def validate(self) -> None:
         """Run every section's checks, then the checks that span sections. Raises ConfigError."""

@@ -139,7 +139,7 @@ def save_sharded_checkpoint(
         tmp.mkdir()
     ctx.barrier()
     with torch.no_grad():
-        dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"))
+        dcp.save(_tree(model, optimizers, critic), checkpoint_id=str(tmp / "dcp"), process_group=ctx.group)
     if write_rank_extra is not None:
         write_rank_extra(tmp)
         ctx.barrier()  # every rank's files are in before rank 0 renames the folder into place
@@ -164,9 +164,11 @@ def load_sharded_checkpoint(
     model: nn.Module,
     optimizers: dict[str, MasterAdamW],
     critic: nn.Module | None = None,
+    process_group: Any = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into this run's (sharded) model and optimizers in place, at whatever world
-    size this run has; returns state.json."""
+    size this run has; returns state.json. process_group: the ranks that load (None: every rank of the job; the
+    trainers' group in a disaggregated run)."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise ValueError(
@@ -176,7 +178,7 @@ def load_sharded_checkpoint(
         )
     tree = _tree(model, optimizers, critic)
     with torch.no_grad():
-        dcp.load(tree, checkpoint_id=str(path / "dcp"))
+        dcp.load(tree, checkpoint_id=str(path / "dcp"), process_group=process_group)
         for opt in optimizers.values():
             if opt.has_master:  # one device, bf16 model: the fp32 masters were loaded; refresh the weights
                 torch._foreach_copy_(opt.params, opt.master)

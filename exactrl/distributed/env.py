@@ -26,6 +26,10 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None  # None: no process group (world size 1 without torchrun)
+    # The process group of these ranks: None is the default group (every rank of the job). The trainers of a
+    # disaggregated run (distributed.generator_ranks > 0) have one of their own: rank and world_size are then
+    # their places in it, and every collective below stays among them.
+    group: Any = None
 
     @staticmethod
     def single() -> DistContext:
@@ -52,7 +56,9 @@ class DistContext:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._device())
         dist.all_reduce(
-            t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            t,
+            op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+            group=self.group,
         )
         return t.tolist()
 
@@ -74,7 +80,7 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -93,7 +99,7 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def shard(self, n: int) -> range:
         """The indices [0, n) that this rank owns: a contiguous share, the first `n % world_size` ranks one

@@ -73,9 +73,13 @@ class Parallelism:
         self.replica_released = False
         self.mesh = None
         if self.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-            self.mesh = init_device_mesh("cuda" if ctx.backend == "nccl" else "cpu", (ctx.world_size,))
+            device_type = "cuda" if ctx.backend == "nccl" else "cpu"
+            if ctx.group is None:
+                self.mesh = init_device_mesh(device_type, (ctx.world_size,))
+            else:  # the trainers of a disaggregated run: FSDP2 over their own group, the generators left out
+                self.mesh = DeviceMesh.from_group(ctx.group, device_type)
 
     def engine_model(self, model: CausalLM) -> CausalLM:
         """The model the rollout engine samples from: the policy itself on one device; a full replica in the
@@ -132,12 +136,19 @@ class Parallelism:
         mine = dict(engine_model.named_parameters())
         self._pairs = []
         self._trained = []
+        self._names: dict[int, str] = {}
         for name, p in trainer_model.named_parameters():
             if name not in mine:
                 raise RuntimeError(f"engine replica has no parameter {name!r}")
             self._pairs.append((p, mine[name]))
+            self._names[id(mine[name])] = name
             if p.requires_grad:
                 self._trained.append((p, mine[name]))
+
+    def replica_weights(self, full: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The replica's tensors that `sync_weights(full)` refreshes, by name, in its order: what a
+        disaggregated run's trainer 0 sends on to the generators after that sync."""
+        return [(self._names[id(e)], e) for _, e in (self._pairs if full else self._trained)]
 
     def release_replica(self) -> int:
         """Free the engine replica's trained parameters' storage until the next `sync_weights` (the training

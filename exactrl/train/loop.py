@@ -28,6 +28,7 @@ from exactrl.distributed.checkpoint import (
     save_sharded_checkpoint,
 )
 from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device, under_torchrun
+from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -42,6 +43,7 @@ from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
+from exactrl.train.disagg import RemoteEngine, check_disaggregated_supported, serve_generator
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
 from exactrl.train.memory import check_before_loading, microbatch_tokens
@@ -270,7 +272,15 @@ def train(
     Nothing is written to cfg.run.output_dir before the model, data and rewards have loaded; a non-empty dir
     needs resume or overwrite (`rundir.check_run_dir`; `run_dir` is a plan the caller already checked).
     Relative paths (data, models, reward files, environment modules) are resolved from the working directory
-    (`exactrl.config.check_path_anchors`)."""
+    (`exactrl.config.check_path_anchors`).
+
+    Under torchrun with distributed.generator_ranks = G > 0 the last G ranks only generate (`serve_generator`)
+    and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
+    cfg.validate()
+    check_disaggregated_supported(cfg)
+    layout = split_layout(init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks)
+    if layout.role == "generator":
+        return serve_generator(cfg, layout)
     run = RLRun(
         cfg,
         resume=resume,
@@ -278,6 +288,7 @@ def train(
         overwrite=overwrite,
         allow_config_change=allow_config_change,
         run_dir=run_dir,
+        layout=layout,
     )
     try:
         return run.run()
@@ -337,11 +348,21 @@ class RLRun:
         overwrite: bool = False,
         allow_config_change: bool = False,
         run_dir: RunDirPlan | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.clock = RunClock()
         cfg.validate()
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
-        self.dist = init_from_env(resolve_device(cfg.run.device))
+        # A disaggregated run's trainer: its place among the trainers (the generators are not in its collectives).
+        if layout is None:
+            check_disaggregated_supported(cfg)
+            layout = split_layout(
+                init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks
+            )
+        if layout.role == "generator":
+            raise ValueError("RLRun runs on trainer ranks; a generator rank runs serve_generator")
+        self.layout = layout
+        self.dist = layout.local
         self.parallel = Parallelism(self.dist)
         # What `exactrl plan` and `train --nproc N` (before launching) refuse too: the checks that need the world
         # size or the model's shape.
@@ -424,8 +445,14 @@ class RLRun:
             cfg.task.max_prompt_tokens, cfg.engine.max_model_len, cfg.sampling.max_tokens, log=self.out
         )
         self.rewards = RewardComputer.from_config(cfg.reward, device=self.device)
-        # The [engine] section's fields are a subset of the engine's own config: passed through by name.
-        self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+        # The [engine] section's fields are a subset of the engine's own config: passed through by name. A
+        # disaggregated trainer's engine is its generator (`generate` there, the weight replica here).
+        self.remote: RemoteEngine | None = None
+        if layout.disaggregated:
+            self.remote = RemoteEngine(layout, EngineConfig(**asdict(cfg.engine)))
+            self.engine: Any = self.remote
+        else:
+            self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
@@ -548,11 +575,17 @@ class RLRun:
         return kept
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective)."""
-        if not self.dist.is_main:
-            return {}
-        self.phases.size(self.engine)
-        return evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
+        """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective).
+        Disaggregated: on trainer 0's generator, every trainer keeping its generator's rounds in step."""
+        if self.remote is not None:
+            self.remote.begin_round()
+        out: dict[str, float] = {}
+        if self.dist.is_main:
+            self.phases.size(self.engine)
+            out = evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
+        if self.remote is not None:
+            self.remote.end_round()
+        return out
 
     def warm_start(self) -> None:
         """SFT warm start and the held-out accuracy before RL (skipped on resume: the checkpoint holds the
@@ -585,6 +618,8 @@ class RLRun:
                 self.sft_warm_start(sft_dir)
                 if self.stopped_in_sft:
                     return
+            if self.remote is not None:  # the generators sample from the weights RL starts from
+                self.remote.push(list(model.named_parameters()))
             before = self.evaluate()
             self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
             self.logger.log({"step": 0, **before, "phase": "before_rl"})
@@ -725,7 +760,9 @@ class RLRun:
         if self.critic is not None:
             self.parallel.parallelize(self.critic)
         self.parallel.bind(model, engine_model)
-        if engine_model is not model:
+        if self.remote is not None:  # disaggregated: the replica is what the generators get, byte for byte
+            self.remote.model = engine_model
+        elif engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
         if self.critic is not None:
@@ -760,9 +797,15 @@ class RLRun:
         if self.parallel.sharded or is_sharded_checkpoint(self.resume_from):
             # A checkpoint of a torchrun run, at any world size (DCP reshards), or this run is one.
             state = load_sharded_checkpoint(
-                self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
+                self.resume_from,
+                model=self.model,
+                optimizers=self.optimizers,
+                critic=self.critic,
+                process_group=self.dist.group,
             )
             self.parallel.sync_weights(full=True)  # every weight: the replica was taken before the load
+            if self.remote is not None:
+                self.remote.push(self.parallel.replica_weights(full=True))
         else:
             state = load_checkpoint(
                 self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
@@ -1368,8 +1411,11 @@ class RLRun:
                 self.mismatch_abort(step, sr, err)
                 raise
             train_s = time.perf_counter() - t_train
-        # The engine replica takes the new weights (under torchrun; rebuilt whole when it was released).
+        # The engine replica takes the new weights (under torchrun; rebuilt whole when it was released), and
+        # disaggregated, the generators take the replica's.
         m.update(self.parallel.sync_weights())
+        if self.remote is not None:
+            m.update(self.remote.push(self.parallel.replica_weights()))
         m.update(self.phases.metrics(self.engine))
         if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
             from exactrl.model.lora import adapter_nbytes
@@ -1490,6 +1536,8 @@ class RLRun:
         refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
         if isinstance(self.behaviour, ReplicaBehaviour):  # torchrun: that refresh was the weight sync
             m.update(self.behaviour.last_sync)
+            if self.remote is not None:  # disaggregated: the generators take the refreshed replica's bytes
+                m.update(self.remote.push(self.parallel.replica_weights()))
         else:
             m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
         m.update(self.phases.metrics(self.engine))  # decode graph captures (the cache is never released here)
@@ -1621,6 +1669,9 @@ class RLRun:
         """Stop the reward workers (user reward functions run in processes of their own)."""
         if self.worker is not None:  # a generation still running under a failed update
             self.worker.close()
+        if self.remote is not None:  # the generator's loop ends (it would wait for the next round)
+            self.remote.stop()
+            self.remote = None
         if self.rewards is not None:
             self.rewards.close()
 

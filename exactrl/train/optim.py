@@ -354,7 +354,7 @@ class MasterAdamW:
         both = torch.stack((sq, flag))
         if self.dist.backend == "gloo" and both.is_cuda:  # pragma: no cover - gloo reduces host tensors
             both = both.cpu()
-        dist.all_reduce(both)
+        dist.all_reduce(both, group=self.dist.group)
         both = both.to(dev)
         norm = both[0].sqrt()
         ok = torch.isfinite(norm) & (both[1] == 0)

@@ -7,6 +7,8 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
   {"kind": "cli", "argv": [...]}                   `exactrl <argv>` through exactrl.cli.main (the real entry point)
   {"kind": "cli", "argv": [...], "fail_rank": R}   the same, but rank R raises in its first training update (the
                                                    other ranks are inside a collective by then): a rank failing
+  {"kind": "cli", "argv": [...], "skip_push": true} the same, but a disaggregated run's trainers send the
+                                                   generators their first weights only (a negative control)
   {"kind": "weights", "out": "FILE.json", "skip_sync": bool, "preset": "tiny"}
                                                    trains a bf16 model of the preset (default tiny) a step under FSDP2
                                                    and compares, for every parameter, the engine replica's tensor with
@@ -44,6 +46,18 @@ def cli_job(job: dict) -> None:
             raise RuntimeError(f"planted failure on rank {fail_rank} at step {step + 1}")
 
         loop.RLRun.update = failing_update
+    if job.get("skip_push"):  # the disaggregated layout's negative control: the generators keep stale weights
+        from exactrl.train import disagg
+
+        real_push = disagg.RemoteEngine.push
+
+        def push_first_only(self, named):
+            if getattr(self, "_pushed", False):
+                return {}
+            self._pushed = True
+            return real_push(self, named)
+
+        disagg.RemoteEngine.push = push_first_only
     code = main(job["argv"])
     if code:
         sys.exit(code)

@@ -66,10 +66,10 @@ def test_a_config_the_ranks_cannot_run_is_refused_before_launch(tmp_path):
 
 
 def test_what_a_command_cannot_do_on_several_ranks_is_refused_before_launch(capsys):
-    res = _exactrl(["bench", "rl", "--preset", "tiny", "--device", "cpu", "--nproc", "2"])
+    res = _exactrl(["bench", "rollout", "--preset", "tiny", "--device", "cpu", "--vs", "hf", "--nproc", "2"])
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        "exactrl bench: error: bench rl does not implement --nproc N > 1"
+        "exactrl bench: error: bench rollout --vs hf runs at world size 1; drop --vs or --nproc"
     ]
     # In process (nothing is launched when the table refuses): the other rows, and --nproc 1 passes the table.
     assert main(["parity", "--replay", "somewhere", "--nproc", "2"]) == 2

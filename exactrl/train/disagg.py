@@ -1,0 +1,246 @@
+"""The disaggregated layout's two halves: the trainers' handle on their generator, and the generator's loop.
+
+A trainer rank of a disaggregated run (`distributed.generator_ranks > 0`, exactrl/distributed/layout.py) runs the
+RL step of the colocated run at world size N unchanged, except that its `engine` is a `RemoteEngine`: `generate`
+ships the prompts and request ids to the generator that serves this trainer and returns that generator's request
+outputs. Sampling is keyed by (seed, request, sample, position) and every kernel is batch-invariant, so the
+outputs are the ones the trainer's own engine would have produced from the same weights: each trainer trains on
+exactly the samples the colocated rank of the same number would, and metrics and weights come out bitwise equal.
+
+A generator rank runs `serve_generator`: it loads the model (the same shape and dtype), receives every weight from
+trainer 0 before the first generation, then answers its trainers' commands round by round until they stop it.
+Every trainer sends the same sequence of commands (a trainer with nothing to ask sends "skip"), so a generator that
+serves several trainers receives one command from each per round, and runs one `generate` for all of them when
+they ask with the same sampling parameters (one batch, the same bits).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from exactrl.config import RunConfig, resolve_device
+from exactrl.distributed.env import rank_device
+from exactrl.distributed.layout import Layout, recv_object, recv_weights, send_object, send_weights
+from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
+from exactrl.engine.sampler import SamplingParams
+
+
+def check_disaggregated_supported(cfg: RunConfig) -> None:
+    """Refuse, by key, what the disaggregated layout does not run yet (every rank calls this before any group is
+    made, so every rank refuses the same way)."""
+    g = cfg.distributed.generator_ranks
+    if g == 0:
+        return
+    why = f"with distributed.generator_ranks = {g}"
+    a = cfg.algorithm
+    refusals = [
+        # max_off_policy_steps = 1 runs as under colocated torchrun (the replica is the behaviour copy and the guard's
+        # weights); the generator samples the next batch while the trainers train. Its other limits are its own.
+        (a.partial_rollouts, "algorithm.partial_rollouts", "is not supported yet"),
+        (
+            a.overlap != "none",
+            "algorithm.overlap",
+            f"= {a.overlap!r} is not supported (the generator overlaps)",
+        ),
+        (cfg.env.name is not None, "env.name", "multi-turn episodes are not supported yet"),
+        (cfg.lora.rank > 0, "lora.rank", "LoRA is not supported yet"),
+        (
+            getattr(a, "dynamic_sampling", "off") != "off",
+            "algorithm.dynamic_sampling",
+            "is not supported yet (its extra rounds have not run against a remote generator)",
+        ),
+    ]
+    for bad, key, text in refusals:
+        if bad:
+            raise ValueError(f"{key} {text} {why}")
+
+
+@dataclass
+class Command:
+    """One trainer's request of its generator for one round."""
+
+    kind: str  # "generate", "sync" (receive weights), "skip" (nothing this round), "stop"
+    prompts: list[list[int]] = field(default_factory=list)
+    params: SamplingParams | None = None
+    request_ids: list[int] | None = None
+    names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
+
+
+class RemoteEngine:
+    """A trainer rank's engine in the disaggregated layout: `generate` runs on its generator. Also the holder of
+    the trainer's weight replica (`model`, set once the trainer is built), which checkpoints export and whose
+    tensors trainer 0 broadcasts to the generators."""
+
+    runner = None  # no decode graphs here (MemoryPhases reads it)
+
+    def __init__(self, layout: Layout, config: EngineConfig) -> None:
+        self.layout = layout
+        self.config = config
+        self.model: torch.nn.Module | None = None
+        self.peer = layout.generator_of(layout.local.rank)
+        self._asked = False  # whether this round's command went out (`end_round`)
+        self.last_send: dict[str, float] = {}
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_ids: list[int] | None = None,
+        progress: Any = None,
+    ) -> list[RequestOutput]:
+        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        send_object(Command("generate", [list(p) for p in prompts], params, ids), self.peer)
+        self._asked = True
+        outs = recv_object(self.peer)
+        if progress is not None:
+            progress(sum(len(o.samples) for o in outs))
+        return outs
+
+    def release_kv(self) -> int:
+        return 0  # no KV cache on a trainer
+
+    def begin_round(self) -> None:
+        self._asked = False
+
+    def end_round(self) -> None:
+        """A round where this trainer may not have asked anything (the held-out evaluation runs on trainer 0's
+        generator alone): a "skip" keeps the generator's rounds in step."""
+        if not self._asked:
+            send_object(Command("skip"), self.peer)
+        self._asked = False
+
+    @torch.no_grad()
+    def push(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Every trainer: tell the generator new weights come; trainer 0: broadcast `named` (model-dtype tensors,
+        the same names and order on every trainer) to every generator."""
+        t0 = time.perf_counter()
+        send_object(Command("sync", names=[n for n, _ in named]), self.peer)
+        moved = 0
+        if self.layout.local.rank == 0:
+            moved = send_weights([t for _, t in named], self.layout.sync_group)
+            if named and named[0][1].is_cuda:
+                torch.cuda.synchronize(named[0][1].device)
+        dt = time.perf_counter() - t0
+        self.last_send = {"time/weight_send_s": dt}
+        if moved:
+            self.last_send["perf/weight_send_gb_per_s"] = moved / max(dt, 1e-9) / 1e9
+        return self.last_send
+
+    def stop(self) -> None:
+        send_object(Command("stop"), self.peer)
+
+
+def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
+    """A generator rank's whole job: load the model, then answer the trainers until they stop. Returns an empty
+    summary (rank 0, a trainer, writes the run's)."""
+    # The trainers stop the run (and checkpoint) on a signal; a generator waits for their "stop" instead of dying
+    # under them (torchrun's agent passes every signal on to every rank).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, lambda *_: None)
+        except ValueError:
+            break
+    GeneratorLoop(generator_engine(cfg, layout), layout).serve()
+    return {}
+
+
+def generator_engine(
+    cfg: RunConfig, layout: Layout, make: Callable[..., RolloutEngine] = RolloutEngine
+) -> RolloutEngine:
+    """The generator's engine: the run's model shape and dtype on this rank's device, in the exact environment the
+    trainers set (its weights come from trainer 0 before the first generation). make: the engine class (or a
+    factory with its signature; `exactrl bench rl` plans completion lengths)."""
+    from exactrl.model.loading import load_policy
+    from exactrl.ops import set_exact_environment
+
+    device = rank_device(layout.world, resolve_device(cfg.run.device))
+    set_exact_environment(cfg.run.exact)
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.exact:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    model, tok = load_policy(
+        preset_name=cfg.model.preset,
+        path=cfg.model.path,
+        device=device,
+        dtype=cfg.model.dtype,
+        exact=cfg.run.exact,
+        fp32_lm_head=cfg.model.fp32_lm_head,
+        seed=cfg.run.seed,
+        tokenizer_path=cfg.model.tokenizer,
+    )
+    model.requires_grad_(False)
+    return make(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+
+
+@dataclass
+class Round:
+    """What a generator did in one round, by wall clock (time.time(): comparable with the trainers' on one host)."""
+
+    kind: str  # "generate" or "sync"
+    start: float  # the work's start (after the commands arrived)
+    end: float
+    tokens: int = 0  # completion tokens generated
+    bytes: int = 0  # weight bytes received
+
+
+class GeneratorLoop:
+    """One generator's rounds: a command from each of its trainers, then the work they ask for. `rounds` keeps
+    what each round did (`exactrl bench rl` reads it)."""
+
+    def __init__(self, engine: RolloutEngine, layout: Layout) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.trainers = layout.trainers_of(layout.world.rank)
+        self.params = dict(engine.model.named_parameters())
+        self.rounds: list[Round] = []
+
+    def serve(self) -> None:
+        while True:
+            cmds = [recv_object(r) for r in self.trainers]
+            kinds = {c.kind for c in cmds}
+            if "stop" in kinds:
+                return
+            t0 = time.time()
+            if kinds == {"sync"}:
+                names = cmds[0].names
+                missing = [n for n in names if n not in self.params]
+                if missing:
+                    raise RuntimeError(
+                        f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
+                    )
+                moved = recv_weights([self.params[n] for n in names], self.layout.sync_group)
+                self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
+                continue
+            if "sync" in kinds:
+                raise RuntimeError(
+                    f"generator rank {self.layout.world.rank}: a weight sync out of step ({kinds})"
+                )
+            asks = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"]
+            if asks:
+                tokens = self.generate(asks)
+                self.rounds.append(Round("generate", t0, time.time(), tokens=tokens))
+
+    def generate(self, asks: list[tuple[int, Command]]) -> int:
+        """One `generate` over every trainer's prompts that share sampling parameters (batch-invariant: the same
+        bits as one call each), each trainer's outputs sent back to it. Returns the completion tokens."""
+        tokens = 0
+        while asks:
+            params = asks[0][1].params
+            same = [(r, c) for r, c in asks if c.params == params]
+            asks = [(r, c) for r, c in asks if c.params != params]
+            prompts = [p for _, c in same for p in c.prompts]
+            ids = [i for _, c in same for i in (c.request_ids or [])]
+            outs = self.engine.generate(prompts, params, request_ids=ids)
+            tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
+            start = 0
+            for r, c in same:
+                send_object(outs[start : start + len(c.prompts)], r)
+                start += len(c.prompts)
+        return tokens
