@@ -237,6 +237,11 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
     "probe_train_gemm.py": (["--presets", "tiny", "--rows", "32"], {"TRITON_INTERPRET": "1"}, False),
     "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
+    "probe_host_side.py": (
+        ["--device", "cpu", "--preset", "tiny", "--tokens", "128", "--warmup", "1"],
+        {},
+        True,  # one profiled training step
+    ),
     "probe_step_times.py": (
         ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
         {},

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.extended,
+]  # a benchmark harness; the layout's bits are test_disagg.py's
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = (

@@ -14,7 +14,10 @@ import pytest
 
 from ._runs import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.extended,
+]  # two ranks repeat the two-thread test above; make test-all runs it
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("_driver.py")

@@ -44,7 +44,7 @@ def test_a_config_error_is_said_once_and_nothing_is_launched():
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
         "exactrl train: error: unknown section '[nosuch]' in --set nosuch.key=1; valid keys: run, model, engine, "
-        "sampling, task, reward, algorithm, train, sft, env, lora"
+        "sampling, task, reward, algorithm, train, sft, env, lora, distributed"
     ]
     assert "launching" not in res.stderr and not TORCHRUN_NOISE.search(res.stderr)
 
