@@ -102,6 +102,7 @@ def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # resume at world size 2 is covered by test_phases_multirank's and test_multirank's
 def test_resume_with_offload_continues_bitwise_at_world_size_2(tmp):
     steps, ckpt = 4, "train.save_every=1"
     jobs = [

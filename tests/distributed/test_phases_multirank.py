@@ -118,6 +118,7 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # world size 2 runs by default
 def test_release_is_exact_at_world_size_4(tmp):
     _check_exact(tmp, 4)
 

@@ -415,7 +415,10 @@ def test_attention_paged_equals_training(dtype, schedule):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# The second dtype (80 s in the interpreter) runs under make test-all; the first keeps the rule in make test.
+@pytest.mark.parametrize(
+    "dtype", [DTYPES[0], *(pytest.param(d, marks=pytest.mark.extended) for d in DTYPES[1:])]
+)
 def test_attention_split_decode_equals_training(dtype, monkeypatch):
     """Keys in chunks of 64 positions (up to four per sequence, four tiles each): a decode step run split-KV (chunk partials, then
     the combine kernel) and run in one program gives every row training's bits, at chunk edges too, in a packed
@@ -857,6 +860,7 @@ def _row_calls(rows: int, dtype) -> None:
     (lp.sum() + ent.sum()).backward()
 
 
+@pytest.mark.extended  # 30 s in the interpreter: make test-all runs it
 def test_launch_parameters_do_not_depend_on_the_row_count(monkeypatch):
     """What only a GPU would show, caught on the CPU: for 5 and for 300 rows, every kernel launch has the same
     meta-parameters (block sizes, num_warps, ...) and a grid that grows with a fixed number of rows per program;
