@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import time
 from collections import Counter
 from types import SimpleNamespace
+
+from _script import busy_cores  # benchmarks/: the script's own folder is on sys.path
 
 SYNC_NAMES = (
     "cudaStreamSynchronize",
@@ -34,11 +35,6 @@ LAUNCH_NAMES = (
     "cudaLaunchKernelExC",
     "cudaGraphLaunch",
 )
-
-
-def _spin() -> None:  # pragma: no cover - a busy core beside the run
-    while True:
-        pass
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -89,9 +85,7 @@ def main() -> None:
     )
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.busy_cores)]
-    for p in spinners:
-        p.start()
+    spinners = busy_cores(args.busy_cores)
     try:
         for _ in range(args.warmup):
             trainer.step(rollouts)

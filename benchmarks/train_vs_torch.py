@@ -32,13 +32,13 @@ import argparse
 import contextlib
 import gc
 import json
-import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+from _script import busy_cores  # benchmarks/: the script's own folder is on sys.path
 
 STEPS = ("exact", "fast", "stock", "hf")
 
@@ -56,11 +56,6 @@ def _time(step: Callable[[], object], steps: int, device: torch.device, stat: st
 
     times = back_to_back_step_times(step, steps, device)
     return statistics.median(times) if stat == "median" else statistics.fmean(times)
-
-
-def _spin() -> None:  # pragma: no cover - a busy core beside the run
-    while True:
-        pass
 
 
 def main() -> int:
@@ -90,9 +85,7 @@ def main() -> int:
     host_threads = limit_host_threads(
         device
     )  # as every exactrl command on CUDA (each step kind runs under it)
-    spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.busy_cores)]
-    for p in spinners:
-        p.start()
+    busy_cores(args.busy_cores)
     models = {}
     for mode in ("exact", "fast"):
         if mode in args.which or (mode == "exact" and {"stock", "hf"} & set(args.which)):

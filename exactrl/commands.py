@@ -82,11 +82,11 @@ def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
     """What `train --nproc N` checks before torchrun starts the ranks: the config (TOML + --set, validated), what
     it cannot do under torchrun at this world size, and the run directory (checked, nothing written)."""
     from exactrl.config import load_config
-    from exactrl.train.loop import check_world_size
+    from exactrl.train.preflight import check_run_config
     from exactrl.train.rundir import check_run_dir
 
     cfg = load_config(args.config, args.set or [])
-    check_world_size(cfg, nproc, distributed=True)
+    check_run_config(cfg, nproc, distributed=True)
     check_run_dir(
         cfg,
         resume=args.resume,

@@ -326,13 +326,6 @@ class RankScores:
     metrics: dict[str, float] = field(default_factory=dict)  # the step's, e.g. dynamic sampling's
 
 
-def check_world_size(cfg: RunConfig, world_size: int, distributed: bool) -> None:
-    """What the config cannot do on `world_size` ranks (`distributed`: under torchrun, one rank included), said
-    before anything loads: by each run, by `exactrl plan`, and by `train --nproc N` before torchrun starts the
-    ranks. One set of checks (exactrl/train/preflight.py)."""
-    check_run_config(cfg, world_size, distributed=distributed)
-
-
 class RLRun:
     """One `exactrl train` job, cut into the stages of the algorithm:
 
@@ -366,7 +359,7 @@ class RLRun:
         self.parallel = Parallelism(self.dist)
         # What `exactrl plan` and `train --nproc N` (before launching) refuse too: the checks that need the world
         # size or the model's shape.
-        check_world_size(cfg, self.dist.world_size, self.dist.distributed)
+        check_run_config(cfg, self.dist.world_size, distributed=self.dist.distributed)
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
