@@ -410,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     return _main(argv)
 
 
-def _say_error(text: str) -> None:
-    """A command's error: to exactrl's launcher when it started this rank (it prints the first failing rank's
-    error once), else on stderr."""
+def _say_error(text: str, status: int) -> None:
+    """A command's error, ahead of exiting with `status`: to exactrl's launcher when it started this rank (it
+    prints the first failing rank's error once), else on stderr."""
     from exactrl.distributed.launch import write_rank_error
 
-    if not write_rank_error(text):
+    if not write_rank_error(text, status):
         print(text, file=sys.stderr)
 
 
@@ -539,10 +539,10 @@ def _main(argv: list[str] | None = None) -> int:
             return launch_torchrun(args.nproc, argv)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        _say_error(f"exactrl {args.command}{_rank_note()}: error: {e}")
+        _say_error(f"exactrl {args.command}{_rank_note()}: error: {e}", 2)
         return 2  # the process group is left to the exit: the other ranks may still be inside a collective
     except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
-        _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}")
+        _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", 1)
         return 1
     except Exception:
         from exactrl.distributed.launch import write_rank_error
@@ -550,7 +550,7 @@ def _main(argv: list[str] | None = None) -> int:
         # A crash (a bug): under exactrl's launcher its traceback is printed once, by the launcher; elsewhere it
         # propagates as ever (`record` files it for a plain torchrun).
         if write_rank_error(
-            f"exactrl {args.command}{_rank_note()} failed:\n{traceback.format_exc().rstrip()}"
+            f"exactrl {args.command}{_rank_note()} failed:\n{traceback.format_exc().rstrip()}", 1
         ):
             return 1
         raise

@@ -67,20 +67,24 @@ RANK_ERRORS_ENV = "EXACTRL_RANK_ERRORS"
 
 @dataclass
 class RankError:
-    """What a rank wrote before it failed: `time` (seconds since the epoch) orders the ranks' failures."""
+    """What a rank wrote before it failed: `time` (seconds since the epoch) orders the ranks' failures; `status`
+    is the exit status the rank meant to exit with (None where it did not say)."""
 
     rank: int
     time: float
     text: str
+    status: int | None = None
 
 
-def write_rank_error(text: str) -> bool:
-    """Under exactrl's launcher: leave this rank's error (one line, or a traceback) for the launcher to print once,
-    and return True. False where no launcher asked for it (a plain torchrun, one process): print it yourself."""
+def write_rank_error(text: str, status: int) -> bool:
+    """Under exactrl's launcher: leave this rank's error (one line, or a traceback) and the exit status it is about
+    to exit with for the launcher to print once, and return True. False where no launcher asked for it (a plain
+    torchrun, one process): print it yourself. The status travels in the record because the process may not get
+    to exit with it: once a peer has crashed, torchrun stops the ranks still tearing down with SIGTERM."""
     folder, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("RANK")
     if not folder or rank is None:
         return False
-    record = {"rank": int(rank), "time": time.time(), "text": text}
+    record = {"rank": int(rank), "time": time.time(), "text": text, "status": int(status)}
     tmp = Path(folder) / f"rank-{rank}.json.tmp"
     try:
         tmp.write_text(json.dumps(record))
@@ -96,7 +100,10 @@ def read_rank_errors(folder: str | Path) -> dict[int, RankError]:
     for p in sorted(Path(folder).glob("rank-*.json")):
         try:
             d = json.loads(p.read_text())
-            out[int(d["rank"])] = RankError(int(d["rank"]), float(d["time"]), str(d["text"]))
+            status = d.get("status")
+            out[int(d["rank"])] = RankError(
+                int(d["rank"]), float(d["time"]), str(d["text"]), None if status is None else int(status)
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a file torn by a kill: the rank's exit status still speaks
     return out
@@ -113,12 +120,13 @@ def first_failure(exitcodes: dict[int, int], errors: dict[int, RankError]) -> tu
 
     A rank that wrote an error is the cause before one that did not (a rank that fails while its peers wait in a
     collective writes first; the peers' own errors, "connection closed by peer", come later): the earliest error
-    wins. Without any, a rank that exited on its own (a verdict such as parity's exit 1, a crash by SIGSEGV) before
+    wins, with the status it wrote (torchrun may have stopped it with SIGTERM while it tore down). Without any, a rank that exited on its own (a verdict such as parity's exit 1, a crash by SIGSEGV) before
     one that torchrun stopped with SIGTERM because a peer had failed; then the lowest rank."""
     written = [r for r in exitcodes if r in errors]
     if written:
         rank = min(written, key=lambda r: (errors[r].time, r))
-        return rank, shell_status(exitcodes[rank]), errors[rank].text
+        said = errors[rank].status
+        return rank, shell_status(exitcodes[rank]) if said is None else said, errors[rank].text
     rank = min(exitcodes, key=lambda r: (exitcodes[r] == -signal.SIGTERM, r))
     return rank, shell_status(exitcodes[rank]), None
 

@@ -128,6 +128,10 @@ def test_a_rank_error_is_said_once_with_its_exit_status_and_stops_the_other_rank
 def test_the_first_failure_is_the_earliest_rank_error_else_a_rank_that_was_not_stopped():
     errors = {1: RankError(1, 10.0, "one"), 0: RankError(0, 11.0, "zero: connection closed by peer")}
     assert first_failure({0: 1, 1: 2}, errors) == (1, 2, "one")
+    # The rank that wrote its error was stopped by torchrun (SIGTERM) while it tore down, after a peer crashed
+    # (seen on a 2-core machine): the status it wrote is the one to exit with, not 143.
+    said = {1: RankError(1, 10.0, "one", status=2), 0: RankError(0, 11.0, "zero", status=1)}
+    assert first_failure({0: -int(signal.SIGABRT), 1: -int(signal.SIGTERM)}, said) == (1, 2, "one")
     # No rank wrote an error: a rank that exited on its own (parity's verdict) before one torchrun stopped.
     assert first_failure({0: -int(signal.SIGTERM), 1: 1}, {}) == (1, 1, None)
     assert first_failure({0: 1, 1: 1}, {}) == (0, 1, None)
