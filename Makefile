@@ -21,11 +21,11 @@ demo: setup
 	$(VENV)/bin/exactrl train configs/quickstart.toml
 
 test: setup
-	$(VPY) -m pytest -q -n 2 tests
+	$(VPY) -m pytest -q -n 2 --dist loadgroup tests
 
 # Everything, the extended variants too (a later -m replaces the default "not extended").
 test-all: setup
-	$(VPY) -m pytest -q -n 2 -m "" tests
+	$(VPY) -m pytest -q -n 2 --dist loadgroup -m "" tests
 
 lint: setup
 	$(VENV)/bin/ruff check exactrl tests benchmarks

@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] (fsdp-offload: NPROC=2 for two GPUs)
+#     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
 #     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -519,5 +519,32 @@ if want plan-check; then  # the memory plan (exactrl plan) vs measured per-phase
   $X plan configs/quickstart.toml $base --set model.preset=qwen3-30b-a3b --nproc 8 --gpu-memory 79.6 2>&1 \
     | tail -16 | tee -a "$OUT/plan_check.txt"
   grep '^{"plan_check"' "$OUT/plan_check.txt" > benchmarks/results/plan_check.jsonl
+fi
+if want bench-rl-2gpu; then  # two GPUs: colocated world size 2, then 1 generator + 1 trainer at k = 1 and k = 0
+  # against it (issue 44). PYSPY=path: py-spy samples the trainer (rank 0) for 30 s of the k = 1 run's timed steps
+  # (per thread, GIL holders marked), to see what its host does while the generator samples.
+  rl="--preset ${RL_PRESET:-qwen3-1.7b} --mode exact --kv-memory-fraction 0.2 --tokens-per-microbatch 4096 --nproc 2
+    --warmup 1 --steps ${RL_STEPS:-2}"
+  timeout 300 $X bench rl $rl --out-dir "$OUT/rl-colocated" 2>&1 | grep -v -i warn | tail -14 | tee -a "$OUT/rl_2gpu.txt"
+  base=$(ls "$OUT"/rl-colocated/*.json | head -1)
+  for k in ${RL_KS:-1 0}; do
+    timeout 400 $X bench rl $rl --generator-ranks 1 --max-off-policy-steps $k --baseline "$base" \
+      --out-dir "$OUT/rl-gen1-k$k" > "$OUT/rl_gen1_k$k.log" 2>&1 &
+    bench=$!
+    if [[ -n "${PYSPY:-}" && $k == 1 ]]; then
+      sleep ${PYSPY_AFTER:-95}
+      for p in $(pgrep -f "exactrl.cli bench rl"); do
+        if tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx 'RANK=0'; then
+          "$PYSPY" record --pid $p --duration 30 --rate 40 --threads --gil --format raw -o "$OUT/pyspy_trainer_gil.txt" \
+            > "$OUT/pyspy.log" 2>&1 &
+          "$PYSPY" record --pid $p --duration 30 --rate 40 --threads --idle --format raw \
+            -o "$OUT/pyspy_trainer_all.txt" >> "$OUT/pyspy.log" 2>&1
+          wait
+        fi
+      done
+    fi
+    wait $bench
+    grep -v -i warn "$OUT/rl_gen1_k$k.log" | tail -16 | tee -a "$OUT/rl_2gpu.txt"
+  done
 fi
 tar czf "$OUT/results.tgz" benchmarks/results

@@ -129,6 +129,7 @@ def test_compiled_baseline_computes_the_models_logprobs_with_one_graph_per_block
     assert cfg.num_layers == 4 and compiled_graph_count() - before == 2
 
 
+@pytest.mark.extended  # a bf16 compile of the baseline's whole step (about 20 s on 2 cores)
 def test_one_step_moves_the_bf16_weights_and_the_masters():
     cfg = CONFIGS["qwen3 (tied head, q/k norm)"]
     model = _model(cfg, torch.bfloat16)
@@ -166,6 +167,7 @@ TRAIN = ["bench", "train", "--preset", "tiny", "--device", "cpu", "--dtype", "fl
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the script's dry run (tests/test_benchmark_scripts.py) runs the same path by default
 def test_bench_train_vs_torch_reports_the_baseline(tmp_path, capsys):
     from exactrl.cli import main
 

@@ -124,6 +124,7 @@ def test_release_is_exact_at_world_size_4(tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the one-process resume with the release runs by default (tests/train/test_phases.py)
 def test_resume_with_the_release_continues_bitwise(tmp):
     import shutil
 
@@ -146,7 +147,7 @@ def test_resume_with_the_release_continues_bitwise(tmp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", ["fail_release", "fail_rebuild"])
+@pytest.mark.parametrize("plant", [pytest.param("fail_release", marks=pytest.mark.extended), "fail_rebuild"])
 def test_a_crash_in_a_phase_switch_on_one_rank_stops_every_rank(tmp, plant):
     job = {"kind": "cli", "argv": _argv(tmp, "crash", 3), "plant": plant, "rank": 1}
     code, out, secs = _launch(tmp, 2, [job], plant, timeout=120)
