@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,18 +81,18 @@ def crashed_after(src: Path, dst: Path, step: int) -> None:
     (dst / "summary.json").unlink()
 
 
+def _timing(key: str) -> bool:
+    """A timing or perf counter (they differ between any two runs), a rank's own (`.../wait_s/rank1`) included."""
+    base = re.sub(r"/rank\d+$", "", key)
+    return key.startswith(("perf/", "time/")) or base.endswith("_s") or key == "minutes"
+
+
 def records(run: Path) -> list[dict]:
     """Every logged step's record, timings and perf counters left out (they differ between any two runs)."""
     out = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.append(
-            {
-                k: v
-                for k, v in r.items()
-                if not (k.startswith(("perf/", "time/")) or k.endswith("_s") or k == "minutes")
-            }
-        )
+        out.append({k: v for k, v in r.items() if not _timing(k)})
     return out
 
 

@@ -2,7 +2,8 @@
 generated, never the bits. A run of 3 ranks with distributed.generator_ranks = 1 (2 trainers) equals the colocated
 run of 2 ranks step for step (every metric but timings) and in its final weights; a run whose trainers stop sending
 weights after the first (the generators sample from stale weights) differs and its guard counts mismatches. A
-disaggregated run resumed from its sharded checkpoint (the trainers' DCP) equals the uninterrupted one."""
+disaggregated run resumed from its sharded checkpoint (the trainers' DCP) equals the uninterrupted one. The same
+holds one step off (algorithm.max_off_policy_steps = 1), resume with its pending batch included."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ STEPS = 3
 # Held-out evaluations before RL, after step 2 and after RL (trainer 0's generator runs them, the other trainer's
 # rounds kept in step), and a checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
+K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples batch t+1 while the trainers train
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +28,15 @@ def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg")
     (tmp / "reward.py").write_text(REWARD)
     disagg = ["distributed.generator_ranks=1"]
-    code, out, _ = launch(
-        DRIVER, tmp, 2, [{"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)}], "co", 400
-    )
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, *EVAL, K1)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -42,8 +47,12 @@ def runs(tmp_path_factory) -> Path:
     assert code == 0, out[-3000:]
     # A crash after step 2's checkpoint (DCP over the two trainers), resumed in the same layout.
     crashed_after(tmp / "disagg", tmp / "resumed", 2)
-    argv = small_argv(tmp, "resumed", STEPS, *EVAL, *disagg, resume=True)
-    code, out, _ = launch(DRIVER, tmp, 3, [{"kind": "cli", "argv": argv}], "res", 400)
+    crashed_after(tmp / "disagg-k1", tmp / "resumed-k1", 2)  # its checkpoint holds the pending batch
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "resumed", STEPS, *EVAL, *disagg, resume=True)},
+        {"kind": "cli", "argv": small_argv(tmp, "resumed-k1", STEPS, *EVAL, *disagg, K1, resume=True)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 3, jobs, "res", 400)
     assert code == 0, out[-3000:]
     return tmp
 
@@ -58,6 +67,19 @@ def test_disaggregated_equals_colocated_at_trainer_world_size(runs: Path) -> Non
 
 def test_disaggregated_resume_equals_the_uninterrupted_run(runs: Path) -> None:
     assert same(runs / "disagg", runs / "resumed")
+
+
+def test_one_step_off_disaggregated_equals_one_step_off_colocated(runs: Path) -> None:
+    """k = 1: the generator samples batch t+1 from the weights of step t while the trainers train on batch t, as
+    each colocated rank's engine copy does; every metric but timings and the final weights are the colocated run's
+    at trainer world size 2, and the resumed run (its checkpoint holds the pending batch) the uninterrupted one's.
+    Control: the one-step-off run is not the synchronous one (the comparison can fail)."""
+    assert mismatched(runs / "disagg-k1") == 0
+    steps = [r for r in records(runs / "disagg-k1") if "offpolicy/versions_behind/max" in r]
+    assert len(steps) == STEPS and any(r["offpolicy/versions_behind/max"] > 0 for r in steps)
+    assert same(runs / "colocated-k1", runs / "disagg-k1")
+    assert same(runs / "disagg-k1", runs / "resumed-k1")
+    assert not same(runs / "disagg", runs / "disagg-k1")
 
 
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:
