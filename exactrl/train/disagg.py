@@ -50,11 +50,6 @@ def check_disaggregated_supported(cfg: RunConfig) -> None:
         ),
         (cfg.env.name is not None, "env.name", "multi-turn episodes are not supported yet"),
         (cfg.lora.rank > 0, "lora.rank", "LoRA is not supported yet"),
-        (
-            getattr(a, "dynamic_sampling", "off") != "off",
-            "algorithm.dynamic_sampling",
-            "is not supported yet (its extra rounds have not run against a remote generator)",
-        ),
     ]
     for bad, key, text in refusals:
         if bad:

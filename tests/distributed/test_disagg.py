@@ -21,22 +21,40 @@ STEPS = 3
 # rounds kept in step), and a checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
 K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples batch t+1 while the trainers train
+# Dynamic sampling on a coin-flip reward in groups of 2: groups without signal are dropped and the trainers ask
+# their generator for extra rounds, the same number on every trainer (the decision is global).
+COIN = """
+import hashlib
+
+def coin(completion, answer, example):
+    return float(int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 4 == 0)
+"""
+
+
+def _dynamic(tmp: Path, name: str, *extra: str) -> dict:
+    argv = small_argv(tmp, name, STEPS, *extra)
+    sets = ["algorithm.dynamic_sampling=reward", "algorithm.group_size=2", "algorithm.rollouts_per_step=8"]
+    sets += ["sampling.temperature=1.0", f'reward.functions=["{tmp / "coin.py"}:coin"]']
+    return {"kind": "cli", "argv": argv[:-1] + [x for s in sets for x in ("--set", s)] + argv[-1:]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg")
     (tmp / "reward.py").write_text(REWARD)
+    (tmp / "coin.py").write_text(COIN)
     disagg = ["distributed.generator_ranks=1"]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, *EVAL, K1)},
+        _dynamic(tmp, "colocated-ds"),
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
+        _dynamic(tmp, "disagg-ds", *disagg),
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -80,6 +98,15 @@ def test_one_step_off_disaggregated_equals_one_step_off_colocated(runs: Path) ->
     assert same(runs / "colocated-k1", runs / "disagg-k1")
     assert same(runs / "disagg-k1", runs / "resumed-k1")
     assert not same(runs / "disagg", runs / "disagg-k1")
+
+
+def test_dynamic_sampling_disaggregated_equals_colocated(runs: Path) -> None:
+    """The extra rounds of dynamic sampling go to the generator like the first: groups kept, dropped and resampled,
+    metrics and weights are the colocated run's (and the run did resample: the comparison covers extra rounds)."""
+    steps = [r for r in records(runs / "disagg-ds") if "dynamic_sampling/extra_rounds" in r]
+    assert len(steps) == STEPS and sum(r["dynamic_sampling/extra_rounds"] for r in steps) > 0
+    assert mismatched(runs / "disagg-ds") == 0
+    assert same(runs / "colocated-ds", runs / "disagg-ds")
 
 
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:
