@@ -922,7 +922,7 @@ class DistributedConfig:
     """The layout of a torchrun run's ranks: every rank colocated (engine and trainer take turns), or generator ranks apart."""
 
     generator_ranks: int = 0
-    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling too). Refused with it: partial rollouts, tail overlap, multi-turn environments, LoRA."""
+    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling and LoRA too: the sync then moves the adapters alone). Refused with it: partial rollouts, tail overlap, multi-turn environments."""
 
     def validate(self) -> None:
         _check_at_least(self.generator_ranks, 0, "distributed.generator_ranks")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,6 @@ def check_disaggregated_supported(cfg: RunConfig) -> None:
             f"= {a.overlap!r} is not supported (the generator overlaps)",
         ),
         (cfg.env.name is not None, "env.name", "multi-turn episodes are not supported yet"),
-        (cfg.lora.rank > 0, "lora.rank", "LoRA is not supported yet"),
     ]
     for bad, key, text in refusals:
         if bad:
@@ -60,7 +59,7 @@ def check_disaggregated_supported(cfg: RunConfig) -> None:
 class Command:
     """One trainer's request of its generator for one round."""
 
-    kind: str  # "generate", "sync" (receive weights), "skip" (nothing this round), "stop"
+    kind: str  # "generate", "sync" (receive weights), "lora" (attach the adapters), "skip", "stop"
     prompts: list[list[int]] = field(default_factory=list)
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
@@ -127,6 +126,12 @@ class RemoteEngine:
             self.last_send["perf/weight_send_gb_per_s"] = moved / max(dt, 1e-9) / 1e9
         return self.last_send
 
+    def attach_lora(self) -> None:
+        """Every trainer, once its policy has its adapters (after the warm start and the evaluation before RL, as
+        a colocated run builds its replica's engine): the generator attaches the same adapters to its model. Their
+        values come with the next full weight sync."""
+        send_object(Command("lora"), self.peer)
+
     def stop(self) -> None:
         send_object(Command("stop"), self.peer)
 
@@ -141,7 +146,7 @@ def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
-    GeneratorLoop(generator_engine(cfg, layout), layout).serve()
+    GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed).serve()
     return {}
 
 
@@ -189,12 +194,28 @@ class GeneratorLoop:
     """One generator's rounds: a command from each of its trainers, then the work they ask for. `rounds` keeps
     what each round did (`exactrl bench rl` reads it)."""
 
-    def __init__(self, engine: RolloutEngine, layout: Layout) -> None:
+    def __init__(self, engine: RolloutEngine, layout: Layout, lora: Any = None, seed: int = 0) -> None:
         self.engine = engine
         self.layout = layout
         self.trainers = layout.trainers_of(layout.world.rank)
         self.params = dict(engine.model.named_parameters())
         self.rounds: list[Round] = []
+        self.lora, self.seed = lora, seed  # the run's [lora] section: the adapters a "lora" command attaches
+
+    def attach_lora(self) -> None:
+        """The trainers' adapters on this generator's model (the same modules and names, so the weight sync finds
+        them), with a new runner: the old one's decode graphs were captured without them."""
+        from exactrl.model.lora import apply_lora_config
+
+        if self.lora is None or self.lora.rank == 0:
+            raise RuntimeError(
+                f"generator rank {self.layout.world.rank}: asked for adapters it has no [lora] for"
+            )
+        apply_lora_config(
+            self.engine.model, replace(self.lora, path=None), seed=self.seed
+        )  # values: the sync's
+        self.engine.runner = None
+        self.params = dict(self.engine.model.named_parameters())
 
     def serve(self) -> None:
         while True:
@@ -202,6 +223,9 @@ class GeneratorLoop:
             kinds = {c.kind for c in cmds}
             if "stop" in kinds:
                 return
+            if kinds == {"lora"}:
+                self.attach_lora()
+                continue
             t0 = time.time()
             if kinds == {"sync"}:
                 names = cmds[0].names
@@ -213,7 +237,7 @@ class GeneratorLoop:
                 moved = recv_weights([self.params[n] for n in names], self.layout.sync_group)
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
-            if "sync" in kinds:
+            if kinds & {"sync", "lora"}:
                 raise RuntimeError(
                     f"generator rank {self.layout.world.rank}: a weight sync out of step ({kinds})"
                 )

@@ -755,6 +755,9 @@ class RLRun:
         self.parallel.bind(model, engine_model)
         if self.remote is not None:  # disaggregated: the replica is what the generators get, byte for byte
             self.remote.model = engine_model
+            if cfg.lora.rank > 0:  # the generators' adapters, then every replica tensor (as the colocated
+                self.remote.attach_lora()  # replica's engine is built here, after the evaluation before RL)
+                self.remote.push(self.parallel.replica_weights(full=True))
         elif engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)

@@ -21,6 +21,9 @@ STEPS = 3
 # rounds kept in step), and a checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
 K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples batch t+1 while the trainers train
+# LoRA with a KL reference (the base with the adapters off): the generator attaches the same adapters after the
+# evaluation before RL, and each step's sync moves the adapters alone.
+LORA = ("lora.rank=4", "algorithm.kl_coef=0.05")
 # Dynamic sampling on a coin-flip reward in groups of 2: groups without signal are dropped and the trainers ask
 # their generator for extra rounds, the same number on every trainer (the decision is global).
 COIN = """
@@ -48,6 +51,7 @@ def runs(tmp_path_factory) -> Path:
         {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, *EVAL, K1)},
         _dynamic(tmp, "colocated-ds"),
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)},
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
@@ -55,6 +59,7 @@ def runs(tmp_path_factory) -> Path:
         {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
         _dynamic(tmp, "disagg-ds", *disagg),
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, *disagg, *LORA)},
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -107,6 +112,14 @@ def test_dynamic_sampling_disaggregated_equals_colocated(runs: Path) -> None:
     assert len(steps) == STEPS and sum(r["dynamic_sampling/extra_rounds"] for r in steps) > 0
     assert mismatched(runs / "disagg-ds") == 0
     assert same(runs / "colocated-ds", runs / "disagg-ds")
+
+
+def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: Path) -> None:
+    assert mismatched(runs / "disagg-lora") == 0
+    assert same(runs / "colocated-lora", runs / "disagg-lora")
+    full = [r["weight_sync/bytes"] for r in records(runs / "disagg") if "weight_sync/bytes" in r]
+    lora = [r["weight_sync/bytes"] for r in records(runs / "disagg-lora") if "weight_sync/bytes" in r]
+    assert len(lora) == STEPS and 0 < max(lora) < min(full) / 10
 
 
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:

@@ -38,7 +38,6 @@ def test_layouts_that_cannot_work_are_refused(world: DistContext, g: int, words:
     ("key", "words"),
     [
         ('algorithm.overlap="tail"', "algorithm.overlap"),
-        ("lora.rank=4", "lora.rank"),
         ('env.name="calculator"', "env.name"),
     ],
 )
