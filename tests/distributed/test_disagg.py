@@ -45,21 +45,16 @@ def _dynamic(tmp: Path, name: str, *extra: str) -> dict:
 def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg")
     (tmp / "reward.py").write_text(REWARD)
-    (tmp / "coin.py").write_text(COIN)
     disagg = ["distributed.generator_ranks=1"]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, *EVAL, K1)},
-        _dynamic(tmp, "colocated-ds"),
-        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)},
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
-        _dynamic(tmp, "disagg-ds", *disagg),
-        {"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, *disagg, *LORA)},
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -76,6 +71,22 @@ def runs(tmp_path_factory) -> Path:
         {"kind": "cli", "argv": small_argv(tmp, "resumed-k1", STEPS, *EVAL, *disagg, K1, resume=True)},
     ]
     code, out, _ = launch(DRIVER, tmp, 3, jobs, "res", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory) -> Path:
+    """Dynamic sampling and LoRA, colocated at world size 2 and with 1 generator + 2 trainers."""
+    tmp = tmp_path_factory.mktemp("disagg-variants")
+    (tmp / "reward.py").write_text(REWARD)
+    (tmp / "coin.py").write_text(COIN)
+    lora = [{"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)}]
+    code, out, _ = launch(DRIVER, tmp, 2, [_dynamic(tmp, "colocated-ds"), *lora], "co", 400)
+    assert code == 0, out[-3000:]
+    disagg = "distributed.generator_ranks=1"
+    lora = [{"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)}]
+    code, out, _ = launch(DRIVER, tmp, 3, [_dynamic(tmp, "disagg-ds", disagg), *lora], "dis", 400)
     assert code == 0, out[-3000:]
     return tmp
 
@@ -105,20 +116,22 @@ def test_one_step_off_disaggregated_equals_one_step_off_colocated(runs: Path) ->
     assert not same(runs / "disagg", runs / "disagg-k1")
 
 
-def test_dynamic_sampling_disaggregated_equals_colocated(runs: Path) -> None:
+@pytest.mark.extended  # make test-all: the default run keeps k = 0, k = 1 and resume
+def test_dynamic_sampling_disaggregated_equals_colocated(variants: Path) -> None:
     """The extra rounds of dynamic sampling go to the generator like the first: groups kept, dropped and resampled,
     metrics and weights are the colocated run's (and the run did resample: the comparison covers extra rounds)."""
-    steps = [r for r in records(runs / "disagg-ds") if "dynamic_sampling/extra_rounds" in r]
+    steps = [r for r in records(variants / "disagg-ds") if "dynamic_sampling/extra_rounds" in r]
     assert len(steps) == STEPS and sum(r["dynamic_sampling/extra_rounds"] for r in steps) > 0
-    assert mismatched(runs / "disagg-ds") == 0
-    assert same(runs / "colocated-ds", runs / "disagg-ds")
+    assert mismatched(variants / "disagg-ds") == 0
+    assert same(variants / "colocated-ds", variants / "disagg-ds")
 
 
-def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: Path) -> None:
-    assert mismatched(runs / "disagg-lora") == 0
-    assert same(runs / "colocated-lora", runs / "disagg-lora")
+@pytest.mark.extended
+def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: Path, variants: Path) -> None:
+    assert mismatched(variants / "disagg-lora") == 0
+    assert same(variants / "colocated-lora", variants / "disagg-lora")
     full = [r["weight_sync/bytes"] for r in records(runs / "disagg") if "weight_sync/bytes" in r]
-    lora = [r["weight_sync/bytes"] for r in records(runs / "disagg-lora") if "weight_sync/bytes" in r]
+    lora = [r["weight_sync/bytes"] for r in records(variants / "disagg-lora") if "weight_sync/bytes" in r]
     assert len(lora) == STEPS and 0 < max(lora) < min(full) / 10
 
 
