@@ -74,12 +74,11 @@ class TensorParallelGroup:
         dist.all_gather(parts, xb, group=self.group)
         return [p.view(x.dtype) for p in parts]
 
-    def min(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def tensor_parallel_groups(rank: int, world_size: int, size: int) -> TensorParallelGroup:

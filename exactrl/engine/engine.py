@@ -49,6 +49,9 @@ class EngineConfig:
     # Read by the RL loop's memory phases (exactrl/train/phases.py), which call `release_kv` while the trainer
     # runs; a call to `generate` allocates a released cache again whatever this says.
     release_memory: bool = True
+    # Ranks that share this engine (exactrl/distributed/tensor_parallel.py splits its model before the engine is
+    # built; the engine itself runs the split model unchanged). Carried for the config's round trip.
+    tensor_parallel: int = 1
 
 
 @dataclass

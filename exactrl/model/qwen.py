@@ -220,6 +220,11 @@ class CausalLM(nn.Module):
             return hidden.float(), w.float()
         return hidden, w
 
+    def shard_full_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the full (unsplit) parameter `name` this model object holds: all of it (a tensor-parallel
+        engine shard holds its rank's slice): what a weight sync copies into the parameter."""
+        return full
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, D] -> [R, V] raw LM-head output (`linear`, model dtype or fp32 with fp32_lm_head): the rows
         the engine samples from and records logprobs of (`Ops.scale_logits`, `Ops.logprobs_from_logits`)."""

@@ -15,6 +15,9 @@ samples the tokens and records the logprobs of the one-device engine, `torch.equ
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +115,47 @@ def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
         assert r["control"]["differ"] > 0, (what, r["control"])
         assert not r["stale"]["tokens_equal"], what
         assert r["params_held"] < 0.9 * r["params_full"], what  # the split holds a share, not a replica
+
+
+def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(capsys) -> None:
+    from exactrl.cli import main
+
+    # Refused before torchrun starts anything.
+    assert main(["parity", "--tensor-parallel", "3", "--nproc", "2"]) == 2
+    assert "--tensor-parallel (engine.tensor_parallel = 3) must divide --nproc (2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"), [([], ""), (["distributed.generator_ranks=1"], "generator_ranks")]
+)
+def test_train_refuses_a_split_engine_by_key(extra: list[str], words: str) -> None:
+    from exactrl.config import load_config
+    from exactrl.train.preflight import check_run_config
+
+    cfg = load_config(ROOT / "configs" / "quickstart.toml", ["engine.tensor_parallel=2", *extra])
+    with pytest.raises(
+        ValueError, match=rf"engine.tensor_parallel = 2.*{words}.*exactrl train does not split"
+    ):
+        check_run_config(cfg, 2, distributed=True)
+
+
+def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
+    """`exactrl parity --nproc 2 --tensor-parallel 2`: the split engine's weights come from the FSDP2 trainer's
+    shards through the weight sync, and every recorded logprob equals the trainer's (a mixture of experts in bf16:
+    the dense layer, the attention and the head split, the experts replicated)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    argv = ["parity", "--nproc", "2", "--tensor-parallel", "2", "--device", "cpu", "--preset", "tiny-moe"]
+    argv += ["--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "6", "--samples-per-prompt", "2"]
+    p = subprocess.run(
+        [sys.executable, "-m", "exactrl.cli", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (r,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert r["ok"] and r["num_mismatched"] == 0 and r["num_tokens"] > 0, r
+    assert r["tensor_parallel"] == 2 and r["world_size"] == 2, r
