@@ -184,41 +184,55 @@ class VocabParallelEmbedding(nn.Module):
         return stacked[owner, torch.arange(ids.shape[0], device=ids.device)]
 
 
-class TensorParallelCausalLM(CausalLM):
-    """A CausalLM whose weights were split by `shard_engine_model` (the class is swapped in place, as FSDP2's
-    `fully_shard` swaps a module's class). The decoder runs unchanged through the split layers; this class adds
-    the LM head's gather and the number of KV heads the rank caches, and maps full weights to the rank's slices
-    (`shard_full_weight`, the weight sync's way in)."""
+class EngineShardCausalLM(CausalLM):
+    """A CausalLM split over the ranks of one engine (`shard_engine_model`, and for the experts
+    `exactrl.distributed.expert_parallel.shard_experts`); the class is swapped in place, as FSDP2's `fully_shard`
+    swaps a module's class. The decoder runs unchanged through the split layers; this class adds the LM head's
+    gather (when the vocabulary is split), the number of KV heads the rank caches, and the map from full weights
+    to the rank's slices (`shard_full_weight`, the weight sync's way in)."""
 
-    tp: TensorParallelGroup
-    tp_vocab_rows: int  # LM-head / embedding rows per rank (the vocabulary padded to a multiple of T)
-    tp_kv_heads: int
-    tp_slicers: dict[str, Any]
+    shard_group: TensorParallelGroup
+    vocab_split: bool  # the LM head holds this rank's vocabulary rows (tensor parallel)
+    shard_kv_heads: int
+    shard_slicers: dict[str, Any]
 
     @property
     def kv_heads(self) -> int:
-        return self.tp_kv_heads
+        return self.shard_kv_heads
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, D] -> [R, V]: this rank's vocabulary columns (whole K loops), gathered whole, padding cut off."""
+        if not self.vocab_split:
+            return super().head_logits(hidden)
         h, w = self.head_inputs(hidden)
-        full = self.tp.gather_last(self.ops.linear(h, w))
+        full = self.shard_group.gather_last(self.ops.linear(h, w))
         return full[:, : self.config.vocab_size]
 
     def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         return self.ops.scale_logits(self.head_logits(hidden), temperature)
 
     def logprobs(self, hidden, targets, temperature: float = 1.0, with_entropy: bool = False):
+        if not self.vocab_split:
+            return super().logprobs(hidden, targets, temperature, with_entropy)
         if with_entropy:
-            raise ValueError("a tensor-parallel engine shard records logprobs, not entropies")
+            raise ValueError("an engine shard with a split vocabulary records logprobs, not entropies")
         return self.ops.logprobs_from_logits(self.head_logits(hidden), targets, temperature), None
 
     @torch.no_grad()
     def shard_full_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """The rank's slice of the full (unsplit) weight `name`, as the engine shard holds it: what the weight
         sync copies into the shard's own tensor."""
-        slicer = self.tp_slicers.get(name)
+        slicer = self.shard_slicers.get(name)
         return full if slicer is None else slicer(full)
+
+
+def as_engine_shard(model: CausalLM, group: TensorParallelGroup) -> EngineShardCausalLM:
+    """`model` as an EngineShardCausalLM over `group` (nothing split yet, unless it was one already)."""
+    if not isinstance(model, EngineShardCausalLM):
+        model.__class__ = EngineShardCausalLM
+        model.shard_group, model.vocab_split = group, False
+        model.shard_kv_heads, model.shard_slicers = model.config.num_kv_heads, {}
+    return model
 
 
 def check_tensor_parallel(model: CausalLM, size: int) -> None:
@@ -246,7 +260,7 @@ def check_tensor_parallel(model: CausalLM, size: int) -> None:
 def shard_engine_model(model: CausalLM, tp: TensorParallelGroup) -> CausalLM:
     """Split `model` (the engine's own full-weight model in the model dtype, never the trainer's) over the group,
     in place: every split weight replaced by the rank's slice, o_proj / down_proj by `GatheredLinear`, the
-    embedding by `VocabParallelEmbedding`, the class by `TensorParallelCausalLM`. Returns the model."""
+    embedding by `VocabParallelEmbedding`, the class by `EngineShardCausalLM`. Returns the model."""
     check_tensor_parallel(model, tp.size)
     if tp.size == 1:
         return model
@@ -304,9 +318,10 @@ def shard_engine_model(model: CausalLM, tp: TensorParallelGroup) -> CausalLM:
         model.lm_head.weight = nn.Parameter(vocab_rows(model.lm_head.weight), requires_grad=False)
         slicers["lm_head.weight"] = vocab_rows
 
-    model.__class__ = TensorParallelCausalLM
-    model.tp, model.tp_vocab_rows, model.tp_kv_heads, model.tp_slicers = tp, per, hs.num_kv_heads, slicers
-    return model
+    shard = as_engine_shard(model, tp)
+    shard.vocab_split, shard.shard_kv_heads = True, hs.num_kv_heads
+    shard.shard_slicers.update(slicers)
+    return shard
 
 
 def _split_packed(

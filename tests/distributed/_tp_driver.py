@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exactrl.distributed.expert_parallel import ExpertParallelExperts, shard_experts
 from exactrl.distributed.tensor_parallel import (
     GatheredLinear,
     TensorParallelGroup,
@@ -83,6 +84,34 @@ def partial_sum_control(full: nn.Module, tp: TensorParallelGroup) -> nn.Module:
     return model
 
 
+class PartialCombineExperts(ExpertParallelExperts):
+    """The expert-parallel negative control: each rank combines its own experts' weighted outputs, rounds that
+    partial sum to the model dtype and the ranks all-reduce the partials (a combine split over the ranks)."""
+
+    def forward(self, ops: Ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        per = self.gate_up.shape[0]
+        local = ids - self.first_expert
+        own = (local >= 0) & (local < per)
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for r in range(ids.shape[1]):
+            rows = own[:, r].nonzero()[:, 0]
+            if rows.numel():
+                ones = torch.ones(rows.numel(), 1, dtype=torch.float32)
+                o = ops.moe_experts(x[rows], self.gate_up, self.down, ones, local[rows, r, None])
+                acc[rows] = acc[rows] + weights[rows, r, None] * o.float()
+        out = acc.to(x.dtype)
+        dist.all_reduce(out, group=self.group.group)
+        return out
+
+
+def expert_control(full: nn.Module, tp: TensorParallelGroup) -> nn.Module:
+    model = shard_experts(copy.deepcopy(full), tp)
+    for m in model.modules():
+        if isinstance(m, ExpertParallelExperts):
+            m.__class__ = PartialCombineExperts
+    return model
+
+
 def generate(model, prompts, decode_mode: str = "eager"):
     cfg = EngineConfig(block_size=16, num_kv_blocks=10, prefill_chunk_size=16, max_num_batched_tokens=40)
     engine = RolloutEngine(model, cfg)
@@ -136,7 +165,24 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
     dist.all_gather_object(everyone, mine, group=tp.group)
     assert all(x == mine for x in everyone), "the ranks of the split engine disagree"
     held = sum(p.numel() for p in split.parameters())
-    return {
+    ep = {}
+    if job.get("expert_parallel"):
+        ep_only = shard_experts(copy.deepcopy(full), tp)
+        both = shard_experts(shard_engine_model(copy.deepcopy(full), tp), tp)
+        synced_both = shard_experts(
+            shard_engine_model(build_model(cfg, dtype=dtype, exact=True, seed=5), tp), tp
+        )
+        with torch.no_grad():
+            for name, p in synced_both.named_parameters():
+                p.copy_(synced_both.shard_full_weight(name, dict(full.named_parameters())[name]))
+        ep = {
+            "ep2": compare(one, generate(ep_only, prompts)),
+            "tp2_ep2": compare(one, generate(both, prompts, "static")),
+            "tp2_ep2_synced": compare(one, generate(synced_both, prompts)),
+            "ep_control": compare(one, generate(expert_control(full, tp), prompts)),
+            "params_held_ep": sum(p.numel() for p in both.parameters()),
+        }
+    return ep | {
         "preset": job["preset"],
         "dtype": job["dtype"],
         "tokens": sum(len(t) for t in one[0]),

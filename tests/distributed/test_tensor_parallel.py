@@ -9,6 +9,8 @@ samples the tokens and records the logprobs of the one-device engine, `torch.equ
   static decode; the ranks agree; a shard loaded from full weights (the weight sync) samples the same, a stale
   one does not; and the negative control, o_proj / down_proj as row-parallel layers with all-reduced partial
   sums, records other logprobs on the same inputs;
+- expert parallel (exactrl/distributed/expert_parallel.py) on the bf16 Qwen2-MoE, alone and with tensor parallel:
+  the same bits, and its control (each rank's partial combine rounded to bf16, then all-reduced) differs;
 - what is not done is refused by key.
 """
 
@@ -95,7 +97,7 @@ def test_lora_and_a_world_size_it_does_not_divide_are_refused() -> None:
 
 JOBS = [
     {"preset": "tiny", "dtype": "float32"},
-    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16"},
+    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True},
     {"preset": "tiny-llama", "dtype": "float32", "overrides": {"num_kv_heads": 1, "vocab_size": 509}},
 ]
 
@@ -115,6 +117,23 @@ def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
         assert r["control"]["differ"] > 0, (what, r["control"])
         assert not r["stale"]["tokens_equal"], what
         assert r["params_held"] < 0.9 * r["params_full"], what  # the split holds a share, not a replica
+        if (
+            "ep2" in r
+        ):  # expert parallel alone, and with tensor parallel (static decode), and loaded from full
+            for key in ("ep2", "tp2_ep2", "tp2_ep2_synced"):
+                assert r[key]["tokens_equal"] and r[key]["logprobs_equal"], (what, key, r[key])
+            # The control: each rank's partial combine rounded to the model dtype, then all-reduced.
+            assert r["ep_control"]["differ"] > 0, (what, r["ep_control"])
+            assert r["params_held_ep"] < r["params_held"], what
+
+
+def test_expert_parallel_refuses_what_it_cannot_split() -> None:
+    from exactrl.distributed.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ValueError, match="engine.expert_parallel = 2: the model has no sparse"):
+        check_expert_parallel(build_model(preset("tiny"), exact=True), 2)
+    with pytest.raises(ValueError, match="engine.expert_parallel = 3 does not divide the model's 8 experts"):
+        check_expert_parallel(build_model(preset("tiny-moe"), exact=True), 3)
 
 
 def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(capsys) -> None:
