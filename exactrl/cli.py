@@ -95,7 +95,13 @@ def cmd_parity(args) -> int:
     ctx = init_from_env(resolve_device(args.device))
     args.device = rank_device(ctx, resolve_device(args.device))
     model, tok = _load(args)
-    engine_model, scorer = sharded_parity_models(model, ctx) if ctx.distributed else (model, model)
+    tp = None
+    if args.tensor_parallel != 1:  # refused by key before any group is made: world size, heads, LoRA
+        from exactrl.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel_groups
+
+        check_tensor_parallel(model, args.tensor_parallel)
+        tp = tensor_parallel_groups(ctx.rank, ctx.world_size, args.tensor_parallel)
+    engine_model, scorer = sharded_parity_models(model, ctx, tp) if ctx.distributed else (model, model)
     temps = args.temperature or [0.7]
     results = []
     for t in temps:
@@ -112,6 +118,7 @@ def cmd_parity(args) -> int:
             prefill_chunk=args.prefill_chunk,
             shared_prefix=args.shared_prefix,
             prompt_vocab=tok.vocab_size,
+            tp=tp,
         )
         results.append(r)
     if args.json:
@@ -381,8 +388,16 @@ def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
 
 
 def _parity_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    if args.num_prompts < nproc:  # as run_parity says on each rank
-        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of ranks ({nproc})")
+    t = args.tensor_parallel
+    if t < 1 or nproc % t:
+        raise ValueError(
+            f"--tensor-parallel (engine.tensor_parallel = {t}) must divide --nproc ({nproc}): every engine needs "
+            f"{t} ranks of its own"
+        )
+    engines = nproc // t
+    if args.num_prompts < engines:  # as run_parity says on each rank
+        what = f"ranks ({nproc})" if t == 1 else f"engines ({engines}: {nproc} ranks / --tensor-parallel {t})"
+        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
 
 
 def _quiet_unless_rank0() -> None:
@@ -477,6 +492,14 @@ def _main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="recompute a run's mismatch report (<output_dir>/mismatch-<step>/) from its weights and print where "
         "engine and trainer diverge; --device defaults to the run's, --mode to exact",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="engine.tensor_parallel: each group of T ranks shares one engine split over them (1/T of its weights "
+        "and KV cache each), checked against the FSDP2 trainer; T must divide --nproc",
     )
     add_nproc_arg(p)
     p.set_defaults(func=cmd_parity, before_launch=_parity_before_launch)

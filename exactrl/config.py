@@ -302,8 +302,13 @@ class EngineConfig:
     sync's all-gather), so that generation and training do not hold each other's memory. The same bits either
     way. Not with algorithm.max_off_policy_steps >= 1 or algorithm.overlap = "tail", where generation runs during
     training."""
+    tensor_parallel: int = 1
+    """Ranks that share one rollout engine, each holding 1/T of its weights and KV cache, sampling the bits of the
+    one-device engine (exactrl/distributed/tensor_parallel.py). `exactrl parity --tensor-parallel T` runs it;
+    `exactrl train` refuses T > 1 for now."""
 
     def validate(self) -> None:
+        _check_at_least(self.tensor_parallel, 1, "engine.tensor_parallel")
         _check_at_least(self.block_size, 16, "engine.block_size")
         if self.block_size % 16:
             _fail("engine.block_size", f"must be a multiple of 16, got {self.block_size}")

@@ -13,6 +13,9 @@ Under torchrun (`exactrl parity --nproc N`) every rank checks its share of the p
 request ids, so each prompt samples what it samples on one process) with its own engine on a full replica, and
 scores through the trainer's real forward: an FSDP2-sharded copy of the model (fp32 shards, compute in the model
 dtype), the replica refreshed from the shards as after a training step. The counts are summed over the ranks.
+With `--tensor-parallel T` each group of T ranks shares one engine split over them (exactrl/distributed/
+tensor_parallel.py), its weights taken from the trainer's shards by the weight sync; the trainer is the same FSDP2
+model, so the check is the split engine against the trainer, token by token.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.distributed.env import DistContext
+from exactrl.distributed.tensor_parallel import TensorParallelGroup, shard_engine_model
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.qwen import CausalLM
@@ -69,6 +73,8 @@ class ParityResult:
     compositions: list[str] = field(default_factory=list)
     world_size: int = 1
     """Ranks whose shares the figures sum (under torchrun: each with its engine and the FSDP-sharded trainer)."""
+    tensor_parallel: int = 1
+    """Ranks that shared one engine (each holding 1/T of its weights and KV cache)."""
 
     @property
     def ok(self) -> bool:
@@ -86,6 +92,8 @@ class ParityResult:
             f"prefill chunks of {self.prefill_chunk} tokens",
             f"{len(self.compositions)} batch compositions ({', '.join(self.compositions)})",
         ]
+        if self.tensor_parallel > 1:
+            parts.append(f"each engine split over {self.tensor_parallel} ranks (engine.tensor_parallel)")
         missing = [
             name
             for name, n in (
@@ -123,17 +131,23 @@ def small_kv_blocks(prompts: list[list[int]], max_tokens: int, samples: int, blo
     return 2 * per_request
 
 
-def sharded_parity_models(model: CausalLM, ctx: DistContext) -> tuple[CausalLM, CausalLM]:
+def sharded_parity_models(
+    model: CausalLM, ctx: DistContext, tp: TensorParallelGroup | None = None
+) -> tuple[CausalLM, CausalLM]:
     """(the engine's model, the trainer's model) of a run at ctx's world size: on one process both are `model`;
     under torchrun `model` is sharded in place with FSDP2 as training shards it, and the engine gets a full
-    replica refreshed from the shards by the training path's weight sync."""
+    replica refreshed from the shards by the training path's weight sync. With a tensor-parallel group `tp` the
+    replica is split over the group first (`shard_engine_model`) and the sync copies each rank's slice of every
+    gathered weight into it."""
     from exactrl.distributed.parallelize import Parallelism
 
     par = Parallelism(ctx)
     replica = par.engine_model(model)
+    if tp is not None and tp.size > 1:
+        replica = shard_engine_model(replica, tp)
     par.parallelize(model, trainable=False)
     par.bind(model, replica)
-    par.sync_weights()
+    par.sync_weights(full=True)
     return replica, model
 
 
@@ -176,12 +190,16 @@ def run_parity(
     microbatch_tokens: tuple[int, ...] = (64, 1000, 1 << 30),
     scorer: CausalLM | None = None,
     dist: DistContext | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> ParityResult:
     """kv_blocks: 0 = small_kv_blocks (preemption), None = sized from memory.
 
     model: what the engine samples from; scorer: the trainer-side model that scores the tokens (default `model`;
     under torchrun the FSDP-sharded copy, see `sharded_parity_models`). dist: this rank's place; the result is
-    the sum over every rank's share of the prompts (every rank returns it)."""
+    the sum over every rank's share of the prompts (every rank returns it). tp: the tensor-parallel group `model`
+    is split over: its ranks share one engine, so they take the same share of the prompts (the group's), run the
+    same engine calls, and only the group's first rank counts them (each rank still scores and compares; the ranks
+    of a group must have recorded the same tokens and logprobs, or the check fails)."""
     start = time.perf_counter()
     ctx = dist or DistContext.single()
     scorer = scorer or model
@@ -189,11 +207,13 @@ def run_parity(
     all_prompts = random_prompts(num_prompts, vocab, seed, shared_prefix=shared_prefix)
     all_others = random_prompts(num_prompts, vocab, seed + 1)
     # This rank's share, under the prompts' global indices: each request samples what it samples at world size 1.
-    if num_prompts < ctx.world_size:
-        raise ValueError(
-            f"--num-prompts ({num_prompts}) must be at least the number of ranks ({ctx.world_size})"
-        )
-    ids = list(ctx.shard(num_prompts))
+    engines = ctx.world_size if tp is None else tp.dp_size
+    if num_prompts < engines:
+        what = f"ranks ({ctx.world_size})" if tp is None else f"engines ({engines})"
+        raise ValueError(f"--num-prompts ({num_prompts}) must be at least the number of {what}")
+    ids = list(
+        ctx.shard(num_prompts) if tp is None else DistContext(tp.dp_rank, tp.dp_size).shard(num_prompts)
+    )
     prompts = [all_prompts[i] for i in ids]
     others = [all_others[i] for i in ids]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=samples_per_prompt)
@@ -261,8 +281,17 @@ def run_parity(
             bad += int((rec != lp).sum())
             max_diff = max(max_diff, float(d.max()))
             sum_diff += float(d.sum())
-    # The whole check's figures: sums (and the maximum) over the ranks.
+    if tp is not None and tp.size > 1:
+        # One engine over the group: its ranks sampled the same tokens with the same logprobs, or the split broke.
+        mine = [[(s.token_ids, s.rollout_logprobs.tolist()) for s in o.samples] for o in reference]
+        split_disagrees = int(any(x != mine for x in tp.gather_objects(mine)))
+        lead = tp.rank == 0
+    else:
+        split_disagrees, lead = 0, True
+    # The whole check's figures: sums (and the maximum) over the ranks (over the engines with tensor parallel).
     counts = [num, bad, other_tokens, preemptions, *(block_stats[k] for k in _BLOCK_STATS)]
+    counts = [x if lead else 0 for x in counts]
+    counts[1] += split_disagrees  # a group whose ranks disagree fails the check
     num, bad, other_tokens, preemptions, *blocks = (int(x) for x in ctx.all_reduce(counts))
     block_stats = dict(zip(_BLOCK_STATS, blocks))
     sum_diff, max_diff = ctx.sum(sum_diff), ctx.max(max_diff)
@@ -289,4 +318,5 @@ def run_parity(
         cow_copies=int(block_stats["cow_copies"]),
         compositions=list(compositions),
         world_size=ctx.world_size,
+        tensor_parallel=1 if tp is None else tp.size,
     )

@@ -9,7 +9,8 @@ model and nothing here does anything. Under torchrun:
   a LoRA base or the KL reference, stay in the model dtype) and
   `MixedPrecisionPolicy(param_dtype=<model dtype>, reduce_dtype=float32)`: the forward computes with the
   all-gathered parameters cast to the model dtype, gradients are reduce-scattered in fp32.
-- Engine: one per rank, on a full-weight replica in the model dtype, refreshed in place after every optimizer
+- Engine: one per rank (or one per group of `engine.tensor_parallel` ranks, each rank holding its slice of the
+  weights: the sync copies that slice of each gathered weight), on a full-weight replica in the model dtype, refreshed in place after every optimizer
   step from the shards (`sync_weights`: cast each shard to the model dtype, all-gather, copy into the replica's
   own tensors, so captured CUDA graphs stay valid). A cast is elementwise, so casting then gathering gives the
   bits FSDP's own cast-then-gather gives the trainer's forward: the engine samples with the very weights the
@@ -137,6 +138,7 @@ class Parallelism:
         self._pairs = []
         self._trained = []
         self._names: dict[int, str] = {}
+        self._engine = engine_model
         for name, p in trainer_model.named_parameters():
             if name not in mine:
                 raise RuntimeError(f"engine replica has no parameter {name!r}")
@@ -190,7 +192,8 @@ class Parallelism:
         e = None
         for p, e in self._pairs if full else self._trained:
             gathered = p.detach().to(e.dtype).full_tensor()
-            e.copy_(gathered)
+            # The engine's part of the full weight: all of it, or a tensor-parallel shard's slice (bytes either way).
+            e.copy_(self._engine.shard_full_weight(self._names[id(e)], gathered))
             moved += gathered.numel() * gathered.element_size()
         if e is not None and e.is_cuda:
             torch.cuda.synchronize(e.device)

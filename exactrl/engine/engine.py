@@ -49,6 +49,9 @@ class EngineConfig:
     # Read by the RL loop's memory phases (exactrl/train/phases.py), which call `release_kv` while the trainer
     # runs; a call to `generate` allocates a released cache again whatever this says.
     release_memory: bool = True
+    # Ranks that share this engine (exactrl/distributed/tensor_parallel.py splits its model before the engine is
+    # built; the engine itself runs the split model unchanged). Carried for the config's round trip.
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -383,8 +386,7 @@ class _Generation:
             if fused:
                 return runner.decode_sample(drows, self.temperature, self.greedy)
             hidden, key_parts = runner.decode(drows)
-            h, w = model.head_inputs(hidden)
-            raw = ops.linear(h, w)
+            raw = model.head_logits(hidden)
         elif rows:
             entries = [StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries]
             hidden = runner.forward(entries)
@@ -401,8 +403,7 @@ class _Generation:
             )
             # Built on the host, one asynchronous copy: nothing here waits for the GPU.
             uniq_d, inv_d, key_parts = upload_int64([uniq, inv.reshape(-1), parts], model.device)
-            h, w = model.head_inputs(hidden[uniq_d])
-            raw = ops.linear(h, w)[inv_d]
+            raw = model.head_logits(hidden[uniq_d])[inv_d]
         else:  # prefill chunks that sample nothing yet
             runner.forward([StepEntry(e.token_ids, e.start, e.block_table) for e in batch.entries])
             return None

@@ -87,7 +87,7 @@ class StepOutput:
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype | None = None) -> int:
     cfg = model.config
     itemsize = torch.empty((), dtype=dtype or model.dtype).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return cfg.num_layers * 2 * model.kv_heads * cfg.head_dim * itemsize
 
 
 def auto_num_blocks(model: CausalLM, block_size: int, memory_fraction: float, max_tokens_needed: int) -> int:
@@ -141,7 +141,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len, cfg.max_position_embeddings)
         self.kv_device, self.kv_dtype = model.device, model.dtype
-        self.kv_shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_shape = (num_blocks + 1, block_size, model.kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_flat: torch.Tensor | None = None
         # Memory phases (exactrl/train/phases.py): the cache is freed while the trainer runs and allocated again
@@ -454,8 +454,7 @@ class _StaticDecode:
         ops = self.model.ops
         prev = self.prev_row[:b]
         ids = torch.where(prev >= 0, self.last_tokens.index_select(0, prev.clamp(min=0)), self.ids[:b])
-        h, w = self.model.head_inputs(self._body(b, ids))
-        raw = ops.linear(h, w)
+        raw = self.model.head_logits(self._body(b, ids))
         g = self.greedy_mask[:b] if greedy else None
         if raw.is_cuda:
             from exactrl.ops.triton.sampling import gumbel_argmax

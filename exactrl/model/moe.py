@@ -41,6 +41,11 @@ class Experts(nn.Module):
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
+    def forward(self, ops: Ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, D], weights: [T, k] fp32, ids: [T, k] -> [T, D]: the routed experts through `ops.moe_experts`
+        (an expert-parallel engine shard swaps this module, exactrl/distributed/expert_parallel.py)."""
+        return ops.moe_experts(x, self.gate_up, self.down, weights, ids)
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         d, i = self.gate_up.shape[2], self.intermediate_size
         return {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
@@ -177,7 +182,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
         if self.router_collector is not None:
             self.router_collector.record(self, logits, weights, ids)
-        out = ops.moe_experts(x, self.experts.gate_up, self.experts.down, weights, ids)
+        out = self.experts(ops, x, weights, ids)
         if self.shared_expert is not None:
             # transformers' order and dtypes: sigmoid of the gate in the model dtype, times the shared output,
             # added to the routed output (each product and sum rounded once to the model dtype). The sigmoid goes

@@ -164,6 +164,12 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads each attention layer of this model object computes and caches: config.num_kv_heads (a
+        tensor-parallel engine shard holds fewer, exactrl/distributed/tensor_parallel.py)."""
+        return self.config.num_kv_heads
+
     def rope_table(self, device: torch.device) -> torch.Tensor:
         """fp32 [max_pos, head_dim] table: cos of each frequency in the first half, sin in the second (both
         times the RoPE scaling's attention factor, 1 but for YaRN).
@@ -213,6 +219,17 @@ class CausalLM(nn.Module):
         if self.fp32_lm_head:  # LM head and softmax in fp32 from bf16 hidden states, on both paths
             return hidden.float(), w.float()
         return hidden, w
+
+    def shard_full_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the full (unsplit) parameter `name` this model object holds: all of it (a tensor-parallel
+        engine shard holds its rank's slice): what a weight sync copies into the parameter."""
+        return full
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, D] -> [R, V] raw LM-head output (`linear`, model dtype or fp32 with fp32_lm_head): the rows
+        the engine samples from and records logprobs of (`Ops.scale_logits`, `Ops.logprobs_from_logits`)."""
+        h, w = self.head_inputs(hidden)
+        return self.ops.linear(h, w)
 
     def logprobs(
         self,

@@ -32,6 +32,17 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> N
     from exactrl.train.partial import check_partial_supported
 
     cfg.validate()
+    if cfg.engine.tensor_parallel > 1:
+        layout = (
+            f" with distributed.generator_ranks = {cfg.distributed.generator_ranks}"
+            if cfg.distributed.generator_ranks
+            else ""
+        )
+        raise ValueError(
+            f"engine.tensor_parallel = {cfg.engine.tensor_parallel}{layout}: exactrl train does not split its "
+            "engine yet (the RL loop would give each rank of a group the same rollouts to train on); "
+            "`exactrl parity --tensor-parallel T` runs the split engine. Set engine.tensor_parallel = 1"
+        )
     check_offpolicy(cfg, distributed)
     check_partial_supported(cfg, distributed)
     check_dynamic_sampling_supported(cfg, distributed)

@@ -1,0 +1,98 @@
+"""Expert parallel for the rollout engine (`engine.expert_parallel = E`): the E ranks of one engine each hold
+num_experts / E of every sparse layer's routed experts (rank r: experts r * E/E .. contiguous), and a token's
+output is bitwise the one-device engine's.
+
+Why the bits cannot change (the MoE rules of DESIGN.md, applied across ranks):
+- The router is replicated: every rank computes the same logits, top-k and weights from the same input.
+- A token's expert computation runs whole on the rank that holds the expert, through the same `ops.moe_experts`
+  on that rank's stack: the exact backends give a row its bits whatever other rows its expert received and
+  wherever it sits (the op's contract), so computing only this rank's (token, rank) slots changes nothing. The op
+  is asked for each slot alone, with routing weight 1.0 (k = 1): its combine then rounds `1.0 * o.float()` once
+  to the model dtype, which is o itself (the guard's layer probe does the same, exactrl/guard/layers.py).
+- Tokens to experts and back: the ranks of an engine hold the same tokens (the activations are replicated, or
+  gathered whole by tensor parallel), so a rank picks its slots locally; an all-gather of the slot outputs (bytes)
+  brings every slot's output to every rank.
+- The combine is the exact backends' own, in fp32 in rank order (`combine_rank_order`: mul then add, each
+  rounded, one cast), on the same [T, k, D] outputs. The Triton combine adds w0 * o0 to an accumulator of 0,
+  which differs from w0 * o0 only in the sign of a zero (0 + -0 = +0), and torch.equal does not see that.
+
+The all-gather moves T * k * D per rank (each rank's slots at their place in a zero buffer): simple and exact; an
+all-to-all of variable counts would move a 1/E share. Not done: expert parallel in the trainer (FSDP2 shards the
+stacks there), experts that E does not divide (refused by key).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exactrl.distributed.tensor_parallel import EngineShardCausalLM, TensorParallelGroup, as_engine_shard
+from exactrl.model.moe import Experts, SparseMoeBlock
+from exactrl.model.qwen import CausalLM
+from exactrl.ops import Ops
+from exactrl.ops.moe_torch import combine_rank_order
+
+
+class ExpertParallelExperts(nn.Module):
+    """A sparse layer's routed experts split over the engine's ranks: this rank's `gate_up` [E/size, 2I, D] and
+    `down` [E/size, D, I], experts first_expert .. first_expert + E/size - 1."""
+
+    def __init__(self, experts: Experts, group: TensorParallelGroup):
+        super().__init__()
+        per = experts.num_experts // group.size
+        self.first_expert, self.group = group.rank * per, group
+        self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        span = slice(self.first_expert, self.first_expert + per)
+        self.gate_up = nn.Parameter(experts.gate_up[span].detach().clone(), requires_grad=False)
+        self.down = nn.Parameter(experts.down[span].detach().clone(), requires_grad=False)
+
+    def forward(self, ops: Ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, k = ids.shape
+        per = self.gate_up.shape[0]
+        flat = ids.reshape(-1)  # slot s = t * k + r
+        local = flat - self.first_expert
+        slots = ((local >= 0) & (local < per)).nonzero()[:, 0]
+        mine = x.new_zeros(T * k, x.shape[1])
+        if slots.numel():
+            ones = torch.ones(slots.numel(), 1, dtype=torch.float32, device=x.device)
+            mine[slots] = ops.moe_experts(x[slots // k], self.gate_up, self.down, ones, local[slots, None])
+        every = torch.stack(self.group.gather(mine))  # [size, T * k, D]: each slot's output on its owner
+        outs = every[flat // per, torch.arange(T * k, device=x.device)].view(T, k, x.shape[1])
+        return combine_rank_order(outs, weights, x.dtype)
+
+
+def check_expert_parallel(model: CausalLM, size: int) -> None:
+    """Refuse, by key, what `shard_experts` does not do."""
+    if size == 1:
+        return
+    key = f"engine.expert_parallel = {size}"
+    if not any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        raise ValueError(f"{key}: the model has no sparse (mixture-of-experts) layer; set it to 1")
+    if model.config.num_experts % size:
+        raise ValueError(f"{key} does not divide the model's {model.config.num_experts} experts")
+    if model.lora_spec is not None:
+        raise ValueError(
+            f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.expert_parallel = 1"
+        )
+
+
+@torch.no_grad()
+def shard_experts(model: CausalLM, group: TensorParallelGroup) -> EngineShardCausalLM | CausalLM:
+    """Split every sparse layer's routed experts of the engine's own model over `group`, in place (the model may
+    be split by tensor parallel already, over the same group). Returns the model."""
+    check_expert_parallel(model, group.size)
+    if group.size == 1:
+        return model
+    shard = as_engine_shard(model, group)
+    per = model.config.num_experts // group.size
+    lo = group.rank * per
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        return full[lo : lo + per].contiguous()
+
+    for name, m in model.named_modules():
+        if isinstance(m, SparseMoeBlock):
+            m.experts = ExpertParallelExperts(m.experts, group)
+            shard.shard_slicers[f"{name}.experts.gate_up"] = take
+            shard.shard_slicers[f"{name}.experts.down"] = take
+    return shard

@@ -1,0 +1,355 @@
+"""Tensor parallel for the rollout engine that keeps the bits: T ranks each hold 1/T of the engine's weights and
+of its KV cache, and every logit they sample from is bitwise the one-device engine's.
+
+The rule that makes it exact by construction: **every output element is one in-order K loop on one rank.**
+
+- Column splits keep an element's K loop whole: q/k/v (heads), gate/up (intermediate features), the LM head
+  (vocabulary) hold a contiguous slice of their output rows; each rank computes its output columns from the
+  whole input, with the same `linear` the one-device engine runs. The exact `linear` gives a column its bits
+  whatever else is in the call: on the CPU measured (tests/distributed/test_tensor_parallel.py sweeps column
+  slices against the full weight), on the GPU by the Triton GEMM's construction (the tile it picks may change
+  with N, but every tile of its family runs the same in-order chain of MMAs per element: the property that already
+  makes a row independent of M, exactrl/ops/triton/matmul.py).
+- The layers that read what the split produced (o_proj reads the heads, down_proj the intermediate features)
+  would be Megatron's row-parallel layers: each rank a slice of K, then an all-reduce of partial sums, which
+  rounds differently from the one-device chain. Here they gather their input instead (`GatheredLinear`): an
+  all-gather of the split features, in rank order, rebuilds the whole input on every rank; each rank computes a
+  column slice of the output over the whole K; an all-gather rebuilds the whole output. Two all-gathers of [T, D]
+  and [T, K] per layer instead of one all-reduce of [T, D]: more bytes, and no arithmetic in any collective.
+- Attention is per head: a rank attends with its query heads and the KV heads they read, and caches only those.
+  With num_kv_heads >= T the KV heads split like the query heads (T must divide both); with num_kv_heads < T
+  (T a multiple of it) each rank holds the one KV head its query heads read, so T / num_kv_heads ranks hold
+  copies of each KV head (vLLM does the same): the KV cache is then 1/num_kv_heads of the whole per rank.
+- Everything else is replicated and computed identically on every rank: norms, residual adds, RoPE, the MoE
+  router and its experts (a sparse layer's shared expert splits like a dense MLP), sampling. The embedding is
+  split by vocabulary: each rank looks its rows up and an all-gather picks every token's row from its owner (a
+  copy). The LM head's logits are gathered whole before the logprob and sampling ops, which see the row the
+  one-device engine sees; the vocabulary is padded to a multiple of T with zero rows that are cut off after the
+  gather.
+
+Collectives move bits, never add: every gather here is an all-gather of the tensors' bytes.
+
+Not done (refused where configured): LoRA adapters on a split projection, hidden or intermediate sizes that T does
+not divide. What a run needs of the ranks: the T ranks of a group run the same engine calls in the same order
+(the same prompts, the same request ids): the scheduler is deterministic and the logits every rank samples from
+are the same bits, so they stay in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from exactrl.model.layers import MLP, Linear, PackedLinear
+from exactrl.model.qwen import Attention, CausalLM
+from exactrl.ops import Ops
+
+
+@dataclass
+class TensorParallelGroup:
+    """The ranks that share one engine: `size` of them, this one at `rank` in the group; `group` the process
+    group (None: the default group, every rank of the job). `dp_rank` / `dp_size`: which of the job's engines
+    this is, and how many there are (the job's ranks split into consecutive groups of `size`)."""
+
+    size: int
+    rank: int
+    group: Any = None
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., n] on every rank -> [..., size * n], rank r's x at columns r*n .. (r+1)*n - 1, bit for bit
+        (the bytes move as integers: a collective adds nothing here)."""
+        return torch.cat(self.gather(x), dim=-1)
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x (same shape and dtype everywhere), in rank order."""
+        x = x.contiguous()
+        xb = x.view(torch.uint8)  # bytes (gloo gathers uint8 whatever the dtype; a copy either way)
+        parts = [torch.empty_like(xb) for _ in range(self.size)]
+        dist.all_gather(parts, xb, group=self.group)
+        return [p.view(x.dtype) for p in parts]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def tensor_parallel_groups(rank: int, world_size: int, size: int) -> TensorParallelGroup:
+    """This rank's group when the job's `world_size` ranks split into consecutive groups of `size` (ranks
+    0..size-1 share one engine, size..2*size-1 the next, ...). Every rank calls it (the groups are made
+    collectively)."""
+    if size < 1:
+        raise ValueError(f"engine.tensor_parallel must be at least 1, got {size}")
+    if world_size % size:
+        raise ValueError(
+            f"engine.tensor_parallel = {size} does not divide the world size {world_size}: every engine needs "
+            f"{size} ranks of its own"
+        )
+    mine = None
+    for start in range(0, world_size, size):
+        ranks = list(range(start, start + size))
+        g = dist.new_group(ranks=ranks) if size > 1 and size < world_size else None
+        if rank in ranks:
+            mine = g
+    return TensorParallelGroup(size, rank % size, mine, rank // size, world_size // size)
+
+
+# -- which rows of a full weight a rank holds ------------------------------------------------------------------
+def _span(n: int, tp: TensorParallelGroup) -> slice:
+    per = n // tp.size
+    return slice(tp.rank * per, (tp.rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """A rank's attention heads: query heads q0 .. q0 + num_heads - 1, KV heads kv0 .. kv0 + num_kv_heads - 1."""
+
+    q0: int
+    num_heads: int
+    kv0: int
+    num_kv_heads: int
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: TensorParallelGroup) -> HeadSplit:
+    t = tp.size
+    if num_heads % t:
+        raise ValueError(
+            f"engine.tensor_parallel = {t} does not divide the model's {num_heads} attention heads: a rank holds "
+            "whole heads"
+        )
+    if num_kv_heads % t and t % num_kv_heads:
+        raise ValueError(
+            f"engine.tensor_parallel = {t} and the model's {num_kv_heads} KV heads: one must divide the other (a "
+            "rank holds whole KV heads, or one KV head its query heads share)"
+        )
+    hq = num_heads // t
+    q0 = tp.rank * hq
+    if num_kv_heads >= t:
+        hkv = num_kv_heads // t
+        return HeadSplit(q0, hq, tp.rank * hkv, hkv)
+    # Fewer KV heads than ranks: the KV head this rank's query heads read (all of them read the same one, since
+    # num_heads / T query heads divide the num_heads / num_kv_heads of a group).
+    return HeadSplit(q0, hq, q0 // (num_heads // num_kv_heads), 1)
+
+
+@torch.no_grad()
+def _rows(full: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows [a, b) of each piece of `full`, concatenated (a new contiguous tensor)."""
+    return torch.cat([full[a:b] for a, b in pieces]).contiguous()
+
+
+# -- the split layers ---------------------------------------------------------------------------------------
+class GatheredLinear(Linear):
+    """o_proj / down_proj of a tensor-parallel engine: the input arrives split by features over the ranks; an
+    all-gather makes it whole (K whole on every rank), the rank computes its slice of the output columns (its
+    rows of the weight) with one in-order K loop per element, and an all-gather makes the output whole."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup):
+        nn.Module.__init__(self)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.lora = None
+        self.tp = tp
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.gather_last(x)  # [T, K]: the features of every rank, in rank order (= the unsplit order)
+        return self.tp.gather_last(ops.linear(x, self.weight, self.bias))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding split by vocabulary (rows of `weight`: this rank's ids vocab_start .. + rows - 1). A
+    token's row is looked up by the rank that holds it and copied to every rank by an all-gather."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, tp: TensorParallelGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_start, self.tp = vocab_start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < rows)
+        out = nn.functional.embedding(
+            torch.where(mine, local, 0), self.weight
+        )  # others' tokens: ignored rows
+        owner = ids // rows
+        stacked = torch.stack(self.tp.gather(out))  # [size, T, D]
+        return stacked[owner, torch.arange(ids.shape[0], device=ids.device)]
+
+
+class EngineShardCausalLM(CausalLM):
+    """A CausalLM split over the ranks of one engine (`shard_engine_model`, and for the experts
+    `exactrl.distributed.expert_parallel.shard_experts`); the class is swapped in place, as FSDP2's `fully_shard`
+    swaps a module's class. The decoder runs unchanged through the split layers; this class adds the LM head's
+    gather (when the vocabulary is split), the number of KV heads the rank caches, and the map from full weights
+    to the rank's slices (`shard_full_weight`, the weight sync's way in)."""
+
+    shard_group: TensorParallelGroup
+    vocab_split: bool  # the LM head holds this rank's vocabulary rows (tensor parallel)
+    shard_kv_heads: int
+    shard_slicers: dict[str, Any]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.shard_kv_heads
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, D] -> [R, V]: this rank's vocabulary columns (whole K loops), gathered whole, padding cut off."""
+        if not self.vocab_split:
+            return super().head_logits(hidden)
+        h, w = self.head_inputs(hidden)
+        full = self.shard_group.gather_last(self.ops.linear(h, w))
+        return full[:, : self.config.vocab_size]
+
+    def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return self.ops.scale_logits(self.head_logits(hidden), temperature)
+
+    def logprobs(self, hidden, targets, temperature: float = 1.0, with_entropy: bool = False):
+        if not self.vocab_split:
+            return super().logprobs(hidden, targets, temperature, with_entropy)
+        if with_entropy:
+            raise ValueError("an engine shard with a split vocabulary records logprobs, not entropies")
+        return self.ops.logprobs_from_logits(self.head_logits(hidden), targets, temperature), None
+
+    @torch.no_grad()
+    def shard_full_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The rank's slice of the full (unsplit) weight `name`, as the engine shard holds it: what the weight
+        sync copies into the shard's own tensor."""
+        slicer = self.shard_slicers.get(name)
+        return full if slicer is None else slicer(full)
+
+
+def as_engine_shard(model: CausalLM, group: TensorParallelGroup) -> EngineShardCausalLM:
+    """`model` as an EngineShardCausalLM over `group` (nothing split yet, unless it was one already)."""
+    if not isinstance(model, EngineShardCausalLM):
+        model.__class__ = EngineShardCausalLM
+        model.shard_group, model.vocab_split = group, False
+        model.shard_kv_heads, model.shard_slicers = model.config.num_kv_heads, {}
+    return model
+
+
+def check_tensor_parallel(model: CausalLM, size: int) -> None:
+    """Refuse, by key, what `shard_engine_model` does not do (before any group is made)."""
+    cfg = model.config
+    key = f"engine.tensor_parallel = {size}"
+    if size == 1:
+        return
+    if model.lora_spec is not None:
+        raise ValueError(
+            f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.tensor_parallel = 1"
+        )
+    head_split(cfg.num_heads, cfg.num_kv_heads, TensorParallelGroup(size, 0))
+    for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+        if n % size:
+            raise ValueError(f"{key} does not divide the model's {what} {n}: a rank computes whole columns")
+    if cfg.has_shared_expert and cfg.shared_expert_intermediate_size % size:
+        raise ValueError(
+            f"{key} does not divide the model's shared_expert_intermediate_size "
+            f"{cfg.shared_expert_intermediate_size}"
+        )
+
+
+@torch.no_grad()
+def shard_engine_model(model: CausalLM, tp: TensorParallelGroup) -> CausalLM:
+    """Split `model` (the engine's own full-weight model in the model dtype, never the trainer's) over the group,
+    in place: every split weight replaced by the rank's slice, o_proj / down_proj by `GatheredLinear`, the
+    embedding by `VocabParallelEmbedding`, the class by `EngineShardCausalLM`. Returns the model."""
+    check_tensor_parallel(model, tp.size)
+    if tp.size == 1:
+        return model
+    cfg = model.config
+    dh = cfg.head_dim
+    slicers: dict[str, Any] = {}
+    hs = head_split(cfg.num_heads, cfg.num_kv_heads, tp)
+    q_rows = (hs.q0 * dh, (hs.q0 + hs.num_heads) * dh)
+    kv_rows = (hs.kv0 * dh, (hs.kv0 + hs.num_kv_heads) * dh)
+
+    def attention(prefix: str, attn: Attention) -> None:
+        qkv = attn.qkv_proj
+        q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
+        pieces = [q_rows, (q + kv_rows[0], q + kv_rows[1]), (q + kv + kv_rows[0], q + kv + kv_rows[1])]
+        _split_packed(prefix + "self_attn.", "qkv_proj", qkv, pieces, slicers)
+        qkv.parts = {
+            "q_proj": hs.num_heads * dh,
+            "k_proj": hs.num_kv_heads * dh,
+            "v_proj": hs.num_kv_heads * dh,
+        }
+        attn.num_heads, attn.num_kv_heads = hs.num_heads, hs.num_kv_heads
+        attn.o_proj = _gathered(prefix + "self_attn.o_proj", attn.o_proj, tp, slicers)
+
+    def mlp(prefix: str, m: MLP) -> None:
+        inter = m.down_proj.weight.shape[1]
+        span = _span(inter, tp)
+        pieces = [(span.start, span.stop), (inter + span.start, inter + span.stop)]
+        _split_packed(prefix, "gate_up_proj", m.gate_up_proj, pieces, slicers)
+        m.gate_up_proj.parts = {k: span.stop - span.start for k in m.gate_up_proj.parts}
+        m.down_proj = _gathered(prefix + "down_proj", m.down_proj, tp, slicers)
+
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        attention(prefix, layer.self_attn)
+        if isinstance(layer.mlp, MLP):
+            mlp(prefix + "mlp.", layer.mlp)
+        elif getattr(layer.mlp, "shared_expert", None) is not None:
+            mlp(prefix + "mlp.shared_expert.", layer.mlp.shared_expert)
+
+    # The vocabulary, padded to a multiple of T with zero rows (their logits are cut off after the gather).
+    v = cfg.vocab_size
+    per = -(-v // tp.size)
+    lo = tp.rank * per
+
+    def vocab_rows(full: torch.Tensor) -> torch.Tensor:
+        part = full[lo : min(lo + per, v)]
+        if part.shape[0] < per:
+            part = torch.cat([part, part.new_zeros(per - part.shape[0], *part.shape[1:])])
+        return part.contiguous()
+
+    emb = model.model.embed_tokens
+    model.model.embed_tokens = VocabParallelEmbedding(vocab_rows(emb.weight), lo, tp)
+    slicers["model.embed_tokens.weight"] = vocab_rows
+    if model.lm_head is not None:
+        model.lm_head.weight = nn.Parameter(vocab_rows(model.lm_head.weight), requires_grad=False)
+        slicers["lm_head.weight"] = vocab_rows
+
+    shard = as_engine_shard(model, tp)
+    shard.vocab_split, shard.shard_kv_heads = True, hs.num_kv_heads
+    shard.shard_slicers.update(slicers)
+    return shard
+
+
+def _split_packed(
+    prefix: str, name: str, layer: PackedLinear, pieces: list[tuple[int, int]], slicers: dict[str, Any]
+) -> None:
+    """Keep the rows `pieces` of a packed projection's weight (and bias); register how a full weight maps to
+    them under the packed parameter's name (the one `named_parameters` gives)."""
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        return _rows(full, pieces)
+
+    layer.weight = nn.Parameter(take(layer.weight), requires_grad=False)
+    slicers[f"{prefix}{name}.weight"] = take
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(take(layer.bias), requires_grad=False)
+        slicers[f"{prefix}{name}.bias"] = take
+
+
+def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[str, Any]) -> GatheredLinear:
+    """`layer` ([N, K]) as a GatheredLinear holding its rank's N / T output rows."""
+    span = _span(layer.weight.shape[0], tp)
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        return full[span].contiguous()
+
+    slicers[f"{name}.weight"] = take
+    bias = None
+    if layer.bias is not None:
+        slicers[f"{name}.bias"] = take
+        bias = take(layer.bias)
+    return GatheredLinear(take(layer.weight), bias, tp)

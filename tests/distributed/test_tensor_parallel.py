@@ -1,0 +1,180 @@
+"""The rollout engine split over 2 ranks (`engine.tensor_parallel = 2`, exactrl/distributed/tensor_parallel.py)
+samples the tokens and records the logprobs of the one-device engine, `torch.equal`:
+
+- the exact CPU `linear` gives a column slice of the weight the bits of the full weight's columns (what the
+  column splits rest on), where a K split with a sum of partials does not (the control);
+- on 2 gloo ranks (tests/distributed/_tp_driver.py): a dense fp32 Qwen3 (KV heads split), a bf16 Qwen2-MoE (q/k/v
+  biases, shared expert split, routed experts replicated) and an fp32 Llama with fewer KV heads than ranks and a
+  vocabulary T does not divide, with trained-looking weights, ragged prompts, T = 0.8, preemption, eager and
+  static decode; the ranks agree; a shard loaded from full weights (the weight sync) samples the same, a stale
+  one does not; and the negative control, o_proj / down_proj as row-parallel layers with all-reduced partial
+  sums, records other logprobs on the same inputs;
+- expert parallel (exactrl/distributed/expert_parallel.py) on the bf16 Qwen2-MoE, alone and with tensor parallel:
+  the same bits, and its control (each rank's partial combine rounded to bf16, then all-reduced) differs;
+- what is not done is refused by key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from exactrl.distributed.tensor_parallel import (
+    HeadSplit,
+    TensorParallelGroup,
+    check_tensor_parallel,
+    head_split,
+    tensor_parallel_groups,
+)
+from exactrl.model import build_model, preset
+from exactrl.model.lora import LoraSpec, add_lora
+from exactrl.ops.torch_ops import ExactTorchOps
+
+from ._runs import ROOT, launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_slices_of_the_exact_linear_keep_their_bits(dtype: torch.dtype) -> None:
+    ops, g = ExactTorchOps(), torch.Generator().manual_seed(0)
+    k_split_differs = 0
+    for k, n in [(128, 384), (96, 1000), (384, 128), (512, 256)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+        for m in (1, 3, 7, 16, 17, 40):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            full = ops.linear(x, w)
+            for t in (2, 4):
+                s = n // t
+                for r in range(t):
+                    cols = slice(r * s, (r + 1) * s)
+                    assert torch.equal(ops.linear(x, w[cols].contiguous()), full[:, cols]), (k, n, m, t, r)
+            # The control: K cut in two halves, partial products summed (a row-parallel layer's all-reduce).
+            h = k // 2
+            parts = ops.linear(x[:, :h].contiguous(), w[:, :h].contiguous()) + ops.linear(
+                x[:, h:].contiguous(), w[:, h:].contiguous()
+            )
+            k_split_differs += not torch.equal(parts, full)
+    assert k_split_differs > 0
+
+
+def test_heads_split_over_ranks() -> None:
+    assert head_split(4, 2, TensorParallelGroup(2, 1)) == HeadSplit(q0=2, num_heads=2, kv0=1, num_kv_heads=1)
+    # fewer KV heads than ranks: each rank holds the one its query heads read
+    assert [head_split(8, 2, TensorParallelGroup(4, r)) for r in range(4)] == [
+        HeadSplit(0, 2, 0, 1),
+        HeadSplit(2, 2, 0, 1),
+        HeadSplit(4, 2, 1, 1),
+        HeadSplit(6, 2, 1, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("size", "overrides", "words"),
+    [
+        (3, {}, "4 attention heads"),
+        (2, {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 192}, "3 KV heads"),
+        (4, {"intermediate_size": 386}, "intermediate_size 386"),
+    ],
+)
+def test_shapes_tensor_parallel_cannot_split_are_refused(size: int, overrides: dict, words: str) -> None:
+    model = build_model(preset("tiny", **overrides), exact=True)
+    with pytest.raises(ValueError, match=rf"engine.tensor_parallel = {size}.*{words}"):
+        check_tensor_parallel(model, size)
+
+
+def test_lora_and_a_world_size_it_does_not_divide_are_refused() -> None:
+    model = build_model(preset("tiny"), exact=True)
+    add_lora(model, LoraSpec(rank=4, alpha=8.0))
+    with pytest.raises(ValueError, match="engine.tensor_parallel = 2 with LoRA"):
+        check_tensor_parallel(model, 2)
+    with pytest.raises(ValueError, match="engine.tensor_parallel = 2 does not divide the world size 3"):
+        tensor_parallel_groups(0, 3, 2)
+
+
+JOBS = [
+    {"preset": "tiny", "dtype": "float32"},
+    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True},
+    {"preset": "tiny-llama", "dtype": "float32", "overrides": {"num_kv_heads": 1, "vocab_size": 509}},
+]
+
+
+def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
+    out = tmp_path / "tp.json"
+    code, log, _ = launch(ROOT / "tests" / "distributed" / "_tp_driver.py", tmp_path, 2, JOBS, "tp", 300)
+    assert code == 0, log[-6000:]
+    results = json.loads(out.read_text()) if out.exists() else None
+    assert results is not None, log[-3000:]
+    for r in results:
+        what = f"{r['preset']} {r['dtype']}"
+        assert r["preemptions"] > 0 and r["tokens"] > 100, what  # the scheduler preempted, samples ran long
+        for key in ("tp2", "tp2_static", "synced"):
+            assert r[key]["tokens_equal"] and r[key]["logprobs_equal"], (what, key, r[key])
+        # The negative controls: row-parallel partial sums change the logprobs; stale shards change the tokens.
+        assert r["control"]["differ"] > 0, (what, r["control"])
+        assert not r["stale"]["tokens_equal"], what
+        assert r["params_held"] < 0.9 * r["params_full"], what  # the split holds a share, not a replica
+        if (
+            "ep2" in r
+        ):  # expert parallel alone, and with tensor parallel (static decode), and loaded from full
+            for key in ("ep2", "tp2_ep2", "tp2_ep2_synced"):
+                assert r[key]["tokens_equal"] and r[key]["logprobs_equal"], (what, key, r[key])
+            # The control: each rank's partial combine rounded to the model dtype, then all-reduced.
+            assert r["ep_control"]["differ"] > 0, (what, r["ep_control"])
+            assert r["params_held_ep"] < r["params_held"], what
+
+
+def test_expert_parallel_refuses_what_it_cannot_split() -> None:
+    from exactrl.distributed.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ValueError, match="engine.expert_parallel = 2: the model has no sparse"):
+        check_expert_parallel(build_model(preset("tiny"), exact=True), 2)
+    with pytest.raises(ValueError, match="engine.expert_parallel = 3 does not divide the model's 8 experts"):
+        check_expert_parallel(build_model(preset("tiny-moe"), exact=True), 3)
+
+
+def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(capsys) -> None:
+    from exactrl.cli import main
+
+    # Refused before torchrun starts anything.
+    assert main(["parity", "--tensor-parallel", "3", "--nproc", "2"]) == 2
+    assert "--tensor-parallel (engine.tensor_parallel = 3) must divide --nproc (2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"), [([], ""), (["distributed.generator_ranks=1"], "generator_ranks")]
+)
+def test_train_refuses_a_split_engine_by_key(extra: list[str], words: str) -> None:
+    from exactrl.config import load_config
+    from exactrl.train.preflight import check_run_config
+
+    cfg = load_config(ROOT / "configs" / "quickstart.toml", ["engine.tensor_parallel=2", *extra])
+    with pytest.raises(
+        ValueError, match=rf"engine.tensor_parallel = 2.*{words}.*exactrl train does not split"
+    ):
+        check_run_config(cfg, 2, distributed=True)
+
+
+def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
+    """`exactrl parity --nproc 2 --tensor-parallel 2`: the split engine's weights come from the FSDP2 trainer's
+    shards through the weight sync, and every recorded logprob equals the trainer's (a mixture of experts in bf16:
+    the dense layer, the attention and the head split, the experts replicated)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    argv = ["parity", "--nproc", "2", "--tensor-parallel", "2", "--device", "cpu", "--preset", "tiny-moe"]
+    argv += ["--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "6", "--samples-per-prompt", "2"]
+    p = subprocess.run(
+        [sys.executable, "-m", "exactrl.cli", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (r,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert r["ok"] and r["num_mismatched"] == 0 and r["num_tokens"] > 0, r
+    assert r["tensor_parallel"] == 2 and r["world_size"] == 2, r
