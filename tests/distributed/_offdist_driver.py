@@ -78,7 +78,6 @@ def cli_job(job: dict) -> None:
     sample: Callable[..., Any] = OneStepOffDriver.sample
 
     def spy_sample(self, step):
-        runs[:1] = [self]
         version = self.behaviour.version
         start = _digest(self.behaviour.model)
         if job.get("save_weights") and rank == 0:
@@ -126,6 +125,14 @@ def cli_job(job: dict) -> None:
         for name in ("GenerationWorker", "agree_guard", "step_staleness"):
             patches.set(offpolicy_driver, name, refuse)
         patches.set(OneStepOffDriver, "__init__", refuse)
+
+    make_driver = loop.RLRun.make_driver
+
+    def spy_make_driver(self):  # the run, before its first step (a refused batch never reaches finish)
+        runs[:1] = [self]
+        return make_driver(self)
+
+    patches.set(loop.RLRun, "make_driver", spy_make_driver)
 
     finish = loop.RLRun.finish
 
