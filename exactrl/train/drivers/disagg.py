@@ -29,7 +29,8 @@ class WeightSync:
     def after_update(self) -> dict[str, float]:
         """The replica takes the new weights (rebuilt whole when it was released), then the generators the
         replica's; returns the syncs' metrics."""
-        m = self.parallel.sync_weights()
+        m: dict[str, float] = {}
+        m.update(self.parallel.sync_weights())
         m.update(self.to_generators())
         return m
 

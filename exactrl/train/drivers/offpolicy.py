@@ -142,13 +142,10 @@ class OneStepOffDriver:
         refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
         if isinstance(self.behaviour, ReplicaBehaviour):  # torchrun: that refresh was the weight sync
             m.update(self.behaviour.last_sync)
-            m.update(
-                ctx.weights.to_generators()
-            )  # disaggregated: the generators take the refreshed replica's
-        else:
-            m.update(
-                ctx.weights.parallel.sync_weights()
-            )  # a no-op on one device: the stage set stays the same
+            # Disaggregated: the generators take the refreshed replica's bytes.
+            m.update(ctx.weights.to_generators())
+        else:  # one process: a no-op on one device (the stage set stays the same)
+            m.update(ctx.weights.after_update())
         m.update(ctx.phases.metrics(ctx.engine))  # decode graph captures (the cache is never released here)
         ctx.state.step += 1
         ctx.state.model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
@@ -242,7 +239,7 @@ class OneStepOffDriver:
         pending = self.pending
         if pending is None:
             return None, None
-        if self.ctx.weights.parallel.sharded:
+        if self.ctx.dist.distributed:  # under torchrun the checkpoint is sharded
             rank, ws = self.ctx.dist.rank, self.ctx.dist.world_size
             return None, lambda d: save_rank_pending(d, pending, rank, ws)
         return lambda d: save_pending(d, pending), None
