@@ -873,7 +873,7 @@ class RLRun:
             self.out(note)
         self.driver.restore(self.resume_from)
 
-    # -- the RL step -----------------------------------------------------------------------------------------
+    # -- the step's stages (a step driver calls them through its StepContext: exactrl/train/drivers/) --------
     def set_lr(self, step: int) -> None:
         tr = self.cfg.train
         factor = lr_factor(step, warmup_steps=tr.warmup_steps, total_steps=tr.steps, schedule=tr.lr_schedule)
