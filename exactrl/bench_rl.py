@@ -1,7 +1,7 @@
 """`exactrl bench rl`: the time of whole GRPO steps, as `exactrl train` runs them, and where it goes.
 
 Users feel the time of a step (generate, reward, train, weight sync), not a kernel's tok/s. This benchmark runs
-the RL loop's own step, `RLRun.rl_step` (exactrl/train/loop.py), on a random-init preset (or a checkpoint) and
+the RL loop's own step (its step driver, exactrl/train/drivers/) on a random-init preset (or a checkpoint) and
 times its stages from outside: each stage method (`rollout`, `rank_scores`, `update`, `parallel.sync_weights`) is
 wrapped on the run object with a timer that waits for the device at the stage's end. What remains of the step
 (prompt drawing, metrics) is `idle_s`, so the breakdown sums to the step time.
@@ -184,8 +184,8 @@ class _StageTimers:
             if tail and name != "sync_weights":
                 continue
             owner = run.parallel if name == "sync_weights" else run
-            if name == "rollout" and getattr(run, "partial", None) is not None:
-                owner, name = run.partial, "generate"  # partial rollouts: the generation cut by count
+            if name == "rollout" and run.cfg.algorithm.partial_rollouts:
+                continue  # partial rollouts: the pool's generation, cut by count (`wrap_generation`)
             fn = getattr(owner, name, None)
             if not callable(fn):
                 raise RuntimeError(
@@ -197,6 +197,12 @@ class _StageTimers:
         self.disaggregated = remote is not None
         if self.disaggregated:  # the trainers' send of the new weights to the generators
             remote.push = self._wrap("weight_send_s", remote.push)
+
+    def wrap_generation(self, driver: Any) -> None:
+        """Partial rollouts: the generate stage is the driver's pool's generation, cut by count."""
+        pool = getattr(driver, "pool", None)
+        if pool is not None:
+            pool.generate = self._wrap("generate_s", pool.generate)
 
     def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -257,7 +263,7 @@ class _StageTimers:
                 continue
             if self.calls.get(key) != 1:
                 raise RuntimeError(
-                    f"bench rl: RLRun.rl_step called {name!r} {self.calls.get(key, 0)} times in one step (expected "
+                    f"bench rl: the step driver called {name!r} {self.calls.get(key, 0)} times in one step (expected "
                     "once); update exactrl/bench_rl.py to the loop's stages"
                 )
 
@@ -321,8 +327,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     from exactrl.engine.engine import EngineConfig
     from exactrl.model.loading import resolve_device
     from exactrl.tasks import Example
-    from exactrl.train.disagg import check_disaggregated_supported
-    from exactrl.train.loop import RLRun
+    from exactrl.train.loop import RLRun, check_modes_before_launch
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -334,7 +339,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         quiet = lambda *a, **k: print(*a, file=sys.stderr)  # noqa: E731
         layout = None
         if under_torchrun():  # --nproc N: colocated ranks, or generator ranks apart (--generator-ranks)
-            check_disaggregated_supported(cfg)
+            check_modes_before_launch(cfg)
             world = init_from_env(resolve_device(cfg.run.device))
             layout = split_layout(world, cfg.distributed.generator_ranks)
             if layout.role == "generator":
@@ -359,9 +364,12 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             # trainer's share, as RLRun.prompts shares a step's prompts (request ids: their index in the step).
             mine = list(run.dist.shard(len(wl.prompt_ids)))
             run.prompts = lambda: ([examples[i] for i in mine], [wl.prompt_ids[i] for i in mine], mine)
-            if run.partial is not None:
+            if cfg.algorithm.partial_rollouts:
                 run.prompts = _cycling_prompts(examples, wl.prompt_ids)
             timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
+            # The step driver again, over the workload's engine and prompts and the timed stages.
+            run.driver = run.make_driver()
+            timers.wrap_generation(run.driver)
             records = []
             for k in range(total):
                 timers.profile_generate = bool(getattr(args, "profile", False)) and k == total - 1
@@ -519,7 +527,7 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     timers.start_step()
     _sync(device)
     t0, wall0 = time.perf_counter(), time.time()
-    m = run.rl_step()
+    m = run.driver.step()
     _sync(device)
     step_s = time.perf_counter() - t0
     timers.check_step()

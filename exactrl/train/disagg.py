@@ -31,30 +31,6 @@ from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 
 
-def check_disaggregated_supported(cfg: RunConfig) -> None:
-    """Refuse, by key, what the disaggregated layout does not run yet (every rank calls this before any group is
-    made, so every rank refuses the same way)."""
-    g = cfg.distributed.generator_ranks
-    if g == 0:
-        return
-    why = f"with distributed.generator_ranks = {g}"
-    a = cfg.algorithm
-    refusals = [
-        # max_off_policy_steps = 1 runs as under colocated torchrun (the replica is the behaviour copy and the guard's
-        # weights); the generator samples the next batch while the trainers train. Its other limits are its own.
-        (a.partial_rollouts, "algorithm.partial_rollouts", "is not supported yet"),
-        (
-            a.overlap != "none",
-            "algorithm.overlap",
-            f"= {a.overlap!r} is not supported (the generator overlaps)",
-        ),
-        (cfg.env.name is not None, "env.name", "multi-turn episodes are not supported yet"),
-    ]
-    for bad, key, text in refusals:
-        if bad:
-            raise ValueError(f"{key} {text} {why}")
-
-
 @dataclass
 class Command:
     """One trainer's request of its generator for one round."""

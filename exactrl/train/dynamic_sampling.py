@@ -266,16 +266,3 @@ class DynamicSampler:
             for g in part
         }
         return [held[order[i]] for i in self.dist.shard(len(order))]
-
-
-def check_dynamic_sampling_supported(cfg: Any, distributed: bool) -> None:
-    """What the config cannot know: under torchrun, the one-step-off loop samples in a worker thread that issues no
-    collective (exactrl/train/offpolicy_dist.py), and the global decision here needs one per round."""
-    a = cfg.algorithm
-    if a.dynamic_sampling != "off" and distributed and a.max_off_policy_steps:
-        raise ValueError(
-            f"algorithm.dynamic_sampling = {a.dynamic_sampling!r} with algorithm.max_off_policy_steps = "
-            f"{a.max_off_policy_steps} runs on one process only: under torchrun the next batch is sampled by a "
-            "worker thread that issues no collective, and which groups to keep is decided over every rank; run "
-            "it without --nproc, or synchronously (max_off_policy_steps = 0)"
-        )

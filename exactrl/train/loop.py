@@ -12,7 +12,6 @@ import json
 import math
 import shutil
 import signal
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from exactrl.distributed.checkpoint import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import init_from_env, per_rank_metric, rank_device, under_torchrun
+from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
@@ -43,31 +42,20 @@ from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
-from exactrl.train.disagg import RemoteEngine, check_disaggregated_supported, serve_generator
+from exactrl.train.disagg import RemoteEngine, serve_generator
+from exactrl.train.drivers.base import Stages, StepContext, StepDriver, StepState
+from exactrl.train.drivers.disagg import WeightSync
+from exactrl.train.drivers.modes import DriverName, choose_driver
+from exactrl.train.drivers.offpolicy import OneStepOffDriver
+from exactrl.train.drivers.partial import PartialDriver
+from exactrl.train.drivers.sync import SyncDriver
+from exactrl.train.drivers.tail import TailDriver
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
-from exactrl.train.memory import check_before_loading, microbatch_tokens
-from exactrl.train.offpolicy import (
-    BehaviourBatch,
-    BehaviourPolicy,
-    GenerationWorker,
-    check_batch,
-    save_pending,
-    staleness_metrics,
-)
-from exactrl.train.offpolicy_dist import (
-    RankSample,
-    ReplicaBehaviour,
-    agree_guard,
-    agreed,
-    load_any_pending,
-    save_rank_pending,
-    step_staleness,
-)
+from exactrl.train.memory import check_before_loading, microbatch_tokens, model_config
+from exactrl.train.offpolicy import BehaviourPolicy
+from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
-from exactrl.train.overlap import TailOverlap
-from exactrl.train.overlap import check_supported as check_overlap_supported
-from exactrl.train.partial import PartialRollouts
 from exactrl.train.phases import MemoryPhases
 from exactrl.train.preflight import check_run_config, dropped_on_resume
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
@@ -277,7 +265,7 @@ def train(
     Under torchrun with distributed.generator_ranks = G > 0 the last G ranks only generate (`serve_generator`)
     and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
     cfg.validate()
-    check_disaggregated_supported(cfg)
+    check_modes_before_launch(cfg)
     layout = split_layout(init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks)
     if layout.role == "generator":
         return serve_generator(cfg, layout)
@@ -294,6 +282,12 @@ def train(
         return run.run()
     finally:
         run.close()
+
+
+def check_modes_before_launch(cfg: RunConfig) -> None:
+    """The modes' refusals (`choose_driver`) before the ranks split into trainers and generators: every rank, a
+    generator too, refuses the same way."""
+    choose_driver(cfg, distributed=under_torchrun(), moe=model_config(cfg).is_moe)
 
 
 @dataclass
@@ -329,8 +323,9 @@ class RankScores:
 class RLRun:
     """One `exactrl train` job, cut into the stages of the algorithm:
 
-    setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer -> restore (on --resume) ->
-    per step: prompts -> rollout -> score (rewards, advantages) -> update -> log -> checkpoint -> finish."""
+    setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer (and the step driver) -> restore (on
+    --resume) -> per step: `driver.step()` (prompts -> rollout -> score (rewards, advantages) -> update, in the
+    driver's order: exactrl/train/drivers/) -> log -> checkpoint -> finish."""
 
     def __init__(
         self,
@@ -348,7 +343,7 @@ class RLRun:
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         # A disaggregated run's trainer: its place among the trainers (the generators are not in its collectives).
         if layout is None:
-            check_disaggregated_supported(cfg)
+            check_modes_before_launch(cfg)
             layout = split_layout(
                 init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks
             )
@@ -358,8 +353,10 @@ class RLRun:
         self.dist = layout.local
         self.parallel = Parallelism(self.dist)
         # What `exactrl plan` and `train --nproc N` (before launching) refuse too: the checks that need the world
-        # size or the model's shape.
-        check_run_config(cfg, self.dist.world_size, distributed=self.dist.distributed)
+        # size or the model's shape, the modes' among them; and the step driver that runs this config.
+        self.driver_name: DriverName = check_run_config(
+            cfg, self.dist.world_size, distributed=self.dist.distributed
+        )
         self.cfg, self.resume = cfg, resume
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
@@ -421,12 +418,6 @@ class RLRun:
                 f"{cfg.train.moe_z_loss_coef}: router losses need a mixture-of-experts model, and "
                 f"{cfg.model.preset or cfg.model.path} has no sparse layer; set both to 0"
             )
-        # algorithm.overlap = "tail": the step's update is fed group by group while its tail generates (what the
-        # config cannot refuse, a torchrun launch or a mixture of experts, is refused now, before the run dir changes).
-        self.tail: TailOverlap | None = None
-        if cfg.algorithm.overlap == "tail":
-            check_overlap_supported(self.dist.distributed, self.model)
-            self.tail = TailOverlap(self, self.device)
         # An environment that cannot load (or refuses its env.options) is said now, not after the warm start.
         self.env: EnvSetup | None = None
         if cfg.env.name:
@@ -446,6 +437,7 @@ class RLRun:
             self.engine: Any = self.remote
         else:
             self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+        self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
         self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
@@ -491,22 +483,17 @@ class RLRun:
             "reward_errors": 0,
             "nan_steps": 0,
         }
-        self.step = 0
+        self.state = StepState()  # the step counter and what the step driver shares with the run
         self.consecutive_nan = 0
         self.stopped_early = False
         self.stopped_in_sft = False
-        self.step_model_tokens = 0  # the last step's sampled (model) tokens over every rank
         a = cfg.algorithm
         self.kl_ctl = KLController(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.stream: Any = None  # the task's training-example iterator, opened by run()
         self.flag: _StopFlag | None = None  # the signal flag, while run() runs
-        # algorithm.max_off_policy_steps >= 1: the engine's weight copy (taken in build_trainer), the thread that
-        # samples the next batch during an update, and that batch, sampled and checked, waiting for its step.
+        # algorithm.max_off_policy_steps >= 1: the engine's weight copy (taken in build_trainer).
         self.behaviour: BehaviourPolicy | None = None
-        self.worker: GenerationWorker | None = None
-        self.pending: BehaviourBatch | None = None
-        # algorithm.partial_rollouts: the groups in flight between generations (built with the weight copy).
-        self.partial: PartialRollouts | None = None
+        self.driver: StepDriver | None = None  # made by build_trainer (`make_driver`)
         # algorithm.dynamic_sampling: groups without signal dropped, more prompts drawn (train/dynamic_sampling.py).
         self.dynamic: DynamicSampler | None = None
         if a.dynamic_sampling != "off":
@@ -518,6 +505,29 @@ class RLRun:
                 self.dist,
                 self.out,
             )
+
+    @property
+    def step(self) -> int:
+        """Steps done (the next step's index)."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def step_model_tokens(self) -> int:
+        """The last scored batch's sampled (model) tokens over every rank."""
+        return self.state.model_tokens
+
+    @step_model_tokens.setter
+    def step_model_tokens(self, value: int) -> None:
+        self.state.model_tokens = value
+
+    @property
+    def last_rollouts(self) -> Any:
+        """The last step's StepRollouts."""
+        return self.state.last_rollouts
 
     def check_resume_point(self) -> None:
         """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
@@ -570,14 +580,13 @@ class RLRun:
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective).
         Disaggregated: on trainer 0's generator, every trainer keeping its generator's rounds in step."""
-        if self.remote is not None:
-            self.remote.begin_round()
         out: dict[str, float] = {}
-        if self.dist.is_main:
-            self.phases.size(self.engine)
-            out = evaluate(self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw)
-        if self.remote is not None:
-            self.remote.end_round()
+        with self.weights.round():
+            if self.dist.is_main:
+                self.phases.size(self.engine)
+                out = evaluate(
+                    self.engine, self.tok, self.encode, self.eval_examples, self.rewards, **self.ev_kw
+                )
         return out
 
     def warm_start(self) -> None:
@@ -611,8 +620,7 @@ class RLRun:
                 self.sft_warm_start(sft_dir)
                 if self.stopped_in_sft:
                     return
-            if self.remote is not None:  # the generators sample from the weights RL starts from
-                self.remote.push(list(model.named_parameters()))
+            self.weights.push(list(model.named_parameters()))  # disaggregated: the generators' first weights
             before = self.evaluate()
             self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
             self.logger.log({"step": 0, **before, "phase": "before_rl"})
@@ -733,12 +741,7 @@ class RLRun:
                 if self.parallel.sharded
                 else BehaviourPolicy(model, version=0)
             )
-            self.worker = GenerationWorker(self.device)
             engine_model = self.behaviour.model
-            if a.partial_rollouts:
-                self.partial = PartialRollouts(
-                    a.max_off_policy_steps, a.prompts_per_step, a.partial_extra_groups, a.group_size
-                )
         if (
             tr.activation_checkpointing
         ):  # the trainer's models only: the engine and the reference run no backward
@@ -755,9 +758,10 @@ class RLRun:
         self.parallel.bind(model, engine_model)
         if self.remote is not None:  # disaggregated: the replica is what the generators get, byte for byte
             self.remote.model = engine_model
-            if cfg.lora.rank > 0:  # the generators' adapters, then every replica tensor (as the colocated
-                self.remote.attach_lora()  # replica's engine is built here, after the evaluation before RL)
-                self.remote.push(self.parallel.replica_weights(full=True))
+            if (
+                cfg.lora.rank > 0
+            ):  # as the colocated replica's engine is built here, after the evaluation before RL
+                self.weights.attach_lora()
         elif engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
@@ -785,6 +789,53 @@ class RLRun:
         self.optimizers = {"policy": self.opt} | (
             {"critic": self.critic_opt} if self.critic_opt is not None else {}
         )
+        self.driver = self.make_driver()
+
+    def make_driver(self) -> StepDriver:
+        """The step driver `check_run_config` chose, over this run's stages (`exactrl bench rl` makes it again
+        after it swapped the engine, the prompts and timed stages)."""
+        if self.driver is not None:
+            self.driver.close()
+        stages = Stages(
+            set_lr=self.set_lr,
+            prompts=self.prompts,
+            sampling_params=self.sampling_params,
+            rollout=self.rollout,
+            score=self.score,
+            rank_scores=self.rank_scores,
+            step_scores=self.step_scores,
+            dynamic_scores=self.dynamic_scores,
+            episodes=self.episodes,
+            greedy_baseline=self.greedy_baseline,
+            greedy_rewards=self.greedy_rewards,
+            gather_baseline=self.gather_baseline,
+            with_advantages=self.with_advantages,
+            update=self.update,
+            step_metrics=self.step_metrics,
+            mismatch_report=self.mismatch_report,
+            mismatch_abort=self.mismatch_abort,
+            abort_notice=self.abort_notice,
+        )
+        ctx = StepContext(
+            cfg=self.cfg,
+            state=self.state,
+            stages=stages,
+            dist=self.dist,
+            device=self.device,
+            engine=self.engine,
+            phases=self.phases,
+            weights=self.weights,
+            trainer=self.trainer,
+            kl_ctl=self.kl_ctl,
+            out=self.out,
+        )
+        if self.driver_name == "tail":
+            return TailDriver(ctx)
+        if self.driver_name in ("one_step_off", "partial"):
+            assert self.behaviour is not None
+            cls = PartialDriver if self.driver_name == "partial" else OneStepOffDriver
+            return cls(ctx, self.behaviour, StepRollouts)
+        return SyncDriver(ctx)
 
     def restore(self) -> None:
         """Load the latest checkpoint on --resume: weights, optimizers, data position, totals."""
@@ -800,8 +851,7 @@ class RLRun:
                 process_group=self.dist.group,
             )
             self.parallel.sync_weights(full=True)  # every weight: the replica was taken before the load
-            if self.remote is not None:
-                self.remote.push(self.parallel.replica_weights(full=True))
+            self.weights.to_generators(full=True)
         else:
             state = load_checkpoint(
                 self.resume_from, model=self.model, optimizers=self.optimizers, critic=self.critic
@@ -820,39 +870,14 @@ class RLRun:
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
+        off_policy = self.driver_name in ("one_step_off", "partial")
         for note in dropped_on_resume(
-            self.resume_from, off_policy=self.behaviour is not None, partial=self.partial is not None
+            self.resume_from, off_policy=off_policy, partial=self.driver_name == "partial"
         ):
             self.out(note)
-        if self.behaviour is not None:
-            if isinstance(self.behaviour, ReplicaBehaviour):  # the full sync above refreshed the replica
-                self.behaviour.version = self.step
-            else:
-                self.behaviour.refresh(self.step, full=True)  # the copy was taken before the load
-            self.pending, note = load_any_pending(self.resume_from, self.dist, StepRollouts)
-            if note is not None:
-                self.out(f"off-policy resume at {self.dist.world_size} rank(s): {note}")
-            if self.partial is not None and not self.partial.load(self.resume_from):
-                # Request ids key the sampling noise: start past every id the checkpoint's run can have used
-                # (at most (step + 1) x the groups in flight), so no prompt reuses an earlier prompt's noise.
-                a = self.cfg.algorithm
-                self.partial.next_request_id = (self.step + 1) * (a.prompts_per_step + a.partial_extra_groups)
-                self.out(
-                    "partial rollouts: the checkpoint holds no samples in flight; the run starts a fresh pool"
-                )
-            if self.pending is not None:
-                self.out(
-                    f"off-policy resume: step {self.step + 1} trains on the batch the checkpoint holds (sampled by "
-                    f"version {self.pending.version}), as the uninterrupted run would"
-                )
-            elif self.step < self.cfg.train.steps:
-                self.out(
-                    f"off-policy resume: the checkpoint holds no batch for step {self.step + 1} (the guard refused "
-                    "it, or the run had ended); it is sampled again from the checkpoint's weights (0 versions "
-                    "behind), so the run from here is not bitwise an uninterrupted one's"
-                )
+        self.driver.restore(self.resume_from)
 
-    # -- the RL step -----------------------------------------------------------------------------------------
+    # -- the step's stages (a step driver calls them through its StepContext: exactrl/train/drivers/) --------
     def set_lr(self, step: int) -> None:
         tr = self.cfg.train
         factor = lr_factor(step, warmup_steps=tr.warmup_steps, total_steps=tr.steps, schedule=tr.lr_schedule)
@@ -1239,11 +1264,14 @@ class RLRun:
 
     def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
         """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
-        where = self.mismatch_report(step, sr.rollouts, err)
+        self.abort_notice(step, str(err), self.mismatch_report(step, sr.rollouts, err))
+
+    def abort_notice(self, step: int, what: str, where: Path | None) -> None:
+        """An aborted step's record and lines (rank 0): what differed, the replay report, the resume point."""
         if self.dist.is_main:
             self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
             self.logger.close()
-            self.out(f"\n!! {err}\n   replay it: exactrl parity --replay {where}")
+            self.out(f"\n!! {what}\n   replay it: exactrl parity --replay {where}")
             self.out(
                 f"   resume point: the last checkpoint under {self.ckpt_root} (nothing of step {step + 1} was applied)"
             )
@@ -1327,24 +1355,16 @@ class RLRun:
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
         extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
-        rank_extra = None
-        if self.pending is not None and self.parallel.sharded:  # each rank's share, in the sharded checkpoint
-            pending, rank, ws = self.pending, self.dist.rank, self.dist.world_size
-
-            def rank_extra(d: Path) -> None:
-                save_rank_pending(d, pending, rank, ws)
-
-        elif self.pending is not None or self.partial is not None:
-            # off-policy: the batch sampled ahead (and the partial rollouts in flight) travel with the checkpoint
-            pending, partial, lora_extra = self.pending, self.partial, extra
+        # The driver's state between steps (off-policy: the batch sampled ahead, the partial rollouts in flight):
+        # in the checkpoint's directory, or each rank's share of a sharded one.
+        driver_extra, rank_extra = self.driver.checkpoint_writers()
+        if driver_extra is not None:
+            lora_extra = extra
 
             def extra(d: Path) -> None:
                 if lora_extra is not None:
                     lora_extra(d)
-                if pending is not None:
-                    save_pending(d, pending)
-                if partial is not None:
-                    partial.save(d)
+                driver_extra(d)
 
         common = dict(
             tokenizer=self.tok,
@@ -1369,234 +1389,6 @@ class RLRun:
             path = save_checkpoint(self.ckpt_root, self.step, model=self.model, **common)
         self._frozen_policy = path / "policy" if lora else None
 
-    def rl_step(self) -> dict[str, float]:
-        """prompts -> rollout -> score -> update; returns the step's metrics (self.step advanced by one)."""
-        if self.behaviour is not None:
-            # algorithm.max_off_policy_steps >= 1; at 0 the path below runs unchanged
-            return self.off_policy_step()
-        step = self.step
-        t_step = time.perf_counter()
-        self.set_lr(step)
-        examples, prompt_ids, index = self.prompts()
-        # The plan's KV size, and the replica back if a step left it released.
-        self.phases.to_generation(self.engine)
-        t_gen = time.perf_counter()
-        if self.cfg.env.name:  # multi-turn: rollout and reward come from the episodes
-            sr = self.episodes(step, examples, prompt_ids, index)
-            gen_s = time.perf_counter() - t_gen
-        elif self.tail is not None:  # algorithm.overlap = "tail": the update runs inside, group by group
-            sr, m, gen_s, train_s = self.tail.step(step, examples, prompt_ids, index)
-        elif self.dynamic is not None:  # groups without signal dropped, more prompts sampled in their place
-            rs = self.dynamic_scores(step, examples, prompt_ids, index)
-            gen_s = time.perf_counter() - t_gen
-            sr = self.step_scores(rs, None)
-        else:
-            outs = self.rollout(step, prompt_ids, index)
-            gen_s = time.perf_counter() - t_gen
-            baseline = None
-            if self.cfg.algorithm.resolved_advantage == "remax":
-                baseline = self.greedy_baseline(step, prompt_ids, index, examples)
-            sr = self.score(step, examples, prompt_ids, outs, baseline)
-        if self.tail is None:
-            t_train = time.perf_counter()
-            # The KV cache (and the replica) leave the device until the next generation.
-            self.phases.to_training(self.engine)
-            try:
-                m = self.update(step, sr.rollouts)
-            except MismatchError as err:
-                self.mismatch_abort(step, sr, err)
-                raise
-            train_s = time.perf_counter() - t_train
-        # The engine replica takes the new weights (under torchrun; rebuilt whole when it was released), and
-        # disaggregated, the generators take the replica's.
-        m.update(self.parallel.sync_weights())
-        if self.remote is not None:
-            m.update(self.remote.push(self.parallel.replica_weights()))
-        m.update(self.phases.metrics(self.engine))
-        if self.cfg.lora.rank > 0:  # what a separate engine would need after this step: the adapters alone
-            from exactrl.model.lora import adapter_nbytes
-
-            m["perf/weight_sync_bytes"] = float(adapter_nbytes(self.model))
-        self.step += 1
-        m = self.step_metrics(m, sr)
-        ntok = sum(sr.lengths)
-        m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
-        m["perf/step_s"] = time.perf_counter() - t_step
-        m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
-        if torch.device(self.device).type == "cuda":
-            # What the run holds at its worst (weights, KV cache, training): the maximum over the ranks, and each
-            # rank's own under several (a collective every rank reaches here).
-            peak = torch.cuda.max_memory_allocated(self.device) / 1e9
-            m.update(per_rank_metric(self.dist, "perf/gpu_memory_peak_gb", peak))
-        m.update(sr.advantage_metrics)
-        m["kl_coef"] = self.kl_ctl.value
-        if "kl_ref" in m and not m.get("mismatch/step_skipped"):  # a dropped batch steers nothing
-            self.kl_ctl.update(m["kl_ref"], len(sr.lengths))
-        m["step"] = self.step
-        self.last_rollouts = sr
-        return m
-
-    # -- the off-policy step (algorithm.max_off_policy_steps >= 1) ---------------------------------------------
-    def behaviour_batch(self, step: int) -> BehaviourBatch:
-        """prompts -> rollout -> score for step `step`, sampled from the engine's copy, then the guard on the
-        copy's training forward (before the copy is refreshed). On one process the generation worker runs it during
-        the previous step's update (the caller does when nothing is pending: the first step, after a resume); under
-        torchrun the worker runs `behaviour_sample` alone and the main thread `behaviour_gather` after it joined."""
-        assert self.behaviour is not None
-        if self.partial is not None:  # generation cut by count, unfinished samples carried (train/partial.py)
-            self.phases.size(self.engine)  # the plan's KV size (it counts the groups in flight), as below
-            return self.partial.batch(self, step)  # one process: refused under torchrun
-        what = f"sampling step {step + 1}'s batch"
-        return self.behaviour_gather(step, agreed(self.dist, what, lambda: self.behaviour_sample(step)))
-
-    def behaviour_sample(self, step: int) -> RankSample:
-        """This rank's share of step `step`'s batch: sampled, rewarded and checked by the guard, with no
-        collective (under torchrun the generation worker runs it while the main thread's FSDP2 update issues
-        its own collectives: `exactrl.train.offpolicy_dist`)."""
-        assert self.behaviour is not None
-        t0 = time.perf_counter()
-        examples, prompt_ids, index = self.prompts()
-        self.phases.size(self.engine)  # the plan's KV size (kept in every phase: one step off never releases)
-        greedy = None
-        if (
-            self.dynamic is not None
-        ):  # one process (refused under torchrun): dropped groups never become pending
-            scores = self.dynamic_scores(step, examples, prompt_ids, index)
-        else:
-            outs = self.rollout(step, prompt_ids, index)
-            if self.cfg.algorithm.resolved_advantage == "remax":
-                greedy = self.greedy_rewards(step, prompt_ids, index, examples)
-            scores = self.rank_scores(step, examples, prompt_ids, outs)
-        gen_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        guard, mismatch = check_batch(
-            self.behaviour,
-            scores.rollouts,
-            self.trainer.s.temperature,
-            self.trainer.s.max_tokens_per_microbatch,
-        )
-        guard_s = time.perf_counter() - t1
-        return RankSample(scores, greedy, self.behaviour.version, gen_s, guard, mismatch, guard_s)
-
-    def behaviour_gather(self, step: int, s: RankSample) -> BehaviourBatch:
-        """The step's view of every rank's `behaviour_sample` (collectives, on the main thread): advantages over
-        the step, ReMax's baseline, the guard's verdict agreed by every rank."""
-        baseline = self.gather_baseline(s.greedy) if s.greedy is not None else None
-        sr = self.step_scores(s.scores, baseline)
-        versions = [torch.full((len(ro.completion_ids),), s.version, dtype=torch.int64) for ro in sr.rollouts]
-        batch = BehaviourBatch(sr, s.version, versions, s.generate_s, self.step_model_tokens)
-        batch.guard, batch.mismatch = agree_guard(self.dist, s.guard, s.mismatch)
-        batch.guard_s = s.guard_s
-        return batch
-
-    def _report_pending(self, step: int, batch: BehaviourBatch) -> None:
-        """A batch the guard refused: its replay report, written now, while the copy holds its sampling weights."""
-        if batch.mismatch is not None:
-            checked = batch.checked if batch.checked is not None else batch.sr.rollouts
-            batch.report = self.mismatch_report(step, checked, batch.mismatch)
-
-    def off_policy_step(self) -> dict[str, float]:
-        """One-step-off: train on the pending batch (sampled by the previous version) while the worker samples
-        the next one from the engine's copy; then refresh the copy in place. The pending batch's guard verdict
-        is acted on (run.on_mismatch) before any update uses it."""
-        assert self.behaviour is not None and self.worker is not None
-        step, t_step = self.step, time.perf_counter()
-        self.set_lr(step)
-        if self.pending is None:  # nothing sampled ahead (the first step, a resume): sample it now
-            self.pending = self.behaviour_batch(step)
-            self._report_pending(step, self.pending)
-        batch, self.pending = self.pending, None
-        # Under torchrun the worker issues no collective (the main thread's update does): it samples alone and
-        # the main thread gathers after it joined.
-        sample_only = self.dist.distributed
-        if step + 1 < self.cfg.train.steps:
-            job = self.behaviour_sample if sample_only else self.behaviour_batch
-            self.worker.start(lambda: job(step + 1))
-        how = self.cfg.run.on_mismatch
-        t_train = time.perf_counter()
-        if batch.mismatch is not None and how != "warn":
-            m = self._refuse_batch(step, batch)
-        else:
-            m = self.update(step, batch.sr.rollouts, off_policy_cap=self.cfg.algorithm.off_policy_is_cap)
-        train_s = time.perf_counter() - t_train
-        wait_s = 0.0
-        if self.worker.busy:
-            t_wait = time.perf_counter()
-            if sample_only:  # every rank learns whether any rank's worker failed, then the step's view of it
-                sampled = agreed(self.dist, f"the generation worker of step {step + 2}", self.worker.result)
-                self.pending = self.behaviour_gather(step + 1, sampled)
-            else:
-                self.pending = self.worker.result()
-            wait_s = time.perf_counter() - t_wait
-            self._report_pending(step + 1, self.pending)
-        refresh_s = self.behaviour.refresh(step + 1)  # in place: the engine's graphs stay valid
-        if isinstance(self.behaviour, ReplicaBehaviour):  # torchrun: that refresh was the weight sync
-            m.update(self.behaviour.last_sync)
-            if self.remote is not None:  # disaggregated: the generators take the refreshed replica's bytes
-                m.update(self.remote.push(self.parallel.replica_weights()))
-        else:
-            m.update(self.parallel.sync_weights())  # a no-op on one device: the stage set stays the same
-        m.update(self.phases.metrics(self.engine))  # decode graph captures (the cache is never released here)
-        self.step += 1
-        self.step_model_tokens = batch.model_tokens  # with_advantages set it for the next batch meanwhile
-        m.update(batch.guard)
-        sr = batch.sr
-        m = self.step_metrics(m, sr)
-        masks = [
-            torch.ones(len(ro.completion_ids), dtype=torch.bool)
-            if ro.loss_mask is None
-            else torch.tensor(ro.loss_mask, dtype=torch.bool)
-            for ro in sr.rollouts
-        ]
-        if self.partial is not None:  # one process (partial rollouts are refused under torchrun)
-            m.update(staleness_metrics(batch, step, masks, mixed=True))
-            m.update(batch.partial)  # partial rollouts: the generation's cut, carried and recomputed counts
-        else:
-            m.update(step_staleness(self.dist, batch, step, masks))
-        # The guard's forward on the copy (in the worker, overlapped, except for a batch sampled in the step).
-        # Under torchrun: the slowest rank's (the step waits for it) and each rank's own (a collective).
-        m.update(per_rank_metric(self.dist, "offpolicy/guard_s", batch.guard_s))
-        # The trainer waiting for the next batch after its update.
-        m.update(per_rank_metric(self.dist, "offpolicy/wait_s", wait_s))
-        m["offpolicy/refresh_s"] = refresh_s
-        m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
-        m["perf/step_s"] = time.perf_counter() - t_step
-        # The generation's speed: partial rollouts sample other tokens than the batch holds (carried ones).
-        sampled = m.get("offpolicy/partial/sampled_tokens", sum(sr.lengths))
-        m["perf/tokens_per_s"] = sampled / max(batch.generate_s, 1e-9)
-        if torch.device(self.device).type == "cuda":
-            m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        m.update(sr.advantage_metrics)
-        m["kl_coef"] = self.kl_ctl.value
-        if "kl_ref" in m and not m.get("mismatch/step_skipped"):
-            self.kl_ctl.update(m["kl_ref"], len(sr.lengths))
-        m["step"] = self.step
-        self.last_rollouts = sr
-        return m
-
-    def _refuse_batch(self, step: int, batch: BehaviourBatch) -> dict[str, float]:
-        """The guard found a difference in the batch this step would train on: abort (raise, nothing applied) or
-        skip the step (no update), with the replay report written when the batch was checked."""
-        err = batch.mismatch
-        assert err is not None
-        head = f"step {step + 1}: {err} (run.on_mismatch = '{self.cfg.run.on_mismatch}'); no optimizer step was applied"
-        if self.cfg.run.on_mismatch == "skip_step":
-            self.trainer.steps_done += 1  # as the trainer counts a step it skipped
-            if batch.report is not None:
-                self.out(
-                    f"step {step + 1} skipped: {err}\n   replay it: exactrl parity --replay {batch.report}"
-                )
-            return {"mismatch/step_skipped": 1.0, "optimizer_steps": 0.0}
-        self.worker.close()  # abort: the next batch is not needed
-        if self.dist.is_main:
-            self.logger.log({"step": step + 1, "mismatch/aborted": 1.0})
-            self.logger.close()
-            self.out(f"\n!! {head}\n   replay it: exactrl parity --replay {batch.report}")
-            self.out(
-                f"   resume point: the last checkpoint under {self.ckpt_root} (nothing of step {step + 1} was applied)"
-            )
-        raise MismatchError(head, err.sequences)
-
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg, tr = self.cfg, self.cfg.train
@@ -1614,7 +1406,7 @@ class RLRun:
             if stop and self.resume_from is None:
                 self.checkpoint()
             while self.step < tr.steps and not stop:
-                m = self.rl_step()
+                m = self.driver.step()
                 self.log_step(m)
                 # Under torchrun every rank must stop (and checkpoint, a collective) at the same step.
                 stop = self.stop_requested()
@@ -1663,11 +1455,9 @@ class RLRun:
 
     def close(self) -> None:
         """Stop the reward workers (user reward functions run in processes of their own)."""
-        if self.worker is not None:  # a generation still running under a failed update
-            self.worker.close()
-        if self.remote is not None:  # the generator's loop ends (it would wait for the next round)
-            self.remote.stop()
-            self.remote = None
+        if self.driver is not None:  # a generation still running under a failed update
+            self.driver.close()
+        self.weights.stop()  # disaggregated: the generator's loop ends (it would wait for the next round)
         if self.rewards is not None:
             self.rewards.close()
 

@@ -304,21 +304,3 @@ class GenerationWorker:
             self._thread.join()
             self._thread = None
             self._result = self._error = None
-
-
-def check_supported(cfg: Any, distributed: bool) -> None:
-    """The off-policy loop's limits, said before anything loads: exact mode (the behaviour logprobs are exact only
-    there), single-turn. Under torchrun (`distributed`) each rank's engine replica is the behaviour copy
-    (`exactrl.train.offpolicy_dist`)."""
-    k = cfg.algorithm.max_off_policy_steps
-    if k == 0:
-        return
-    where = f"algorithm.max_off_policy_steps = {k}"
-    if not cfg.run.exact:
-        raise ValueError(
-            f"{where} needs run.exact = true: the behaviour logprobs are exact only in exact mode"
-        )
-    if cfg.env.name:
-        raise ValueError(f"{where} is single-turn for now (env.name = {cfg.env.name!r})")
-    if cfg.algorithm.rollout_correction:
-        raise ValueError(f"{where}: algorithm.rollout_correction is for fast mode's mismatch; leave it unset")

@@ -13,9 +13,9 @@ that differs between ranks (rank 0's worker may reach its all-gather while rank 
 the ranks then hang, or pair up the wrong tensors. A second process group for the worker would keep the orders
 apart on gloo, but NCCL does not promise progress for two communicators whose kernels run concurrently on one GPU
 (each may wait for SMs the other holds), and every rank would pay for a second communicator. So the worker's job
-(`RLRun.behaviour_sample`) issues none: prompts (every rank reads the same stream and takes its share), generation,
+(`OneStepOffDriver.sample`, exactrl/train/drivers/offpolicy.py) issues none: prompts (every rank reads the same stream and takes its share), generation,
 this rank's rewards (reward functions run in processes of their own, no collective) and the guard's forward on
-the replica. What needs the other ranks runs on the main thread once the worker has joined (`RLRun.behaviour_gather`):
+the replica. What needs the other ranks runs on the main thread once the worker has joined (`OneStepOffDriver.gather`):
 the worker's outcome (`agreed`: a failure on one rank stops every rank with its error), the step's advantage
 statistics and reward failures (`RLRun.step_scores`), ReMax's baseline, the guard's verdict (`agree_guard`), the
 staleness metrics (`step_staleness`). They are a few small all-gathers per step.

@@ -27,22 +27,18 @@ closed when the next finished rollout would not fit the token budget, exactly as
 
 from __future__ import annotations
 
-import dataclasses
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from exactrl.engine.engine import RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.model.moe import has_experts
-from exactrl.train.logging import progress_bar
 from exactrl.train.offpolicy import GenerationWorker
-from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout
+from exactrl.train.trainer import Rollout
 
 # While a step overlaps, Python hands the GIL over after at most this long (its default is 5 ms): the engine thread,
 # back from waiting for a decode step's tokens, gets it within this instead of queuing a whole interval behind the
@@ -53,38 +49,6 @@ GIL_SWITCH_INTERVAL_S = 5e-4
 # step beside training was as slow on a high-priority stream as on a default one (benchmarks/probe_priority.py,
 # docs/benchmarks.md "Twelfth session"). Kept because it costs nothing and helps against non-persistent kernels.
 GENERATION_STREAM_PRIORITY = -1
-
-
-class _Run(Protocol):
-    """What the stage uses of the RL loop (`exactrl.train.loop.RLRun`)."""
-
-    cfg: Any
-    engine: RolloutEngine
-    trainer: PolicyTrainer
-    kl_ctl: Any
-    out: Callable[..., Any]
-
-    def sampling_params(self) -> SamplingParams: ...
-    def score(self, step: int, examples: list, prompt_ids: list, outs: list, baseline: Any = None) -> Any: ...
-    def with_advantages(self, *args: Any, **kwargs: Any) -> Any: ...
-    def mismatch_report(self, step: int, rollouts: list[Rollout], err: MismatchError) -> Any: ...
-    def mismatch_abort(self, step: int, sr: Any, err: MismatchError) -> None: ...
-
-
-def check_supported(distributed: bool, model: torch.nn.Module) -> None:
-    """What the config cannot say (exactrl.config checks the rest): one process, a dense model."""
-    check_supported_config(distributed, has_experts(model))
-
-
-def check_supported_config(distributed: bool, moe: bool) -> None:
-    """`check_supported` before the model exists (exactrl.train.preflight: moe from the model's config)."""
-    if distributed:
-        raise ValueError('algorithm.overlap = "tail" runs on one process for now (not under torchrun)')
-    if moe:
-        raise ValueError(
-            'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
-            "collected through the model object, which the engine runs at the same time"
-        )
 
 
 _END = object()  # the worker's last item: generation returned (or failed)
@@ -170,134 +134,3 @@ class MicrobatchFiller:
         """The last, partly filled microbatch (none when empty)."""
         rest, self._current, self._used = self._current, [], 0
         return [rest] if rest else []
-
-
-class TailOverlap:
-    """The stage `RLRun.rl_step` runs for algorithm.overlap = "tail": rollout, score and update of one step, the
-    update fed group by group while the batch's tail generates."""
-
-    def __init__(self, run: _Run, device: torch.device | str) -> None:
-        self.run = run
-        self.stream = GroupStream(device)
-
-    def step(
-        self, step: int, examples: list[Any], prompt_ids: list[list[int]], index: list[int]
-    ) -> tuple[Any, dict[str, float], float, float]:
-        """(the step's StepRollouts, the trainer's metrics with the overlap's, generate seconds, train seconds).
-        The StepRollouts are in prompt order, as the synchronous step's are."""
-        run, cfg = self.run, self.run.cfg
-        a = cfg.algorithm
-        base = step * a.prompts_per_step
-        request_ids = [base + i for i in index]
-        slot = {rid: k for k, rid in enumerate(request_ids)}
-        trainer = run.trainer
-        trainer.s.kl_coef = run.kl_ctl.value  # as RLRun.update sets it
-        bar = progress_bar(
-            len(prompt_ids) * a.group_size, f"step {step + 1} generate + train", cfg.run.progress
-        )
-        filler = MicrobatchFiller(trainer.s.max_tokens_per_microbatch)
-        groups: dict[int, Any] = {}  # prompt slot -> its scored group (StepRollouts of one group)
-        refused = 0
-        count = {"mb": 0, "mb_during": 0, "tok": 0, "tok_during": 0}
-        times = {"score": 0.0, "train": 0.0}
-
-        def feed(mb: list[Rollout]) -> None:
-            during = self.stream.generating  # read before: the microbatch is queued while generation runs
-            t0 = time.perf_counter()
-            trainer.accumulate(acc, mb)
-            times["train"] += time.perf_counter() - t0
-            n = sum(len(r.completion_ids) for r in mb)
-            count["mb"] += 1
-            count["tok"] += n
-            if during:
-                count["mb_during"] += 1
-                count["tok_during"] += n
-
-        switch = sys.getswitchinterval()
-        acc = trainer.begin_accumulation()
-        try:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-            self.stream.start(run.engine, prompt_ids, run.sampling_params(), request_ids, bar.update)
-            for out in self.stream:
-                k = slot[out.request_id]
-                if out.error is not None or len(out.samples) != a.group_size:
-                    refused += 1  # as RLRun.score skips it: the others train
-                    run.out(f"step {step + 1}: prompt skipped by the engine: {out.error}")
-                    continue
-                t0 = time.perf_counter()
-                groups[k] = run.score(step, [examples[k]], [prompt_ids[k]], [out])
-                times["score"] += time.perf_counter() - t0
-                for mb in filler.add(groups[k].rollouts):
-                    feed(mb)
-            t_generated = time.perf_counter()
-            for mb in filler.flush():
-                feed(mb)
-            if not groups:
-                raise RuntimeError(
-                    f"step {step + 1}: the engine refused every prompt of the step; check engine.num_kv_blocks / "
-                    "engine.max_model_len against the prompt lengths"
-                )
-            sr = self.assemble(groups, refused)
-            t0 = time.perf_counter()
-            try:
-                m = trainer.finish_accumulation(acc)
-            except MismatchError as err:  # abort: no update applied; the report names rollouts in feed order
-                run.mismatch_abort(step, dataclasses.replace(sr, rollouts=acc.rollouts), err)
-                raise
-            times["train"] += time.perf_counter() - t0
-            t_end = time.perf_counter()
-        except BaseException:
-            self.stream.close()
-            trainer.abandon_accumulation(acc)
-            raise
-        finally:
-            sys.setswitchinterval(switch)
-            bar.close()
-        skipped = trainer.skipped_mismatch
-        if skipped is not None:  # skip_step: the same evidence RLRun.update leaves
-            where = run.mismatch_report(step, acc.rollouts, skipped)
-            if where is not None:
-                run.out(f"step {step + 1} skipped: {skipped}\n   replay it: exactrl parity --replay {where}")
-        m.update(
-            {
-                "overlap/microbatches": float(count["mb"]),
-                "overlap/microbatches_during_generation": float(count["mb_during"]),
-                "overlap/tokens_during_generation": float(count["tok_during"]),
-                "overlap/share_during_generation": count["tok_during"] / max(1, count["tok"]),
-                "perf/wait_s": self.stream.wait_s,  # the loop's thread waiting for the next finished group
-                "perf/score_s": times["score"],
-                # From the last finished sequence to the update applied: the training that did not overlap.
-                "perf/train_after_generate_s": t_end - t_generated,
-            }
-        )
-        return sr, m, self.stream.generate_s, times["train"]
-
-    def assemble(self, groups: dict[int, Any], refused: int) -> Any:
-        """The step's StepRollouts in prompt order, built by the loop's own `with_advantages` over the whole batch,
-        as the synchronous step builds them. The advantages the groups were trained with must be those bits: an
-        estimator that looked past its group would differ here (config refuses those; this says so if one slips)."""
-        run = self.run
-        order = sorted(groups)
-        parts = [groups[k] for k in order]
-        rollouts = [ro for g in parts for ro in g.rollouts]
-        trained = torch.tensor([ro.advantage for ro in rollouts], dtype=torch.float32)
-        per_function = {fn: [v for g in parts for v in g.per_function[fn]] for fn in parts[0].per_function}
-        sr = run.with_advantages(
-            rollouts,
-            [ro.reward for ro in rollouts],
-            per_function,
-            sum(g.reward_errors for g in parts),
-            [c for g in parts for c in g.completions],
-            [x for g in parts for x in g.answers],
-            None,
-            refused=refused,
-        )
-        if not torch.equal(sr.advantages, trained):
-            raise RuntimeError(
-                f"algorithm.advantage {run.cfg.algorithm.resolved_advantage!r}: the advantages computed per group "
-                'differ from the whole batch\'s; algorithm.overlap = "tail" needs an estimator local to each group'
-            )
-        for g in parts:
-            for key, n in g.reward_failures.items():
-                sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
-        return sr

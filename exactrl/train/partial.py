@@ -39,15 +39,18 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from exactrl.engine.engine import RequestOutput, Sample
 from exactrl.engine.partial import PartialGeneration, PartialSample
 from exactrl.tasks import Example
-from exactrl.train.offpolicy import BehaviourBatch, check_batch
+from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, check_batch
 from exactrl.train.trainer import Rollout
+
+if TYPE_CHECKING:
+    from exactrl.train.drivers.base import StepContext
 
 PARTIAL_FILE = "offpolicy_partial.json"
 
@@ -89,20 +92,6 @@ class CarriedGroup:
         )
 
 
-def check_partial_supported(cfg: Any, distributed: bool) -> None:
-    """Partial rollouts' limits, said before anything loads (the off-policy ones are offpolicy.check_supported's)."""
-    if not cfg.algorithm.partial_rollouts:
-        return
-    where = "algorithm.partial_rollouts = true"
-    if distributed:
-        raise ValueError(f"{where} runs on one process for now (not under torchrun)")
-    if cfg.algorithm.resolved_advantage == "remax":
-        raise ValueError(
-            f"{where}: advantage 'remax' needs a greedy rollout of each prompt under the policy that samples it, "
-            "and a partial rollout's prompt spans several versions; choose another advantage estimator"
-        )
-
-
 class PartialRollouts:
     """The groups in flight between generations (the pool) and the generation that cuts by count."""
 
@@ -123,22 +112,22 @@ class PartialRollouts:
         oldest = g.oldest()
         return oldest is not None and step + 1 - oldest > self.k
 
-    def batch(self, run: Any, step: int) -> BehaviourBatch:
+    def batch(self, ctx: StepContext, behaviour: BehaviourPolicy, step: int) -> BehaviourBatch:
         """prompts (top-up) -> generate until the cut -> score the chosen groups -> the guard on the tokens this
-        generation sampled, for step `step`, from the engine's copy (run.behaviour) at its current version."""
+        generation sampled, for step `step`, from the engine's copy (`behaviour`) at its current version."""
         t0 = time.perf_counter()
-        v = run.behaviour.version
+        v = behaviour.version
         top = self.per_step + self.extra - len(self.pool)
         new: list[CarriedGroup] = []
         if top > 0:
-            examples, prompt_ids, _ = run.prompts(top)
+            examples, prompt_ids, _ = ctx.stages.prompts(top)
             new = [
                 CarriedGroup(self.next_request_id + i, ex, ids)
                 for i, (ex, ids) in enumerate(zip(examples, prompt_ids))
             ]
             self.next_request_id += len(new)
         before = {(g.request_id, i): len(s.completion_ids) for g in self.pool for i, s in g.samples.items()}
-        stats = self.generate(run, step, v, new)
+        stats = self.generate(ctx, step, v, new)
         chosen = self.choose(step)
         for g in chosen:
             for s in g.samples.values():
@@ -163,23 +152,23 @@ class PartialRollouts:
             )
             for g in chosen
         ]
-        sr = run.score(step, [g.example for g in chosen], [g.prompt_ids for g in chosen], outs, None)
+        sr = ctx.stages.score(step, [g.example for g in chosen], [g.prompt_ids for g in chosen], outs, None)
         gen_s = time.perf_counter() - t0
         by_key = {(g.request_id, i): s for g in chosen for i, s in g.samples.items()}
         versions = [
             torch.tensor(by_key[(ro.request_id, ro.sample_index)].versions, dtype=torch.int64)
             for ro in sr.rollouts
         ]
-        batch = BehaviourBatch(sr, v, versions, gen_s, run.step_model_tokens)
+        batch = BehaviourBatch(sr, v, versions, gen_s, ctx.state.model_tokens)
         t1 = time.perf_counter()
         checks = self.sampled_now(chosen + self.pool, before)
         batch.guard, batch.mismatch = check_batch(
-            run.behaviour, checks, run.trainer.s.temperature, run.trainer.s.max_tokens_per_microbatch
+            behaviour, checks, ctx.trainer.s.temperature, ctx.trainer.s.max_tokens_per_microbatch
         )
         batch.guard_s = time.perf_counter() - t1
         batch.checked = checks
         dropped = 0
-        if batch.mismatch is not None and run.cfg.run.on_mismatch != "warn":
+        if batch.mismatch is not None and ctx.cfg.run.on_mismatch != "warn":
             # No later update may use a carried token the guard refused: its group goes.
             bad = {checks[i].request_id for i, *_ in batch.mismatch.sequences}
             dropped = sum(g.request_id in bad for g in self.pool)
@@ -208,7 +197,9 @@ class PartialRollouts:
         }
         return batch
 
-    def generate(self, run: Any, step: int, version: int, new: list[CarriedGroup]) -> dict[str, float]:
+    def generate(
+        self, ctx: StepContext, step: int, version: int, new: list[CarriedGroup]
+    ) -> dict[str, float]:
         """Run the engine over the pool's unfinished samples (resumed, KV recomputed) and the new groups until the
         cut; every sample it returns is merged into the pool, its new tokens tagged `version`."""
         resumed = [
@@ -221,10 +212,10 @@ class PartialRollouts:
         ]
         due = {g.request_id for g in self.pool if self.due(g, step)}
         gen = PartialGeneration(
-            run.engine,
+            ctx.engine,
             [g.prompt_ids for g in new],
             [g.request_id for g in new],
-            run.sampling_params(),
+            ctx.stages.sampling_params(),
             resumed,
         )
         self.pool += new

@@ -2,7 +2,8 @@
 
 `exactrl plan` answers "can I run this?", so it must refuse what `exactrl train` would refuse: the config's own
 checks (`RunConfig.validate`), and the ones that need the world size or the model's shape (a mixture of experts is
-read from the preset or the checkpoint's config.json, nothing is built). One function, called by both.
+read from the preset or the checkpoint's config.json, nothing is built), the modes' among them
+(`exactrl.train.drivers.modes.choose_driver`). One function, called by both.
 
 Keys that do nothing in the mode the config chose (`inert_keys`) follow one rule: a warning that names the key,
 why it does nothing and what would make it act, printed when the run (or the plan) starts. Not a refusal: a config
@@ -20,16 +21,14 @@ import json
 from pathlib import Path
 
 from exactrl.config import AlgorithmConfig, RunConfig
+from exactrl.train.drivers.modes import DriverName, choose_driver
 
 
-def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> None:
+def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> DriverName:
     """Refuse (ValueError, ConfigError) a config `exactrl train` would refuse at `world_size` ranks, before anything
-    loads. distributed: under torchrun (any world size, one included)."""
-    from exactrl.train.dynamic_sampling import check_dynamic_sampling_supported
+    loads; returns the step driver that runs it (`exactrl.train.drivers.modes.choose_driver`). distributed: under
+    torchrun (any world size, one included)."""
     from exactrl.train.memory import model_config
-    from exactrl.train.offpolicy import check_supported as check_offpolicy
-    from exactrl.train.overlap import check_supported_config as check_overlap
-    from exactrl.train.partial import check_partial_supported
 
     cfg.validate()
     if cfg.engine.tensor_parallel > 1:
@@ -43,24 +42,21 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> N
             "engine yet (the RL loop would give each rank of a group the same rollouts to train on); "
             "`exactrl parity --tensor-parallel T` runs the split engine. Set engine.tensor_parallel = 1"
         )
-    check_offpolicy(cfg, distributed)
-    check_partial_supported(cfg, distributed)
-    check_dynamic_sampling_supported(cfg, distributed)
+    moe = model_config(cfg).is_moe
+    driver = choose_driver(cfg, distributed=distributed, moe=moe)
     if cfg.algorithm.prompts_per_step < world_size:
         raise ValueError(
             f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
             f"{world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
         )
     tr = cfg.train
-    moe = model_config(cfg).is_moe
     if (tr.moe_aux_loss_coef or tr.moe_z_loss_coef) and not moe:
         raise ValueError(
             f"train.moe_aux_loss_coef = {tr.moe_aux_loss_coef} and train.moe_z_loss_coef = {tr.moe_z_loss_coef}: "
             f"router losses need a mixture-of-experts model, and {cfg.model.preset or cfg.model.path} has no "
             "sparse layer; set both to 0"
         )
-    if cfg.algorithm.overlap == "tail":
-        check_overlap(distributed, moe)
+    return driver
 
 
 def _default(cls: type, name: str):

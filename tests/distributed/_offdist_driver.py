@@ -67,16 +67,17 @@ def cli_job(job: dict) -> None:
     import exactrl.engine.engine as engine_mod
     from exactrl.model.qwen import CausalLM
     from exactrl.train import loop, offpolicy_dist
+    from exactrl.train.drivers import offpolicy as offpolicy_driver
+    from exactrl.train.drivers.offpolicy import OneStepOffDriver
 
     rank = int(os.environ["RANK"])
     record: dict[str, Any] = {"rank": rank, "error": None, "error_type": None, "steps": {}}
     patches = _Patches()
     runs: list[Any] = []
 
-    sample: Callable[..., Any] = loop.RLRun.behaviour_sample
+    sample: Callable[..., Any] = OneStepOffDriver.sample
 
     def spy_sample(self, step):
-        runs[:1] = [self]
         version = self.behaviour.version
         start = _digest(self.behaviour.model)
         if job.get("save_weights") and rank == 0:
@@ -98,7 +99,7 @@ def cli_job(job: dict) -> None:
         }
         return out
 
-    patches.set(loop.RLRun, "behaviour_sample", spy_sample)
+    patches.set(OneStepOffDriver, "sample", spy_sample)
 
     if job.get("plant_ulp") is not None:
         r, k = job["plant_ulp"]
@@ -119,15 +120,19 @@ def cli_job(job: dict) -> None:
         def refuse(*a, **k):
             raise AssertionError("the off-policy machinery ran at max_off_policy_steps = 0")
 
-        for name in (
-            "ReplicaBehaviour",
-            "BehaviourPolicy",
-            "GenerationWorker",
-            "agree_guard",
-            "step_staleness",
-        ):
+        for name in ("ReplicaBehaviour", "BehaviourPolicy"):
             patches.set(loop, name, refuse)
-        patches.set(loop.RLRun, "off_policy_step", refuse)
+        for name in ("GenerationWorker", "agree_guard", "step_staleness"):
+            patches.set(offpolicy_driver, name, refuse)
+        patches.set(OneStepOffDriver, "__init__", refuse)
+
+    make_driver = loop.RLRun.make_driver
+
+    def spy_make_driver(self):  # the run, before its first step (a refused batch never reaches finish)
+        runs[:1] = [self]
+        return make_driver(self)
+
+    patches.set(loop.RLRun, "make_driver", spy_make_driver)
 
     finish = loop.RLRun.finish
 

@@ -10,7 +10,7 @@ import torch
 from exactrl.config import load_config
 from exactrl.distributed.env import DistContext
 from exactrl.distributed.layout import buckets, split_layout
-from exactrl.train.disagg import check_disaggregated_supported
+from exactrl.train.drivers.modes import choose_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,10 +44,10 @@ def test_layouts_that_cannot_work_are_refused(world: DistContext, g: int, words:
 def test_modes_not_done_in_the_layout_are_refused_by_key(key: str, words: str) -> None:
     cfg = load_config(ROOT / "configs" / "quickstart.toml", ["distributed.generator_ranks=1", key])
     with pytest.raises(ValueError, match=words):
-        check_disaggregated_supported(cfg)
-    check_disaggregated_supported(
-        load_config(ROOT / "configs" / "quickstart.toml", [key])
-    )  # colocated: not this check's business
+        choose_driver(cfg, distributed=False, moe=False)
+    choose_driver(
+        load_config(ROOT / "configs" / "quickstart.toml", [key]), distributed=False, moe=False
+    )  # colocated, on one process: these modes run
 
 
 def test_buckets_keep_one_dtype_and_the_limit() -> None:

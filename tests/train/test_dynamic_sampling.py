@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from exactrl.config import ConfigError, config_from_dict
 from exactrl.tasks.rewards import RewardResult
+from exactrl.train.drivers.modes import choose_driver
 from exactrl.train.dynamic_sampling import (
     DynamicSampler,
-    check_dynamic_sampling_supported,
     has_signal,
     next_draw,
     request_id_base,
@@ -278,9 +278,9 @@ def test_accepted_combinations():
     ):
         _cfg(**over).validate()
     cfg = _cfg(algorithm__max_off_policy_steps=1)
-    check_dynamic_sampling_supported(cfg, distributed=False)
+    assert choose_driver(cfg, distributed=False, moe=False) == "one_step_off"
     with pytest.raises(ValueError, match="torchrun"):
-        check_dynamic_sampling_supported(cfg, distributed=True)
+        choose_driver(cfg, distributed=True, moe=False)
 
 
 # -- runs ---------------------------------------------------------------------------------------------------------------

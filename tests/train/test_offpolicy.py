@@ -19,6 +19,7 @@ from rl_runs import untimed as _untimed
 from rl_runs import weights as _weights
 
 import exactrl.engine.engine as engine_mod
+import exactrl.train.drivers.offpolicy as offpolicy_driver
 import exactrl.train.loop as loop_mod
 from exactrl.algorithms import decoupled_is_weights, policy_loss_terms
 from exactrl.config import ConfigError
@@ -167,9 +168,11 @@ def test_k0_takes_todays_path(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the off-policy machinery ran at max_off_policy_steps = 0")
 
-    for name in ("BehaviourPolicy", "ReplicaBehaviour", "GenerationWorker", "check_batch", "step_staleness"):
+    for name in ("BehaviourPolicy", "ReplicaBehaviour"):
         monkeypatch.setattr(loop_mod, name, refuse)
-    monkeypatch.setattr(RLRun, "off_policy_step", refuse)
+    for name in ("GenerationWorker", "check_batch", "step_staleness"):
+        monkeypatch.setattr(offpolicy_driver, name, refuse)
+    monkeypatch.setattr(offpolicy_driver.OneStepOffDriver, "__init__", refuse)
     cfg = _cfg(tmp_path, k=0, train__steps=2)
     run = RLRun(cfg, out=lambda *a: None)
     try:
@@ -187,18 +190,20 @@ def k1_run(tmp_path_factory):
     """A 3-step run at k = 1 (shared by the tests that only read it)."""
     tmp = tmp_path_factory.mktemp("k1")
     copies: dict[int, dict[str, torch.Tensor]] = {}
-    original = RLRun.behaviour_batch
+    original = offpolicy_driver.OneStepOffDriver.batch
 
     def spy(
         self, step
     ):  # the engine's copy as generation of `step`'s batch starts (in the worker but the first)
         copies[step] = {k: v.detach().clone() for k, v in self.behaviour.model.state_dict().items()}
         # The engine samples from the copy, never from the policy the trainer is updating in place meanwhile.
-        copies[step]["engine is the copy"] = self.engine.model is self.behaviour.model is not self.model
+        copies[step]["engine is the copy"] = (
+            self.ctx.engine.model is self.behaviour.model is not self.ctx.trainer.model
+        )
         return original(self, step)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RLRun, "behaviour_batch", spy)
+        mp.setattr(offpolicy_driver.OneStepOffDriver, "batch", spy)
         s = train(_cfg(tmp, train__keep_checkpoints=3), out=lambda *a: None)
     return tmp, s, copies
 
@@ -251,13 +256,13 @@ def test_k1_fault_aborts_before_the_update_and_resumes(tmp_path, fault_at_call, 
     fault_at_call(3)
     cfg = _cfg(tmp_path)
     seen = {}
-    original = RLRun._refuse_batch
+    original = offpolicy_driver.OneStepOffDriver.refuse
 
     def spy(self, step, batch):
-        seen["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        seen["weights"] = {k: v.detach().clone() for k, v in self.ctx.trainer.model.state_dict().items()}
         return original(self, step, batch)
 
-    monkeypatch.setattr(RLRun, "_refuse_batch", spy)
+    monkeypatch.setattr(offpolicy_driver.OneStepOffDriver, "refuse", spy)
     lines: list[str] = []
     with pytest.raises(MismatchError) as err:
         train(cfg, out=lambda *a: lines.append(" ".join(map(str, a))))

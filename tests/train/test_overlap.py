@@ -19,7 +19,7 @@ from rl_runs import steps as _steps
 from rl_runs import weights as _weights
 
 import exactrl.engine.engine as engine_mod
-import exactrl.train.loop as loop_mod
+import exactrl.train.drivers.tail as tail_mod
 import exactrl.train.overlap as overlap_mod
 from exactrl.config import ConfigError
 from exactrl.engine.engine import EngineConfig, RolloutEngine
@@ -125,7 +125,7 @@ def runs(tmp_path_factory, reward_dir):
         # driver, its group stream and microbatch filler, the trainer's fed step) is made unreachable, so the run
         # can only complete on the synchronous path (whole-batch `PolicyTrainer.step`).
         for cls, name in (
-            (overlap_mod.TailOverlap, "__init__"),
+            (tail_mod.TailDriver, "__init__"),
             (overlap_mod.GroupStream, "__init__"),
             (overlap_mod.MicrobatchFiller, "__init__"),
             (PolicyTrainer, "begin_accumulation"),
@@ -138,11 +138,11 @@ def runs(tmp_path_factory, reward_dir):
     reference: dict[int, list] = {}
     tail: dict[int, object] = {}
     with pytest.MonkeyPatch.context() as mp:
-        original_step = overlap_mod.TailOverlap.step
+        original_step = tail_mod.TailDriver.sample_and_update
         original_engine_step = engine_mod._Generation.step
 
         def spy(self, step, examples, prompt_ids, index):
-            outs = self.run.rollout(step, prompt_ids, index)  # the synchronous generate, same weights
+            outs = self.ctx.stages.rollout(step, prompt_ids, index)  # the synchronous generate, same weights
             reference[step] = [
                 (o.request_id, [(s.token_ids, s.rollout_logprobs) for s in o.samples]) for o in outs
             ]
@@ -154,7 +154,7 @@ def runs(tmp_path_factory, reward_dir):
             time.sleep(0.01)  # the loop's thread runs while the engine thread sleeps (GIL released)
             return original_engine_step(self)
 
-        mp.setattr(overlap_mod.TailOverlap, "step", spy)
+        mp.setattr(tail_mod.TailDriver, "sample_and_update", spy)
         mp.setattr(engine_mod._Generation, "step", slow)
         tail_cfg = _cfg(tmp, reward_dir, "tail", train__steps=3, train__keep_checkpoints=3)
         tail_summary = train(tail_cfg, out=lambda *a: None)
@@ -501,11 +501,11 @@ def test_off_never_builds_the_stage(tmp_path, reward_dir, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the tail overlap ran with algorithm.overlap = 'none'")
 
-    monkeypatch.setattr(loop_mod, "TailOverlap", refuse)
+    monkeypatch.setattr(tail_mod.TailDriver, "__init__", refuse)
     monkeypatch.setattr(PolicyTrainer, "begin_accumulation", refuse)
     run = RLRun(_cfg(tmp_path, reward_dir, "none", train__steps=1), out=lambda *a: None)
     try:
-        assert run.tail is None
+        assert run.driver_name == "sync"
         run.run()
     finally:
         run.close()

@@ -31,6 +31,7 @@ from exactrl.engine.sampler import SamplingParams
 from exactrl.engine.scheduler import Scheduler
 from exactrl.engine.sequence import Sequence
 from exactrl.model import build_model, preset
+from exactrl.train.drivers.offpolicy import OneStepOffDriver
 from exactrl.train.loop import RLRun, train
 from exactrl.train.offpolicy import BehaviourPolicy, check_batch
 from exactrl.train.partial import PARTIAL_FILE, PartialRollouts
@@ -381,13 +382,13 @@ def test_one_ulp_in_a_carried_prefix_is_caught_before_the_update(tmp_path, rewar
         monkeypatch, lambda s: marked.update(request_id=s.request_id, sample_index=s.sample_index)
     )
     seen = {}
-    refuse = RLRun._refuse_batch
+    refuse = OneStepOffDriver.refuse
 
     def spy(self, step, batch):
-        seen["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        seen["weights"] = {k: v.detach().clone() for k, v in self.ctx.trainer.model.state_dict().items()}
         return refuse(self, step, batch)
 
-    monkeypatch.setattr(RLRun, "_refuse_batch", spy)
+    monkeypatch.setattr(OneStepOffDriver, "refuse", spy)
     with pytest.raises(MismatchError) as err:
         train(_cfg(tmp_path, reward_path), out=lambda *a: None)
     msg = str(err.value)
@@ -433,7 +434,7 @@ def test_partial_off_leaves_one_step_off_alone(tmp_path, reward_path, monkeypatc
         raise AssertionError("partial rollouts ran with algorithm.partial_rollouts = false")
 
     monkeypatch.setattr(PartialRollouts, "batch", refuse)
-    monkeypatch.setattr(loop_mod.PartialRollouts, "__init__", refuse)
+    monkeypatch.setattr(PartialRollouts, "__init__", refuse)
     cfg = _cfg(
         tmp_path,
         reward_path,
