@@ -191,13 +191,16 @@ def test_train_refuses_expert_parallel_where_it_cannot_split_by_key() -> None:
         load_config(quick, ["model.preset=tiny-moe", "engine.expert_parallel=2", "engine.tensor_parallel=4"])
 
 
-def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
-    """`exactrl parity --nproc 2 --tensor-parallel 2`: the split engine's weights come from the FSDP2 trainer's
-    shards through the weight sync, and every recorded logprob equals the trainer's (a mixture of experts in bf16:
-    the dense layer, the attention and the head split, the experts replicated)."""
+@pytest.mark.parametrize("split", [["--tensor-parallel", "2"], ["--expert-parallel", "2"]])
+def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer(split: list[str]) -> None:
+    """`exactrl parity --nproc 2 --tensor-parallel 2` (or `--expert-parallel 2`): the split engine's weights come
+    from the FSDP2 trainer's shards through the weight sync, and every recorded logprob equals the trainer's (a
+    mixture of experts in bf16: with tensor parallel the dense layer, the attention and the head split, the experts
+    replicated; with expert parallel the routed experts split, the rest replicated). The splits' negative controls
+    (row-parallel partial sums, partial expert combines) are _tp_driver's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    argv = ["parity", "--nproc", "2", "--tensor-parallel", "2", "--device", "cpu", "--preset", "tiny-moe"]
+    argv = ["parity", "--nproc", "2", *split, "--device", "cpu", "--preset", "tiny-moe"]
     argv += ["--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "6", "--samples-per-prompt", "2"]
     p = subprocess.run(
         [sys.executable, "-m", "exactrl.cli", *argv, "--json"],
@@ -210,4 +213,5 @@ def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert r["ok"] and r["num_mismatched"] == 0 and r["num_tokens"] > 0, r
-    assert r["tensor_parallel"] == 2 and r["world_size"] == 2, r
+    key = split[0].removeprefix("--").replace("-", "_")
+    assert r[key] == 2 and r["world_size"] == 2, r
