@@ -96,12 +96,22 @@ def cmd_parity(args) -> int:
     args.device = rank_device(ctx, resolve_device(args.device))
     model, tok = _load(args)
     tp = None
-    if args.tensor_parallel != 1:  # refused by key before any group is made: world size, heads, LoRA
-        from exactrl.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel_groups
+    tp_size, ep_size = args.tensor_parallel, args.expert_parallel
+    if (
+        tp_size != 1 or ep_size != 1
+    ):  # refused by key before any group is made: world size, heads, experts, LoRA
+        from exactrl.distributed.expert_parallel import check_expert_parallel
+        from exactrl.distributed.shared_engine import engine_group
+        from exactrl.distributed.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(model, args.tensor_parallel)
-        tp = tensor_parallel_groups(ctx.rank, ctx.world_size, args.tensor_parallel)
-    engine_model, scorer = sharded_parity_models(model, ctx, tp) if ctx.distributed else (model, model)
+        check_tensor_parallel(model, tp_size)
+        check_expert_parallel(model, ep_size)
+        tp = engine_group(ctx.rank, ctx.world_size, tp_size, ep_size)
+    engine_model, scorer = (
+        sharded_parity_models(model, ctx, tp, tensor_parallel=tp_size, expert_parallel=ep_size)
+        if ctx.distributed
+        else (model, model)
+    )
     temps = args.temperature or [0.7]
     results = []
     for t in temps:
@@ -119,6 +129,8 @@ def cmd_parity(args) -> int:
             shared_prefix=args.shared_prefix,
             prompt_vocab=tok.vocab_size,
             tp=tp,
+            tensor_parallel=tp_size,
+            expert_parallel=ep_size,
         )
         results.append(r)
     if args.json:
@@ -388,15 +400,21 @@ def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
 
 
 def _parity_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    t = args.tensor_parallel
-    if t < 1 or nproc % t:
-        raise ValueError(
-            f"--tensor-parallel (engine.tensor_parallel = {t}) must divide --nproc ({nproc}): every engine needs "
-            f"{t} ranks of its own"
+    from exactrl.distributed.shared_engine import engine_group_size
+
+    g = engine_group_size(args.tensor_parallel, args.expert_parallel)
+    if nproc % g:
+        flag, key = (
+            ("--tensor-parallel", "tensor_parallel")
+            if args.tensor_parallel == g
+            else ("--expert-parallel", "expert_parallel")
         )
-    engines = nproc // t
+        raise ValueError(
+            f"{flag} (engine.{key} = {g}) must divide --nproc ({nproc}): every engine needs {g} ranks of its own"
+        )
+    engines = nproc // g
     if args.num_prompts < engines:  # as run_parity says on each rank
-        what = f"ranks ({nproc})" if t == 1 else f"engines ({engines}: {nproc} ranks / --tensor-parallel {t})"
+        what = f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
         raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
 
 
@@ -500,6 +518,15 @@ def _main(argv: list[str] | None = None) -> int:
         metavar="T",
         help="engine.tensor_parallel: each group of T ranks shares one engine split over them (1/T of its weights "
         "and KV cache each), checked against the FSDP2 trainer; T must divide --nproc",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        metavar="E",
+        help="engine.expert_parallel: each group of E ranks shares one engine whose routed experts are split over "
+        "them (1/E of every sparse layer's each), checked against the FSDP2 trainer; E must divide --nproc and "
+        "the model's experts, and equal --tensor-parallel when both are above 1",
     )
     add_nproc_arg(p)
     p.set_defaults(func=cmd_parity, before_launch=_parity_before_launch)

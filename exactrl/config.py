@@ -304,11 +304,25 @@ class EngineConfig:
     training."""
     tensor_parallel: int = 1
     """Ranks that share one rollout engine, each holding 1/T of its weights and KV cache, sampling the bits of the
-    one-device engine (exactrl/distributed/tensor_parallel.py). `exactrl parity --tensor-parallel T` runs it;
-    `exactrl train` refuses T > 1 for now."""
+    one-device engine (exactrl/distributed/tensor_parallel.py). Under torchrun (`exactrl train --nproc N`, T
+    dividing N) each group of T ranks samples the union of its ranks' prompts in one engine call and every rank
+    trains on its own share, as at T = 1 (exactrl/distributed/shared_engine.py); `exactrl parity --tensor-parallel
+    T` checks it. Not with LoRA, generator ranks, one step off, multi-turn, dynamic sampling or ReMax (refused)."""
+    expert_parallel: int = 1
+    """Ranks that share one rollout engine of a mixture-of-experts model, each holding 1/E of every sparse layer's
+    routed experts (exactrl/distributed/expert_parallel.py); E must divide the experts. Runs like
+    engine.tensor_parallel (the same group when both are above 1, so then they must be equal); `exactrl parity
+    --expert-parallel E` checks it. Refused for dense models and with LoRA."""
 
     def validate(self) -> None:
         _check_at_least(self.tensor_parallel, 1, "engine.tensor_parallel")
+        _check_at_least(self.expert_parallel, 1, "engine.expert_parallel")
+        if 1 < self.tensor_parallel != self.expert_parallel > 1:
+            _fail(
+                "engine.expert_parallel",
+                f"({self.expert_parallel}) must equal engine.tensor_parallel ({self.tensor_parallel}) when both "
+                "are above 1: they split one engine over the same ranks",
+            )
         _check_at_least(self.block_size, 16, "engine.block_size")
         if self.block_size % 16:
             _fail("engine.block_size", f"must be a multiple of 16, got {self.block_size}")

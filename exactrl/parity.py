@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.distributed.env import DistContext
-from exactrl.distributed.tensor_parallel import TensorParallelGroup, shard_engine_model
+from exactrl.distributed.shared_engine import split_engine_model
+from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.qwen import CausalLM
@@ -75,6 +76,8 @@ class ParityResult:
     """Ranks whose shares the figures sum (under torchrun: each with its engine and the FSDP-sharded trainer)."""
     tensor_parallel: int = 1
     """Ranks that shared one engine (each holding 1/T of its weights and KV cache)."""
+    expert_parallel: int = 1
+    """Ranks that shared one engine's routed experts (each holding 1/E of every sparse layer's)."""
 
     @property
     def ok(self) -> bool:
@@ -94,6 +97,8 @@ class ParityResult:
         ]
         if self.tensor_parallel > 1:
             parts.append(f"each engine split over {self.tensor_parallel} ranks (engine.tensor_parallel)")
+        if self.expert_parallel > 1:
+            parts.append(f"the experts split over {self.expert_parallel} ranks (engine.expert_parallel)")
         missing = [
             name
             for name, n in (
@@ -132,7 +137,12 @@ def small_kv_blocks(prompts: list[list[int]], max_tokens: int, samples: int, blo
 
 
 def sharded_parity_models(
-    model: CausalLM, ctx: DistContext, tp: TensorParallelGroup | None = None
+    model: CausalLM,
+    ctx: DistContext,
+    tp: TensorParallelGroup | None = None,
+    *,
+    tensor_parallel: int | None = None,
+    expert_parallel: int = 1,
 ) -> tuple[CausalLM, CausalLM]:
     """(the engine's model, the trainer's model) of a run at ctx's world size: on one process both are `model`;
     under torchrun `model` is sharded in place with FSDP2 as training shards it, and the engine gets a full
@@ -144,7 +154,9 @@ def sharded_parity_models(
     par = Parallelism(ctx)
     replica = par.engine_model(model)
     if tp is not None and tp.size > 1:
-        replica = shard_engine_model(replica, tp)
+        # tensor_parallel unset: the group's size (the engine split by tensor parallel alone).
+        t = tp.size if tensor_parallel is None else tensor_parallel
+        replica = split_engine_model(replica, tp, t, expert_parallel)
     par.parallelize(model, trainable=False)
     par.bind(model, replica)
     par.sync_weights(full=True)
@@ -191,6 +203,8 @@ def run_parity(
     scorer: CausalLM | None = None,
     dist: DistContext | None = None,
     tp: TensorParallelGroup | None = None,
+    tensor_parallel: int | None = None,
+    expert_parallel: int = 1,
 ) -> ParityResult:
     """kv_blocks: 0 = small_kv_blocks (preemption), None = sized from memory.
 
@@ -318,5 +332,6 @@ def run_parity(
         cow_copies=int(block_stats["cow_copies"]),
         compositions=list(compositions),
         world_size=ctx.world_size,
-        tensor_parallel=1 if tp is None else tp.size,
+        tensor_parallel=(1 if tp is None else tp.size) if tensor_parallel is None else tensor_parallel,
+        expert_parallel=expert_parallel,
     )

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from exactrl.distributed.tensor_parallel import EngineShardCausalLM, TensorParallelGroup, as_engine_shard
+from exactrl.model.config import ModelConfig
 from exactrl.model.moe import Experts, SparseMoeBlock
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import Ops
@@ -63,14 +64,24 @@ class ExpertParallelExperts(nn.Module):
 
 def check_expert_parallel(model: CausalLM, size: int) -> None:
     """Refuse, by key, what `shard_experts` does not do."""
+    if size > 1 and not any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        raise ValueError(
+            f"engine.expert_parallel = {size}: the model has no sparse (mixture-of-experts) layer; set it to 1"
+        )
+    check_expert_parallel_shape(model.config, size, lora=model.lora_spec is not None)
+
+
+def check_expert_parallel_shape(cfg: ModelConfig, size: int, *, lora: bool = False) -> None:
+    """`check_expert_parallel` from the model's config alone (nothing built: `exactrl plan`, the run's preflight).
+    lora: the run attaches LoRA adapters."""
     if size == 1:
         return
     key = f"engine.expert_parallel = {size}"
-    if not any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+    if not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         raise ValueError(f"{key}: the model has no sparse (mixture-of-experts) layer; set it to 1")
-    if model.config.num_experts % size:
-        raise ValueError(f"{key} does not divide the model's {model.config.num_experts} experts")
-    if model.lora_spec is not None:
+    if cfg.num_experts % size:
+        raise ValueError(f"{key} does not divide the model's {cfg.num_experts} experts")
+    if lora:
         raise ValueError(
             f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.expert_parallel = 1"
         )

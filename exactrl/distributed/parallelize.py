@@ -9,10 +9,11 @@ model and nothing here does anything. Under torchrun:
   a LoRA base or the KL reference, stay in the model dtype) and
   `MixedPrecisionPolicy(param_dtype=<model dtype>, reduce_dtype=float32)`: the forward computes with the
   all-gathered parameters cast to the model dtype, gradients are reduce-scattered in fp32.
-- Engine: one per rank (or one per group of `engine.tensor_parallel` ranks, each rank holding its slice of the
-  weights: the sync copies that slice of each gathered weight), on a full-weight replica in the model dtype, refreshed in place after every optimizer
-  step from the shards (`sync_weights`: cast each shard to the model dtype, all-gather, copy into the replica's
-  own tensors, so captured CUDA graphs stay valid). A cast is elementwise, so casting then gathering gives the
+- Engine: one per rank (or one per group of `engine.tensor_parallel` / `engine.expert_parallel` ranks, each rank
+  holding its slice of the weights: the sync copies that slice of each gathered weight,
+  exactrl/distributed/shared_engine.py), on a full-weight replica in the model dtype, refreshed in place after
+  every optimizer step from the shards (`sync_weights`: cast each shard to the model dtype, all-gather, copy into
+  the replica's own tensors, so captured CUDA graphs stay valid). A cast is elementwise, so casting then gathering gives the
   bits FSDP's own cast-then-gather gives the trainer's forward: the engine samples with the very weights the
   trainer computes with (tests/distributed checks it with `torch.equal` on every rank).
 """
@@ -72,6 +73,7 @@ class Parallelism:
         # back in the next `sync_weights`, which then gathers every weight.
         self._replica_bytes: list[tuple[torch.UntypedStorage, int]] = []
         self.replica_released = False
+        self._engine: CausalLM | None = None  # the engine's model (`bind`)
         self.mesh = None
         if self.sharded:
             from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -146,6 +148,30 @@ class Parallelism:
             self._names[id(mine[name])] = name
             if p.requires_grad:
                 self._trained.append((p, mine[name]))
+
+    @torch.no_grad()
+    def whole_engine_model(self) -> CausalLM | None:
+        """The engine's model with whole weights, for what rank 0 writes (a checkpoint's policy/, a mismatch
+        report): the replica itself, or, when the replica is an engine shard (engine.tensor_parallel or
+        expert_parallel: each rank holds a slice), a copy gathered from the trainer's shards now, on rank 0 (every
+        rank calls it then: the gathers are collectives; None on the other ranks). Its bytes are the ones the
+        weight sync gives a whole replica: the same cast, then all-gather."""
+        from exactrl.distributed.tensor_parallel import EngineShardCausalLM
+
+        shard = self._engine
+        if not isinstance(shard, EngineShardCausalLM):
+            return shard
+        whole = None
+        if self.ctx.is_main:
+            with torch.device("meta"):
+                whole = CausalLM(shard.config, ops=shard.ops, fp32_lm_head=shard.fp32_lm_head)
+            whole = whole.to(dtype=shard.dtype).to_empty(device=shard.device).requires_grad_(False)
+        mine = dict(whole.named_parameters()) if whole is not None else {}
+        for p, e in self._pairs:
+            gathered = p.detach().to(e.dtype).full_tensor()
+            if whole is not None:
+                mine[self._names[id(e)]].copy_(gathered)
+        return whole
 
     def replica_weights(self, full: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The replica's tensors that `sync_weights(full)` refreshes, by name, in its order: what a

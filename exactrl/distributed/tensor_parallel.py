@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exactrl.model.config import ModelConfig
 from exactrl.model.layers import MLP, Linear, PackedLinear
 from exactrl.model.qwen import Attention, CausalLM
 from exactrl.ops import Ops
@@ -73,6 +74,16 @@ class TensorParallelGroup:
         parts = [torch.empty_like(xb) for _ in range(self.size)]
         dist.all_gather(parts, xb, group=self.group)
         return [p.view(x.dtype) for p in parts]
+
+    def min(self, n: int) -> int:
+        """The smallest of every rank's `n` (one all-reduce): what the ranks of one engine agree on where each has a
+        figure of its own (the KV cache's blocks sized from its own free memory)."""
+        if self.size == 1:
+            return n
+        cuda = dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([n], dtype=torch.int64, device="cuda" if cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable `obj`, in rank order."""
@@ -237,11 +248,16 @@ def as_engine_shard(model: CausalLM, group: TensorParallelGroup) -> EngineShardC
 
 def check_tensor_parallel(model: CausalLM, size: int) -> None:
     """Refuse, by key, what `shard_engine_model` does not do (before any group is made)."""
-    cfg = model.config
+    check_tensor_parallel_shape(model.config, size, lora=model.lora_spec is not None)
+
+
+def check_tensor_parallel_shape(cfg: ModelConfig, size: int, *, lora: bool = False) -> None:
+    """`check_tensor_parallel` from the model's config alone (nothing built: `exactrl plan`, the run's preflight).
+    lora: the run attaches LoRA adapters."""
     key = f"engine.tensor_parallel = {size}"
     if size == 1:
         return
-    if model.lora_spec is not None:
+    if lora:
         raise ValueError(
             f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.tensor_parallel = 1"
         )
@@ -254,6 +270,12 @@ def check_tensor_parallel(model: CausalLM, size: int) -> None:
             f"{key} does not divide the model's shared_expert_intermediate_size "
             f"{cfg.shared_expert_intermediate_size}"
         )
+
+
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """The KV heads one rank of a tensor-parallel engine caches: num_kv_heads / T, or one (a copy) when the model
+    has fewer KV heads than ranks (`head_split`)."""
+    return num_kv_heads // size if num_kv_heads >= size else 1
 
 
 @torch.no_grad()

@@ -49,9 +49,11 @@ class EngineConfig:
     # Read by the RL loop's memory phases (exactrl/train/phases.py), which call `release_kv` while the trainer
     # runs; a call to `generate` allocates a released cache again whatever this says.
     release_memory: bool = True
-    # Ranks that share this engine (exactrl/distributed/tensor_parallel.py splits its model before the engine is
-    # built; the engine itself runs the split model unchanged). Carried for the config's round trip.
+    # Ranks that share this engine (exactrl/distributed/tensor_parallel.py and expert_parallel.py split its model
+    # before the engine is built; the engine itself runs the split model unchanged). Carried for the config's round
+    # trip.
     tensor_parallel: int = 1
+    expert_parallel: int = 1
 
 
 @dataclass
@@ -90,6 +92,11 @@ class RolloutEngine:
         # sequences, waiting sequences) after scheduling, e.g. for `exactrl bench rl`'s concurrency plot. Host-side
         # counts and a clock read only: no device sync.
         self.trace: list[tuple[int, float, int, int]] | None = None
+        # The ranks that share this engine (tensor or expert parallel) each size an unset KV cache from their own
+        # free memory; they must hold the same number of blocks, or their schedulers (which preempt when blocks
+        # run out) would part ways. None: this engine alone; else a function every rank of the group calls with its
+        # own figure, returning the one they agree on (the smallest: exactrl/distributed/shared_engine.py).
+        self.agree_blocks: Callable[[int], int] | None = None
 
     def reset_stats(self) -> None:
         self.stats = {
@@ -138,6 +145,8 @@ class RolloutEngine:
             n = cfg.num_kv_blocks
         else:
             n = auto_num_blocks(self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed)
+            if self.agree_blocks is not None:
+                n = self.agree_blocks(n)
             if r is not None:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:

@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 import signal
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,13 @@ from exactrl.distributed.checkpoint import (
 from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
+from exactrl.distributed.shared_engine import (
+    SharedEngine,
+    engine_group,
+    engine_group_size,
+    split_engine_model,
+)
+from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup
@@ -358,6 +366,14 @@ class RLRun:
             cfg, self.dist.world_size, distributed=self.dist.distributed
         )
         self.cfg, self.resume = cfg, resume
+        # engine.tensor_parallel / expert_parallel: the ranks of each group share one engine split over them
+        # (exactrl/distributed/shared_engine.py); None: every rank its own.
+        self.engine_group: TensorParallelGroup | None = None
+        e = cfg.engine
+        if engine_group_size(e.tensor_parallel, e.expert_parallel) > 1:
+            self.engine_group = engine_group(
+                self.dist.rank, self.dist.world_size, e.tensor_parallel, e.expert_parallel
+            )
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
         self.rewards: RewardComputer | None = None
@@ -388,9 +404,11 @@ class RLRun:
         )
         # The phase switches (KV cache and replica released while the trainer runs), with the plan's KV size on
         # a GPU: the cache is sized so that the phases holding it fit (exactrl/train/phases.py).
-        self.phases = MemoryPhases(
-            cfg, self.parallel, memory_plan.counts["kv_blocks"] if memory_plan is not None else None
-        )
+        kv_blocks = memory_plan.counts["kv_blocks"] if memory_plan is not None else None
+        if kv_blocks is not None and self.engine_group is not None:
+            # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
+            kv_blocks = self.engine_group.min(kv_blocks)
+        self.phases = MemoryPhases(cfg, self.parallel, kv_blocks)
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -581,7 +599,9 @@ class RLRun:
         """Held-out accuracy, on rank 0 (the others have nothing to log; they wait at their next collective).
         Disaggregated: on trainer 0's generator, every trainer keeping its generator's rounds in step."""
         out: dict[str, float] = {}
-        with self.weights.round():
+        # A shared engine: the other ranks of rank 0's group join its one call (an empty share) at the round's end.
+        shared = self.engine.round() if isinstance(self.engine, SharedEngine) else nullcontext()
+        with self.weights.round(), shared:
             if self.dist.is_main:
                 self.phases.size(self.engine)
                 out = evaluate(
@@ -734,6 +754,11 @@ class RLRun:
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
         engine_model = self.parallel.engine_model(model)
+        if self.engine_group is not None:  # each rank of a group keeps its slice of the replica
+            e = cfg.engine
+            engine_model = split_engine_model(
+                engine_model, self.engine_group, e.tensor_parallel, e.expert_parallel
+            )
         if a.max_off_policy_steps > 0:  # the engine samples from its own copy while the trainer updates
             # Under torchrun the engine replica is that copy (its version: the last weight sync).
             self.behaviour = (
@@ -764,6 +789,8 @@ class RLRun:
                 self.weights.attach_lora()
         elif engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+            if self.engine_group is not None:
+                self.engine = SharedEngine(self.engine, self.engine_group)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
         if self.critic is not None:
             self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
@@ -1239,7 +1266,10 @@ class RLRun:
             # sampling weights the report needs (every rank is here: a collective).
             self.parallel.sync_weights()
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
-        if not self.dist.is_main or not every:
+        if not every:
+            return None
+        whole = self.whole_engine_model()  # every rank (a shared engine's whole weights are gathered)
+        if not self.dist.is_main:
             return None
         sp = self.sampling_params()
         # No optimizer step touched the batch (abort or skip_step): the engine's weights are the sampling weights.
@@ -1247,7 +1277,7 @@ class RLRun:
             self.out_dir,
             step + 1,
             cfg=self.cfg,
-            model=self.engine.model,
+            model=whole,
             tokenizer=self.tok,
             sequences=every,
             sampling={
@@ -1261,6 +1291,13 @@ class RLRun:
                 "stop_token_ids": list(sp.stop_token_ids),
             },
         )
+
+    def whole_engine_model(self) -> Any:
+        """The engine's weights whole, for what rank 0 writes (a checkpoint's policy/, a replay report): its model,
+        or with a shared engine (each rank a slice) a copy gathered on rank 0, a collective of every rank."""
+        if self.engine_group is None:
+            return self.engine.model
+        return self.parallel.whole_engine_model()
 
     def mismatch_abort(self, step: int, sr: StepRollouts, err: MismatchError) -> None:
         """Exact mode found a difference and no update was applied: leave what is needed to replay it."""
@@ -1381,7 +1418,7 @@ class RLRun:
                 self.ckpt_root,
                 self.step,
                 model=self.model,
-                engine_model=self.engine.model,
+                engine_model=self.whole_engine_model(),
                 write_rank_extra=rank_extra,
                 **common,
             )

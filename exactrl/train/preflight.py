@@ -31,18 +31,8 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> D
     from exactrl.train.memory import model_config
 
     cfg.validate()
-    if cfg.engine.tensor_parallel > 1:
-        layout = (
-            f" with distributed.generator_ranks = {cfg.distributed.generator_ranks}"
-            if cfg.distributed.generator_ranks
-            else ""
-        )
-        raise ValueError(
-            f"engine.tensor_parallel = {cfg.engine.tensor_parallel}{layout}: exactrl train does not split its "
-            "engine yet (the RL loop would give each rank of a group the same rollouts to train on); "
-            "`exactrl parity --tensor-parallel T` runs the split engine. Set engine.tensor_parallel = 1"
-        )
     moe = model_config(cfg).is_moe
+    check_shared_engine(cfg, world_size, distributed=distributed)
     driver = choose_driver(cfg, distributed=distributed, moe=moe)
     if cfg.algorithm.prompts_per_step < world_size:
         raise ValueError(
@@ -57,6 +47,59 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> D
             "sparse layer; set both to 0"
         )
     return driver
+
+
+def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -> int:
+    """Refuse, by key, an engine shared by several ranks (engine.tensor_parallel, engine.expert_parallel) where
+    `exactrl train` does not run it (exactrl/distributed/shared_engine.py); returns the ranks that share an
+    engine (1: each rank its own)."""
+    from exactrl.distributed.shared_engine import check_engine_split
+    from exactrl.train.memory import model_config
+
+    e = cfg.engine
+    size = check_engine_split(model_config(cfg), e.tensor_parallel, e.expert_parallel, lora=cfg.lora.rank > 0)
+    if size == 1:
+        return 1
+    key = (
+        f"engine.tensor_parallel = {e.tensor_parallel}"
+        if e.tensor_parallel > 1
+        else f"engine.expert_parallel = {e.expert_parallel}"
+    )
+    a = cfg.algorithm
+    refusals = [
+        (not distributed, "needs torchrun ranks (`exactrl train --nproc N`), N a multiple of it"),
+        (
+            distributed and world_size % size != 0,
+            f"does not divide the world size {world_size}: every engine needs {size} ranks of its own",
+        ),
+        (
+            cfg.distributed.generator_ranks > 0,
+            f"with distributed.generator_ranks = {cfg.distributed.generator_ranks}: a generator rank holds a "
+            "whole engine; set one of them to its default",
+        ),
+        (
+            a.max_off_policy_steps > 0,
+            f"with algorithm.max_off_policy_steps = {a.max_off_policy_steps}: the next batch is sampled by a "
+            "worker thread that issues no collective, and a shared engine's every forward is one",
+        ),
+        (
+            cfg.env.name is not None,
+            f"with env.name = {cfg.env.name!r}: multi-turn episodes do not go through the shared engine's one "
+            "call per step yet",
+        ),
+        (
+            a.dynamic_sampling != "off",
+            f"with algorithm.dynamic_sampling = {a.dynamic_sampling!r} is not tested yet",
+        ),
+        (
+            a.resolved_advantage == "remax",
+            "with advantage 'remax' (a greedy rollout per prompt) is not tested yet",
+        ),
+    ]
+    for bad, text in refusals:
+        if bad:
+            raise ValueError(f"{key} {text}")
+    return size
 
 
 def _default(cls: type, name: str):

@@ -16,6 +16,12 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    forward), on every rank; skip_sync: the negative control (no weight
                                                    sync). Also the sharded model's state_dict() (HF names, per-expert
                                                    for a mixture of experts) against the replica's
+  {"kind": "cli", "argv": [...], "plant": "row_parallel"}
+                                                   the same, but a shared engine's o_proj / down_proj sum partial
+                                                   products over K slices (Megatron's row-parallel arithmetic): the
+                                                   negative control of engine.tensor_parallel in exactrl train
+  {"kind": "crashed", "src": DIR, "dst": DIR, "step": S}
+                                                   rank 0 copies run DIR as a crash after step S's checkpoint leaves it
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
                                                    (10 + 1.5 * rank), written by rank 0
 A job that fails exits the process with a non-zero status (torchrun then stops the other ranks).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -58,6 +65,30 @@ def cli_job(job: dict) -> None:
             return real_push(self, named)
 
         disagg.RemoteEngine.push = push_first_only
+    if (
+        job.get("plant") == "row_parallel"
+    ):  # a shared engine's negative control: o_proj / down_proj sum partials
+        from exactrl.distributed import tensor_parallel
+
+        def row_parallel(self, ops, x):
+            # Megatron's row-parallel arithmetic: each rank's K slice (its features) times the weight's matching
+            # columns, rounded to the model dtype, the partials summed in rank order (an all-reduce of T).
+            x = self.tp.gather_last(x)
+            k = x.shape[1] // self.tp.size
+            parts = [
+                ops.linear(
+                    x[:, r * k : (r + 1) * k].contiguous(), self.weight[:, r * k : (r + 1) * k].contiguous()
+                )
+                for r in range(self.tp.size)
+            ]
+            y = parts[0]
+            for p in parts[1:]:
+                y = y + p
+            if self.bias is not None:
+                y = y + self.bias
+            return self.tp.gather_last(y)
+
+        tensor_parallel.GatheredLinear.forward = row_parallel
     code = main(job["argv"])
     if code:
         sys.exit(code)
@@ -157,6 +188,18 @@ def weights_job(job: dict) -> None:
             json.dump(reports, f)
 
 
+def crashed_job(job: dict) -> None:
+    """Rank 0 copies run `src` to `dst` as a crash right after step `step`'s checkpoint leaves it (`_runs.crashed_after`),
+    the others wait: a resume in the same launch."""
+    import torch.distributed as dist
+
+    from tests.distributed._runs import crashed_after
+
+    if dist.get_rank() == 0:
+        crashed_after(Path(job["src"]), Path(job["dst"]), job["step"])
+    dist.barrier()
+
+
 def per_rank_job(job: dict) -> None:
     from exactrl.distributed.env import init_from_env, per_rank_metric
 
@@ -178,7 +221,8 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     for job in spec["jobs"]:
-        {"cli": cli_job, "weights": weights_job, "per_rank": per_rank_job}[job["kind"]](job)
+        jobs = {"cli": cli_job, "weights": weights_job, "per_rank": per_rank_job, "crashed": crashed_job}
+        jobs[job["kind"]](job)
     leave()
 
 

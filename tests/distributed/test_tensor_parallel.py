@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -145,26 +146,61 @@ def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(
 
 
 @pytest.mark.parametrize(
-    ("extra", "words"), [([], ""), (["distributed.generator_ranks=1"], "generator_ranks")]
+    ("extra", "world", "words"),
+    [
+        ([], 0, "needs torchrun ranks"),
+        ([], 3, "does not divide the world size 3"),
+        (["distributed.generator_ranks=1"], 2, "generator_ranks = 1: a generator rank holds a whole engine"),
+        (
+            ["algorithm.max_off_policy_steps=1"],
+            2,
+            "max_off_policy_steps = 1: the next batch is sampled by a worker",
+        ),
+        (["algorithm.dynamic_sampling=reward"], 2, "dynamic_sampling = 'reward' is not tested yet"),
+        (["lora.rank=4"], 2, "with LoRA adapters"),
+    ],
 )
-def test_train_refuses_a_split_engine_by_key(extra: list[str], words: str) -> None:
+def test_train_refuses_what_a_shared_engine_does_not_run_by_key(
+    extra: list[str], world: int, words: str
+) -> None:
     from exactrl.config import load_config
     from exactrl.train.preflight import check_run_config
 
     cfg = load_config(ROOT / "configs" / "quickstart.toml", ["engine.tensor_parallel=2", *extra])
-    with pytest.raises(
-        ValueError, match=rf"engine.tensor_parallel = 2.*{words}.*exactrl train does not split"
-    ):
-        check_run_config(cfg, 2, distributed=True)
+    with pytest.raises(ValueError, match=rf"engine.tensor_parallel = 2.*{re.escape(words)}"):
+        check_run_config(cfg, max(world, 1), distributed=world > 0)
 
 
-def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
-    """`exactrl parity --nproc 2 --tensor-parallel 2`: the split engine's weights come from the FSDP2 trainer's
-    shards through the weight sync, and every recorded logprob equals the trainer's (a mixture of experts in bf16:
-    the dense layer, the attention and the head split, the experts replicated)."""
+def test_train_refuses_expert_parallel_where_it_cannot_split_by_key() -> None:
+    from exactrl.config import ConfigError, load_config
+    from exactrl.train.preflight import check_run_config
+
+    quick = ROOT / "configs" / "quickstart.toml"
+    cases = [
+        (["engine.expert_parallel=2"], "engine.expert_parallel = 2: the model has no sparse"),
+        (["model.preset=tiny-moe", "engine.expert_parallel=3"], "does not divide the model's 8 experts"),
+        (
+            ["model.preset=tiny-moe", "engine.expert_parallel=2", "lora.rank=4"],
+            "expert_parallel = 2 with LoRA",
+        ),
+    ]
+    for sets, words in cases:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            check_run_config(load_config(quick, sets), 6, distributed=True)
+    with pytest.raises(ConfigError, match="engine.expert_parallel"):
+        load_config(quick, ["model.preset=tiny-moe", "engine.expert_parallel=2", "engine.tensor_parallel=4"])
+
+
+@pytest.mark.parametrize("split", [["--tensor-parallel", "2"], ["--expert-parallel", "2"]])
+def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer(split: list[str]) -> None:
+    """`exactrl parity --nproc 2 --tensor-parallel 2` (or `--expert-parallel 2`): the split engine's weights come
+    from the FSDP2 trainer's shards through the weight sync, and every recorded logprob equals the trainer's (a
+    mixture of experts in bf16: with tensor parallel the dense layer, the attention and the head split, the experts
+    replicated; with expert parallel the routed experts split, the rest replicated). The splits' negative controls
+    (row-parallel partial sums, partial expert combines) are _tp_driver's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    argv = ["parity", "--nproc", "2", "--tensor-parallel", "2", "--device", "cpu", "--preset", "tiny-moe"]
+    argv = ["parity", "--nproc", "2", *split, "--device", "cpu", "--preset", "tiny-moe"]
     argv += ["--dtype", "bfloat16", "--num-prompts", "2", "--max-tokens", "6", "--samples-per-prompt", "2"]
     p = subprocess.run(
         [sys.executable, "-m", "exactrl.cli", *argv, "--json"],
@@ -177,4 +213,5 @@ def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer() -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert r["ok"] and r["num_mismatched"] == 0 and r["num_tokens"] > 0, r
-    assert r["tensor_parallel"] == 2 and r["world_size"] == 2, r
+    key = split[0].removeprefix("--").replace("-", "_")
+    assert r[key] == 2 and r["world_size"] == 2, r

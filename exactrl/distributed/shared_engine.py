@@ -1,0 +1,159 @@
+"""One rollout engine shared by a group of ranks (`engine.tensor_parallel = T`, `engine.expert_parallel = E`), as
+`exactrl train` runs it under torchrun.
+
+The job's W ranks split into W / G consecutive groups of G = max(T, E) ranks; each group holds one engine split
+over it (exactrl/distributed/tensor_parallel.py, expert_parallel.py), its weights filled from the FSDP2 trainer's
+shards by the weight sync (`CausalLM.shard_full_weight`). The trainer is untouched: every rank still trains on its
+own share of the step's prompts, as at G = 1.
+
+What the ranks of a group must do together is call the engine: the same prompts, request ids and sampling in the
+same order (every forward runs collectives over the group). `SharedEngine.generate` makes one call of the group out
+of each rank's own call: the ranks' shares are gathered (in rank order), the engine samples their union once, and
+each rank keeps the outputs of its own prompts. A request's completions depend on (seed, request id) and on no
+other request of the call (the engine is batch-invariant), so a rank gets the very tokens and logprobs its own
+engine would have sampled at G = 1: the RL loop above it runs unchanged, and the guard checks every token of a
+rank's share against the trainer as before.
+
+A call that only some ranks make (the held-out evaluation, on rank 0) is a `round`: a rank of the group that asked
+nothing in the round joins with an empty share when the round ends, so the group still makes one call together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from exactrl.distributed.expert_parallel import check_expert_parallel_shape, shard_experts
+from exactrl.distributed.tensor_parallel import (
+    TensorParallelGroup,
+    check_tensor_parallel_shape,
+    shard_engine_model,
+    tensor_parallel_groups,
+)
+from exactrl.engine.engine import RequestOutput, RolloutEngine
+from exactrl.engine.sampler import SamplingParams
+from exactrl.model.config import ModelConfig
+from exactrl.model.qwen import CausalLM
+
+
+def engine_group_size(tensor_parallel: int, expert_parallel: int) -> int:
+    """G: the ranks that share one engine. Tensor and expert parallel split the same group when both are on."""
+    t, e = tensor_parallel, expert_parallel
+    if t < 1 or e < 1:
+        raise ValueError(f"engine.tensor_parallel = {t} and engine.expert_parallel = {e} must be at least 1")
+    if t > 1 and e > 1 and t != e:
+        raise ValueError(
+            f"engine.tensor_parallel = {t} and engine.expert_parallel = {e}: both split one engine over the same "
+            "ranks, so they must be equal when both are above 1"
+        )
+    return max(t, e)
+
+
+def check_engine_split(
+    cfg: ModelConfig, tensor_parallel: int, expert_parallel: int, *, lora: bool = False
+) -> int:
+    """Refuse, by key, an engine split the model's shape does not allow (nothing built); returns G."""
+    size = engine_group_size(tensor_parallel, expert_parallel)
+    check_tensor_parallel_shape(cfg, tensor_parallel, lora=lora)
+    check_expert_parallel_shape(cfg, expert_parallel, lora=lora)
+    return size
+
+
+def engine_group(
+    rank: int, world_size: int, tensor_parallel: int, expert_parallel: int
+) -> TensorParallelGroup:
+    """This rank's engine group (every rank calls it: the groups are made collectively)."""
+    return tensor_parallel_groups(rank, world_size, engine_group_size(tensor_parallel, expert_parallel))
+
+
+def split_engine_model(
+    model: CausalLM, group: TensorParallelGroup, tensor_parallel: int, expert_parallel: int
+) -> CausalLM:
+    """The engine's own full-weight model split over `group`, in place: tensor parallel, then the routed experts."""
+    if tensor_parallel > 1:
+        model = shard_engine_model(model, group)
+    if expert_parallel > 1:
+        model = shard_experts(model, group)
+    return model
+
+
+class SharedEngine:
+    """A rank's handle on the engine its group shares: `generate` takes this rank's share and returns its outputs
+    (see the module docstring). The engine's own attributes the run reads (`model`, `config`, `runner`,
+    `release_kv`) are the wrapped engine's."""
+
+    def __init__(self, engine: RolloutEngine, group: TensorParallelGroup) -> None:
+        self.engine = engine
+        self.group = group
+        # Each rank sizes an unset KV cache from its own free memory: the group takes the smallest.
+        engine.agree_blocks = group.min
+        self._in_round = False
+        self._asked = 0  # this rank's calls in the current round
+
+    # -- the wrapped engine's attributes ---------------------------------------------------------------------
+    @property
+    def model(self) -> CausalLM:
+        return self.engine.model
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def runner(self) -> Any:
+        return self.engine.runner
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats
+
+    def release_kv(self) -> int:
+        return self.engine.release_kv()
+
+    # -- one call of the group -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | None,
+        request_ids: list[int] | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> list[RequestOutput]:
+        """This rank's outputs of the group's one engine call on the union of every rank's prompts. Every rank of
+        the group calls it (a rank with nothing to sample passes no prompts); request ids must be unique over the
+        group (the loop's are the prompt's index in the step), and the ranks with prompts must pass equal
+        sampling parameters."""
+        if self._in_round:
+            if self._asked:
+                raise RuntimeError("a round of a shared engine holds one call (the held-out evaluation's)")
+            self._asked += 1
+        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        mine = ([list(p) for p in prompts], ids, params if prompts else None)
+        shares = self.group.gather_objects(mine)
+        asking = [s[2] for s in shares if s[0]]
+        if not asking:
+            return []
+        if any(p != asking[0] for p in asking):
+            raise RuntimeError(
+                "the ranks of a shared engine asked for different sampling parameters in one call"
+            )
+        union = [p for s in shares for p in s[0]]
+        union_ids = [i for s in shares for i in s[1]]
+        outs = self.engine.generate(union, asking[0], request_ids=union_ids)
+        start = sum(len(s[0]) for s in shares[: self.group.rank])
+        outs = outs[start : start + len(prompts)]
+        if progress is not None:
+            progress(sum(len(o.samples) for o in outs))
+        return outs
+
+    @contextmanager
+    def round(self) -> Iterator[None]:
+        """A round in which not every rank of the group may call `generate` (at most once each): one that did not
+        joins with an empty share at its end, so the group makes its one call together."""
+        self._in_round, self._asked = True, 0
+        try:
+            yield
+        finally:
+            self._in_round = False
+        if not self._asked:
+            self.generate([], None)

@@ -1,0 +1,64 @@
+"""`exactrl train` with a shared engine on CPU ranks (gloo, 2 ranks): `engine.tensor_parallel = 2` puts both ranks
+on one engine split over them (exactrl/distributed/shared_engine.py), which samples the union of their prompts in one
+call while each rank trains on its own share. The run equals the T = 1 run at the same world size step for step
+(every metric but timings, the held-out evaluations included) and in its final weights (the checkpoint's policy/,
+written from weights gathered whole), bit for bit; resumed at T = 2 from its step-2 checkpoint it equals the
+uninterrupted run. The negative control plants Megatron's row-parallel arithmetic in the split engine's o_proj /
+down_proj (partial sums over K slices): the run differs, and the guard counts the mismatched tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ._runs import REWARD, launch, mismatched, records, same, small_argv
+
+pytestmark = pytest.mark.slow
+
+DRIVER = Path(__file__).with_name("_driver.py")
+STEPS = 3
+# Held-out evaluations before RL, after step 2 and after RL (rank 0 asks, rank 1 joins its group's call) and a
+# checkpoint every step.
+EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
+TP = "engine.tensor_parallel=2"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("train-tp")
+    (tmp / "reward.py").write_text(REWARD)
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "t1", STEPS, *EVAL)},
+        {"kind": "cli", "argv": small_argv(tmp, "t2", STEPS, *EVAL, TP)},
+        {"kind": "crashed", "src": str(tmp / "t2"), "dst": str(tmp / "resumed"), "step": 2},
+        {"kind": "cli", "argv": small_argv(tmp, "resumed", STEPS, *EVAL, TP, resume=True)},
+        # One step is enough for the control (its first update's guard sees the difference).
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "planted", 1, TP, "run.on_mismatch=warn"),
+            "plant": "row_parallel",
+        },
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+def test_a_shared_engine_trains_as_one_engine_per_rank(runs: Path) -> None:
+    assert len(records(runs / "t2")) == STEPS + 2  # the steps and the evaluations before and after RL
+    assert sum("eval/reward" in r for r in records(runs / "t2")) == 3
+    assert mismatched(runs / "t2") == 0
+    assert same(runs / "t1", runs / "t2")
+
+
+def test_a_shared_engine_resumes_bitwise(runs: Path) -> None:
+    assert same(runs / "t2", runs / "resumed")
+
+
+def test_row_parallel_arithmetic_in_the_shared_engine_is_caught(runs: Path) -> None:
+    assert mismatched(runs / "planted") > 0
+    first = [r for r in records(runs / "t1") if r.get("step") == 1 and "loss" in r]
+    planted = [r for r in records(runs / "planted") if r.get("step") == 1 and "loss" in r]
+    assert len(first) == len(planted) == 1 and first != planted
