@@ -16,7 +16,7 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    forward), on every rank; skip_sync: the negative control (no weight
                                                    sync). Also the sharded model's state_dict() (HF names, per-expert
                                                    for a mixture of experts) against the replica's
-  {"kind": "cli", "argv": [...], "plant": "row_parallel"}
+  {"kind": "cli", "argv": [...], "plant": "row_parallel" | "partial_combine"}
                                                    the same, but a shared engine's o_proj / down_proj sum partial
                                                    products over K slices (Megatron's row-parallel arithmetic): the
                                                    negative control of engine.tensor_parallel in exactrl train
@@ -89,6 +89,31 @@ def cli_job(job: dict) -> None:
             return self.tp.gather_last(y)
 
         tensor_parallel.GatheredLinear.forward = row_parallel
+    if (
+        job.get("plant") == "partial_combine"
+    ):  # expert parallel's negative control: a combine split over ranks
+        import torch.distributed as tdist
+
+        from exactrl.distributed import expert_parallel
+
+        def partial_combine(self, ops, x, weights, ids):
+            # Each rank combines its own experts' weighted outputs in fp32, rounds that partial sum to the model
+            # dtype, and the ranks add the partials (an all-reduce) instead of one fp32 combine in rank order.
+            per = self.gate_up.shape[0]
+            local = ids - self.first_expert
+            own = (local >= 0) & (local < per)
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for r in range(ids.shape[1]):
+                rows = own[:, r].nonzero()[:, 0]
+                if rows.numel():
+                    ones = torch.ones(rows.numel(), 1, dtype=torch.float32, device=x.device)
+                    o = ops.moe_experts(x[rows], self.gate_up, self.down, ones, local[rows, r, None])
+                    acc[rows] = acc[rows] + weights[rows, r, None].float() * o.float()
+            out = acc.to(x.dtype).float()
+            tdist.all_reduce(out, group=self.group.group)
+            return out.to(x.dtype)
+
+        expert_parallel.ExpertParallelExperts.forward = partial_combine
     code = main(job["argv"])
     if code:
         sys.exit(code)

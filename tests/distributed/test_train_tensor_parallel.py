@@ -23,6 +23,7 @@ STEPS = 3
 # checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
 TP = "engine.tensor_parallel=2"
+EP = "engine.expert_parallel=2"
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,27 @@ def runs(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory) -> Path:
+    """tiny-moe at world size 2: the engine's experts split over the two ranks (E = 2) against E = 1, and the
+    control with the combine split over the ranks."""
+    tmp = tmp_path_factory.mktemp("train-ep")
+    (tmp / "reward.py").write_text(REWARD)
+    moe = "model.preset=tiny-moe"
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "e1", STEPS, moe)},
+        {"kind": "cli", "argv": small_argv(tmp, "e2", STEPS, moe, EP)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "planted", 1, moe, EP, "run.on_mismatch=warn"),
+            "plant": "partial_combine",
+        },
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "ep", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
 def test_a_shared_engine_trains_as_one_engine_per_rank(runs: Path) -> None:
     assert len(records(runs / "t2")) == STEPS + 2  # the steps and the evaluations before and after RL
     assert sum("eval/reward" in r for r in records(runs / "t2")) == 3
@@ -62,3 +84,10 @@ def test_row_parallel_arithmetic_in_the_shared_engine_is_caught(runs: Path) -> N
     first = [r for r in records(runs / "t1") if r.get("step") == 1 and "loss" in r]
     planted = [r for r in records(runs / "planted") if r.get("step") == 1 and "loss" in r]
     assert len(first) == len(planted) == 1 and first != planted
+
+
+@pytest.mark.extended  # make test-all: tensor parallel keeps the default run's shared-engine checks
+def test_expert_parallel_trains_as_one_engine_and_a_split_combine_is_caught(ep_runs: Path) -> None:
+    assert mismatched(ep_runs / "e2") == 0
+    assert same(ep_runs / "e1", ep_runs / "e2")
+    assert mismatched(ep_runs / "planted") > 0
