@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from exactrl.distributed.env import DistContext
 from exactrl.train.drivers.base import StepContext, Writer
 from exactrl.train.drivers.offpolicy import OneStepOffDriver
 from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, save_pending
@@ -124,7 +125,8 @@ class PartialDriver(OneStepOffDriver):
         return write, None
 
 
-def _rank_dir(root: Path, d) -> Path:
+def _rank_dir(root: Path, d: DistContext) -> Path:
+    """This rank's pool in a sharded checkpoint (the one-process file's format)."""
     return root / POOLS_DIR / f"rank{d.rank}-of-{d.world_size}"
 
 
