@@ -499,7 +499,9 @@ def _cycling_prompts(examples: list[Any], prompt_ids: list[list[int]]) -> Callab
     prompt r % P and PlannedLengthEngine's length plan for it."""
     cursor = [0]
 
-    def prompts(count: int | None = None) -> tuple[list[Any], list[list[int]], list[int]]:
+    def prompts(
+        count: int | None = None, *, shard: bool = True
+    ) -> tuple[list[Any], list[list[int]], list[int]]:
         count = len(prompt_ids) if count is None else count
         idx = [(cursor[0] + j) % len(prompt_ids) for j in range(count)]
         cursor[0] += count

@@ -585,8 +585,8 @@ class AlgorithmConfig:
     its own weight copy while the trainer updates on this one, every token keeps the logprob and version of the
     policy that sampled it, the guard checks those logprobs against the behaviour weights before any update uses
     them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, single-turn only; under torchrun each
-    rank's engine replica is the weight copy. >= 2 only with partial_rollouts (one process; a cut sample's tokens
-    wait one more version)."""
+    rank's engine replica is the weight copy. >= 2 only with partial_rollouts (a cut sample's tokens wait one more
+    version)."""
     off_policy_is_cap: float = 2.0
     """Decoupled PPO (max_off_policy_steps >= 1): cap on the per-token importance weight pi_prox / pi_behav."""
     overlap: Overlap = "none"
@@ -596,7 +596,8 @@ class AlgorithmConfig:
     partial_oversample); the unfinished samples keep their tokens and behaviour logprobs and continue in the next
     step's generation, re-prefilled under the new weights. Needs max_off_policy_steps >= 2: a carried token is
     trained two versions after the one that sampled it; a group that would exceed the bound is finished in the
-    generation where it is due, never cut. See docs/algorithms.md."""
+    generation where it is due, never cut. Under torchrun each rank keeps its own pool (its share of the prompts,
+    extra groups sized from that share) and cuts by its own count. See docs/algorithms.md."""
     partial_oversample: float = 0.25
     """Partial rollouts: groups in flight beyond prompts_per_step, as a fraction of it (rounded up), in (0, 1]."""
     dynamic_sampling: DynamicSampling = "off"
@@ -614,7 +615,15 @@ class AlgorithmConfig:
     @property
     def partial_extra_groups(self) -> int:
         """Partial rollouts: groups kept in flight beyond prompts_per_step (at least 1, at most prompts_per_step)."""
-        return max(1, math.ceil(self.prompts_per_step * self.partial_oversample))
+        return self.partial_groups(0, 1)[1]
+
+    def partial_groups(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Partial rollouts: a rank's pool, (the groups it trains each step, its extra groups in flight): its share
+        of prompts_per_step (as `DistContext.shard` splits it) and max(1, ceil(share x partial_oversample)) extra.
+        Extras sized per rank, so every rank's pool can be cut without the others'."""
+        base, rest = divmod(self.prompts_per_step, world_size)
+        share = base + (rank < rest)
+        return share, max(1, math.ceil(share * self.partial_oversample))
 
     @property
     def resolved_advantage(self) -> str:
@@ -941,7 +950,7 @@ class DistributedConfig:
     """The layout of a torchrun run's ranks: every rank colocated (engine and trainer take turns), or generator ranks apart."""
 
     generator_ranks: int = 0
-    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling and LoRA too: the sync then moves the adapters alone). Refused with it: partial rollouts, tail overlap, multi-turn environments."""
+    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling, LoRA (the sync then moves the adapters alone) and partial rollouts too). Refused with it: tail overlap, multi-turn environments."""
 
     def validate(self) -> None:
         _check_at_least(self.generator_ranks, 0, "distributed.generator_ranks")

@@ -208,6 +208,21 @@ class RolloutEngine:
         call.collect(outputs)
         return outputs
 
+    def generate_until_cut(
+        self,
+        prompts: list[list[int]],
+        request_ids: list[int],
+        params: SamplingParams,
+        resumed: list,
+        rule: object,
+    ) -> object:
+        """Partial rollouts' generation: new prompts and resumed samples, stopped by a count of complete requests
+        (`exactrl.engine.partial.generate_until_cut`; a disaggregated trainer's `RemoteEngine` has the same verb,
+        run on its generator). Returns a `CutResult`."""
+        from exactrl.engine.partial import generate_until_cut  # engine/partial.py builds on this module
+
+        return generate_until_cut(self, prompts, request_ids, params, resumed, rule)  # type: ignore[arg-type]
+
     # -- the stages of a call ----------------------------------------------------------------------------
     @staticmethod
     def _check_request_ids(prompts: list[list[int]], request_ids: list[int] | None) -> list[int]:

@@ -179,3 +179,66 @@ class PartialGeneration:
             seq.max_tokens,
             reason,
         )
+
+
+@dataclass
+class CutRule:
+    """When a partial generation stops: after the first engine step at which at least `need` requests are complete
+    (every sample finished, none refused) and every request in `wait_for` is complete or refused.
+
+    left: for every request in flight (new and resumed, and those already complete: 0), how many of its samples
+    are still to finish when the call starts. A count, never the clock, so the same call cuts at the same step."""
+
+    need: int
+    left: dict[int, int]
+    wait_for: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CutResult:
+    """What a generation cut by a `CutRule` returns: every sample it ran (finished or cut, in the order they left
+    the engine), the new prompts it refused (request id -> reason) and the engine steps it ran."""
+
+    samples: list[PartialSample]
+    errors: dict[int, str]
+    steps: int
+
+
+def generate_until_cut(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    request_ids: list[int],
+    params: SamplingParams,
+    resumed: list[PartialSample],
+    rule: CutRule,
+) -> CutResult:
+    """New prompts and resumed samples in one `PartialGeneration`, stepped until `rule` says stop (or nothing is
+    left), then cut. A request whose sample finished with an error, or a new prompt the engine refused, counts as
+    refused: never complete, and no longer waited for."""
+    gen = PartialGeneration(engine, prompts, request_ids, params, resumed)
+    left = dict(rule.left)
+    refused = set(gen.errors)
+    complete = sum(n == 0 for r, n in left.items() if r not in refused)
+    samples: list[PartialSample] = []
+
+    def count(finished: list[PartialSample]) -> None:
+        nonlocal complete
+        samples.extend(finished)
+        for ps in finished:
+            if ps.finish_reason is not None and ps.finish_reason.startswith("error"):
+                refused.add(ps.request_id)
+            if ps.finished and ps.request_id not in refused:
+                left[ps.request_id] -= 1
+                complete += left[ps.request_id] == 0
+
+    def cut_now() -> bool:
+        settled = all(left[r] == 0 or r in refused for r in rule.wait_for)
+        return complete >= rule.need and settled
+
+    steps, more = 0, True
+    while more and not cut_now():
+        more, finished = gen.step()
+        steps += 1
+        count(finished)
+    samples.extend(gen.cut())
+    return CutResult(samples, dict(gen.errors), steps)

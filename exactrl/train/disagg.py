@@ -28,6 +28,7 @@ from exactrl.config import RunConfig, resolve_device
 from exactrl.distributed.env import rank_device
 from exactrl.distributed.layout import Layout, recv_object, recv_weights, send_object, send_weights
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
+from exactrl.engine.partial import CutResult, CutRule, PartialSample
 from exactrl.engine.sampler import SamplingParams
 
 
@@ -35,11 +36,14 @@ from exactrl.engine.sampler import SamplingParams
 class Command:
     """One trainer's request of its generator for one round."""
 
-    kind: str  # "generate", "sync" (receive weights), "lora" (attach the adapters), "skip", "stop"
+    kind: str  # "generate", "partial" (cut by count), "sync" (receive weights), "lora" (attach the adapters),
+    # "skip", "stop"
     prompts: list[list[int]] = field(default_factory=list)
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
+    resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
+    rule: CutRule | None = None  # "partial": when the generation stops
 
 
 class RemoteEngine:
@@ -71,6 +75,23 @@ class RemoteEngine:
         if progress is not None:
             progress(sum(len(o.samples) for o in outs))
         return outs
+
+    def generate_until_cut(
+        self,
+        prompts: list[list[int]],
+        request_ids: list[int],
+        params: SamplingParams,
+        resumed: list[PartialSample],
+        rule: CutRule,
+    ) -> CutResult:
+        """Partial rollouts: this trainer's generation, cut by its own count, run on its generator as this rank's
+        colocated engine would run it (`RolloutEngine.generate_until_cut`)."""
+        cmd = Command(
+            "partial", [list(p) for p in prompts], params, list(request_ids), resumed=resumed, rule=rule
+        )
+        send_object(cmd, self.peer)
+        self._asked = True
+        return recv_object(self.peer)
 
     def release_kv(self) -> int:
         return 0  # no KV cache on a trainer
@@ -218,9 +239,24 @@ class GeneratorLoop:
                     f"generator rank {self.layout.world.rank}: a weight sync out of step ({kinds})"
                 )
             asks = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"]
-            if asks:
-                tokens = self.generate(asks)
+            cuts = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "partial"]
+            if asks or cuts:
+                tokens = self.generate(asks) + self.generate_until_cut(cuts)
                 self.rounds.append(Round("generate", t0, time.time(), tokens=tokens))
+
+    def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
+        """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for
+        all: where the cut falls depends on which samples share the engine's steps, so each trainer's generation
+        must be the one its colocated engine would run alone (the tokens' bits would match either way; the cut
+        would not). Returns the completion tokens sampled."""
+        tokens = 0
+        for r, c in asks:
+            assert c.params is not None and c.rule is not None and c.request_ids is not None
+            out = self.engine.generate_until_cut(c.prompts, c.request_ids, c.params, c.resumed, c.rule)
+            tokens += sum(len(s.completion_ids) for s in out.samples)
+            tokens -= sum(len(s.completion_ids) for s in c.resumed)
+            send_object(out, r)
+        return tokens
 
     def generate(self, asks: list[tuple[int, Command]]) -> int:
         """One `generate` over every trainer's prompts that share sampling parameters (batch-invariant: the same

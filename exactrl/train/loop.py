@@ -912,11 +912,13 @@ class RLRun:
         if self.critic_opt is not None:
             set_lr(self.critic_opt, tr.critic_lr * factor)
 
-    def prompts(self, count: int | None = None) -> tuple[list[Example], list[list[int]], list[int]]:
+    def prompts(
+        self, count: int | None = None, *, shard: bool = True
+    ) -> tuple[list[Example], list[list[int]], list[int]]:
         """This rank's share of the step's prompts, with their indices in the step (which key the sampling
         noise, so a prompt gets the same completions at every world size). Every rank reads the same stream;
         too-long prompts are skipped and counted, not a crash. count: how many (default prompts_per_step; partial
-        rollouts top their pool up)."""
+        rollouts top their pool up); shard=False: all of them on every rank (partial rollouts take their slice)."""
         cfg = self.cfg
         count = cfg.algorithm.prompts_per_step if count is None else count
         # Two passes over a finite training set with no prompt that fits means none ever will.
@@ -939,7 +941,7 @@ class RLRun:
             skipped_in_a_row = 0
             examples.append(ex)
             prompt_ids.append(ids)
-        mine = list(self.dist.shard(len(examples)))
+        mine = list(self.dist.shard(len(examples)) if shard else range(len(examples)))
         return [examples[i] for i in mine], [prompt_ids[i] for i in mine], mine
 
     def sampling_params(self) -> SamplingParams:

@@ -413,9 +413,10 @@ def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     """A step's worst case on one rank, as `RolloutEngine` reserves it: each prompt once plus n completions,
     and one block per completion of slack (partial rollouts: every group in flight)."""
     a, bs = cfg.algorithm, cfg.engine.block_size
-    # Partial rollouts keep partial_extra_groups more groups in flight than a step trains on.
-    in_flight = a.prompts_per_step + (a.partial_extra_groups if a.partial_rollouts else 0)
-    prompts = -(-in_flight // world_size)
+    # Partial rollouts keep extra groups in flight beside the ones a step trains on (rank 0's pool is the largest).
+    prompts = (
+        sum(a.partial_groups(0, world_size)) if a.partial_rollouts else -(-a.prompts_per_step // world_size)
+    )
     n = a.group_size
     if cfg.env.name is not None:
         grow = min(episode_token_limit(cfg), cfg.engine.max_model_len)

@@ -179,14 +179,18 @@ def agree_guard(
 
 
 def step_staleness(
-    ctx: DistContext, batch: BehaviourBatch, policy_version: int, masks: list[torch.Tensor]
+    ctx: DistContext,
+    batch: BehaviourBatch,
+    policy_version: int,
+    masks: list[torch.Tensor],
+    mixed: bool = False,
 ) -> dict[str, float]:
     """`staleness_metrics` over every rank's tokens (a collective under torchrun)."""
     if not ctx.distributed:
-        return staleness_metrics(batch, policy_version, masks)
+        return staleness_metrics(batch, policy_version, masks, mixed=mixed)
     parts = ctx.all_gather_object((batch.versions, masks))
     everyone = dataclasses.replace(batch, versions=[v for p in parts for v in p[0]])
-    return staleness_metrics(everyone, policy_version, [m for p in parts for m in p[1]])
+    return staleness_metrics(everyone, policy_version, [m for p in parts for m in p[1]], mixed=mixed)
 
 
 # -- the pending batch in a sharded checkpoint ------------------------------------------------------------------

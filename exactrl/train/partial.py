@@ -43,16 +43,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from exactrl.distributed.env import DistContext
 from exactrl.engine.engine import RequestOutput, Sample
-from exactrl.engine.partial import PartialGeneration, PartialSample
+from exactrl.engine.partial import CutRule, PartialSample
 from exactrl.tasks import Example
 from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, check_batch
+from exactrl.train.offpolicy_dist import RankSample, agree_guard
 from exactrl.train.trainer import Rollout
 
 if TYPE_CHECKING:
     from exactrl.train.drivers.base import StepContext
 
 PARTIAL_FILE = "offpolicy_partial.json"
+POOLS_DIR = "offpolicy_partial"  # a sharded checkpoint's pools: POOLS_DIR/rank<r>-of-<N>/PARTIAL_FILE
 
 
 @dataclass
@@ -92,6 +95,26 @@ class CarriedGroup:
         )
 
 
+@dataclass
+class PartialShare(RankSample):
+    """One rank's generation as `PartialRollouts.sample` leaves it (no collective yet): a `RankSample` with the
+    per-token versions of its chosen samples, what the guard scored, and the generation's counts (this rank's)."""
+
+    versions: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (request, sample) -> per token
+    checked: list[Rollout] = field(default_factory=list)
+    partial: dict[str, float] = field(default_factory=dict)
+
+
+def merge_partial_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The generation's counts over every rank: sums, but the engine steps, which are the longest rank's (the ranks
+    generate side by side; at one rank, its own)."""
+    out: dict[str, float] = {}
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        out[key] = float(max(vals) if key == "offpolicy/partial/engine_steps" else sum(vals))
+    return out
+
+
 class PartialRollouts:
     """The groups in flight between generations (the pool) and the generation that cuts by count."""
 
@@ -103,7 +126,10 @@ class PartialRollouts:
             )
         self.k, self.per_step, self.extra, self.n = k, prompts_per_step, extra_groups, group_size
         self.pool: list[CarriedGroup] = []
-        self.next_request_id = 0  # request ids key the sampling noise: unique over the run
+        self.next_request_id = 0  # request ids key the sampling noise: unique over the run (every rank's)
+        self.top_ups: list[int] | None = (
+            None  # every rank's new prompts at the next generation (`agree_top_ups`)
+        )
 
     # -- one generation ----------------------------------------------------------------------------------------
     def due(self, g: CarriedGroup, step: int) -> bool:
@@ -112,20 +138,40 @@ class PartialRollouts:
         oldest = g.oldest()
         return oldest is not None and step + 1 - oldest > self.k
 
+    def agree_top_ups(self, dist: DistContext) -> None:
+        """How many new prompts every rank's pool takes at its next generation (a collective under torchrun, on
+        the main thread: the generation itself issues none). Every rank reads the same prompt stream; each takes
+        its slice of it in rank order, so the ranks must know each other's top-ups. Without refusals every rank's
+        is its share of prompts_per_step; a refused or guard-dropped group makes its rank's larger."""
+        self.top_ups = dist.all_gather_object(max(0, self.per_step + self.extra - len(self.pool)))
+
     def batch(self, ctx: StepContext, behaviour: BehaviourPolicy, step: int) -> BehaviourBatch:
-        """prompts (top-up) -> generate until the cut -> score the chosen groups -> the guard on the tokens this
-        generation sampled, for step `step`, from the engine's copy (`behaviour`) at its current version."""
+        """One process: prompts (top-up) -> generate until the cut -> score the chosen groups -> the guard on the
+        tokens this generation sampled, for step `step`, from the engine's copy (`behaviour`) at its current
+        version. Under torchrun the worker runs `sample` and the main thread `gather`."""
+        if self.top_ups is None:
+            self.agree_top_ups(ctx.dist)
+        return self.gather(ctx, self.sample(ctx, behaviour, step), step)
+
+    def sample(self, ctx: StepContext, behaviour: BehaviourPolicy, step: int) -> PartialShare:
+        """This rank's generation for step `step`, with no collective: top-up, generation cut by this rank's
+        count, its chosen groups rewarded, the guard on every token it sampled (batch and carried), a carried
+        group the guard refused dropped. `agree_top_ups` must have run since the last generation."""
         t0 = time.perf_counter()
         v = behaviour.version
-        top = self.per_step + self.extra - len(self.pool)
+        if self.top_ups is None:
+            raise RuntimeError("partial rollouts: the ranks' top-ups were not agreed before this generation")
+        tops, self.top_ups = self.top_ups, None
+        rank = ctx.dist.rank if ctx.dist.distributed else 0
+        total, offset = sum(tops), sum(tops[:rank])
         new: list[CarriedGroup] = []
-        if top > 0:
-            examples, prompt_ids, _ = ctx.stages.prompts(top)
-            new = [
-                CarriedGroup(self.next_request_id + i, ex, ids)
-                for i, (ex, ids) in enumerate(zip(examples, prompt_ids))
-            ]
-            self.next_request_id += len(new)
+        if total > 0:
+            # Every rank reads the same `total` prompts; request ids count them in stream order (as one process
+            # does), so a prompt's id, and with it its sampling noise, does not depend on which rank runs it.
+            examples, prompt_ids, _ = ctx.stages.prompts(total, shard=False)
+            mine = range(offset, offset + tops[rank])
+            new = [CarriedGroup(self.next_request_id + i, examples[i], prompt_ids[i]) for i in mine]
+            self.next_request_id += total
         before = {(g.request_id, i): len(s.completion_ids) for g in self.pool for i, s in g.samples.items()}
         stats = self.generate(ctx, step, v, new)
         chosen = self.choose(step)
@@ -152,25 +198,22 @@ class PartialRollouts:
             )
             for g in chosen
         ]
-        sr = ctx.stages.score(step, [g.example for g in chosen], [g.prompt_ids for g in chosen], outs, None)
+        scores = ctx.stages.rank_scores(
+            step, [g.example for g in chosen], [g.prompt_ids for g in chosen], outs
+        )
         gen_s = time.perf_counter() - t0
-        by_key = {(g.request_id, i): s for g in chosen for i, s in g.samples.items()}
-        versions = [
-            torch.tensor(by_key[(ro.request_id, ro.sample_index)].versions, dtype=torch.int64)
-            for ro in sr.rollouts
-        ]
-        batch = BehaviourBatch(sr, v, versions, gen_s, ctx.state.model_tokens)
+        versions = {(g.request_id, i): list(s.versions) for g in chosen for i, s in g.samples.items()}
         t1 = time.perf_counter()
         checks = self.sampled_now(chosen + self.pool, before)
-        batch.guard, batch.mismatch = check_batch(
+        guard, mismatch = check_batch(
             behaviour, checks, ctx.trainer.s.temperature, ctx.trainer.s.max_tokens_per_microbatch
         )
-        batch.guard_s = time.perf_counter() - t1
-        batch.checked = checks
+        guard_s = time.perf_counter() - t1
         dropped = 0
-        if batch.mismatch is not None and ctx.cfg.run.on_mismatch != "warn":
-            # No later update may use a carried token the guard refused: its group goes.
-            bad = {checks[i].request_id for i, *_ in batch.mismatch.sequences}
+        if mismatch is not None and ctx.cfg.run.on_mismatch != "warn":
+            # No later update may use a carried token the guard refused: its group goes (this rank's pool; the
+            # batch itself is refused on every rank, agreed in `gather`).
+            bad = {checks[i].request_id for i, *_ in mismatch.sequences}
             dropped = sum(g.request_id in bad for g in self.pool)
             self.pool = [g for g in self.pool if g.request_id not in bad]
         mixed = sum(len(set(s.versions)) > 1 for g in chosen for s in g.samples.values())
@@ -183,7 +226,7 @@ class PartialRollouts:
             for g in chosen
             for i, s in g.samples.items()
         )
-        batch.partial = {
+        partial = {
             "mismatch/batch_tokens": float(batch_tokens),
             "mismatch/batch_tokens_checked_earlier": float(earlier),
             "offpolicy/partial/sampled_tokens": float(sum(len(r.completion_ids) for r in checks)),
@@ -195,13 +238,30 @@ class PartialRollouts:
             "offpolicy/partial/guard_dropped_groups": float(dropped),
             "offpolicy/partial/mixed_version_samples": float(mixed),
         }
+        return PartialShare(scores, None, v, gen_s, guard, mismatch, guard_s, versions, checks, partial)
+
+    def gather(self, ctx: StepContext, share: PartialShare, step: int) -> BehaviourBatch:
+        """The step's view of every rank's `sample` (collectives, the main thread's): advantages over the step, the
+        guard's verdict and the generation's counts over every rank; then the next generation's top-ups."""
+        sr = ctx.stages.step_scores(share.scores, None)
+        versions = [
+            torch.tensor(share.versions[(ro.request_id, ro.sample_index)], dtype=torch.int64)
+            for ro in sr.rollouts
+        ]
+        batch = BehaviourBatch(sr, share.version, versions, share.generate_s, ctx.state.model_tokens)
+        batch.guard, batch.mismatch = agree_guard(ctx.dist, share.guard, share.mismatch)
+        batch.guard_s = share.guard_s
+        batch.checked = share.checked
+        batch.partial = merge_partial_metrics(ctx.dist.all_gather_object(share.partial))
+        self.agree_top_ups(ctx.dist)
         return batch
 
     def generate(
         self, ctx: StepContext, step: int, version: int, new: list[CarriedGroup]
     ) -> dict[str, float]:
         """Run the engine over the pool's unfinished samples (resumed, KV recomputed) and the new groups until the
-        cut; every sample it returns is merged into the pool, its new tokens tagged `version`."""
+        cut (`CutRule`: the engine's verb, run on the generator when disaggregated); every sample it returns is
+        merged into the pool, its new tokens tagged `version`."""
         resumed = [
             PartialSample(
                 g.request_id, s.sample_index, g.prompt_ids, s.completion_ids, s.rollout_logprobs, s.max_tokens
@@ -210,62 +270,43 @@ class PartialRollouts:
             for s in g.samples.values()
             if not s.finished
         ]
-        due = {g.request_id for g in self.pool if self.due(g, step)}
-        gen = PartialGeneration(
-            ctx.engine,
+        due = [g.request_id for g in self.pool if self.due(g, step)]
+        self.pool += new
+        # Samples still to finish per group (a group not yet run: all n): the cut's count without a scan.
+        left = {g.request_id: self.n - sum(s.finished for s in g.samples.values()) for g in self.pool}
+        cut = ctx.engine.generate_until_cut(
             [g.prompt_ids for g in new],
             [g.request_id for g in new],
             ctx.stages.sampling_params(),
             resumed,
+            CutRule(self.per_step, left, due),
         )
-        self.pool += new
         by_id = {g.request_id: g for g in self.pool}
-        for rid, err in gen.errors.items():
+        for rid, err in cut.errors.items():
             by_id[rid].refused = err
-        # Samples still to finish per group (a group not yet run: all n): the cut's count without a scan.
-        left = {g.request_id: self.n - sum(s.finished for s in g.samples.values()) for g in self.pool}
-        complete = sum(g.complete(self.n) for g in self.pool)
-
-        def merge(samples: list[PartialSample]) -> None:
-            nonlocal complete
-            for ps in samples:
-                g = by_id[ps.request_id]
-                old = g.samples.get(ps.sample_index)
-                prev = old.completion_ids if old is not None else []
-                # The engine only ever extends a sample: what the guard checked earlier must come back unchanged.
-                if ps.completion_ids[: len(prev)] != prev or (
-                    old is not None and ps.rollout_logprobs[: len(prev)] != old.rollout_logprobs
-                ):
-                    raise RuntimeError(
-                        f"partial rollouts: request {ps.request_id} sample {ps.sample_index} came back from the engine "
-                        "with other tokens or logprobs than it was resumed with"
-                    )
-                grown = len(ps.completion_ids) - len(prev)
-                g.samples[ps.sample_index] = CarriedSample(
-                    ps.sample_index,
-                    ps.max_tokens,
-                    list(ps.completion_ids),
-                    list(ps.rollout_logprobs),
-                    (old.versions if old is not None else []) + [version] * grown,
-                    ps.finish_reason,
+        for ps in cut.samples:
+            g = by_id[ps.request_id]
+            old = g.samples.get(ps.sample_index)
+            prev = old.completion_ids if old is not None else []
+            # The engine only ever extends a sample: what the guard checked earlier must come back unchanged.
+            if ps.completion_ids[: len(prev)] != prev or (
+                old is not None and ps.rollout_logprobs[: len(prev)] != old.rollout_logprobs
+            ):
+                raise RuntimeError(
+                    f"partial rollouts: request {ps.request_id} sample {ps.sample_index} came back from the engine "
+                    "with other tokens or logprobs than it was resumed with"
                 )
-                if ps.finish_reason is not None and ps.finish_reason.startswith("error"):
-                    g.refused = ps.finish_reason
-                if ps.finished and g.refused is None:
-                    left[g.request_id] -= 1
-                    complete += left[g.request_id] == 0
-
-        def cut_now() -> bool:
-            settled = all(left[r] == 0 or by_id[r].refused is not None for r in due)
-            return complete >= self.per_step and settled
-
-        steps = 0
-        more = True
-        while more and not cut_now():
-            more, finished = gen.step()
-            steps += 1
-            merge(finished)
-        merge(gen.cut())
+            grown = len(ps.completion_ids) - len(prev)
+            g.samples[ps.sample_index] = CarriedSample(
+                ps.sample_index,
+                ps.max_tokens,
+                list(ps.completion_ids),
+                list(ps.rollout_logprobs),
+                (old.versions if old is not None else []) + [version] * grown,
+                ps.finish_reason,
+            )
+            if ps.finish_reason is not None and ps.finish_reason.startswith("error"):
+                g.refused = ps.finish_reason
         return {
             "offpolicy/partial/new_groups": float(len(new)),
             "offpolicy/partial/resumed_samples": float(len(resumed)),
@@ -274,7 +315,7 @@ class PartialRollouts:
                 sum(len(p.prompt_ids) + len(p.completion_ids) for p in resumed if p.completion_ids)
             ),
             "offpolicy/partial/due_groups": float(len(due)),
-            "offpolicy/partial/engine_steps": float(steps),
+            "offpolicy/partial/engine_steps": float(cut.steps),
         }
 
     def choose(self, step: int) -> list[CarriedGroup]:

@@ -134,7 +134,7 @@ def dropped_on_resume(directory: Path, *, off_policy: bool, partial: bool) -> li
     (partial rollouts), each as a sentence saying it is dropped."""
     from exactrl.train.offpolicy import PENDING_FILE
     from exactrl.train.offpolicy_dist import RANKS_DIR
-    from exactrl.train.partial import PARTIAL_FILE
+    from exactrl.train.partial import PARTIAL_FILE, POOLS_DIR
 
     notes = []
     if not off_policy and ((directory / PENDING_FILE).is_file() or (directory / RANKS_DIR).is_dir()):
@@ -143,9 +143,10 @@ def dropped_on_resume(directory: Path, *, off_policy: bool, partial: bool) -> li
             "is synchronous (algorithm.max_off_policy_steps = 0), so that batch is dropped and the next step "
             "samples its own from the checkpoint's weights"
         )
-    path = directory / PARTIAL_FILE
-    if not partial and path.is_file():
-        pool = json.loads(path.read_text()).get("pool", [])
+    # The one-process pool, or every rank's of a torchrun run.
+    paths = [directory / PARTIAL_FILE, *sorted((directory / POOLS_DIR).glob(f"rank*/{PARTIAL_FILE}"))]
+    if not partial:
+        pool = [g for p in paths if p.is_file() for g in json.loads(p.read_text()).get("pool", [])]
         if pool:
             notes.append(
                 f"resume: the checkpoint holds {len(pool)} prompt group(s) in flight (partial rollouts); this run "

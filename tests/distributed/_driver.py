@@ -9,6 +9,11 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    other ranks are inside a collective by then): a rank failing
   {"kind": "cli", "argv": [...], "skip_push": true} the same, but a disaggregated run's trainers send the
                                                    generators their first weights only (a negative control)
+  {"kind": "cli", "argv": [...], "stop_at": S}      the same, stopped after step S as by a signal (a checkpoint at S,
+                                                   exit code 130); the next job can resume it
+  {"kind": "cli", "argv": [...], "plant_cut": true} the same, but the first partial-rollout cut of a process that
+                                                   cuts a sample mid-completion records that sample's first logprob
+                                                   one ulp off (a negative control for the guard)
   {"kind": "weights", "out": "FILE.json", "skip_sync": bool, "preset": "tiny"}
                                                    trains a bf16 model of the preset (default tiny) a step under FSDP2
                                                    and compares, for every parameter, the engine replica's tensor with
@@ -65,6 +70,7 @@ def cli_job(job: dict) -> None:
             return real_push(self, named)
 
         disagg.RemoteEngine.push = push_first_only
+    undo = []
     if (
         job.get("plant") == "row_parallel"
     ):  # a shared engine's negative control: o_proj / down_proj sum partials
@@ -88,7 +94,9 @@ def cli_job(job: dict) -> None:
                 y = y + self.bias
             return self.tp.gather_last(y)
 
+        real_row = tensor_parallel.GatheredLinear.forward
         tensor_parallel.GatheredLinear.forward = row_parallel
+        undo.append(lambda: setattr(tensor_parallel.GatheredLinear, "forward", real_row))
     if (
         job.get("plant") == "partial_combine"
     ):  # expert parallel's negative control: a combine split over ranks
@@ -113,10 +121,48 @@ def cli_job(job: dict) -> None:
             tdist.all_reduce(out, group=self.group.group)
             return out.to(x.dtype)
 
+        real_combine = expert_parallel.ExpertParallelExperts.forward
         expert_parallel.ExpertParallelExperts.forward = partial_combine
-    code = main(job["argv"])
-    if code:
+        undo.append(lambda: setattr(expert_parallel.ExpertParallelExperts, "forward", real_combine))
+    if job.get("stop_at") is not None:  # a signal after step S, on every rank at once
+        from exactrl.train import loop
+
+        real_stop, stop_at = loop.RLRun.stop_requested, job["stop_at"]
+        loop.RLRun.stop_requested = lambda self: self.step == stop_at or real_stop(self)
+        undo.append(lambda: setattr(loop.RLRun, "stop_requested", real_stop))
+    if job.get("plant_cut"):
+        undo.append(_plant_first_cut())
+    try:
+        code = main(job["argv"])
+    finally:
+        for u in undo:
+            u()
+    if code and not (code == 130 and job.get("stop_at") is not None):
         sys.exit(code)
+
+
+def _plant_first_cut():
+    """The first `PartialGeneration.cut` of this process that cuts a sample mid-completion nudges that sample's first
+    logprob one ulp toward 0 (no earlier cut left a started sample, so every token of it is this generation's).
+    Returns the undo."""
+    import exactrl.engine.partial as engine_partial
+
+    original = engine_partial.PartialGeneration.cut
+    done: list = []
+
+    def cut(self):
+        out = original(self)
+        started = [s for s in out if not s.finished and s.completion_ids]
+        if started and not done:
+            s = started[0]
+            s.rollout_logprobs[0] = float(
+                torch.nextafter(torch.tensor(s.rollout_logprobs[0]), torch.tensor(0.0))
+            )
+            done.append((s.request_id, s.sample_index))
+        return out
+
+    engine_partial.PartialGeneration.cut = cut
+    return lambda: setattr(engine_partial.PartialGeneration, "cut", original)
 
 
 def _forward_weights(model: torch.nn.Module, run_forward) -> dict[str, torch.Tensor]:

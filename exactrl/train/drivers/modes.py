@@ -44,9 +44,8 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
                 f"{where}: algorithm.rollout_correction is for fast mode's mismatch; leave it unset"
             )
     if a.partial_rollouts:
+        # Under torchrun every rank keeps its own pool, cut by its own count (exactrl/train/drivers/partial.py).
         where = "algorithm.partial_rollouts = true"
-        if distributed:
-            raise ValueError(f"{where} runs on one process for now (not under torchrun)")
         if a.resolved_advantage == "remax":
             raise ValueError(
                 f"{where}: advantage 'remax' needs a greedy rollout of each prompt under the policy that samples "
@@ -82,14 +81,14 @@ def _check_disaggregated(cfg: RunConfig) -> None:
     """Refuse, by key, what the disaggregated layout does not run yet. One step off runs as under colocated torchrun
     (the replica is the behaviour copy and the guard's weights); the generator samples the next batch while the
     trainers train. Its other limits are its own (above). Dynamic sampling's extra rounds are more generate
-    commands; LoRA's adapters are attached on the generators after the evaluation before RL (exactrl/train/disagg.py)."""
+    commands; LoRA's adapters are attached on the generators after the evaluation before RL (exactrl/train/disagg.py).
+    Partial rollouts: the generator runs each trainer's generation cut by that trainer's count ("partial" commands)."""
     g = cfg.distributed.generator_ranks
     if g == 0:
         return
     why = f"with distributed.generator_ranks = {g}"
     a = cfg.algorithm
     refusals = [
-        (a.partial_rollouts, "algorithm.partial_rollouts", "is not supported yet"),
         (
             a.overlap != "none",
             "algorithm.overlap",
