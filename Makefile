@@ -20,12 +20,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/exactrl train configs/quickstart.toml
 
+# --dist loadfile: a module's tests on one worker, so a module-scoped fixture (the multi-rank launches, up to two
+# minutes on 2 cores) runs once, not once per worker that gets one of its tests.
 test: setup
-	$(VPY) -m pytest -q -n 2 --dist loadgroup tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile tests
 
 # Everything, the extended variants too (a later -m replaces the default "not extended").
 test-all: setup
-	$(VPY) -m pytest -q -n 2 --dist loadgroup -m "" tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile -m "" tests
 
 lint: setup
 	$(VENV)/bin/ruff check exactrl tests benchmarks

@@ -14,14 +14,6 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 
 
 def pytest_collection_modifyitems(config, items):
-    # A module-scoped fixture (the multi-rank launches: up to two minutes on 2 cores) runs once per xdist worker
-    # that gets one of its tests: under `--dist loadgroup` (the Makefile's) every test of such a module goes to one
-    # worker; the other tests are spread as under `load`.
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        scopes = [d.scope for ds in (defs.name2fixturedefs.values() if defs else ()) for d in ds]
-        if "module" in scopes:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
