@@ -17,6 +17,10 @@ Phases, per rank, as the run lays memory out (docs/memory.md; exactrl/train/phas
   default) the KV cache and the FSDP2 replica are not on the device; without it they are.
 - optimizer: the resident state, the gradients, and the masters and moments on the device for the step (with
   offload, one group of them at a time: the step streams them through); the KV cache and replica as in training.
+- checkpoint (a shared engine only, `engine.tensor_parallel` / `expert_parallel`): rank 0's whole copy of the
+  engine's weights, gathered on its device for policy/, beside the resident state and its engine shard.
+
+A shared engine's replica and KV cache are each rank's shard (`engine_shard_params`, `kv_bytes_per_token`).
 
 The KV cache is `kv_memory_fraction` of what the phases that hold it leave free (`engine.num_kv_blocks` when set),
 and `exactrl train` allocates exactly the plan's blocks: the cache never crowds out a later phase.
