@@ -17,6 +17,10 @@ Phases, per rank, as the run lays memory out (docs/memory.md; exactrl/train/phas
   default) the KV cache and the FSDP2 replica are not on the device; without it they are.
 - optimizer: the resident state, the gradients, and the masters and moments on the device for the step (with
   offload, one group of them at a time: the step streams them through); the KV cache and replica as in training.
+- checkpoint (a shared engine only, `engine.tensor_parallel` / `expert_parallel`): rank 0's whole copy of the
+  engine's weights, gathered on its device for policy/, beside the resident state and its engine shard.
+
+A shared engine's replica and KV cache are each rank's shard (`engine_shard_params`, `kv_bytes_per_token`).
 
 The KV cache is `kv_memory_fraction` of what the phases that hold it leave free (`engine.num_kv_blocks` when set),
 and `exactrl train` allocates exactly the plan's blocks: the cache never crowds out a later phase.
@@ -324,6 +328,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         "policy_trainable": _numel(trainable),
         "policy_frozen": _numel(params) - _numel(trainable),
         "largest_layer_params": layer,
+        "largest_param": max(p.numel() for p in params),
         "critic_params": 0,
         "critic_trainable": 0,
         "critic_head_fp32": 0,
@@ -404,19 +409,95 @@ def training_activations(cfg: RunConfig, mcfg, b: int, tokens: int, checkpointin
 
 
 # -- the engine -------------------------------------------------------------------------------------------
-def kv_bytes_per_token(mcfg, b: int) -> int:
-    """As exactrl.engine.runner.kv_bytes_per_token: K and V of every layer."""
-    return mcfg.num_layers * 2 * mcfg.num_kv_heads * mcfg.head_dim * b
+def kv_bytes_per_token(mcfg, b: int, tensor_parallel: int = 1) -> int:
+    """As exactrl.engine.runner.kv_bytes_per_token: K and V of every layer, of the KV heads one rank caches
+    (`kv_heads_per_rank`: num_kv_heads / T, or one when the model has fewer KV heads than T ranks)."""
+    from exactrl.distributed.tensor_parallel import kv_heads_per_rank
+
+    return mcfg.num_layers * 2 * kv_heads_per_rank(mcfg.num_kv_heads, tensor_parallel) * mcfg.head_dim * b
+
+
+def engine_group_ranks(cfg: RunConfig) -> int:
+    """G: the ranks that share one engine (engine.tensor_parallel / expert_parallel; 1: each rank its own)."""
+    from exactrl.distributed.shared_engine import engine_group_size
+
+    return engine_group_size(cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
+
+
+_SHARDS: dict[tuple, int] = {}  # engine_shard_params by the model and the split
+
+
+def engine_shard_params(cfg: RunConfig) -> int:
+    """Elements of the weights one rank of a shared engine holds (exactrl/distributed/tensor_parallel.py and
+    expert_parallel.py, what `shard_engine_model` and `shard_experts` keep), counted on the meta policy by
+    parameter name: q/k/v its query heads and `kv_heads_per_rank` KV heads; o_proj, the dense MLP and a shared
+    expert 1/T (gate/up by features, o_proj/down_proj by output rows); the embedding and an untied LM head
+    ceil(V / T) rows each (the vocabulary padded to a multiple of T); the routed experts 1/E (whole under tensor
+    parallel alone); norms, the router and the shared expert's gate whole. Every rank holds the same count."""
+    from exactrl.distributed.tensor_parallel import kv_heads_per_rank
+    from exactrl.model.qwen import CausalLM
+
+    t, e = cfg.engine.tensor_parallel, cfg.engine.expert_parallel
+    key = (repr(cfg.model), t, e)
+    if key in _SHARDS:
+        return _SHARDS[key]
+    mcfg = model_config(cfg)
+    with torch.device("meta"):
+        policy = CausalLM(mcfg)
+    dh, nh, nkv = mcfg.head_dim, mcfg.num_heads, mcfg.num_kv_heads
+    qkv_rows, qkv_rank_rows = (nh + 2 * nkv) * dh, (nh // t + 2 * kv_heads_per_rank(nkv, t)) * dh
+    by_features = (".o_proj.", ".mlp.gate_up_proj.", ".mlp.down_proj.", ".shared_expert.gate_up_proj.")
+    by_features += (".shared_expert.down_proj.",)
+    total = 0
+    for name, p in policy.named_parameters():
+        n = p.numel()
+        if ".qkv_proj." in name:
+            n = n // qkv_rows * qkv_rank_rows
+        elif any(k in name for k in by_features):
+            n //= t
+        elif name.endswith((".experts.gate_up", ".experts.down")):
+            n //= e
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            n = -(-mcfg.vocab_size // t) * mcfg.hidden_size
+        total += n
+    _SHARDS[key] = total
+    return total
+
+
+def engine_gather_bytes(cfg: RunConfig, mcfg, b: int) -> int:
+    """The largest transient of a shared engine's collectives in one forward (0 at G = 1): tensor parallel's
+    all-gathers build each rank's part and the whole in rank order (2x the whole: o_proj / down_proj's input and
+    output of a prefill chunk, the embedding's [T, tokens, D] stack, the LM head's padded logits of a decode
+    step); expert parallel's the slot outputs, [tokens * k, D] on each rank, gathered and stacked (2E + 2 of
+    them)."""
+    t, e = cfg.engine.tensor_parallel, cfg.engine.expert_parallel
+    tokens = min(cfg.engine.max_num_batched_tokens, cfg.engine.prefill_chunk_size)
+    d, out = mcfg.hidden_size, 0
+    if t > 1:
+        widths = [mcfg.num_heads * mcfg.head_dim, mcfg.intermediate_size]
+        if mcfg.has_shared_expert:
+            widths.append(mcfg.shared_expert_intermediate_size)
+        vocab = -(-mcfg.vocab_size // t) * t
+        out = max(
+            2 * tokens * (max(widths) + d) * b,
+            2 * t * tokens * d * b,
+            2 * cfg.engine.max_num_seqs * vocab * b,
+        )
+    if e > 1:
+        out = max(out, (2 * e + 2) * tokens * mcfg.num_experts_per_tok * d * b)
+    return out
 
 
 def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     """A step's worst case on one rank, as `RolloutEngine` reserves it: each prompt once plus n completions,
     and one block per completion of slack (partial rollouts: every group in flight)."""
     a, bs = cfg.algorithm, cfg.engine.block_size
-    # Partial rollouts keep extra groups in flight beside the ones a step trains on (rank 0's pool is the largest).
-    prompts = (
+    # Partial rollouts keep extra groups in flight beside the ones a step trains on (rank 0's pool is the largest);
+    # a shared engine (G ranks) samples the union of its ranks' shares in one call.
+    per_rank = (
         sum(a.partial_groups(0, world_size)) if a.partial_rollouts else -(-a.prompts_per_step // world_size)
     )
+    prompts = per_rank * engine_group_ranks(cfg)
     n = a.group_size
     if cfg.env.name is not None:
         grow = min(episode_token_limit(cfg), cfg.engine.max_model_len)
@@ -431,7 +512,7 @@ def kv_cache_blocks(cfg: RunConfig, mcfg, b: int, world_size: int, free: int | N
     taken off; None: the engine's CPU budget, exactrl.engine.runner.auto_num_blocks), capped by a step's worst
     case."""
     bs = cfg.engine.block_size
-    per_block = kv_bytes_per_token(mcfg, b) * bs
+    per_block = kv_bytes_per_token(mcfg, b, cfg.engine.tensor_parallel) * bs
     if cfg.engine.num_kv_blocks:
         return cfg.engine.num_kv_blocks
     need = -(-rollout_tokens_needed(cfg, world_size) // bs) + 1
@@ -444,7 +525,7 @@ def kv_cache_blocks(cfg: RunConfig, mcfg, b: int, world_size: int, free: int | N
 
 def kv_cache_bytes(cfg: RunConfig, mcfg, b: int, blocks: int) -> int:
     """Device bytes of a KV cache of `blocks` blocks plus the scratch block (exactrl.engine.runner)."""
-    return (blocks + 1) * kv_bytes_per_token(mcfg, b) * cfg.engine.block_size
+    return (blocks + 1) * kv_bytes_per_token(mcfg, b, cfg.engine.tensor_parallel) * cfg.engine.block_size
 
 
 def prefill_working_set(cfg: RunConfig, mcfg, b: int) -> int:
@@ -514,6 +595,9 @@ def plan_memory(
     # engine.release_memory: the KV cache and (FSDP2) the engine replica leave the device for the training and
     # optimizer phases (exactrl/train/phases.py).
     release = releases_memory(cfg)
+    group = engine_group_ranks(cfg)
+    if group > 1 and not sharded:
+        raise ValueError(f"an engine shared by {group} ranks needs torchrun ranks (FSDP2)")
 
     resident: dict[str, int] = {}  # held in every phase
     engine_held: dict[str, int] = {}  # the engine's: in generation, and in the others unless released
@@ -533,6 +617,8 @@ def plan_memory(
         # The replica's trained part is released for training (the sync refreshes it anyway); a frozen base
         # (LoRA) stays on the device in every phase.
         engine_held["engine_replica"] = c["policy_trainable"] * b
+        if group > 1:  # a shared engine: this rank's shard (no LoRA: preflight refuses it with a split)
+            engine_held["engine_replica"] = engine_shard_params(cfg) * b
         if c["policy_frozen"]:
             resident["engine_replica_frozen"] = c["policy_frozen"] * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
@@ -582,6 +668,8 @@ def plan_memory(
         decode = 0
     held = {**resident, **({} if offload else opt_state)}
     gen_other = {**held, **engine_held, "engine_working_set": prefill_working_set(cfg, mcfg, b) + decode}
+    if group > 1:
+        gen_other["engine_gathers"] = engine_gather_bytes(cfg, mcfg, b)
     train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
     if offload and has_master and not sharded:
         # The offloaded step streams the masters and moments through the device a group at a time (under FSDP2
@@ -597,13 +685,21 @@ def plan_memory(
     if not release:
         step_other.update(engine_held)
 
+    ckpt_other: list[dict[str, int]] = []
+    if group > 1 and (tr.save_every > 0 or tr.save_at_end):
+        # A shared engine holds slices: a checkpoint's policy/ (and a replay report) is written from a whole copy
+        # in the model dtype that rank 0 gathers on its device (`Parallelism.whole_engine_model`), after the weight
+        # sync gave the shard back, one full weight in flight.
+        whole = {"whole_engine_rank0": c["policy_params"] * b, "gathered_weight": c["largest_param"] * b}
+        ckpt_other.append({**held, **engine_held, **whole})
+
     # The KV cache: `kv_memory_fraction` of what the phases that hold it leave free. Released, only generation
     # holds it; kept, it must fit beside the training and optimizer phases too. The RL loop allocates exactly
     # this many blocks (exactrl/train/phases.py), so the plan is what the run does.
     available = None if gpu_memory is None else gpu_memory - CUDA_CONTEXT_BYTES
     free = None
     if available is not None and cuda:
-        holding = [gen_other] if release else [gen_other, train_other, step_other]
+        holding = [gen_other] if release else [gen_other, train_other, step_other, *ckpt_other]
         free = available - max(sum(t.values()) for t in holding)
     blocks = kv_cache_blocks(cfg, mcfg, b, n, free)
     kv = kv_cache_bytes(cfg, mcfg, b, blocks)
@@ -611,11 +707,16 @@ def plan_memory(
     gen = Phase("generation", {**gen_other, "kv_cache": kv})
     train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
     step = Phase("optimizer", {**step_other, **({} if release else {"kv_cache": kv})})
+    phases = [gen, train, step]
+    for other in ckpt_other:
+        phases.append(Phase("checkpoint", {**other, **({} if release else {"kv_cache": kv})}))
     counts_out = {
         **c,
         "dtype_bytes": b,
         "tokens_per_microbatch": tokens,
-        "kv_bytes_per_token": kv_bytes_per_token(mcfg, b),
+        "kv_bytes_per_token": kv_bytes_per_token(mcfg, b, cfg.engine.tensor_parallel),
+        "engine_ranks": group,
+        "engine_shard_params": engine_shard_params(cfg) if group > 1 else c["policy_params"],
         "rollout_tokens_needed": rollout_tokens_needed(cfg, n),
         "kv_blocks": blocks,
         "release_memory": int(release),
@@ -635,7 +736,7 @@ def plan_memory(
         device=device,
         available=available,
         gpu_memory=gpu_memory,
-        phases=[gen, train, step],
+        phases=phases,
         counts=counts_out,
         host_pinned=host,
         host_memory=host_memory,
@@ -678,9 +779,35 @@ def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, li
         if model_config(cfg).is_moe:  # routed experts take no adapters: the attention projections only
             sets.append('lora.target_modules=["q_proj","k_proj","v_proj","o_proj"]')
         out.append((" ".join(sets), sets, world_size))
+    if sharded:
+        out += [(" ".join(sets), sets, world_size) for sets in engine_splits(cfg, world_size)]
     for more in (2, 4, 8):
         if more > world_size:
             out.append((f"--nproc {more} (FSDP2 shards of 1/{more})", [], more))
+    return out
+
+
+def engine_splits(cfg: RunConfig, world_size: int) -> list[list[str]]:
+    """The engine splits to try at `world_size` torchrun ranks, as --set overrides: T = G, and for a mixture of
+    experts E = G and T = E = G, for each G of 2, 4, 8 above the config's that divides the world size and that
+    `exactrl train` would run (preflight's refusals: the model's shape, LoRA, the modes a shared engine lacks)."""
+    from exactrl.train.preflight import check_shared_engine
+
+    moe = model_config(cfg).is_moe
+    out = []
+    for g in (2, 4, 8):
+        if g <= engine_group_ranks(cfg) or world_size % g:
+            continue
+        t, e = f"engine.tensor_parallel={g}", f"engine.expert_parallel={g}"
+        # The other key back to 1 where the config set it (both above 1 must be equal).
+        only_t = [t] + (["engine.expert_parallel=1"] if cfg.engine.expert_parallel > 1 else [])
+        only_e = [e] + (["engine.tensor_parallel=1"] if cfg.engine.tensor_parallel > 1 else [])
+        for sets in [only_t] + ([only_e, [t, e]] if moe else []):
+            try:
+                check_shared_engine(apply_overrides(copy.deepcopy(cfg), sets), world_size, distributed=True)
+            except ValueError:
+                continue
+            out.append(sets)
     return out
 
 
@@ -711,6 +838,11 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
     budgets = ("train.max_tokens_per_microbatch", "train.fsdp_tokens_per_microbatch")
     mb = [s for s in out if s.startswith(budgets)]
     out = mb[:1] + [s for s in out if not s.startswith(budgets)]
+    # And one engine split: the narrowest that fits (fewest ranks per engine, fewest collectives).
+    splits = [
+        s for s in out if s.startswith("engine.tensor_parallel=") or s.startswith("engine.expert_parallel=")
+    ]
+    out = [s for s in out if s not in splits[1:]]
     # Only LoRA or more ranks fit alone: the full fine-tune on these ranks may still fit with several memory
     # settings together (the 8B on one GPU: 16-bit weights, optimizer offload, activation checkpointing).
     if all(s.startswith(("lora.", "--nproc")) for s in out):
@@ -760,6 +892,8 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], world_si
         ["train.offload=optimizer"] if cfg.train.offload == "none" else [],
         ["train.cuda_graphs=false"] if cfg.train.cuda_graphs else [],
         ["engine.kv_memory_fraction=0.1"] if cfg.engine.num_kv_blocks is None else [],
+        # The widest engine split train runs at these ranks (each rank a 1/G shard of the engine's weights).
+        (engine_splits(cfg, world_size) or [[]])[-1],
     ):
         if not extra:
             continue
