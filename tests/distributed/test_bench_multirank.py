@@ -16,7 +16,7 @@ import pytest
 from exactrl.bench import read_baseline
 from exactrl.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # benchmark harness on two ranks: make test-all
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32"]

@@ -106,7 +106,12 @@ if os.environ.get("RANK") == "1":
     ("error", "status", "said"),
     [
         ("ValueError", 2, ["exactrl parity (rank 1): error: planted on rank 1"]),
-        ("RuntimeError", 1, ["exactrl parity (rank 1) failed:", "Traceback (most recent call last):"]),
+        pytest.param(
+            "RuntimeError",
+            1,
+            ["exactrl parity (rank 1) failed:", "Traceback (most recent call last):"],
+            marks=pytest.mark.extended,  # the ValueError case's path, with a traceback: make test-all
+        ),
     ],
 )
 def test_a_rank_error_is_said_once_with_its_exit_status_and_stops_the_other_ranks(

@@ -97,7 +97,6 @@ def runs(tmp_path_factory):
         return {"kind": "cli", "argv": _argv(tmp, name, algo, steps, *extra, resume=resume)}
 
     ckpt = "train.save_every=1"
-    lora = ("lora.rank=4", "algorithm.kl_coef=0.05")  # the reference is the base with the adapters off
     # GRPO runs the steps that are compared; one step each shows the other algorithms exact.
     launch(
         1, [cli("t1-grpo", "grpo", STEPS, ckpt), cli("t1-gspo", "gspo", 1), cli("t1-ppo", "ppo", 1)], "ws1"
@@ -105,9 +104,6 @@ def runs(tmp_path_factory):
     _crashed_after(tmp / "t1-grpo", tmp / "r12", 2)
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
-    jobs += [cli("t2-lora", "grpo", STEPS, ckpt, *lora)]
-    # bf16: the frozen base stays 16-bit in the shards beside the fp32 adapters.
-    jobs += [cli("t2-lora16", "grpo", 2, ckpt, *lora, "model.dtype=bfloat16")]
     # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step; its FSDP2 microbatch budget
     # set apart from max_tokens_per_microbatch (40 tokens: a rank's 8 rollouts need more than one microbatch; 2
     # when the setting was planted away).
@@ -125,16 +121,13 @@ def runs(tmp_path_factory):
     launch(2, jobs, "ws2")
     _crashed_after(tmp / "t2-grpo", tmp / "r21t", 2)
     _crashed_after(tmp / "t2-grpo", tmp / "r21p", 2)
-    _crashed_after(tmp / "t2-lora", tmp / "r21-lora", 2)
     resumes = [
         cli("r21t", "grpo", STEPS, ckpt, resume=True),
-        cli("r21-lora", "grpo", STEPS, ckpt, *lora, resume=True),
     ]
     launch(1, resumes, "ws1-resume")
 
     # World size 1 without torchrun: today's single-device path, in a process of its own as well.
     plain = [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
-    plain += [_argv(tmp, "p1-lora", "grpo", STEPS, *lora)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     )
@@ -147,6 +140,38 @@ def runs(tmp_path_factory):
         times[f"plain-{k}"] = time.perf_counter() - t
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
+    return tmp
+
+
+LORA = ("lora.rank=4", "algorithm.kl_coef=0.05")  # the reference is the base with the adapters off
+
+
+@pytest.fixture(scope="module")
+def runs_lora(runs):
+    """LoRA under torchrun beside the other runs (under `make test-all`; LoRA at world size 2 one step off runs by
+    default in test_offpolicy_dist): 4 steps at world size 2, a bf16 run, a resume 2 -> 1, the one-device run."""
+    tmp, ckpt = runs, "train.save_every=1"
+    jobs = [
+        {"kind": "cli", "argv": _argv(tmp, "t2-lora", "grpo", STEPS, ckpt, *LORA)},
+        # bf16: the frozen base stays 16-bit in the shards beside the fp32 adapters.
+        {"kind": "cli", "argv": _argv(tmp, "t2-lora16", "grpo", 2, ckpt, *LORA, "model.dtype=bfloat16")},
+    ]
+    code, out, _ = _launch(tmp, 2, jobs, "ws2-lora")
+    assert code == 0, f"launch ws2-lora failed:\n{out[-6000:]}"
+    _crashed_after(tmp / "t2-lora", tmp / "r21-lora", 2)
+    resume = _argv(tmp, "r21-lora", "grpo", STEPS, ckpt, *LORA, resume=True)
+    code, out, _ = _launch(tmp, 1, [{"kind": "cli", "argv": resume}], "ws1-resume-lora")
+    assert code == 0, f"launch ws1-resume-lora failed:\n{out[-6000:]}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    p = subprocess.run(
+        [sys.executable, "-m", "exactrl.cli", *_argv(tmp, "p1-lora", "grpo", STEPS, *LORA)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return tmp
 
 
@@ -277,7 +302,9 @@ def test_sharded_checkpoint_layout_and_hf_export(runs):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_lora_at_world_size_2_is_exact_and_optimises_the_one_device_objective(runs):
+@pytest.mark.extended
+def test_lora_at_world_size_2_is_exact_and_optimises_the_one_device_objective(runs_lora):
+    runs = runs_lora
     run = runs / "t2-lora"
     steps = _steps(run)
     assert sorted(steps) == [1, 2, 3, 4]
@@ -291,9 +318,11 @@ def test_lora_at_world_size_2_is_exact_and_optimises_the_one_device_objective(ru
         assert 0 < m["weight_sync/bytes"] == m["perf/weight_sync_bytes"] < full / 5
 
 
-def test_a_bf16_lora_run_keeps_its_frozen_base_16_bit_in_the_shards_and_is_exact(runs):
+@pytest.mark.extended
+def test_a_bf16_lora_run_keeps_its_frozen_base_16_bit_in_the_shards_and_is_exact(runs_lora):
     from torch.distributed.checkpoint import FileSystemReader
 
+    runs = runs_lora
     run = runs / "t2-lora16"
     steps = _steps(run)
     assert sorted(steps) == [1, 2]
@@ -316,9 +345,11 @@ def test_a_kl_reference_sharded_in_the_model_dtype_is_exact(runs):
     assert m["perf/train_microbatches"] == 1
 
 
-def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_size_1(runs):
+@pytest.mark.extended
+def test_lora_sharded_checkpoints_hold_the_trained_adapters_and_resume_at_world_size_1(runs_lora):
     from safetensors.torch import load_file
 
+    runs = runs_lora
     ck = runs / "t2-lora" / "checkpoints"
     first, last = ck / "step-000001", ck / f"step-{STEPS:06d}"
     for d in (first, last):

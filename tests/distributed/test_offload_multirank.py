@@ -43,6 +43,7 @@ def tmp(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.extended  # one process: tests/train/test_plan.py runs the offload bitwise by default
 def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
     steps = 3
     jobs = [

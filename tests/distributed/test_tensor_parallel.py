@@ -191,7 +191,10 @@ def test_train_refuses_expert_parallel_where_it_cannot_split_by_key() -> None:
         load_config(quick, ["model.preset=tiny-moe", "engine.expert_parallel=2", "engine.tensor_parallel=4"])
 
 
-@pytest.mark.parametrize("split", [["--tensor-parallel", "2"], ["--expert-parallel", "2"]])
+@pytest.mark.parametrize(
+    "split",
+    [["--tensor-parallel", "2"], pytest.param(["--expert-parallel", "2"], marks=pytest.mark.extended)],
+)
 def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer(split: list[str]) -> None:
     """`exactrl parity --nproc 2 --tensor-parallel 2` (or `--expert-parallel 2`): the split engine's weights come
     from the FSDP2 trainer's shards through the weight sync, and every recorded logprob equals the trainer's (a

@@ -69,7 +69,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(lpm, "LOGPROB_SPLIT_COLS", SPLIT_COLS)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.extended)])
 def test_split_unsplit_and_training_path_give_the_same_bits(dtype, small_chunks, monkeypatch):
     """40 rows: split == unsplit == `logprobs` without grad, with grad keeping the logits, and with grad recomputing
     them in row chunks of 16; the rows of 1-, 2- and 7-row calls of either form equal the 40-row call's."""
