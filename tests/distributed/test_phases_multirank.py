@@ -68,6 +68,8 @@ def _check_exact(tmp: Path, nproc: int) -> None:
     assert not _same(tmp / "on", tmp / "stale") and _mismatched(tmp / "stale") > 0
 
 
+@pytest.mark.extended  # the default run keeps the release at world size 2 in the no-update test below (release on
+# against off, every record and weight bit) and the stale-replica control in test_multirank
 def test_release_is_exact_at_world_size_2(tmp):
     _check_exact(tmp, 2)
 
