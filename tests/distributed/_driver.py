@@ -100,29 +100,12 @@ def cli_job(job: dict) -> None:
     if (
         job.get("plant") == "partial_combine"
     ):  # expert parallel's negative control: a combine split over ranks
-        import torch.distributed as tdist
+        from _tp_driver import PartialCombineExperts  # this script's folder is first on sys.path
 
         from exactrl.distributed import expert_parallel
 
-        def partial_combine(self, ops, x, weights, ids):
-            # Each rank combines its own experts' weighted outputs in fp32, rounds that partial sum to the model
-            # dtype, and the ranks add the partials (an all-reduce) instead of one fp32 combine in rank order.
-            per = self.gate_up.shape[0]
-            local = ids - self.first_expert
-            own = (local >= 0) & (local < per)
-            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for r in range(ids.shape[1]):
-                rows = own[:, r].nonzero()[:, 0]
-                if rows.numel():
-                    ones = torch.ones(rows.numel(), 1, dtype=torch.float32, device=x.device)
-                    o = ops.moe_experts(x[rows], self.gate_up, self.down, ones, local[rows, r, None])
-                    acc[rows] = acc[rows] + weights[rows, r, None].float() * o.float()
-            out = acc.to(x.dtype).float()
-            tdist.all_reduce(out, group=self.group.group)
-            return out.to(x.dtype)
-
         real_combine = expert_parallel.ExpertParallelExperts.forward
-        expert_parallel.ExpertParallelExperts.forward = partial_combine
+        expert_parallel.ExpertParallelExperts.forward = PartialCombineExperts.forward
         undo.append(lambda: setattr(expert_parallel.ExpertParallelExperts, "forward", real_combine))
     if job.get("stop_at") is not None:  # a signal after step S, on every rank at once
         from exactrl.train import loop
