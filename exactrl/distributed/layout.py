@@ -9,8 +9,10 @@ themselves in a process group of their own (`Layout.local` is that group's conte
 trainers r with r % G == j. What moves between them:
 
 - trainer r -> its generator: commands (generate these prompts with these request ids, take new weights, stop),
-  pickled point to point (`send_object` / `recv_object`); generator -> trainer r: the request outputs (token ids,
-  rollout logprobs, finish reasons).
+  pickled point to point (`Layout.send` / `Layout.recv`); generator -> trainer r: the request outputs (token ids,
+  rollout logprobs, finish reasons). The messages travel on a gloo group of their own, in host memory: on the
+  default group (NCCL on GPUs) a trainer waiting for its batch would hold a receive on its GPU, beside its update,
+  for as long as the generation takes, and every message would be a device copy and a stream synchronization.
 - trainer 0 -> every generator: the weights, in the model dtype, as buckets broadcast over the group of trainer 0
   and the generators (`send_weights` / `recv_weights`), copied into the engine's own tensors in place (its CUDA
   graphs keep their addresses). The bytes are the trainer replica's, which FSDP2's cast-then-gather filled: the
@@ -41,6 +43,15 @@ class Layout:
     role: str  # "colocated", "trainer" or "generator"
     local: DistContext  # the ranks this rank trains with (the trainers' group), or the job's
     sync_group: Any = None  # trainer 0 and the generators: the weights' broadcast
+    msg_group: Any = None  # every rank, gloo: the commands and outputs
+
+    def send(self, obj: Any, dst: int) -> None:
+        """One pickled object to global rank `dst`, over the messages' group."""
+        send_object(obj, dst, self.msg_group)
+
+    def recv(self, src: int) -> Any:
+        """The object global rank `src` sent with `send`."""
+        return recv_object(src, self.msg_group)
 
     @property
     def trainers(self) -> int:
@@ -83,20 +94,21 @@ def split_layout(world: DistContext, generator_ranks: int) -> Layout:
         )
     trainer_group = dist.new_group(ranks=list(range(trainers)))
     sync_group = dist.new_group(ranks=[0, *range(trainers, world.world_size)])
+    msg_group = dist.new_group(backend="gloo")  # a group of its own on CPU ranks too: the path GPUs take
     if world.rank < trainers:
         local = DistContext(world.rank, trainers, world.local_rank, world.backend, group=trainer_group)
-        return Layout(world, generator_ranks, "trainer", local, sync_group)
-    return Layout(world, generator_ranks, "generator", world, sync_group)
+        return Layout(world, generator_ranks, "trainer", local, sync_group, msg_group)
+    return Layout(world, generator_ranks, "generator", world, sync_group, msg_group)
 
 
-# -- messages: one pickled object, point to point on the default group -------------------------------------
-def send_object(obj: Any, dst: int) -> None:
-    dist.send_object_list([obj], dst=dst)
+# -- messages: one pickled object, point to point (global ranks) ----------------------------------------------
+def send_object(obj: Any, dst: int, group: Any = None) -> None:
+    dist.send_object_list([obj], dst=dst, group=group)
 
 
-def recv_object(src: int) -> Any:
+def recv_object(src: int, group: Any = None) -> Any:
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=src)
+    dist.recv_object_list(box, src=src, group=group)
     return box[0]
 
 

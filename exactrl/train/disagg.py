@@ -26,7 +26,7 @@ import torch
 
 from exactrl.config import RunConfig, resolve_device
 from exactrl.distributed.env import rank_device
-from exactrl.distributed.layout import Layout, recv_object, recv_weights, send_object, send_weights
+from exactrl.distributed.layout import Layout, recv_weights, send_weights
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.partial import CutResult, CutRule, PartialSample
 from exactrl.engine.sampler import SamplingParams
@@ -69,9 +69,9 @@ class RemoteEngine:
         progress: Any = None,
     ) -> list[RequestOutput]:
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        send_object(Command("generate", [list(p) for p in prompts], params, ids), self.peer)
+        self.layout.send(Command("generate", [list(p) for p in prompts], params, ids), self.peer)
         self._asked = True
-        outs = recv_object(self.peer)
+        outs = self.layout.recv(self.peer)
         if progress is not None:
             progress(sum(len(o.samples) for o in outs))
         return outs
@@ -89,9 +89,9 @@ class RemoteEngine:
         cmd = Command(
             "partial", [list(p) for p in prompts], params, list(request_ids), resumed=resumed, rule=rule
         )
-        send_object(cmd, self.peer)
+        self.layout.send(cmd, self.peer)
         self._asked = True
-        return recv_object(self.peer)
+        return self.layout.recv(self.peer)
 
     def release_kv(self) -> int:
         return 0  # no KV cache on a trainer
@@ -103,7 +103,7 @@ class RemoteEngine:
         """A round where this trainer may not have asked anything (the held-out evaluation runs on trainer 0's
         generator alone): a "skip" keeps the generator's rounds in step."""
         if not self._asked:
-            send_object(Command("skip"), self.peer)
+            self.layout.send(Command("skip"), self.peer)
         self._asked = False
 
     @torch.no_grad()
@@ -111,7 +111,7 @@ class RemoteEngine:
         """Every trainer: tell the generator new weights come; trainer 0: broadcast `named` (model-dtype tensors,
         the same names and order on every trainer) to every generator."""
         t0 = time.perf_counter()
-        send_object(Command("sync", names=[n for n, _ in named]), self.peer)
+        self.layout.send(Command("sync", names=[n for n, _ in named]), self.peer)
         moved = 0
         if self.layout.local.rank == 0:
             moved = send_weights([t for _, t in named], self.layout.sync_group)
@@ -127,10 +127,10 @@ class RemoteEngine:
         """Every trainer, once its policy has its adapters (after the warm start and the evaluation before RL, as
         a colocated run builds its replica's engine): the generator attaches the same adapters to its model. Their
         values come with the next full weight sync."""
-        send_object(Command("lora"), self.peer)
+        self.layout.send(Command("lora"), self.peer)
 
     def stop(self) -> None:
-        send_object(Command("stop"), self.peer)
+        self.layout.send(Command("stop"), self.peer)
 
 
 def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
@@ -216,7 +216,7 @@ class GeneratorLoop:
 
     def serve(self) -> None:
         while True:
-            cmds = [recv_object(r) for r in self.trainers]
+            cmds = [self.layout.recv(r) for r in self.trainers]
             kinds = {c.kind for c in cmds}
             if "stop" in kinds:
                 return
@@ -255,7 +255,7 @@ class GeneratorLoop:
             out = self.engine.generate_until_cut(c.prompts, c.request_ids, c.params, c.resumed, c.rule)
             tokens += sum(len(s.completion_ids) for s in out.samples)
             tokens -= sum(len(s.completion_ids) for s in c.resumed)
-            send_object(out, r)
+            self.layout.send(out, r)
         return tokens
 
     def generate(self, asks: list[tuple[int, Command]]) -> int:
@@ -272,6 +272,6 @@ class GeneratorLoop:
             tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
             start = 0
             for r, c in same:
-                send_object(outs[start : start + len(c.prompts)], r)
+                self.layout.send(outs[start : start + len(c.prompts)], r)
                 start += len(c.prompts)
         return tokens
