@@ -521,14 +521,15 @@ if want plan-check; then  # the memory plan (exactrl plan) vs measured per-phase
   grep '^{"plan_check"' "$OUT/plan_check.txt" > benchmarks/results/plan_check.jsonl
 fi
 if want bench-rl-2gpu; then  # two GPUs: colocated world size 2, then 1 generator + 1 trainer at k = 1 and k = 0
-  # against it (issue 44). PYSPY=path: py-spy samples the trainer (rank 0) for 30 s of the k = 1 run's timed steps
+  # against it (issue 44; RL_KS: which, p = partial rollouts). PYSPY=path: py-spy samples the trainer (rank 0) for 30 s of the k = 1 run's timed steps
   # (per thread, GIL holders marked), to see what its host does while the generator samples.
   rl="--preset ${RL_PRESET:-qwen3-1.7b} --mode exact --kv-memory-fraction 0.2 --tokens-per-microbatch 4096 --nproc 2
     --warmup 1 --steps ${RL_STEPS:-2}"
   timeout 300 $X bench rl $rl --out-dir "$OUT/rl-colocated" 2>&1 | grep -v -i warn | tail -14 | tee -a "$OUT/rl_2gpu.txt"
   base=$(ls "$OUT"/rl-colocated/*.json | head -1)
-  for k in ${RL_KS:-1 0}; do
-    timeout 400 $X bench rl $rl --generator-ranks 1 --max-off-policy-steps $k --baseline "$base" \
+  for k in ${RL_KS:-1 0}; do  # k = p: partial rollouts (k = 2)
+    mode="--max-off-policy-steps $k"; [[ $k == p ]] && mode="--max-off-policy-steps 2 --partial-rollouts"
+    timeout 400 $X bench rl $rl --generator-ranks 1 $mode --baseline "$base" \
       --out-dir "$OUT/rl-gen1-k$k" > "$OUT/rl_gen1_k$k.log" 2>&1 &
     bench=$!
     if [[ -n "${PYSPY:-}" && $k == 1 ]]; then

@@ -153,10 +153,13 @@ class PartialRollouts:
             self.agree_top_ups(ctx.dist)
         return self.gather(ctx, self.sample(ctx, behaviour, step), step)
 
-    def sample(self, ctx: StepContext, behaviour: BehaviourPolicy, step: int) -> PartialShare:
+    def sample(
+        self, ctx: StepContext, behaviour: BehaviourPolicy, step: int, check: bool = True
+    ) -> PartialShare:
         """This rank's generation for step `step`, with no collective: top-up, generation cut by this rank's
-        count, its chosen groups rewarded, the guard on every token it sampled (batch and carried), a carried
-        group the guard refused dropped. `agree_top_ups` must have run since the last generation."""
+        count, its chosen groups rewarded, then (with `check`; else `check` later, before the copy moves on) the
+        guard on every token it sampled (batch and carried), a carried group the guard refused dropped.
+        `agree_top_ups` must have run since the last generation."""
         t0 = time.perf_counter()
         v = behaviour.version
         if self.top_ups is None:
@@ -203,19 +206,7 @@ class PartialRollouts:
         )
         gen_s = time.perf_counter() - t0
         versions = {(g.request_id, i): list(s.versions) for g in chosen for i, s in g.samples.items()}
-        t1 = time.perf_counter()
         checks = self.sampled_now(chosen + self.pool, before)
-        guard, mismatch = check_batch(
-            behaviour, checks, ctx.trainer.s.temperature, ctx.trainer.s.max_tokens_per_microbatch
-        )
-        guard_s = time.perf_counter() - t1
-        dropped = 0
-        if mismatch is not None and ctx.cfg.run.on_mismatch != "warn":
-            # No later update may use a carried token the guard refused: its group goes (this rank's pool; the
-            # batch itself is refused on every rank, agreed in `gather`).
-            bad = {checks[i].request_id for i, *_ in mismatch.sequences}
-            dropped = sum(g.request_id in bad for g in self.pool)
-            self.pool = [g for g in self.pool if g.request_id not in bad]
         mixed = sum(len(set(s.versions)) > 1 for g in chosen for s in g.samples.values())
         # The guard's counts (mismatch/*) are this generation's tokens, in the batch and the carried samples; the
         # batch trained holds tokens of earlier generations too, checked when they were sampled. Both are logged,
@@ -231,14 +222,43 @@ class PartialRollouts:
             "mismatch/batch_tokens_checked_earlier": float(earlier),
             "offpolicy/partial/sampled_tokens": float(sum(len(r.completion_ids) for r in checks)),
             **stats,
-            "offpolicy/partial/carried_groups": float(len(self.pool)),
-            "offpolicy/partial/carried_samples": float(
-                sum(not s.finished for g in self.pool for s in g.samples.values())
-            ),
-            "offpolicy/partial/guard_dropped_groups": float(dropped),
             "offpolicy/partial/mixed_version_samples": float(mixed),
         }
-        return PartialShare(scores, None, v, gen_s, guard, mismatch, guard_s, versions, checks, partial)
+        share = PartialShare(scores, None, v, gen_s, {}, None, 0.0, versions, checks, partial)
+        return self.check(ctx, behaviour, share) if check else share
+
+    def check(self, ctx: StepContext, behaviour: BehaviourPolicy, share: PartialShare) -> PartialShare:
+        """The guard on what this rank's generation sampled (the copy must still hold the sampling weights); a
+        carried group it refused leaves the pool."""
+        if share.version != behaviour.version:
+            raise RuntimeError(
+                f"partial rollouts: the guard would check a generation of version {share.version} on the copy at "
+                f"version {behaviour.version}"
+            )
+        t1 = time.perf_counter()
+        checks = share.checked
+        guard, mismatch = check_batch(
+            behaviour, checks, ctx.trainer.s.temperature, ctx.trainer.s.max_tokens_per_microbatch
+        )
+        share.guard_s = time.perf_counter() - t1
+        share.guard, share.mismatch = guard, mismatch
+        dropped = 0
+        if mismatch is not None and ctx.cfg.run.on_mismatch != "warn":
+            # No later update may use a carried token the guard refused: its group goes (this rank's pool; the
+            # batch itself is refused on every rank, agreed in `gather`).
+            bad = {checks[i].request_id for i, *_ in mismatch.sequences}
+            dropped = sum(g.request_id in bad for g in self.pool)
+            self.pool = [g for g in self.pool if g.request_id not in bad]
+        share.partial.update(
+            {
+                "offpolicy/partial/carried_groups": float(len(self.pool)),
+                "offpolicy/partial/carried_samples": float(
+                    sum(not s.finished for g in self.pool for s in g.samples.values())
+                ),
+                "offpolicy/partial/guard_dropped_groups": float(dropped),
+            }
+        )
+        return share
 
     def gather(self, ctx: StepContext, share: PartialShare, step: int) -> BehaviourBatch:
         """The step's view of every rank's `sample` (collectives, the main thread's): advantages over the step, the

@@ -26,6 +26,11 @@ class WeightSync:
         self.parallel = parallel
         self.remote = remote
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the engine runs on generator ranks (the layout's, set once at start)."""
+        return self.remote is not None
+
     def after_update(self) -> dict[str, float]:
         """The replica takes the new weights (rebuilt whole when it was released), then the generators the
         replica's; returns the syncs' metrics."""

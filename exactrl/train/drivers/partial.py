@@ -61,10 +61,15 @@ class PartialDriver(OneStepOffDriver):
             self.pool.agree_top_ups(self.ctx.dist)
         return super().batch(step)
 
-    def sample(self, step: int) -> RankSample:
-        """This rank's generation, cut by its own count (no collective: under torchrun the worker runs it)."""
+    def sample(self, step: int, check: bool = True) -> RankSample:
+        """This rank's generation, cut by its own count, checked by the guard with `check` (no collective: under
+        torchrun the worker runs it)."""
         self.ctx.phases.size(self.ctx.engine)  # the plan's KV size (it counts the groups in flight)
-        return self.pool.sample(self.ctx, self.behaviour, step)
+        return self.pool.sample(self.ctx, self.behaviour, step, check=check)
+
+    def check(self, s: RankSample) -> RankSample:
+        """The guard on this rank's generation; a carried group it refused leaves the pool."""
+        return self.pool.check(self.ctx, self.behaviour, s)  # type: ignore[arg-type]
 
     def gather(self, step: int, s: RankSample) -> BehaviourBatch:
         """Every rank's generation as the step's batch (collectives, the main thread's)."""
