@@ -595,6 +595,10 @@ def plan_memory(
     # engine.release_memory: the KV cache and (FSDP2) the engine replica leave the device for the training and
     # optimizer phases (exactrl/train/phases.py).
     release = releases_memory(cfg)
+    # A disaggregated run's trainer (distributed.generator_ranks > 0): the engine runs on the generator ranks, so
+    # this device holds no KV cache and no decode graphs; it keeps the replica it sends them (and at k >= 1 the
+    # guard's forward on it, counted as an engine forward's working set).
+    trainer_only = cfg.distributed.generator_ranks > 0
     group = engine_group_ranks(cfg)
     if group > 1 and not sharded:
         raise ValueError(f"an engine shared by {group} ranks needs torchrun ranks (FSDP2)")
@@ -661,8 +665,8 @@ def plan_memory(
             act["backward_working_set"], act["lm_head_logprobs"]
         )
         act = {}
-    decode = decode_step_bytes(cfg, mcfg) if cuda else 0
-    if cuda and cfg.engine.cuda_graphs:
+    decode = decode_step_bytes(cfg, mcfg) if cuda and not trainer_only else 0
+    if cuda and cfg.engine.cuda_graphs and not trainer_only:
         # The decode graphs (and their pool) are kept between generations: in the training phase too.
         resident["decode_graph_pool"] = decode
         decode = 0
@@ -702,7 +706,7 @@ def plan_memory(
         holding = [gen_other] if release else [gen_other, train_other, step_other, *ckpt_other]
         free = available - max(sum(t.values()) for t in holding)
     blocks = kv_cache_blocks(cfg, mcfg, b, n, free)
-    kv = kv_cache_bytes(cfg, mcfg, b, blocks)
+    kv = kv_cache_bytes(cfg, mcfg, b, blocks) if not trainer_only else 0
 
     gen = Phase("generation", {**gen_other, "kv_cache": kv})
     train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
@@ -929,13 +933,15 @@ def _grown_microbatch(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], 
     """Under FSDP2 on a GPU with train.fsdp_tokens_per_microbatch unset and the memory phases on: the plan at the
     largest candidate microbatch that fits with GROW_HEADROOM to spare, or `plan` itself. Without the release the
     KV cache is sized from what training leaves, so a larger microbatch would buy its speed with preemptions: not
-    tried."""
+    tried (a disaggregated trainer has no cache: tried)."""
     from exactrl.train.phases import releases_memory
 
     tr = cfg.train
     if not plan.sharded or tr.fsdp_tokens_per_microbatch is not None or plan.gpu_memory is None:
         return plan
-    if not plan.device.startswith("cuda") or not releases_memory(cfg) or not plan.fits:
+    # A disaggregated trainer holds no KV cache (its generators do): nothing to preempt, release or not.
+    no_cache = releases_memory(cfg) or cfg.distributed.generator_ranks > 0
+    if not plan.device.startswith("cuda") or not no_cache or not plan.fits:
         return plan
     for t in FSDP_MICROBATCH_CANDIDATES:
         if t <= tr.max_tokens_per_microbatch:

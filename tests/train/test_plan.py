@@ -235,6 +235,32 @@ def test_an_8b_full_fine_tune_is_offered_the_one_gpu_settings_that_fit():
     assert not any(" together (peak" in s for s in small.suggestions), small.suggestions
 
 
+def test_a_disaggregated_trainer_plans_no_kv_cache_and_grows_its_microbatch_one_step_off():
+    """A trainer of a disaggregated run (distributed.generator_ranks > 0) holds no KV cache and no decode graphs
+    (its generators do), so one step off, where a colocated rank keeps its cache and its configured microbatch, it
+    still takes the larger FSDP2 microbatch (measured on 2 x H200: the 4,096-token microbatch made the lone
+    trainer's update 3.2x slower than the grown one)."""
+    cfg = run_cfg(
+        "model.preset=qwen3-1.7b", "task.max_prompt_tokens=512", "sampling.max_tokens=512",
+        "algorithm.max_off_policy_steps=1",
+    )  # fmt: skip
+    gpu = int(139 * GiB)
+    colocated = make_plan(cfg, world_size=1, gpu_memory=gpu, device="cuda", sharded=True)
+    disagg = make_plan(
+        apply_overrides(copy.deepcopy(cfg), ["distributed.generator_ranks=1"]),
+        world_size=1, gpu_memory=gpu, device="cuda", sharded=True,
+    )  # fmt: skip
+    assert colocated.fits and disagg.fits
+    assert all(p.terms["kv_cache"] > 0 for p in colocated.phases)  # one step off keeps it in every phase
+    assert all(p.terms.get("kv_cache", 0) == 0 for p in disagg.phases)
+    assert all("decode_graph_pool" not in p.terms for p in disagg.phases)
+    assert "decode_graph_pool" in colocated.phase("training").terms
+    assert colocated.counts["tokens_per_microbatch"] == cfg.train.max_tokens_per_microbatch
+    assert disagg.counts["tokens_per_microbatch"] == 32768
+    # The engine replica stays (the generators' weights come from it; one step off, the guard's forward runs on it).
+    assert all("engine_replica" in p.terms for p in disagg.phases)
+
+
 def test_fsdp2_microbatch_grows_to_the_largest_that_fits():
     """Under FSDP2 on a GPU the plan picks the largest of 32768 / 16384 tokens per microbatch whose training phase
     fits (fewer rounds of per-layer collectives), and the configured size when neither does; a set
