@@ -627,6 +627,8 @@ def _record(
         "max_num_seqs": args.max_num_seqs,
         "kv_memory_fraction": args.kv_memory_fraction,
         "tokens_per_microbatch": run.cfg.train.max_tokens_per_microbatch,
+        # The trainer's microbatch as it ran (under FSDP2 the plan may take a larger one).
+        "train_microbatch_tokens": run.microbatch_tokens,
         "graphs": args.graphs,
         "warmup_steps": len(warm),
         "timed_steps": len(timed),
