@@ -443,7 +443,7 @@ def _serve_as_generator(args: Any, cfg: Any, layout: Any) -> dict[str, Any]:
 
     loop = GeneratorLoop(generator_engine(cfg, layout, make), layout)
     loop.serve()
-    layout.world.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
+    layout.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
     return {}
 
 
@@ -457,7 +457,7 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
     generators: from their rounds' wall-clock windows, the seconds generating and receiving weights in each timed
     step, the rest idle. Tokens per second per GPU divide the step's completion tokens by every rank of the job."""
     mine = {"rank": layout.world.rank, "rounds": None}
-    parts = layout.world.all_gather_object(mine)
+    parts = layout.all_gather_object(mine)
     world = layout.world.world_size
     steps = [(r["wall_start"], r["wall_end"]) for r in timed]
     out: dict[str, Any] = {

@@ -53,6 +53,15 @@ class Layout:
         """The object global rank `src` sent with `send`."""
         return recv_object(src, self.msg_group)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` in global rank order, over the messages' group when there is one (host memory: the
+        default group's first NCCL collective would set up a communicator on devices the run has filled)."""
+        if not self.world.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(out, obj, group=self.msg_group)
+        return out
+
     @property
     def trainers(self) -> int:
         return self.world.world_size - self.generators
