@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
+#     [parity-split] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
 #     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -145,6 +145,13 @@ if want bench-rl; then  # whole GRPO steps, exact then fast (issue 16, item 3): 
       | tail -2 | tee -a "$OUT/bench_rl.txt"
     cp $rl_json benchmarks/results/rl-qwen3-1.7b-*"$dev".png "$OUT/" 2>/dev/null
   fi
+fi
+if want parity-split; then  # the engine split over two GPUs (issue 46): tensor parallel on qwen3-0.6b, expert parallel
+  # on tiny-moe, each checked token by token against the FSDP2 trainer (NCCL)
+  NCCL_NVLS_ENABLE=0 timeout 200 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 16 \
+    --max-tokens 128 --nproc 2 --tensor-parallel 2 --json 2>&1 | grep -v -i warn | tail -3 | tee -a "$OUT/parity_split.txt"
+  NCCL_NVLS_ENABLE=0 timeout 150 $X parity --preset tiny-moe --device cuda --dtype bfloat16 --num-prompts 16 \
+    --max-tokens 64 --nproc 2 --expert-parallel 2 --json 2>&1 | grep -v -i warn | tail -3 | tee -a "$OUT/parity_split.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
