@@ -1247,9 +1247,12 @@ class RLRun:
         self.greedy_tokens = sum(len(o.samples[0].token_ids) for o in outs if o.samples)
         return res.rewards
 
-    def mismatch_report(self, step: int, rollouts: list[Rollout], err: MismatchError) -> Path | None:
+    def mismatch_report(
+        self, step: int, rollouts: list[Rollout], err: MismatchError, model: Any = None
+    ) -> Path | None:
         """Write `mismatch-<step + 1>/` from every rank's offending sequences (a collective): what `exactrl parity
-        --replay` needs. Returns its path on rank 0 (None on the others, or when no sequence was kept)."""
+        --replay` needs. Returns its path on rank 0 (None on the others, or when no sequence was kept). model: the
+        weights that sampled them when the engine's have moved on (a deferred guard's copy; None: the engine's)."""
         from exactrl.guard.report import MismatchSequence, write_mismatch_report
 
         seqs = [
@@ -1263,14 +1266,15 @@ class RLRun:
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
-        if self.parallel.replica_released:
+        if self.parallel.replica_released and model is None:
             # Released for the training phase; no optimizer step applied the batch, so the shards still hold the
             # sampling weights the report needs (every rank is here: a collective).
             self.parallel.sync_weights()
         every = [s for part in self.dist.all_gather_object(seqs) for s in part]
         if not every:
             return None
-        whole = self.whole_engine_model()  # every rank (a shared engine's whole weights are gathered)
+        # Every rank (a shared engine's whole weights are gathered).
+        whole = self.whole_engine_model() if model is None else model
         if not self.dist.is_main:
             return None
         sp = self.sampling_params()

@@ -635,6 +635,10 @@ def plan_memory(
         # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
         # model that overlap yet (docs/memory.md). Under torchrun the engine replica above is that copy.
         resident["behaviour_copy"] = c["policy_params"] * b
+    if trainer_only and a.max_off_policy_steps > 0 and not a.partial_rollouts:
+        # Disaggregated one step off: the guard of a batch runs on a copy of the weights that sampled it while the
+        # replica moves on to the next version (exactrl/train/drivers/offpolicy.py).
+        resident["guard_copy"] = c["policy_params"] * b
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)
     if c["critic_params"]:

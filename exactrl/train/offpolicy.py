@@ -72,6 +72,15 @@ class BehaviourPolicy:
         return time.perf_counter() - t0
 
     @torch.no_grad()
+    def refresh_from(self, other: BehaviourPolicy) -> None:
+        """Every weight of `other`'s model (the same architecture) copied into this copy, in place, with its
+        version."""
+        theirs = dict(other.model.named_parameters())
+        for name, mine in self.model.named_parameters():
+            mine.copy_(theirs[name])
+        self.version = other.version
+
+    @torch.no_grad()
     def score(self, rollouts: list[Rollout], temperature: float, max_tokens: int) -> list[torch.Tensor]:
         """Per rollout, its completion tokens' logprobs [C] fp32 (CPU) under the copy's weights, through the
         training forward (packed microbatches, the trainer's path)."""
@@ -102,6 +111,9 @@ class BehaviourBatch:
     # on; the replay report's sequences index it; None: the batch's rollouts), and the generation's own metrics.
     checked: list[Rollout] | None = None
     partial: dict[str, float] = field(default_factory=dict)
+    # Disaggregated one step off: the rank's sample whose guard is deferred to the step that trains on it (None:
+    # checked; `OneStepOffDriver.finish_guard`).
+    unchecked: Any = None
 
 
 PENDING_FILE = "offpolicy_pending.json"

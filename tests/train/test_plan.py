@@ -257,8 +257,11 @@ def test_a_disaggregated_trainer_plans_no_kv_cache_and_grows_its_microbatch_one_
     assert "decode_graph_pool" in colocated.phase("training").terms
     assert colocated.counts["tokens_per_microbatch"] == cfg.train.max_tokens_per_microbatch
     assert disagg.counts["tokens_per_microbatch"] == 32768
-    # The engine replica stays (the generators' weights come from it; one step off, the guard's forward runs on it).
+    # The engine replica stays (the generators' weights come from it), and one step off the guard's copy of the
+    # weights that sampled the batch (the replica moves on before the guard runs).
     assert all("engine_replica" in p.terms for p in disagg.phases)
+    assert all(p.terms["guard_copy"] == disagg.counts["policy_params"] * 2 for p in disagg.phases)
+    assert all("guard_copy" not in p.terms for p in colocated.phases)
 
 
 def test_fsdp2_microbatch_grows_to_the_largest_that_fits():

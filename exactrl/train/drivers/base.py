@@ -58,7 +58,9 @@ class Stages:
     with_advantages: Callable[..., Any]
     update: Callable[..., dict[str, float]]  # (step, rollouts, off_policy_cap=None) -> the trainer's metrics
     step_metrics: Callable[[dict[str, float], Any], dict[str, float]]
-    mismatch_report: Callable[..., Any]  # (step, rollouts, MismatchError) -> the replay report's path
+    mismatch_report: Callable[
+        ..., Any
+    ]  # (step, rollouts, MismatchError, model=None) -> the replay report's path
     mismatch_abort: Callable[
         ..., None
     ]  # (step, StepRollouts, MismatchError): an abort's log lines and report

@@ -5,9 +5,11 @@ The engine samples from its own weight copy (`BehaviourPolicy`; under torchrun t
 `ReplicaBehaviour`) in a worker thread while the trainer updates the policy; after the update the copy is refreshed
 in place. Each batch is checked by the guard against the copy's training forward before the copy moves on, and the
 verdict is acted on (run.on_mismatch) before any update uses the batch. Colocated, the guard's forward runs in the
-worker after the generation; disaggregated, the worker only waits for the generator's outputs and the guard runs on
-the main thread after the update (two threads launching kernels at once fight for the GIL: measured on 2 x H200,
-the update beside the worker's guard took 29.9 s where it takes 8 s alone). Why the bits are right:
+worker after the generation. Disaggregated, the worker only waits for the generator's outputs (no kernels of its
+own beside the update's) and the guard is deferred: after the update the replica's weights (the batch's sampling
+weights) are copied into a guard copy, the replica is refreshed and sent to the generators, and the next step asks
+them for its batch before it checks this one on the copy. The generators then never wait for the guard (on
+2 x H200, qwen3-1.7b, the guard after the update cost the step its 3.3 s: the generator idled through it). Why the bits are right:
 exactrl/train/offpolicy.py; under torchrun: exactrl/train/offpolicy_dist.py.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,13 +47,21 @@ class OneStepOffDriver:
     the next one from the engine's copy. behaviour: that copy (the engine samples from its model);
     step_rollouts_cls: the loop's StepRollouts (a checkpoint's pending batch is rebuilt as one)."""
 
+    # Whether the guard of a disaggregated run's batch may wait for the next step (after the generators were asked
+    # for the next batch): not with partial rollouts, whose next generation depends on what the guard drops.
+    defers_guard = True
+
     def __init__(self, ctx: StepContext, behaviour: BehaviourPolicy, step_rollouts_cls: type) -> None:
         self.ctx = ctx
         self.behaviour = behaviour
         self.step_rollouts_cls = step_rollouts_cls
         self.worker = GenerationWorker(ctx.device)
-        # Disaggregated: the guard runs on the main thread after the update (the docstring above says why).
+        # Disaggregated: the guard runs on the main thread, deferred to the next step where the driver allows it
+        # (the docstring above says why).
         self.guard_in_worker = not ctx.weights.disaggregated
+        self.defer_guard = ctx.weights.disaggregated and ctx.dist.distributed and self.defers_guard
+        # The weights that sampled a deferred batch, while the replica moves on (made at the first deferral).
+        self.guard_copy: BehaviourPolicy | None = None
         # The batch sampled and checked ahead, waiting for its step (None: the first step, after a resume).
         self.pending: BehaviourBatch | None = None
 
@@ -84,17 +95,18 @@ class OneStepOffDriver:
         sampled = RankSample(scores, greedy, self.behaviour.version, gen_s, {}, None, 0.0)
         return self.check(sampled) if check else sampled
 
-    def check(self, s: RankSample) -> RankSample:
-        """The guard on this rank's share: the copy's training forward (it must still hold the sampling weights)
-        against the logprobs the engine recorded."""
-        if s.version != self.behaviour.version:
+    def check(self, s: RankSample, on: BehaviourPolicy | None = None) -> RankSample:
+        """The guard on this rank's share: the training forward of `on` (the engine's copy by default; it must
+        still hold the sampling weights) against the logprobs the engine recorded."""
+        behaviour = self.behaviour if on is None else on
+        if s.version != behaviour.version:
             raise RuntimeError(
-                f"the guard would check a batch sampled by version {s.version} on the copy at version "
-                f"{self.behaviour.version}"
+                f"the guard would check a batch sampled by version {s.version} on a copy at version "
+                f"{behaviour.version}"
             )
         t1 = time.perf_counter()
         s.guard, s.mismatch = check_batch(
-            self.behaviour,
+            behaviour,
             s.scores.rollouts,
             self.ctx.trainer.s.temperature,
             self.ctx.trainer.s.max_tokens_per_microbatch,
@@ -102,28 +114,52 @@ class OneStepOffDriver:
         s.guard_s = time.perf_counter() - t1
         return s
 
-    def gather(self, step: int, s: RankSample) -> BehaviourBatch:
+    def gather(self, step: int, s: RankSample, checked: bool = True) -> BehaviourBatch:
         """The step's view of every rank's `sample` (collectives, on the main thread): advantages over the step,
-        ReMax's baseline, the guard's verdict agreed by every rank."""
+        ReMax's baseline, the guard's verdict agreed by every rank (not `checked`: left to `finish_guard`)."""
         ctx, stages = self.ctx, self.ctx.stages
         baseline = stages.gather_baseline(s.greedy) if s.greedy is not None else None
         sr = stages.step_scores(s.scores, baseline)
         versions = [torch.full((len(ro.completion_ids),), s.version, dtype=torch.int64) for ro in sr.rollouts]
         batch = BehaviourBatch(sr, s.version, versions, s.generate_s, ctx.state.model_tokens)
+        if not checked:
+            batch.unchecked = s
+            return batch
         batch.guard, batch.mismatch = agree_guard(ctx.dist, s.guard, s.mismatch)
         batch.guard_s = s.guard_s
         return batch
 
-    def joined(self) -> RankSample:
-        """The worker's share once it joined, checked by the guard here when the worker did not."""
-        s = self.worker.result()
-        return s if self.guard_in_worker else self.check(s)
+    def defer(self) -> None:
+        """The pending batch's guard waits: its sampling weights (the replica's, before the refresh) go into the
+        guard copy."""
+        if self.guard_copy is None:
+            self.guard_copy = BehaviourPolicy(self.behaviour.model, self.behaviour.version)
+        else:
+            self.guard_copy.refresh_from(self.behaviour)
 
-    def report(self, step: int, batch: BehaviourBatch) -> None:
-        """A batch the guard refused: its replay report, written now, while the copy holds its sampling weights."""
+    def finish_guard(self, step: int, batch: BehaviourBatch) -> None:
+        """A deferred batch's guard, on the guard copy (the weights that sampled it), agreed by every rank; its
+        replay report written from that copy. Every rank at the same point (collectives)."""
+        s, copy = batch.unchecked, self.guard_copy
+        assert s is not None and copy is not None
+        checked = agreed(self.ctx.dist, f"the guard of step {step + 1}'s batch", lambda: self.check(s, copy))
+        batch.guard, batch.mismatch = agree_guard(self.ctx.dist, checked.guard, checked.mismatch)
+        batch.guard_s = checked.guard_s
+        batch.unchecked = None
+        self.report(step, batch, model=copy.model)
+
+    def joined(self) -> RankSample:
+        """The worker's share once it joined, checked by the guard here when the worker did not (and the guard is
+        not deferred)."""
+        s = self.worker.result()
+        return s if self.guard_in_worker or self.defer_guard else self.check(s)
+
+    def report(self, step: int, batch: BehaviourBatch, model: Any = None) -> None:
+        """A batch the guard refused: its replay report, written now, while the copy (or `model`, the guard copy)
+        holds its sampling weights."""
         if batch.mismatch is not None:
             checked = batch.checked if batch.checked is not None else batch.sr.rollouts
-            batch.report = self.ctx.stages.mismatch_report(step, checked, batch.mismatch)
+            batch.report = self.ctx.stages.mismatch_report(step, checked, batch.mismatch, model=model)
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -145,6 +181,8 @@ class OneStepOffDriver:
                 self.worker.start(lambda: self.sample(step + 1, check=self.guard_in_worker))
             else:
                 self.worker.start(lambda: self.batch(step + 1))
+        if batch.unchecked is not None:  # deferred: checked now, the generators already at the next batch
+            self.finish_guard(step, batch)
         how = ctx.cfg.run.on_mismatch
         t_train = time.perf_counter()
         if batch.mismatch is not None and how != "warn":
@@ -157,7 +195,9 @@ class OneStepOffDriver:
             t_wait = time.perf_counter()
             if sample_only:  # every rank learns whether any rank's worker failed, then the step's view of it
                 sampled = agreed(ctx.dist, f"the generation worker of step {step + 2}", self.joined)
-                self.pending = self.gather(step + 1, sampled)
+                self.pending = self.gather(step + 1, sampled, checked=not self.defer_guard)
+                if self.defer_guard:
+                    self.defer()
             else:
                 self.pending = self.worker.result()
             wait_s = time.perf_counter() - t_wait
@@ -260,6 +300,10 @@ class OneStepOffDriver:
     def checkpoint_writers(self) -> tuple[Writer | None, Writer | None]:
         """The batch sampled ahead travels with the checkpoint: each rank's share in a sharded one."""
         pending = self.pending
+        if pending is not None and pending.unchecked is not None:
+            # A checkpoint keeps checked batches only (a resumed run no longer has the weights that sampled it):
+            # the deferred guard runs now, on every rank (the checkpoint is a collective too).
+            self.finish_guard(self.ctx.state.step, pending)
         if pending is None:
             return None, None
         if self.ctx.dist.distributed:  # under torchrun the checkpoint is sharded

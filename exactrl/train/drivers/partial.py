@@ -38,6 +38,8 @@ _RANK_NAME = re.compile(r"rank(\d+)-of-(\d+)")
 class PartialDriver(OneStepOffDriver):
     """One step off with the generation cut by count; `pool`: this rank's groups in flight between generations."""
 
+    defers_guard = False  # the next generation starts from the pool the guard may thin out
+
     def __init__(self, ctx: StepContext, behaviour: BehaviourPolicy, step_rollouts_cls: type) -> None:
         super().__init__(ctx, behaviour, step_rollouts_cls)
         a, d = ctx.cfg.algorithm, ctx.dist
@@ -71,8 +73,11 @@ class PartialDriver(OneStepOffDriver):
         """The guard on this rank's generation; a carried group it refused leaves the pool."""
         return self.pool.check(self.ctx, self.behaviour, s)  # type: ignore[arg-type]
 
-    def gather(self, step: int, s: RankSample) -> BehaviourBatch:
-        """Every rank's generation as the step's batch (collectives, the main thread's)."""
+    def gather(self, step: int, s: RankSample, checked: bool = True) -> BehaviourBatch:
+        """Every rank's generation as the step's batch (collectives, the main thread's); always checked here
+        (`defers_guard` is off)."""
+        if not checked:
+            raise ValueError("partial rollouts do not defer the guard")
         return self.pool.gather(self.ctx, s, step)  # type: ignore[arg-type]
 
     def staleness(self, batch: BehaviourBatch, step: int, masks: list[torch.Tensor]) -> dict[str, float]:
