@@ -857,9 +857,13 @@ class PolicyTrainer:
                 pm = dict(zip(self._metric_names, vals))
                 pm.pop("mismatch/sum")  # the guard's device-side count; the metrics below are the host's
                 total = pm.pop("total")
-                if not math.isfinite(total):
-                    finite = False
-                    break
+                if lp is not None:  # the guard compares every token, a minibatch skipped for a NaN loss's too
+                    lens = [b.lengths[i] for i in ids]
+                    Lm = max(lens)
+                    mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), b.token_mask[ids, :Lm]))
+                if not finite or not math.isfinite(total):
+                    finite = False  # the minibatch's update is skipped; its metrics stop here
+                    continue
                 # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
                 # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
                 n_m = max(1, int(m.sum()))
@@ -869,10 +873,6 @@ class PolicyTrainer:
                     pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
                 pm["loss"] = total * q.divisor / local
                 acc.add(pm, float(m.sum()))
-                if lp is not None:
-                    lens = [b.lengths[i] for i in ids]
-                    Lm = max(lens)
-                    mm_parts.append((b.rollout_lp[ids, :Lm], lp[:, :Lm].cpu(), b.token_mask[ids, :Lm]))
             if q.check_mismatch:
                 r_all = torch.cat([_pad_to(p[0], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])
                 t_all = torch.cat([_pad_to(p[1], b.L) for p in mm_parts] or [torch.zeros(0, b.L)])

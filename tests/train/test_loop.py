@@ -571,6 +571,9 @@ def test_a_nan_step_is_skipped_and_the_run_goes_on(plugin, tmp_path, monkeypatch
     steps = step_records(tmp_path)
     assert [r["nan_skipped"] for r in steps] == [1, 0]
     assert steps[1]["optimizer_steps"] == 1 and math.isfinite(steps[1]["loss"])
+    # The guard compared every model token of the skipped step too (the NaN is in the loss, not the logprobs).
+    for r in steps:
+        assert r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0
     assert summary["nan_steps_total"] == 1 and summary["rl_steps"] == 2
 
 
