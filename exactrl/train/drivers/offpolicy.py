@@ -9,8 +9,8 @@ worker after the generation. Disaggregated, the worker only waits for the genera
 own beside the update's) and the guard is deferred: after the update the replica's weights (the batch's sampling
 weights) are copied into a guard copy, the replica is refreshed and sent to the generators, and the next step asks
 them for its batch before it checks this one on the copy. The generators then never wait for the guard (on
-2 x H200, qwen3-1.7b, the guard after the update cost the step its 3.3 s: the generator idled through it). Why the bits are right:
-exactrl/train/offpolicy.py; under torchrun: exactrl/train/offpolicy_dist.py.
+2 x H200, qwen3-1.7b, the guard after the update cost the step its 3.3 s: the generator idled through it).
+Why the bits are right: exactrl/train/offpolicy.py; under torchrun: exactrl/train/offpolicy_dist.py.
 """
 
 from __future__ import annotations
