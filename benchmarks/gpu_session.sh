@@ -30,7 +30,10 @@ if want tests; then
     tests/engine/test_sampler.py tests/engine/test_decode_graphs.py tests/train/test_graphs_gpu.py tests/train/test_optim_gpu.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 if want tests-all; then  # every test marked gpu in the tree (the model, algorithm and guard GPU tests included)
-  timeout 540 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests_all.txt"
+  # The whole log under $OUT as it goes (a call cut short still says how far it got; a fresh machine compiles every
+  # Triton kernel first: the twentieth session's did not finish in 345 s).
+  timeout 540 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests_all.log" | tail -30 \
+    | tee "$OUT/tests_all.txt"
 fi
 if want pdl-ab; then  # decode with programmatic dependent launch on and off, alternating, CS (default "1 256") x REPS
   for rep in $(seq ${REPS:-2}); do
