@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [parity-split] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
+#     [parity-split] [host-table] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
 #     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -395,6 +395,20 @@ if want train-table; then  # exact / fast / compiled stock / transformers, alter
   for P in ${TABLE_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
     timeout 540 python3 benchmarks/train_vs_torch.py --preset $P --repeats ${REPEATS:-3} --steps 10 2>&1 \
       | grep -E '^(repeat|step|exact|fast|stock|hf|qwen|\{)|Error|error:' | tee -a "$OUT/train_table.txt"
+  done
+fi
+if want host-table; then  # issue 45's table: per preset and busy cores (BUSY, default "0 1"), the step's GPU-busy
+  # fraction (probe_host_side.py), then exact / fast / compiled stock in each of three separate processes
+  for P in ${TABLE_PRESETS:-qwen3-0.6b qwen3-1.7b}; do
+    for B in ${BUSY:-0 1}; do
+      timeout 200 python3 benchmarks/probe_host_side.py --preset $P --busy-cores $B 2>&1 | grep '^{' \
+        | tee -a "$OUT/host_busy.jsonl"
+      for proc in 1 2 3; do
+        timeout 300 python3 benchmarks/train_vs_torch.py --preset $P --which exact fast stock --repeats 1 --steps 10 \
+          --busy-cores $B 2>&1 | grep -E '^\{|Error' | sed "s/^{/{\"process\": $proc, \"busy_cores\": $B, /" \
+          | tee -a "$OUT/host_table.jsonl"
+      done
+    done
   done
 fi
 if want probe-adamw; then  # the AdamW kernel's launch shape against its memory traffic
