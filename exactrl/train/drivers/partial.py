@@ -69,8 +69,11 @@ class PartialDriver(OneStepOffDriver):
         self.ctx.phases.size(self.ctx.engine)  # the plan's KV size (it counts the groups in flight)
         return self.pool.sample(self.ctx, self.behaviour, step, check=check)
 
-    def check(self, s: RankSample) -> RankSample:
-        """The guard on this rank's generation; a carried group it refused leaves the pool."""
+    def check(self, s: RankSample, on: BehaviourPolicy | None = None) -> RankSample:
+        """The guard on this rank's generation, on the engine's copy; a carried group it refused leaves the
+        pool."""
+        if on is not None:
+            raise ValueError("partial rollouts check on the engine's copy (the guard is not deferred)")
         return self.pool.check(self.ctx, self.behaviour, s)  # type: ignore[arg-type]
 
     def gather(self, step: int, s: RankSample, checked: bool = True) -> BehaviourBatch:
