@@ -950,7 +950,7 @@ class DistributedConfig:
     """The layout of a torchrun run's ranks: every rank colocated (engine and trainer take turns), or generator ranks apart."""
 
     generator_ranks: int = 0
-    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling, LoRA (the sync then moves the adapters alone) and partial rollouts too). Refused with it: tail overlap, multi-turn environments."""
+    """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling, LoRA (the sync then moves the adapters alone), partial rollouts and multi-turn environments (the episodes run on the generators, each against its own instance of the environment) too). Refused with it: tail overlap."""
 
     def validate(self) -> None:
         _check_at_least(self.generator_ranks, 0, "distributed.generator_ranks")

@@ -30,20 +30,26 @@ from exactrl.distributed.layout import Layout, recv_weights, send_weights
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.partial import CutResult, CutRule, PartialSample
 from exactrl.engine.sampler import SamplingParams
+from exactrl.envs.rollout import EnvSetup, EpisodeBatch
 
 
 @dataclass
 class Command:
     """One trainer's request of its generator for one round."""
 
-    kind: str  # "generate", "partial" (cut by count), "sync" (receive weights), "lora" (attach the adapters),
-    # "skip", "stop"
+    kind: (
+        str  # "generate", "partial" (cut by count), "episodes" (multi-turn, against the environment), "sync"
+    )
+    # (receive weights), "lora" (attach the adapters), "skip", "stop"
     prompts: list[list[int]] = field(default_factory=list)
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
     resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
     rule: CutRule | None = None  # "partial": when the generation stops
+    examples: list[Any] = field(
+        default_factory=list
+    )  # "episodes": the prompts' examples (the environment's input)
 
 
 class RemoteEngine:
@@ -93,6 +99,22 @@ class RemoteEngine:
         self._asked = True
         return self.layout.recv(self.peer)
 
+    def run_episodes(
+        self,
+        examples: list[Any],
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        request_ids: list[int],
+    ) -> EpisodeBatch:
+        """Multi-turn: this trainer's episodes, run on its generator against the generator's own instance of the
+        run's environment, as `exactrl.envs.run_episodes` runs them on a colocated rank's engine."""
+        cmd = Command(
+            "episodes", [list(p) for p in prompt_ids], params, list(request_ids), examples=list(examples)
+        )
+        self.layout.send(cmd, self.peer)
+        self._asked = True
+        return self.layout.recv(self.peer)
+
     def release_kv(self) -> int:
         return 0  # no KV cache on a trainer
 
@@ -133,9 +155,10 @@ class RemoteEngine:
         self.layout.send(Command("stop"), self.peer)
 
 
-def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
-    """A generator rank's whole job: load the model, then answer the trainers until they stop. Returns an empty
-    summary (rank 0, a trainer, writes the run's)."""
+def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None) -> dict[str, Any]:
+    """A generator rank's whole job: load the model, then answer the trainers until they stop. env: the run's
+    environment (multi-turn: the episodes run here). Returns an empty summary (rank 0, a trainer, writes the
+    run's)."""
     # The trainers stop the run (and checkpoint) on a signal; a generator waits for their "stop" instead of dying
     # under them (torchrun's agent passes every signal on to every rank).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -143,7 +166,7 @@ def serve_generator(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
-    GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed).serve()
+    GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed, env=env).serve()
     return {}
 
 
@@ -191,8 +214,16 @@ class GeneratorLoop:
     """One generator's rounds: a command from each of its trainers, then the work they ask for. `rounds` keeps
     what each round did (`exactrl bench rl` reads it)."""
 
-    def __init__(self, engine: RolloutEngine, layout: Layout, lora: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        layout: Layout,
+        lora: Any = None,
+        seed: int = 0,
+        env: EnvSetup | None = None,
+    ) -> None:
         self.engine = engine
+        self.env = env  # multi-turn: the run's environment, whose episodes this generator runs
         self.layout = layout
         self.trainers = layout.trainers_of(layout.world.rank)
         self.params = dict(engine.model.named_parameters())
@@ -240,8 +271,9 @@ class GeneratorLoop:
                 )
             asks = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"]
             cuts = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "partial"]
-            if asks or cuts:
-                tokens = self.generate(asks) + self.generate_until_cut(cuts)
+            eps = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "episodes"]
+            if asks or cuts or eps:
+                tokens = self.generate(asks) + self.generate_until_cut(cuts) + self.run_episodes(eps)
                 self.rounds.append(Round("generate", t0, time.time(), tokens=tokens))
 
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
@@ -256,6 +288,35 @@ class GeneratorLoop:
             tokens += sum(len(s.completion_ids) for s in out.samples)
             tokens -= sum(len(s.completion_ids) for s in c.resumed)
             self.layout.send(out, r)
+        return tokens
+
+    def run_episodes(self, asks: list[tuple[int, Command]]) -> int:
+        """Multi-turn: each trainer's episodes, one call after the other, as its colocated engine would run them
+        (an episode's environment calls and reward are keyed by its example and sample, its sampling by its
+        request id); each trainer gets its `EpisodeBatch`. Returns the tokens the episodes hold after their
+        prompts (model turns and observations)."""
+        from exactrl.envs import run_episodes
+
+        tokens = 0
+        for r, c in asks:
+            if self.env is None:
+                raise RuntimeError(
+                    f"generator rank {self.layout.world.rank}: asked for episodes, but the run has no [env]"
+                )
+            assert c.params is not None
+            eb = run_episodes(
+                self.engine,
+                self.engine.tokenizer,
+                c.examples,
+                c.prompts,
+                self.env.make,
+                self.env.settings,
+                c.params,
+                request_ids=c.request_ids,
+                pool=self.env.pool(),  # started once for the run, on this rank
+            )
+            tokens += sum(len(e.completion_ids) for g in eb.groups for e in g)
+            self.layout.send(eb, r)
         return tokens
 
     def generate(self, asks: list[tuple[int, Command]]) -> int:

@@ -157,6 +157,40 @@ def make_encoder(cfg: RunConfig, tok: Tokenizer) -> PromptEncoder:
     return PromptEncoder(tok, template, cfg.task.system_prompt, kwargs)
 
 
+def env_episodes(
+    engine: Any,
+    tok: Any,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    env: EnvSetup,
+    params: SamplingParams,
+    request_ids: list[int],
+    progress: Any = None,
+) -> Any:
+    """`exactrl.envs.run_episodes` on this process's engine (with the run's environment workers, started once),
+    or, disaggregated (a `RemoteEngine`), on this trainer's generator against its own instance of the
+    environment: the same episodes either way."""
+    if isinstance(engine, RemoteEngine):
+        eb = engine.run_episodes(examples, prompt_ids, params, request_ids)
+        if progress is not None:
+            progress(sum(len(g) for g in eb.groups))
+        return eb
+    from exactrl.envs import run_episodes
+
+    return run_episodes(
+        engine,
+        tok,
+        examples,
+        prompt_ids,
+        env.make,
+        env.settings,
+        params,
+        request_ids=request_ids,
+        progress=progress,
+        pool=env.pool(),  # the environment's worker processes, started once for the run
+    )
+
+
 def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
     """The [env] section as the episode driver takes it (the environment resolved, its options checked)."""
     from exactrl.envs import EpisodeSettings, env_factory
@@ -213,21 +247,10 @@ def evaluate(
     )
     extra: dict[str, float] = {}
     if env is not None:
-        from exactrl.envs import run_episodes
         from exactrl.envs.rollout import env_stop
 
         params.stop = env_stop(params.stop, env.cls)
-        eb = run_episodes(
-            engine,
-            tok,
-            examples,
-            ids,
-            env.make,
-            env.settings,
-            params,
-            request_ids=list(range(len(ids))),
-            pool=env.pool(),  # the run's environment workers, not a fresh pool per evaluation
-        )
+        eb = env_episodes(engine, tok, examples, ids, env, params, list(range(len(ids))))
         # A prompt the engine refused (no episodes) scores 0 on every sample.
         flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
         r = torch.tensor(flat, dtype=torch.float32).view(len(examples), samples)
@@ -275,8 +298,8 @@ def train(
     cfg.validate()
     check_modes_before_launch(cfg)
     layout = split_layout(init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks)
-    if layout.role == "generator":
-        return serve_generator(cfg, layout)
+    if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
+        return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
     run = RLRun(
         cfg,
         resume=resume,
@@ -1103,7 +1126,6 @@ class RLRun:
     ) -> RankScores:
         """This rank's episodes of one round, no collective: rewards the environment's, the verdict (`correct`)
         reward > 0.5, the environment's failures as num_errors/num_timeouts, its metrics in `metrics`."""
-        from exactrl.envs import run_episodes
         from exactrl.envs.rollout import env_report, env_stop
 
         cfg, a = self.cfg, self.cfg.algorithm
@@ -1114,17 +1136,15 @@ class RLRun:
         bar = progress_bar(
             len(prompt_ids) * a.group_size, f"step {step + 1} episodes", enabled=cfg.run.progress
         )
-        eb = run_episodes(
+        eb = env_episodes(
             self.engine,
             self.tok,
             examples,
             prompt_ids,
-            self.env.make,
-            self.env.settings,
+            self.env,
             params,
-            request_ids=[base_id + i for i in index],
+            [base_id + i for i in index],
             progress=bar.update,
-            pool=self.env.pool(),  # the environment's worker processes, started once for the run
         )
         bar.close()
         for line in env_report(eb, self.env.settings):  # what failed, where in the environment's file

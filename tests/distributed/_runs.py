@@ -84,7 +84,8 @@ def crashed_after(src: Path, dst: Path, step: int) -> None:
 def _timing(key: str) -> bool:
     """A timing or perf counter (they differ between any two runs), a rank's own (`.../wait_s/rank1`) included."""
     base = re.sub(r"/rank\d+$", "", key)
-    return key.startswith(("perf/", "time/")) or base.endswith("_s") or key == "minutes"
+    # env/time_s_mean: the environment's wall time per episode (multi-turn runs)
+    return key.startswith(("perf/", "time/")) or base.endswith("_s") or "time_s" in base or key == "minutes"
 
 
 def records(run: Path) -> list[dict]:

@@ -20,6 +20,7 @@ STEPS = 3
 # Held-out evaluations before RL, after step 2 and after RL (trainer 0's generator runs them, the other trainer's
 # rounds kept in step), and a checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
+MULTI_TURN = ["env.name=guess", "env.max_turns=3", "env.max_episode_tokens=64"]  # the guessing game, built in
 K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples batch t+1 while the trainers train
 # LoRA with a KL reference (the base with the adapters off): the generator attaches the same adapters after the
 # evaluation before RL, and each step's sync moves the adapters alone.
@@ -77,16 +78,19 @@ def runs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory) -> Path:
-    """Dynamic sampling and LoRA, colocated at world size 2 and with 1 generator + 2 trainers."""
+    """Dynamic sampling, LoRA and multi-turn episodes, colocated at world size 2 and with 1 generator + 2
+    trainers."""
     tmp = tmp_path_factory.mktemp("disagg-variants")
     (tmp / "reward.py").write_text(REWARD)
     (tmp / "coin.py").write_text(COIN)
     lora = [{"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)}]
-    code, out, _ = launch(DRIVER, tmp, 2, [_dynamic(tmp, "colocated-ds"), *lora], "co", 400)
+    mt = [{"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)}]
+    code, out, _ = launch(DRIVER, tmp, 2, [_dynamic(tmp, "colocated-ds"), *lora, *mt], "co", 400)
     assert code == 0, out[-3000:]
     disagg = "distributed.generator_ranks=1"
     lora = [{"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)}]
-    code, out, _ = launch(DRIVER, tmp, 3, [_dynamic(tmp, "disagg-ds", disagg), *lora], "dis", 400)
+    mt = [{"kind": "cli", "argv": small_argv(tmp, "disagg-mt", STEPS, *EVAL, disagg, *MULTI_TURN)}]
+    code, out, _ = launch(DRIVER, tmp, 3, [_dynamic(tmp, "disagg-ds", disagg), *lora, *mt], "dis", 400)
     assert code == 0, out[-3000:]
     return tmp
 
@@ -133,6 +137,19 @@ def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: 
     full = [r["weight_sync/bytes"] for r in records(runs / "disagg") if "weight_sync/bytes" in r]
     lora = [r["weight_sync/bytes"] for r in records(variants / "disagg-lora") if "weight_sync/bytes" in r]
     assert len(lora) == STEPS and 0 < max(lora) < min(full) / 10
+
+
+@pytest.mark.extended  # the "episodes" command by default: tests/distributed/test_disagg_episodes.py
+def test_multi_turn_disaggregated_equals_colocated(variants: Path) -> None:
+    """Episodes against an environment run on the generator (its own instance of the guessing game), the
+    held-out evaluation's too: every metric and the final weights are the colocated run's at world size 2, every
+    model token of every turn checked by the guard."""
+    assert mismatched(variants / "disagg-mt") == 0
+    steps = [r for r in records(variants / "disagg-mt") if "env/turns_mean" in r]
+    assert len(steps) == STEPS and max(r["env/turns_mean"] for r in steps) > 1
+    assert all(r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0 for r in steps)
+    assert same(variants / "colocated-mt", variants / "disagg-mt")
+    assert not same(variants / "colocated-lora", variants / "disagg-mt")  # control: the comparison can fail
 
 
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:

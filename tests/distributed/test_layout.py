@@ -34,13 +34,7 @@ def test_layouts_that_cannot_work_are_refused(world: DistContext, g: int, words:
         split_layout(world, g)
 
 
-@pytest.mark.parametrize(
-    ("key", "words"),
-    [
-        ('algorithm.overlap="tail"', "algorithm.overlap"),
-        ('env.name="calculator"', "env.name"),
-    ],
-)
+@pytest.mark.parametrize(("key", "words"), [('algorithm.overlap="tail"', "algorithm.overlap")])
 def test_modes_not_done_in_the_layout_are_refused_by_key(key: str, words: str) -> None:
     cfg = load_config(ROOT / "configs" / "quickstart.toml", ["distributed.generator_ranks=1", key])
     with pytest.raises(ValueError, match=words):
@@ -48,6 +42,14 @@ def test_modes_not_done_in_the_layout_are_refused_by_key(key: str, words: str) -
     choose_driver(
         load_config(ROOT / "configs" / "quickstart.toml", [key]), distributed=False, moe=False
     )  # colocated, on one process: these modes run
+
+
+def test_multi_turn_runs_in_the_layout() -> None:
+    """Multi-turn episodes run on the generators ("episodes" commands, each against its own environment)."""
+    cfg = load_config(
+        ROOT / "configs" / "quickstart.toml", ["distributed.generator_ranks=1", 'env.name="calculator"']
+    )
+    assert choose_driver(cfg, distributed=True, moe=False) == "sync"
 
 
 def test_buckets_keep_one_dtype_and_the_limit() -> None:

@@ -82,7 +82,8 @@ def _check_disaggregated(cfg: RunConfig) -> None:
     (the replica is the behaviour copy and the guard's weights); the generator samples the next batch while the
     trainers train. Its other limits are its own (above). Dynamic sampling's extra rounds are more generate
     commands; LoRA's adapters are attached on the generators after the evaluation before RL (exactrl/train/disagg.py).
-    Partial rollouts: the generator runs each trainer's generation cut by that trainer's count ("partial" commands)."""
+    Partial rollouts: the generator runs each trainer's generation cut by that trainer's count ("partial" commands);
+    multi-turn episodes run on the generator against its own instance of the environment ("episodes" commands)."""
     g = cfg.distributed.generator_ranks
     if g == 0:
         return
@@ -94,7 +95,6 @@ def _check_disaggregated(cfg: RunConfig) -> None:
             "algorithm.overlap",
             f"= {a.overlap!r} is not supported (the generator overlaps)",
         ),
-        (cfg.env.name is not None, "env.name", "multi-turn episodes are not supported yet"),
     ]
     for bad, key, text in refusals:
         if bad:
