@@ -290,17 +290,43 @@ def moment_shard_pinned_bytes(cfg: RunConfig, world_size: int) -> int:
     key = (repr(cfg.model), repr(cfg.lora), cfg.algorithm.needs_critic, cfg.run.seed, world_size)
     if key in _MOMENT_SHARDS:
         return _MOMENT_SHARDS[key]
-    policy, critic = _meta_models(cfg)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    if critic is not None:
-        params += [p for p in critic.parameters() if p.requires_grad]
-    total = 0
-    for p in params:
-        rows = p.shape[0] if p.dim() else 1
-        per_row = p.numel() // rows if rows else 0
-        total += 2 * pinned_bytes(-(-rows // world_size) * per_row * 4)
+    total = sum(2 * pinned_bytes(n * 4) for shards in _local_shards(cfg, world_size) for n in shards)
     _MOMENT_SHARDS[key] = total
     return total
+
+
+def _local_shards(cfg: RunConfig, world_size: int) -> list[list[int]]:
+    """Per optimizer (the policy's, the critic's), the element counts of rank 0's local shard of each trained
+    tensor under FSDP2 (ceil(rows / N) rows: the rank that holds the most)."""
+    policy, critic = _meta_models(cfg)
+    out = []
+    for model in (policy, critic):
+        if model is None:
+            continue
+        shards = []
+        for p in model.parameters():
+            if p.requires_grad:
+                rows = p.shape[0] if p.dim() else 1
+                per_row = p.numel() // rows if rows else 0
+                shards.append(-(-rows // world_size) * per_row)
+        out.append(shards)
+    return out
+
+
+def moment_shard_group_bytes(cfg: RunConfig, world_size: int) -> int:
+    """FSDP2 with train.offload = "optimizer": the device bytes of the largest group of moment shards the
+    streamed step brings in at once (MasterAdamW._sharded_update: groups of OFFLOAD_CHUNK_BYTES at 12 bytes an
+    element, two fp32 moments each)."""
+    from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, offload_chunks
+
+    return max(
+        (
+            8 * sum(shards[i] for i in g)
+            for shards in _local_shards(cfg, world_size)
+            for g in offload_chunks(shards, 12, OFFLOAD_CHUNK_BYTES)
+        ),
+        default=0,
+    )
 
 
 def count_tensors(cfg: RunConfig) -> dict[str, int]:
@@ -680,11 +706,14 @@ def plan_memory(
         gen_other["engine_gathers"] = engine_gather_bytes(cfg, mcfg, b)
     train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
     if offload and has_master and not sharded:
-        # The offloaded step streams the masters and moments through the device a group at a time (under FSDP2
-        # the moment shards come in whole for the step: the else branch).
+        # The offloaded step streams the masters and moments through the device a group at a time.
         step_other = {**resident, "optimizer_state_chunk": c["offload_chunk_bytes"], **grads}
         if not cuda:  # the CPU path's fp32 gradient copies, of one group
             step_other["master_grads_fp32"] = c["offload_chunk_bytes"] // 3
+    elif offload and sharded:
+        # FSDP2: the moment shards stream through the device a group at a time (the fp32 shards are the weights,
+        # on the device in every phase).
+        step_other = {**resident, "optimizer_state_chunk": moment_shard_group_bytes(cfg, n), **grads}
     else:
         step_other = {**resident, **opt_state, **grads}
         if has_master and not sharded and not cuda:

@@ -14,10 +14,11 @@ generation and the training forward/backward.
 
 Under FSDP2 (torchrun) the fp32 parameter shards are the masters and stay on the device (FSDP2 all-gathers them
 for every forward); offload moves each rank's AdamW moments, the local tensors of its shards (8 bytes per element
-of the shard), and nothing else. The sharded step brings every moment shard in at once (`to_device`), runs the
-unsharded step's AdamW on the local shards (torch's fused kernel on CUDA, its loop on the CPU) after the one
-all-reduce of the norm, and sends them back (`to_host`): it does not stream in groups, since a rank's moments are
-already 1/N of the model's.
+of the shard), and nothing else. After the one all-reduce of the norm the sharded step streams them too: a group of
+moment shards at a time comes in (`to_device`), the unsharded step's AdamW runs on that group's local shards
+(torch's fused kernel on CUDA, its loop on the CPU) and the group goes back (`to_host`), so the optimizer phase
+holds one group of moments beside the fp32 and gradient shards (a 30B full fine-tune at two ranks has 114 GiB of
+moment shards per rank).
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ class MasterAdamW:
         if self.on_host and self.has_master and (self._triton_ready() or not self.on_cuda):
             # Masters of a 16-bit model: the step streams the state through the device, a group at a time.
             return self._streamed_step(max_norm, skip)
+        if self.on_host and self.sharded:
+            # FSDP2: the moment shards stream through the device a group at a time (`_sharded_update`).
+            return self._sharded_step(max_norm, skip, streamed=True)
         if self.on_host:
             self.to_device()
         try:
@@ -336,11 +340,13 @@ class MasterAdamW:
             del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
         return torch.where(ok, norm, torch.full_like(norm, float("nan")))
 
-    def _sharded_step(self, max_norm: float, skip: torch.Tensor | None) -> torch.Tensor | None:
+    def _sharded_step(
+        self, max_norm: float, skip: torch.Tensor | None, streamed: bool = False
+    ) -> torch.Tensor | None:
         """The step on FSDP2 shards: the global norm from every rank's local sum of squares (one all-reduce that
-        also carries the skip flags), the clip factor from it, AdamW on the local shards in place. With offload
-        the moment shards came to the device before this (`clip_and_step_async`) and go back after it: the same
-        kernel reads the same values either way."""
+        also carries the skip flags), the clip factor from it, AdamW on the local shards in place. `streamed`
+        (offload): the moment shards come to the device a group at a time for their group's update and go back
+        after it (`_sharded_update`): the same kernel reads the same values either way."""
         import torch.distributed as dist
 
         for p, m in zip(self.params, self.master):
@@ -365,17 +371,39 @@ class MasterAdamW:
                 return torch.tensor(float("nan"), dtype=torch.float64)
             if max_norm > 0 and norm_f > max_norm:
                 torch._foreach_mul_(grads, max_norm / (norm_f + 1e-6))
-            self._update()
+            self._sharded_update(streamed)
             return norm
         one = torch.ones((), dtype=torch.float64, device=dev)
         scale = torch.where(ok & (norm > max_norm), (norm + 1e-6) / max_norm, one) if max_norm > 0 else one
         self.opt.grad_scale = scale.float()  # type: ignore[attr-defined]
         self.opt.found_inf = (~ok).float()  # type: ignore[attr-defined]
         try:
-            self._update()
+            self._sharded_update(streamed)
         finally:
             del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
         return torch.where(ok, norm, torch.full_like(norm, float("nan")))
+
+    def _sharded_update(self, streamed: bool) -> None:
+        """AdamW on the local shards whose gradients are set: all at once, or `streamed` (offload) group by group,
+        each group's moment shards brought to the device for its update and sent back to their host buffers after
+        it, so that the device never holds more than one group's moments (under FSDP2 they are the largest term
+        of a full fine-tune's optimizer phase). While a group steps only its shards carry a gradient, and torch's
+        AdamW steps exactly the parameters that have one: each shard is stepped once, by the kernel and with the
+        clip scale and skip flag of the one-group update, so the bits are that update's (AdamW is elementwise)."""
+        if not streamed:
+            self._update()
+            return
+        grads = [m.grad for m in self.master]
+        for idx in self._chunks:
+            for m in self.master:
+                m.grad = None
+            for i in idx:
+                self.master[i].grad = grads[i]
+            self.to_device(idx)
+            self.opt.step()
+            self.to_host(idx)
+        self.on_host = True
+        self.zero_grad()
 
     def _triton_ready(self) -> bool:
         """The one-launch Triton step applies: CUDA, 16-bit weights with fp32 masters, one weight dtype, every

@@ -1,11 +1,13 @@
 """The optimizer-offload jobs of tests/distributed/test_offload_multirank.py, under `python -m torch.distributed.run`:
 `_driver.py`'s cli jobs, with an optional probe of where the optimizer state sits and an optional planted bug.
 
-    {"kind": "cli", "argv": [...], "probe": "DIR", "plant": NAME}
-      probe        every rank writes DIR/rank<r>.json: per optimizer step of the policy's MasterAdamW, where its
-                   AdamW moments were during the step and right after it (device type, whether each tensor is the
-                   optimizer's host buffer for it) and the bytes of each of its host buffers
+    {"kind": "cli", "argv": [...], "probe": "DIR", "plant": NAME, "chunk_bytes": N}
+      probe        every rank writes DIR/rank<r>.json: per optimizer step of the policy's MasterAdamW, where each
+                   group's AdamW moments were while the group stepped (as they go back to the host: device type,
+                   whether each tensor is the optimizer's host buffer for it), where all of them were right after
+                   the step, and the bytes of each of its host buffers
       "lossy_host" the moments are rounded to bf16 while they wait in their host buffers: the negative control
+      chunk_bytes  the offloaded step's group size (MasterAdamW's offload_chunk_bytes), small enough for several
 """
 
 from __future__ import annotations
@@ -44,24 +46,55 @@ def _where(opt) -> dict:
     }
 
 
-def _install(probe: str | None, plant: str | None):
+def _install(probe: str | None, plant: str | None, chunk_bytes: int | None = None):
     """Patch MasterAdamW for the job; returns (the function that undoes it, the probe's records)."""
     from exactrl.train.optim import MasterAdamW
 
-    real_step, real_sharded, real_to_host = (
+    real_step, real_sharded, real_to_host, real_init = (
         MasterAdamW.clip_and_step_async,
         MasterAdamW._sharded_step,
         MasterAdamW.to_host,
+        MasterAdamW.__init__,
     )
     records: list[dict] = []
+    to_host = real_to_host
 
+    if chunk_bytes is not None:
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **{**kwargs, "offload_chunk_bytes": chunk_bytes})
+
+        MasterAdamW.__init__ = init
     if probe is not None:
 
-        def sharded_step(self, max_norm, skip):
-            during = _where(self)
-            out = real_sharded(self, max_norm, skip)
-            records.append({"during": during, "moments_after_step": len(_moments(self))})
+        def sharded_step(self, max_norm, skip, streamed=False):
+            self._probe_groups = groups = []
+            try:
+                out = real_sharded(self, max_norm, skip, streamed)
+            finally:
+                del self._probe_groups
+            records.append(
+                {"streamed": streamed, "groups": groups, "moments_after_step": len(_moments(self))}
+            )
             return out
+
+        def probed_to_host(self, idx=None):
+            groups = getattr(self, "_probe_groups", None)
+            if groups is not None and idx is not None:  # a group's moments, stepped, about to go back
+                mine = set(idx)
+                ts = [(k, t) for k, t in _moments(self) if k[0] in mine]
+                groups.append(
+                    {
+                        "count": len(ts),
+                        "in_host_buffers": sum(
+                            1 for k, t in ts if k in self._host and t.data_ptr() == self._host[k].data_ptr()
+                        ),
+                    }
+                )
+            real_to_host(self, idx)
+
+        to_host = probed_to_host
+        MasterAdamW.to_host = probed_to_host
 
         def step(self, max_norm, skip=None):
             out = real_step(self, max_norm, skip)
@@ -75,7 +108,7 @@ def _install(probe: str | None, plant: str | None):
     if plant == "lossy_host":
 
         def lossy(self, idx=None):
-            real_to_host(self, idx)
+            to_host(self, idx)
             for key, t in self._offloaded(idx):
                 if key[1] != "master":
                     t.copy_(t.bfloat16().float())
@@ -88,6 +121,7 @@ def _install(probe: str | None, plant: str | None):
         MasterAdamW.clip_and_step_async = real_step
         MasterAdamW._sharded_step = real_sharded
         MasterAdamW.to_host = real_to_host
+        MasterAdamW.__init__ = real_init
 
     return undo, records
 
@@ -101,7 +135,7 @@ def main() -> None:
         spec = json.load(f)
     rank = int(os.environ["RANK"])
     for job in spec["jobs"]:
-        undo, records = _install(job.get("probe"), job.get("plant"))
+        undo, records = _install(job.get("probe"), job.get("plant"), job.get("chunk_bytes"))
         try:
             _driver.cli_job(job)
         finally:

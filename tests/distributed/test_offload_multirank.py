@@ -48,7 +48,13 @@ def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
     steps = 3
     jobs = [
         {"kind": "cli", "argv": _argv(tmp, "off", steps, OFF)},
-        {"kind": "cli", "argv": _argv(tmp, "on", steps, ON), "probe": str(tmp / "probe-on")},
+        # Groups of at most 256 KiB of masters' worth: the step streams the moment shards in several groups.
+        {
+            "kind": "cli",
+            "argv": _argv(tmp, "on", steps, ON),
+            "probe": str(tmp / "probe-on"),
+            "chunk_bytes": 1 << 18,
+        },
         {"kind": "cli", "argv": _argv(tmp, "off2", 1, OFF), "probe": str(tmp / "probe-off")},
         # Negative control: moments rounded to bf16 while on the host.
         {"kind": "cli", "argv": _argv(tmp, "lossy", steps, ON), "plant": "lossy_host"},
@@ -62,14 +68,16 @@ def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
     for rank in (0, 1):
         probe = json.loads((tmp / "probe-on" / f"rank{rank}.json").read_text())
         assert len(probe) == steps, probe
-        for i, s in enumerate(probe):
-            assert s["sharded"]
+        for s in probe:
+            assert s["sharded"] and s["streamed"]
             n = s["moments_after_step"]
             assert n > 0 and n % 2 == 0
-            # During the step the moments are device buffers (none of them the host buffers; the first step
-            # has none yet: AdamW makes them in it); after it every one waits in its host buffer.
-            assert s["during"]["in_host_buffers"] == 0 and not s["during"]["on_host"]
-            assert s["during"]["count"] == (0 if i == 0 else n)
+            # The moments came to the device a group at a time (several groups), each group's as device buffers
+            # while it stepped (none of them its host buffer; the first step makes them on the device), and
+            # every moment was stepped in exactly one group; after the step every one waits in its host buffer.
+            groups = s["groups"]
+            assert len(groups) > 1 and sum(g["count"] for g in groups) == n
+            assert all(g["in_host_buffers"] == 0 and g["count"] > 0 for g in groups)
             after = dict(s["after"])
             buffers = after.pop("host_buffer_bytes")
             assert after == {"count": n, "devices": ["cpu"], "in_host_buffers": n, "on_host": True}
@@ -99,7 +107,9 @@ def test_offload_is_exact_and_moves_the_moment_shards_at_world_size_2(tmp):
     assert plan.host_pinned == real and plan.host_ranks == 2
     for name in ("generation", "training"):
         assert "policy_adamw_moments" not in plan.phase(name).terms
-    assert "policy_adamw_moments" in plan.phase("optimizer").terms
+    # The optimizer phase holds one group of the streamed moment shards (MasterAdamW._sharded_update).
+    assert "policy_adamw_moments" not in plan.phase("optimizer").terms
+    assert 0 < plan.phase("optimizer").terms["optimizer_state_chunk"] <= plan.host_pinned
 
 
 @pytest.mark.slow
