@@ -314,6 +314,11 @@ def _config(args: Any, out_dir: str, steps: int):
         },
     }
     cfg = config_from_dict(d, RunConfig, source="exactrl bench rl")
+    overrides = list(getattr(args, "overrides", None) or [])
+    if overrides:  # --set: the user's keys over the benchmark's (the memory settings a large model needs)
+        from exactrl.config import apply_overrides
+
+        cfg = apply_overrides(cfg, overrides)
     cfg.validate()
     return cfg
 
@@ -589,6 +594,13 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     return rec
 
 
+def _num_layers(run: Any) -> int:
+    """The policy's decoder layers (the trainer's model, FSDP2-wrapped or not)."""
+    model = run.model
+    lm = getattr(model, "backbone", model)
+    return len(lm.model.layers)
+
+
 class _NoEngine:
     """The engine figures of a trainer rank that has no engine (disaggregated): none."""
 
@@ -630,6 +642,11 @@ def _record(
         # The trainer's microbatch as it ran (under FSDP2 the plan may take a larger one).
         "train_microbatch_tokens": run.microbatch_tokens,
         "graphs": args.graphs,
+        # What else shaped the run: the model's depth, the engine's split, the user's --set keys.
+        "num_layers": _num_layers(run),
+        "tensor_parallel": run.cfg.engine.tensor_parallel,
+        "expert_parallel": run.cfg.engine.expert_parallel,
+        "overrides": list(getattr(args, "overrides", None) or []),
         "warmup_steps": len(warm),
         "timed_steps": len(timed),
         "step_s": med["step_s"],
@@ -684,6 +701,10 @@ def _record(
             rec[k] = med[k]
     if "gpu_memory_peak_gb" in med:
         rec["gpu_memory_peak_gb"] = max(r["gpu_memory_peak_gb"] for r in timed)
+    plan = getattr(run, "memory_plan", None)
+    if plan is not None:  # the plan's peak per phase (GiB per rank), beside the measured peak above
+        rec["plan_peak_gib"] = {ph.name: round(ph.peak / 2**30, 2) for ph in plan.phases}
+        rec["plan_tokens_per_microbatch"] = int(plan.counts["tokens_per_microbatch"])
         rec["gpu_memory_reserved_peak_gb"] = max(r["gpu_memory_reserved_peak_gb"] for r in timed)
     # The time after which fewer than a quarter of the step's samples were still running: the tail.
     tr = med["trace"]

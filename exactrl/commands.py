@@ -541,6 +541,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--on-mismatch", default="abort", choices=["abort", "skip_step", "warn"], help="run.on_mismatch"
     )
     rl.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the run config the benchmark builds, after its own flags (e.g. "
+        "train.offload=optimizer, train.activation_checkpointing=true, engine.expert_parallel=2); repeatable",
+    )
+    rl.add_argument(
         "--generator-ranks",
         type=int,
         default=0,

@@ -70,6 +70,23 @@ def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
     assert (tmp_path / "two.png").stat().st_size > 0
 
 
+def test_set_overrides_the_runs_config_and_the_record_says_so(tmp_path, capsys):
+    """`bench rl --set SECTION.KEY=VALUE` reaches the run (here activation checkpointing and an fp32 LM head, which
+    keep the bits: 0 mismatched) and the record carries the keys, the model's depth and the engine's split; a key
+    that does not exist is refused by name before anything runs."""
+    sets = ["--set", "train.activation_checkpointing=true", "--set", "model.fp32_lm_head=true"]
+    assert main([*TINY, "--out-dir", str(tmp_path), *sets]) == 0
+    (path,) = tmp_path.glob("rl-tiny-exact-cpu.json")
+    rec = json.loads(path.read_text())
+    assert rec["overrides"] == ["train.activation_checkpointing=true", "model.fp32_lm_head=true"]
+    assert rec["num_layers"] == preset("tiny").num_layers and rec["tensor_parallel"] == 1 and rec["expert_parallel"] == 1
+    assert rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] > 0
+    capsys.readouterr()
+    assert main([*TINY, "--out-dir", str(tmp_path / "bad"), "--set", "train.no_such_key=1"]) != 0
+    assert "unknown key 'train.no_such_key'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").glob("*.json"))
+
+
 def test_profile_times_the_last_steps_generate_and_leaves_it_out_of_the_median(tmp_path, capsys):
     assert main([*TINY, "--profile", "--out-dir", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "rl-tiny-exact-cpu.json").read_text())

@@ -418,6 +418,7 @@ class RLRun:
         memory_plan = check_before_loading(
             cfg, str(self.device), self.dist.world_size, out=self.out, sharded=sharded
         )
+        self.memory_plan = memory_plan  # None on the CPU (`exactrl bench rl` records its phases' peaks)
         # The trainer's microbatch budget: under FSDP2 the plan's (train.fsdp_tokens_per_microbatch, or the largest
         # that fits), else train.max_tokens_per_microbatch.
         self.microbatch_tokens = (
