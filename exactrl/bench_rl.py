@@ -701,11 +701,11 @@ def _record(
             rec[k] = med[k]
     if "gpu_memory_peak_gb" in med:
         rec["gpu_memory_peak_gb"] = max(r["gpu_memory_peak_gb"] for r in timed)
+        rec["gpu_memory_reserved_peak_gb"] = max(r["gpu_memory_reserved_peak_gb"] for r in timed)
     plan = getattr(run, "memory_plan", None)
-    if plan is not None:  # the plan's peak per phase (GiB per rank), beside the measured peak above
+    if plan is not None:  # the plan's peak per phase (GiB per rank), beside the measured peaks above
         rec["plan_peak_gib"] = {ph.name: round(ph.peak / 2**30, 2) for ph in plan.phases}
         rec["plan_tokens_per_microbatch"] = int(plan.counts["tokens_per_microbatch"])
-        rec["gpu_memory_reserved_peak_gb"] = max(r["gpu_memory_reserved_peak_gb"] for r in timed)
     # The time after which fewer than a quarter of the step's samples were still running: the tail.
     tr = med["trace"]
     peak = max((r for _, r, _ in tr), default=0)
