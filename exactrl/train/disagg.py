@@ -37,19 +37,17 @@ from exactrl.envs.rollout import EnvSetup, EpisodeBatch
 class Command:
     """One trainer's request of its generator for one round."""
 
-    kind: (
-        str  # "generate", "partial" (cut by count), "episodes" (multi-turn, against the environment), "sync"
-    )
-    # (receive weights), "lora" (attach the adapters), "skip", "stop"
+    # "generate", "partial" (cut by count), "episodes" (multi-turn, against the environment), "sync" (receive
+    # weights), "lora" (attach the adapters), "skip", "stop"
+    kind: str
     prompts: list[list[int]] = field(default_factory=list)
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
     resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
     rule: CutRule | None = None  # "partial": when the generation stops
-    examples: list[Any] = field(
-        default_factory=list
-    )  # "episodes": the prompts' examples (the environment's input)
+    # "episodes": the prompts' examples (the environment's input)
+    examples: list[Any] = field(default_factory=list)
 
 
 class RemoteEngine:
