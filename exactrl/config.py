@@ -584,7 +584,7 @@ class AlgorithmConfig:
     0 = the synchronous loop (sample, then train on it). 1 = one-step-off: the engine samples the next batch from
     its own weight copy while the trainer updates on this one, every token keeps the logprob and version of the
     policy that sampled it, the guard checks those logprobs against the behaviour weights before any update uses
-    them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode, single-turn only; under torchrun each
+    them, and the loss is decoupled PPO (see docs/algorithms.md). Exact mode; multi-turn episodes too (the next batch's episodes run in the worker; not with partial_rollouts); under torchrun each
     rank's engine replica is the weight copy. >= 2 only with partial_rollouts (a cut sample's tokens wait one more
     version)."""
     off_policy_is_cap: float = 2.0

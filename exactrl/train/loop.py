@@ -857,6 +857,7 @@ class RLRun:
             step_scores=self.step_scores,
             dynamic_scores=self.dynamic_scores,
             episodes=self.episodes,
+            rank_episodes=self.rank_episodes,
             greedy_baseline=self.greedy_baseline,
             greedy_rewards=self.greedy_rewards,
             gather_baseline=self.gather_baseline,

@@ -20,7 +20,13 @@ STEPS = 3
 # Held-out evaluations before RL, after step 2 and after RL (trainer 0's generator runs them, the other trainer's
 # rounds kept in step), and a checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
-MULTI_TURN = ["env.name=guess", "env.max_turns=3", "env.max_episode_tokens=64"]  # the guessing game, built in
+# Two model turns around an observation, a reward that varies within a group (tests/envs/sample_envs.py).
+MULTI_TURN = [
+    "env.name=_mt_env:VaryingReward",
+    "env.isolation=thread",
+    "env.max_turns=2",
+    "env.max_episode_tokens=64",
+]
 K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples batch t+1 while the trainers train
 # LoRA with a KL reference (the base with the adapters off): the generator attaches the same adapters after the
 # evaluation before RL, and each step's sync moves the adapters alone.
@@ -84,12 +90,18 @@ def variants(tmp_path_factory) -> Path:
     (tmp / "reward.py").write_text(REWARD)
     (tmp / "coin.py").write_text(COIN)
     lora = [{"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)}]
-    mt = [{"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)}]
+    mt = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-mt-k1", STEPS, *EVAL, *MULTI_TURN, K1)},
+    ]
     code, out, _ = launch(DRIVER, tmp, 2, [_dynamic(tmp, "colocated-ds"), *lora, *mt], "co", 400)
     assert code == 0, out[-3000:]
     disagg = "distributed.generator_ranks=1"
     lora = [{"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)}]
-    mt = [{"kind": "cli", "argv": small_argv(tmp, "disagg-mt", STEPS, *EVAL, disagg, *MULTI_TURN)}]
+    mt = [
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-mt", STEPS, *EVAL, disagg, *MULTI_TURN)},
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-mt-k1", STEPS, *EVAL, disagg, *MULTI_TURN, K1)},
+    ]
     code, out, _ = launch(DRIVER, tmp, 3, [_dynamic(tmp, "disagg-ds", disagg), *lora, *mt], "dis", 400)
     assert code == 0, out[-3000:]
     return tmp
@@ -141,15 +153,19 @@ def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: 
 
 @pytest.mark.extended  # the "episodes" command by default: tests/distributed/test_disagg_episodes.py
 def test_multi_turn_disaggregated_equals_colocated(variants: Path) -> None:
-    """Episodes against an environment run on the generator (its own instance of the guessing game), the
-    held-out evaluation's too: every metric and the final weights are the colocated run's at world size 2, every
-    model token of every turn checked by the guard."""
-    assert mismatched(variants / "disagg-mt") == 0
-    steps = [r for r in records(variants / "disagg-mt") if "env/turns_mean" in r]
-    assert len(steps) == STEPS and max(r["env/turns_mean"] for r in steps) > 1
-    assert all(r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0 for r in steps)
+    """Episodes against an environment run on the generator (its own instance of the environment), the held-out
+    evaluation's too: every metric and the final weights are the colocated run's at world size 2, every model token
+    of every turn checked by the guard; one step off too (the generator runs the next batch's episodes while the
+    trainers train). Control: the one-step-off run is not the synchronous one (the comparison can fail)."""
+    for name in ("disagg-mt", "disagg-mt-k1"):
+        assert mismatched(variants / name) == 0
+        steps = [r for r in records(variants / name) if "env/turns_mean" in r]
+        assert len(steps) == STEPS and all(r["env/turns_mean"] == 2 for r in steps)
+        assert all(r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0 for r in steps)
+        assert all(r["reward/std"] > 0 for r in steps)  # the advantages move the weights
     assert same(variants / "colocated-mt", variants / "disagg-mt")
-    assert not same(variants / "colocated-lora", variants / "disagg-mt")  # control: the comparison can fail
+    assert same(variants / "colocated-mt-k1", variants / "disagg-mt-k1")
+    assert not same(variants / "disagg-mt", variants / "disagg-mt-k1")
 
 
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:

@@ -18,7 +18,7 @@ def run_config(d: dict[str, dict[str, Any]], over: dict[str, Any], output_dir: P
     """`d` with each `section__key` of `over` set, writing to `output_dir`."""
     for key, value in over.items():
         section, name = key.split("__")
-        d[section][name] = value
+        d.setdefault(section, {})[name] = value
     d["run"]["output_dir"] = str(output_dir)
     return config_from_dict(d)
 

@@ -371,6 +371,42 @@ def test_proximal_from_the_training_forward_equals_a_scoring_pass(k1_run, tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_k1_multi_turn_is_exact_one_version_behind_and_resumes_bitwise(tmp_path, monkeypatch):
+    """Multi-turn episodes one step off (tests/envs/sample_envs.py's VaryingReward: two model turns around an
+    observation, a reward that varies within a group): the worker runs the next batch's episodes against the
+    environment while the trainer updates; the guard checks every model token of every turn against the behaviour
+    weights (observations masked), none differs; a run stopped after step 2 and resumed (its checkpoint holds the
+    pending episodes, loss masks included) is bitwise the uninterrupted one. Control: the synchronous run ends
+    elsewhere."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "envs"))
+    mt = dict(
+        env__name="sample_envs:VaryingReward",
+        env__isolation="thread",
+        env__max_turns=2,
+        env__max_episode_tokens=32,
+        train__keep_checkpoints=3,
+    )
+    s = train(_cfg(tmp_path, out="full", **mt), out=lambda *a: None)
+    rows = _steps(tmp_path / "full")
+    assert len(rows) == 3 and s["mismatched_tokens_total"] == 0
+    assert all(r["env/turns_mean"] == 2 and r["env/observation_tokens_mean"] == 5 for r in rows)
+    assert all(r["reward/std"] > 0 for r in rows)  # the advantages are not zero: the updates move the weights
+    for r in rows:
+        assert r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0
+        assert r["mismatch/num_mismatched_tokens"] == 0
+    assert [r["offpolicy/versions_behind/token_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RLRun, "stop_requested", lambda self: self.step == 2)
+        assert train(_cfg(tmp_path, out="resumed", **mt), out=lambda *a: None)["stopped_early"]
+    train(_cfg(tmp_path, out="resumed", **mt), resume=True, out=lambda *a: None)
+    assert _untimed(_steps(tmp_path / "resumed")) == _untimed(rows)
+    a, b = _weights(tmp_path / "full", 3), _weights(tmp_path / "resumed", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train(_cfg(tmp_path, k=0, out="sync", **mt), out=lambda *a: None)
+    c = _weights(tmp_path / "sync", 3)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
 def test_generation_worker_hands_back_results_and_errors():
     """The worker's job runs beside the caller; its value, or its exception (e.g. a prompt error while sampling
     the next batch), comes back at result(); one job at a time."""

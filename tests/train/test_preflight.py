@@ -112,7 +112,10 @@ def test_memory_flags_are_checked_by_name(capsys, flag, value, said):
     [
         (["run.device=cuda", "model.preset=tiny-moe", "algorithm.overlap=tail"], "mixture-of-experts"),
         (["train.moe_aux_loss_coef=0.01"], "router losses need a mixture-of-experts model"),
-        (["env.name=guess", "algorithm.max_off_policy_steps=1"], "is single-turn for now"),
+        (
+            ["env.name=guess", "algorithm.max_off_policy_steps=2", "algorithm.partial_rollouts=true"],
+            "is single-turn for now",
+        ),
     ],
 )
 def test_plan_refuses_what_train_refuses(capsys, sets, said):

@@ -52,18 +52,17 @@ class Stages:
     step_scores: Callable[..., Any]  # (RankScores, baseline) -> StepRollouts (collectives)
     dynamic_scores: Callable[..., Any]  # algorithm.dynamic_sampling's rounds -> RankScores
     episodes: Callable[..., Any]  # multi-turn -> StepRollouts
+    rank_episodes: Callable[..., Any]  # multi-turn, this rank's episodes, no collective -> RankScores
     greedy_baseline: Callable[..., torch.Tensor]  # ReMax, collectives
     greedy_rewards: Callable[..., list[float]]  # ReMax, this rank's, no collective
     gather_baseline: Callable[[list[float]], torch.Tensor]
     with_advantages: Callable[..., Any]
     update: Callable[..., dict[str, float]]  # (step, rollouts, off_policy_cap=None) -> the trainer's metrics
     step_metrics: Callable[[dict[str, float], Any], dict[str, float]]
-    mismatch_report: Callable[
-        ..., Any
-    ]  # (step, rollouts, MismatchError, model=None) -> the replay report's path
-    mismatch_abort: Callable[
-        ..., None
-    ]  # (step, StepRollouts, MismatchError): an abort's log lines and report
+    # (step, rollouts, MismatchError, model=None) -> the replay report's path
+    mismatch_report: Callable[..., Any]
+    # (step, StepRollouts, MismatchError): an abort's log lines and report
+    mismatch_abort: Callable[..., None]
     abort_notice: Callable[[int, str, Any], None]  # (step, what, report path): an abort's log lines
 
 

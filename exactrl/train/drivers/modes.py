@@ -30,15 +30,14 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
     _check_disaggregated(cfg)
     k = a.max_off_policy_steps
     if k:
-        # One step off: the behaviour logprobs are exact only in exact mode; single-turn. Under torchrun each
-        # rank's engine replica is the behaviour copy (exactrl/train/offpolicy_dist.py).
+        # One step off: the behaviour logprobs are exact only in exact mode. Under torchrun each rank's engine
+        # replica is the behaviour copy (exactrl/train/offpolicy_dist.py). Multi-turn episodes run in the worker as
+        # the batch does (the guard checks the model's tokens, observations masked).
         where = f"algorithm.max_off_policy_steps = {k}"
         if not cfg.run.exact:
             raise ValueError(
                 f"{where} needs run.exact = true: the behaviour logprobs are exact only in exact mode"
             )
-        if cfg.env.name:
-            raise ValueError(f"{where} is single-turn for now (env.name = {cfg.env.name!r})")
         if a.rollout_correction:
             raise ValueError(
                 f"{where}: algorithm.rollout_correction is for fast mode's mismatch; leave it unset"
@@ -46,6 +45,11 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
     if a.partial_rollouts:
         # Under torchrun every rank keeps its own pool, cut by its own count (exactrl/train/drivers/partial.py).
         where = "algorithm.partial_rollouts = true"
+        if cfg.env.name:
+            raise ValueError(
+                f"{where} is single-turn for now (env.name = {cfg.env.name!r}): a cut episode would have to resume "
+                "mid-conversation; use algorithm.max_off_policy_steps = 1 without partial rollouts"
+            )
         if a.resolved_advantage == "remax":
             raise ValueError(
                 f"{where}: advantage 'remax' needs a greedy rollout of each prompt under the policy that samples "
