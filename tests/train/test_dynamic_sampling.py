@@ -347,6 +347,15 @@ def _untimed(rows: list[dict]) -> list[dict]:
             "multi_turn",
             {"env__name": "coin_env:Coin", "env__max_turns": 1, "reward__functions": ["numeric_match"]},
         ),
+        (
+            "multi_turn_one_step_off",
+            {
+                "env__name": "coin_env:Coin",
+                "env__max_turns": 1,
+                "reward__functions": ["numeric_match"],
+                "algorithm__max_off_policy_steps": 1,
+            },
+        ),
     ],
 )
 def test_the_trainer_sees_only_groups_with_signal(tmp_path, monkeypatch, one_thread, mode, over):
@@ -363,7 +372,7 @@ def test_the_trainer_sees_only_groups_with_signal(tmp_path, monkeypatch, one_thr
         return real(self, rollouts, **kw)
 
     monkeypatch.setattr(PolicyTrainer, "step", record)
-    if mode == "multi_turn":  # the environment's module is imported by name, from the working directory
+    if mode.startswith("multi_turn"):  # the environment's module is imported by name, from the working directory
         monkeypatch.chdir(tmp_path)
     train(_run_cfg(tmp_path, "run", **over), out=lambda *_: None)
     rows = _steps(tmp_path / "run")

@@ -86,7 +86,7 @@ class OneStepOffDriver:
         if ctx.cfg.algorithm.dynamic_sampling != "off":
             # one process (refused under torchrun): dropped groups never become pending
             scores = stages.dynamic_scores(step, examples, prompt_ids, index)
-        elif ctx.cfg.env.name:  # multi-turn: this rank's episodes against the environment, the reward its
+        elif ctx.cfg.env.name:  # multi-turn: this rank's episodes, rewarded by the environment
             scores = stages.rank_episodes(step, examples, prompt_ids, index)
         else:
             outs = stages.rollout(step, prompt_ids, index)
