@@ -79,7 +79,11 @@ def test_set_overrides_the_runs_config_and_the_record_says_so(tmp_path, capsys):
     (path,) = tmp_path.glob("rl-tiny-exact-cpu.json")
     rec = json.loads(path.read_text())
     assert rec["overrides"] == ["train.activation_checkpointing=true", "model.fp32_lm_head=true"]
-    assert rec["num_layers"] == preset("tiny").num_layers and rec["tensor_parallel"] == 1 and rec["expert_parallel"] == 1
+    assert (
+        rec["num_layers"] == preset("tiny").num_layers
+        and rec["tensor_parallel"] == 1
+        and rec["expert_parallel"] == 1
+    )
     assert rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] > 0
     capsys.readouterr()
     assert main([*TINY, "--out-dir", str(tmp_path / "bad"), "--set", "train.no_such_key=1"]) != 0

@@ -372,7 +372,8 @@ def test_the_trainer_sees_only_groups_with_signal(tmp_path, monkeypatch, one_thr
         return real(self, rollouts, **kw)
 
     monkeypatch.setattr(PolicyTrainer, "step", record)
-    if mode.startswith("multi_turn"):  # the environment's module is imported by name, from the working directory
+    # The environment's module is imported by name, from the working directory.
+    if mode.startswith("multi_turn"):
         monkeypatch.chdir(tmp_path)
     train(_run_cfg(tmp_path, "run", **over), out=lambda *_: None)
     rows = _steps(tmp_path / "run")
