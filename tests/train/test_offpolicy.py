@@ -371,6 +371,7 @@ def test_proximal_from_the_training_forward_equals_a_scoring_pass(k1_run, tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.extended  # make test-all; by default tests/train/test_dynamic_sampling.py runs multi-turn one step off
 def test_k1_multi_turn_is_exact_one_version_behind_and_resumes_bitwise(tmp_path, monkeypatch):
     """Multi-turn episodes one step off (tests/envs/sample_envs.py's VaryingReward: two model turns around an
     observation, a reward that varies within a group): the worker runs the next batch's episodes against the
