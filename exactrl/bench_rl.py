@@ -594,13 +594,6 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     return rec
 
 
-def _num_layers(run: Any) -> int:
-    """The policy's decoder layers (the trainer's model, FSDP2-wrapped or not)."""
-    model = run.model
-    lm = getattr(model, "backbone", model)
-    return len(lm.model.layers)
-
-
 class _NoEngine:
     """The engine figures of a trainer rank that has no engine (disaggregated): none."""
 
@@ -643,7 +636,7 @@ def _record(
         "train_microbatch_tokens": run.microbatch_tokens,
         "graphs": args.graphs,
         # What else shaped the run: the model's depth, the engine's split, the user's --set keys.
-        "num_layers": _num_layers(run),
+        "num_layers": run.model.config.num_layers,
         "tensor_parallel": run.cfg.engine.tensor_parallel,
         "expert_parallel": run.cfg.engine.expert_parallel,
         "overrides": list(getattr(args, "overrides", None) or []),

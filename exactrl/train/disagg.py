@@ -73,9 +73,7 @@ class RemoteEngine:
         progress: Any = None,
     ) -> list[RequestOutput]:
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        self.layout.send(Command("generate", [list(p) for p in prompts], params, ids), self.peer)
-        self._asked = True
-        outs = self.layout.recv(self.peer)
+        outs = self._ask(Command("generate", [list(p) for p in prompts], params, ids))
         if progress is not None:
             progress(sum(len(o.samples) for o in outs))
         return outs
@@ -90,12 +88,11 @@ class RemoteEngine:
     ) -> CutResult:
         """Partial rollouts: this trainer's generation, cut by its own count, run on its generator as this rank's
         colocated engine would run it (`RolloutEngine.generate_until_cut`)."""
-        cmd = Command(
-            "partial", [list(p) for p in prompts], params, list(request_ids), resumed=resumed, rule=rule
+        return self._ask(
+            Command(
+                "partial", [list(p) for p in prompts], params, list(request_ids), resumed=resumed, rule=rule
+            )
         )
-        self.layout.send(cmd, self.peer)
-        self._asked = True
-        return self.layout.recv(self.peer)
 
     def run_episodes(
         self,
@@ -106,9 +103,14 @@ class RemoteEngine:
     ) -> EpisodeBatch:
         """Multi-turn: this trainer's episodes, run on its generator against the generator's own instance of the
         run's environment, as `exactrl.envs.run_episodes` runs them on a colocated rank's engine."""
-        cmd = Command(
-            "episodes", [list(p) for p in prompt_ids], params, list(request_ids), examples=list(examples)
+        return self._ask(
+            Command(
+                "episodes", [list(p) for p in prompt_ids], params, list(request_ids), examples=list(examples)
+            )
         )
+
+    def _ask(self, cmd: Command) -> Any:
+        """This round's command to the generator, and its answer."""
         self.layout.send(cmd, self.peer)
         self._asked = True
         return self.layout.recv(self.peer)

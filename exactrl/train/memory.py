@@ -277,27 +277,25 @@ def _meta_models(cfg: RunConfig):
     return policy, critic
 
 
-_MOMENT_SHARDS: dict[tuple, int] = {}  # moment_shard_pinned_bytes by the model, LoRA, critic and ranks
-
-
 def moment_shard_pinned_bytes(cfg: RunConfig, world_size: int) -> int:
     """FSDP2 with train.offload = "optimizer": the pinned host bytes of one rank's AdamW moments, two fp32 buffers
     per trained tensor's local shard (MasterAdamW.to_host), on the rank that holds the most: FSDP2 splits every
     parameter along dim 0 as torch.chunk does, so rank 0 holds ceil(rows / N) rows of each; each buffer is
     page-locked at its exact size (`pinned_bytes`)."""
-    # The suggestions re-plan a config a dozen times with other memory settings: the models' shapes are the same,
-    # and building an 8B or 30B on the meta device each time took most of `exactrl plan`'s half a minute.
-    key = (repr(cfg.model), repr(cfg.lora), cfg.algorithm.needs_critic, cfg.run.seed, world_size)
-    if key in _MOMENT_SHARDS:
-        return _MOMENT_SHARDS[key]
-    total = sum(2 * pinned_bytes(n * 4) for shards in _local_shards(cfg, world_size) for n in shards)
-    _MOMENT_SHARDS[key] = total
-    return total
+    return sum(2 * pinned_bytes(n * 4) for shards in _local_shards(cfg, world_size) for n in shards)
+
+
+_LOCAL_SHARDS: dict[tuple, list[list[int]]] = {}  # _local_shards by the model, LoRA, critic and ranks
 
 
 def _local_shards(cfg: RunConfig, world_size: int) -> list[list[int]]:
     """Per optimizer (the policy's, the critic's), the element counts of rank 0's local shard of each trained
     tensor under FSDP2 (ceil(rows / N) rows: the rank that holds the most)."""
+    # The suggestions re-plan a config a dozen times with other memory settings: the models' shapes are the same,
+    # and building an 8B or 30B on the meta device each time took most of `exactrl plan`'s half a minute.
+    key = (repr(cfg.model), repr(cfg.lora), cfg.algorithm.needs_critic, cfg.run.seed, world_size)
+    if key in _LOCAL_SHARDS:
+        return _LOCAL_SHARDS[key]
     policy, critic = _meta_models(cfg)
     out = []
     for model in (policy, critic):
@@ -310,6 +308,7 @@ def _local_shards(cfg: RunConfig, world_size: int) -> list[list[int]]:
                 per_row = p.numel() // rows if rows else 0
                 shards.append(-(-rows // world_size) * per_row)
         out.append(shards)
+    _LOCAL_SHARDS[key] = out
     return out
 
 

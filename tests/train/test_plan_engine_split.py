@@ -12,13 +12,14 @@ written out (docs/memory.md); the suggestions name a split that fits; `exactrl p
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import exactrl.train.memory as memory
-from exactrl.config import apply_overrides, config_from_dict
+from exactrl.config import apply_overrides
 from exactrl.distributed.expert_parallel import shard_experts
 from exactrl.distributed.tensor_parallel import TensorParallelGroup, shard_engine_model
 from exactrl.engine.runner import kv_bytes_per_token
@@ -27,14 +28,8 @@ from exactrl.model.qwen import build_model
 from exactrl.train.memory import GiB, make_plan, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_cfg(*overrides: str):
-    cfg = apply_overrides(
-        config_from_dict({"model": {"preset": "tiny", "dtype": "bfloat16"}}), list(overrides)
-    )
-    cfg.validate()
-    return cfg
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plan import run_cfg  # noqa: E402  (the tiny bf16 config the plan tests share)
 
 
 def shard_bytes(mcfg, t: int, e: int, rank: int) -> tuple[int, int]:
