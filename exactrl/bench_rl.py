@@ -483,18 +483,27 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
             gen_s = [_overlap_s(gen_w, s, e) for s, e in steps]
             sync_s = [_overlap_s(sync_w, s, e) for s, e in steps]
             idle_s = [(e - s) - g - w for (s, e), g, w in zip(steps, gen_s, sync_s)]
+            # The engine's steps and preemptions of the generate rounds that started in the timed steps.
+            timed_rounds = [
+                x for x in rounds if x["kind"] == "generate" and any(s <= x["start"] < e for s, e in steps)
+            ]
             per_gen.append(
                 {
                     "rank": p["rank"],
                     "generate_s": statistics.median(gen_s),
                     "weight_recv_s": statistics.median(sync_s),
                     "idle_s": statistics.median(idle_s),
+                    "engine_steps": sum(x.get("engine_steps", 0) for x in timed_rounds),
+                    "preemptions": sum(x.get("preemptions", 0) for x in timed_rounds),
+                    "kv_cache_tokens": max((x.get("kv_cache_tokens", 0) for x in rounds), default=0),
                 }
             )
         out["generators"] = per_gen
         out["generator_generate_s"] = max(g["generate_s"] for g in per_gen)
         out["generator_weight_recv_s"] = max(g["weight_recv_s"] for g in per_gen)
         out["generator_idle_s"] = min(g["idle_s"] for g in per_gen)
+        out["generator_preemptions"] = sum(g["preemptions"] for g in per_gen)
+        out["generator_kv_cache_tokens"] = min(g["kv_cache_tokens"] for g in per_gen)
     return out
 
 
@@ -794,6 +803,8 @@ def _table(rec: dict[str, Any]) -> str:
         ("generators: generate_s", rec.get("generator_generate_s")),
         ("generators: weight_recv_s", rec.get("generator_weight_recv_s")),
         ("generators: idle_s", rec.get("generator_idle_s")),
+        ("generators: preemptions", rec.get("generator_preemptions")),
+        ("generators: kv_cache_tokens", rec.get("generator_kv_cache_tokens")),
         ("tokens_per_s_per_gpu", rec.get("tokens_per_s_per_gpu")),
         ("full weight send GB/s", rec.get("weight_send_full_gb_per_s")),
         ("full weight sync GB/s", rec.get("weight_sync_full_gb_per_s")),

@@ -640,7 +640,13 @@ def _end_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         # Every rank got here without an error (an error returns before this): leave together, so no rank tears
-        # its transport down while a peer is still inside a collective.
+        # its transport down while a peer is still inside a collective. The allocator's cache goes back first: on
+        # a GPU the barrier may need a little device memory of its own (NCCL), and a run that ends with the card's
+        # memory cached (bench rl on 2 x H200, 2026-11-28) failed its barrier with "out of memory" after its work.
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         dist.barrier()
         dist.destroy_process_group()
         time.sleep(0.1)

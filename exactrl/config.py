@@ -951,9 +951,16 @@ class DistributedConfig:
 
     generator_ranks: int = 0
     """Under torchrun: how many ranks (the last ones) run only the rollout engine, while the others run only the trainer (FSDP2 among themselves) and send it their new weights after every update; 0 = colocated (every rank holds an engine replica and a trainer shard). With G generators and N trainers a run's metrics and weights equal the colocated run's at world size N (k = 0 or 1, dynamic sampling, LoRA (the sync then moves the adapters alone), partial rollouts and multi-turn environments (the episodes run on the generators, each against its own instance of the environment) too). Refused with it: tail overlap."""
+    generator_kv_memory_fraction: float = 0.85
+    """A generator rank's KV cache: this fraction of the device memory its model leaves free (it holds no trainer, so the card is the engine's; engine.kv_memory_fraction sizes a colocated rank's cache, which shares its card with training). engine.num_kv_blocks, when set, sizes both. A cache too small for the batch makes the engine preempt and recompute; the size never changes a token's bits, but where a partial rollout's cut falls depends on the schedule, so set engine.num_kv_blocks where a disaggregated partial-rollouts run must equal a colocated one on a GPU."""
 
     def validate(self) -> None:
         _check_at_least(self.generator_ranks, 0, "distributed.generator_ranks")
+        if not (0 < self.generator_kv_memory_fraction <= 1):
+            _fail(
+                "distributed.generator_kv_memory_fraction",
+                f"must be in (0, 1], got {self.generator_kv_memory_fraction!r}",
+            )
 
 
 @dataclass

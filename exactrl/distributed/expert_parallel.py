@@ -18,7 +18,8 @@ Why the bits cannot change (the MoE rules of DESIGN.md, applied across ranks):
 
 The all-gather moves T * k * D per rank (each rank's slots at their place in a zero buffer): simple and exact; an
 all-to-all of variable counts would move a 1/E share. Not done: expert parallel in the trainer (FSDP2 shards the
-stacks there), experts that E does not divide (refused by key).
+stacks there), experts that E does not divide (refused by key), CUDA graphs (the slot count is data-dependent:
+an expert-parallel engine decodes eagerly).
 """
 
 from __future__ import annotations
@@ -106,4 +107,8 @@ def shard_experts(model: CausalLM, group: TensorParallelGroup) -> EngineShardCau
             m.experts = ExpertParallelExperts(m.experts, group)
             shard.shard_slicers[f"{name}.experts.gate_up"] = take
             shard.shard_slicers[f"{name}.experts.down"] = take
+    # The slots a rank computes have a data-dependent count (nonzero), which a CUDA graph cannot hold: the engine
+    # decodes this model eagerly (graph capture failed with "operation not permitted when stream is capturing" on
+    # 2 x H200, 2026-11-28).
+    shard.graph_capturable = False
     return shard

@@ -100,8 +100,13 @@ class Parallelism:
 
         lm = model if isinstance(model, CausalLM) else model.backbone
         compute_dtype = lm.dtype
-        if all(p.requires_grad for p in model.parameters()):
-            model.float()  # the sharded fp32 parameters are the masters
+        layers = list(lm.model.layers)
+        every_trains = all(p.requires_grad for p in model.parameters())
+        if every_trains:
+            # The sharded fp32 parameters are the masters: cast a layer just before it is sharded (below), then
+            # what lies outside the layers, so the full model never stands in fp32 on the device (qwen3-30b-a3b:
+            # 122 GB beside its 61 GB bf16 replica ran a 2 x H200 rank out of memory, 2026-11-28).
+            _float_outside(model, layers)
         else:
             # Frozen weights (a LoRA base, a KL reference) never step: they stay in the model dtype, half the
             # memory of fp32 shards, gathered as they are (the cast to the model dtype is then the identity, the
@@ -115,7 +120,9 @@ class Parallelism:
         mp = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-        for layer in lm.model.layers:
+        for layer in layers:
+            if every_trains:
+                layer.float()
             fully_shard(layer, mesh=self.mesh, mp_policy=mp)
         if lm is not model:  # a ValueModel: its value head stays fp32, as on one device
             fully_shard(lm, mesh=self.mesh, mp_policy=mp)
@@ -224,3 +231,16 @@ class Parallelism:
         if e is not None and e.is_cuda:
             torch.cuda.synchronize(e.device)
         return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": float(moved)}
+
+
+def _float_outside(model: nn.Module, layers: list[nn.Module]) -> None:
+    """What `model.float()` does, for the parameters and buffers outside `layers` (each layer is cast on its own,
+    just before FSDP2 shards it)."""
+    inside = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in inside and p.is_floating_point():
+                p.data = p.data.float()
+        for key, b in m._buffers.items():
+            if b is not None and id(b) not in inside and b.is_floating_point():
+                m._buffers[key] = b.float()

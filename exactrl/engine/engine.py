@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,6 +76,14 @@ class RequestOutput:
     error: str | None = None
 
 
+def default_decode_mode(model: Any, cuda_graphs: bool) -> str:
+    """How an engine decodes `model` unless told (`RolloutEngine.decode_mode`): CUDA graphs on a GPU when
+    `cuda_graphs`, else eagerly. A model whose decode a graph cannot hold (`graph_capturable` False: expert
+    parallel picks its slots with a data-dependent shape) decodes eagerly: the same bits, launched by the host."""
+    capturable = getattr(model, "graph_capturable", True)
+    return "graph" if cuda_graphs and capturable and model.device.type == "cuda" else "eager"
+
+
 class RolloutEngine:
     """Generates from `model` (shared with the trainer: no copies, no files)."""
 
@@ -130,9 +139,7 @@ class RolloutEngine:
         the memory budget) and grown, never shrunk, when a later call needs more."""
         cfg = self.config
         r = self.runner
-        mode = self.decode_mode or (
-            "graph" if cfg.cuda_graphs and self.model.device.type == "cuda" else "eager"
-        )
+        mode = self.decode_mode or default_decode_mode(self.model, cfg.cuda_graphs)
         if r is not None and (
             r.kv_device != self.model.device
             or r.kv_dtype != self.model.dtype

@@ -196,7 +196,8 @@ def generator_engine(
         tokenizer_path=cfg.model.tokenizer,
     )
     model.requires_grad_(False)
-    return make(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+    engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
+    return make(model, EngineConfig(**engine_cfg), tokenizer=tok)
 
 
 @dataclass
@@ -208,6 +209,11 @@ class Round:
     end: float
     tokens: int = 0  # completion tokens generated
     bytes: int = 0  # weight bytes received
+    engine_steps: int = (
+        0  # the engine's steps and preemptions in the round, and its KV cache after it (tokens)
+    )
+    preemptions: int = 0
+    kv_cache_tokens: int = 0
 
 
 class GeneratorLoop:
@@ -273,8 +279,20 @@ class GeneratorLoop:
             cuts = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "partial"]
             eps = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "episodes"]
             if asks or cuts or eps:
+                before = dict(self.engine.stats)
                 tokens = self.generate(asks) + self.generate_until_cut(cuts) + self.run_episodes(eps)
-                self.rounds.append(Round("generate", t0, time.time(), tokens=tokens))
+                runner = self.engine.runner
+                self.rounds.append(
+                    Round(
+                        "generate",
+                        t0,
+                        time.time(),
+                        tokens=tokens,
+                        engine_steps=int(self.engine.stats["steps"] - before["steps"]),
+                        preemptions=int(self.engine.stats["preemptions"] - before["preemptions"]),
+                        kv_cache_tokens=0 if runner is None else runner.num_blocks * runner.block_size,
+                    )
+                )
 
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
         """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for

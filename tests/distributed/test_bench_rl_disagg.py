@@ -53,5 +53,8 @@ def test_bench_rl_on_two_ranks_colocated_and_disaggregated(tmp_path: Path) -> No
     assert sum(dis[k] for k in stages) == pytest.approx(dis["step_s"], rel=1e-9)
     (gen,) = dis["generators"]
     assert gen["rank"] == 1 and gen["generate_s"] > 0 and gen["weight_recv_s"] > 0
+    # The generator's engine: its steps in the timed rounds, its preemptions, its cache.
+    assert gen["engine_steps"] > 0 and dis["generator_preemptions"] == gen["preemptions"] >= 0
+    assert dis["generator_kv_cache_tokens"] == gen["kv_cache_tokens"] > 0
     assert dis["weight_send_full_gb_per_s"] > 0 and dis["weight_sync_full_bytes"] > 0
     assert (tmp_path / "rl-tiny-nproc2-gen1-offpolicy1-exact-cpu.json").is_file()

@@ -64,3 +64,31 @@ def test_buckets_keep_one_dtype_and_the_limit() -> None:
     assert buckets(ts, limit=32) == [[0, 1], [2], [3], [4]]
     assert buckets(ts, limit=16) == [[0], [1], [2], [3], [4]]
     assert buckets([], limit=16) == []
+
+
+def test_a_generator_sizes_its_kv_cache_by_its_own_fraction(monkeypatch) -> None:
+    # A generator rank holds no trainer: its cache takes distributed.generator_kv_memory_fraction of what its
+    # model leaves free, not engine.kv_memory_fraction (a colocated rank's, sized to share the card with training;
+    # 0.2 held a lone generator's qwen3-1.7b cache to 250k tokens, 2 x H200, 2026-11-28).
+    from types import SimpleNamespace
+
+    import exactrl.model.loading as loading
+    import exactrl.ops as ops
+    from exactrl.config import ConfigError, apply_overrides, config_from_dict
+    from exactrl.train.disagg import generator_engine
+
+    cfg = apply_overrides(
+        config_from_dict({"model": {"preset": "tiny"}}),
+        ["engine.kv_memory_fraction=0.2", "distributed.generator_kv_memory_fraction=0.7"],
+    )
+    cfg.validate()
+    monkeypatch.setattr(loading, "load_policy", lambda **kw: (torch.nn.Linear(1, 1), None))
+    monkeypatch.setattr(ops, "set_exact_environment", lambda exact: None)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: None)
+    made = []
+    generator_engine(cfg, SimpleNamespace(world=DistContext.single()), lambda m, c, tokenizer: made.append(c))
+    assert made[0].kv_memory_fraction == 0.7
+    assert made[0].max_num_seqs == cfg.engine.max_num_seqs  # the rest of [engine] as set
+    bad = apply_overrides(cfg, ["distributed.generator_kv_memory_fraction=0"])
+    with pytest.raises(ConfigError, match="distributed.generator_kv_memory_fraction"):
+        bad.validate()

@@ -137,6 +137,24 @@ def test_expert_parallel_refuses_what_it_cannot_split() -> None:
         check_expert_parallel(build_model(preset("tiny-moe"), exact=True), 3)
 
 
+def test_an_expert_parallel_engine_decodes_without_cuda_graphs() -> None:
+    # The slots a rank computes have a data-dependent count (nonzero): a CUDA graph cannot capture that decode
+    # (2 x H200, 2026-11-28: "operation not permitted when stream is capturing"), so the engine decodes it eagerly.
+    from types import SimpleNamespace
+
+    from exactrl.distributed.expert_parallel import shard_experts
+    from exactrl.distributed.tensor_parallel import TensorParallelGroup
+    from exactrl.engine.engine import default_decode_mode
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert default_decode_mode(on_gpu, cuda_graphs=True) == "graph"
+    assert default_decode_mode(on_gpu, cuda_graphs=False) == "eager"
+    model = shard_experts(build_model(preset("tiny-moe"), exact=True), TensorParallelGroup(size=2, rank=0))
+    assert not model.graph_capturable
+    split = SimpleNamespace(device=torch.device("cuda", 0), graph_capturable=model.graph_capturable)
+    assert default_decode_mode(split, cuda_graphs=True) == "eager"
+
+
 def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(capsys) -> None:
     from exactrl.cli import main
 

@@ -1,0 +1,52 @@
+"""FSDP2's fp32 masters are cast layer by layer, each just before it is sharded: the whole model never stands in
+fp32 on the device beside its bf16 replica (qwen3-30b-a3b: 122 GB of fp32 beside 61 GB of bf16 ran a 2 x H200
+rank out of memory), and the masters are the bits `model.float()` gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as fsdp
+
+from exactrl.distributed.env import DistContext
+from exactrl.distributed.parallelize import Parallelism
+from exactrl.model import build_model, preset
+
+
+@pytest.fixture
+def one_gloo_rank():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistContext(rank=0, world_size=1, backend="gloo")
+    dist.destroy_process_group()
+
+
+def test_masters_are_cast_a_layer_at_a_time_and_equal_model_float(one_gloo_rank, monkeypatch) -> None:
+    model = build_model(preset("tiny"), dtype=torch.bfloat16, exact=True, seed=0)
+    layers = list(model.model.layers)
+    assert len(layers) > 1
+    want = copy.deepcopy(model).float()
+    seen: list[list[torch.dtype]] = []  # at each layer's sharding: every layer's parameter dtype
+    real = fsdp.fully_shard
+
+    def recording(module, *args, **kwargs):
+        if any(module is layer for layer in layers):
+            seen.append([next(layer.parameters()).dtype for layer in layers])
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp, "fully_shard", recording)
+    Parallelism(one_gloo_rank).parallelize(model)
+    assert len(seen) == len(layers)
+    for i, dtypes in enumerate(seen):  # layer i in fp32 when sharded; the layers after it still bf16
+        assert dtypes[i] == torch.float32, (i, dtypes)
+        assert all(d == torch.bfloat16 for d in dtypes[i + 1 :]), (i, dtypes)
+    got = dict(model.named_parameters())
+    for name, p in want.named_parameters():
+        local = got[name].to_local()
+        assert local.dtype == p.dtype == torch.float32 and torch.equal(local, p), name
+    for (name, b), (_, w) in zip(model.named_buffers(), want.named_buffers()):
+        assert b.dtype == w.dtype and torch.equal(b, w), name
