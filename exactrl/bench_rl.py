@@ -329,6 +329,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     short (a timeout) still leaves its finished steps."""
     from exactrl.distributed.env import init_from_env, under_torchrun
     from exactrl.distributed.layout import split_layout
+    from exactrl.distributed.shared_engine import SharedEngine
     from exactrl.engine.engine import EngineConfig
     from exactrl.model.loading import resolve_device
     from exactrl.tasks import Example
@@ -357,13 +358,20 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             device = run.device
             wl = _workload(args, run.tok, run.model)
             overlapped = cfg.algorithm.max_off_policy_steps > 0
+            t_build = time.perf_counter()
             run.build_trainer()
+            print(f"trainer and engine built: {_setup_note(device, t_build)}", file=sys.stderr)
             if not remote:  # this rank's engine (the policy on one device, the replica under torchrun)
                 sampler = run.behaviour.model if overlapped else run.engine.model
                 run.engine = PlannedLengthEngine(
                     sampler, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
                 )
+                if run.engine_group is not None:  # one engine split over a group (tensor / expert parallel):
+                    # the group's ranks call it together, as the run's own engine is called
+                    run.engine = SharedEngine(run.engine, run.engine_group)
+            t_sync = time.perf_counter()
             full_sync = _full_weight_sync(run)
+            print(f"every weight synced once: {_setup_note(device, t_sync)}", file=sys.stderr)
             examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
             # The step's prompts stage: the workload's prompts, the same in every step; under torchrun this
             # trainer's share, as RLRun.prompts shares a step's prompts (request ids: their index in the step).
@@ -398,6 +406,18 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     if layout is not None:
         rec.update(_roles(layout, run, timed))
     return rec
+
+
+def _setup_note(device: str, since: float) -> str:
+    """A set-up stage's seconds and, on a GPU, the memory it left allocated and its peak (a long set-up, a 30B
+    model's, says where it is)."""
+    note = f"{time.perf_counter() - since:.1f} s"
+    if torch.device(device).type == "cuda":
+        note += (
+            f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated"
+            f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)"
+        )
+    return note
 
 
 def _workload(args: Any, tok: Any, model: Any) -> Workload:
@@ -533,6 +553,7 @@ def _asdict(x: Any) -> dict[str, Any]:
 def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[str, Any]:
     # Disaggregated, the engine runs on the generator ranks (its figures: `_roles`); here a stand-in without any.
     eng = run.engine if getattr(run, "remote", None) is None else _NoEngine()
+    eng = getattr(eng, "engine", eng)  # a group's shared engine: this rank's engine, whose figures these are
     eng.trace = []
     eng.reset_stats()
     graph_capture_before = _train_capture_s(run)

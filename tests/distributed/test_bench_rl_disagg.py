@@ -58,3 +58,11 @@ def test_bench_rl_on_two_ranks_colocated_and_disaggregated(tmp_path: Path) -> No
     assert dis["generator_kv_cache_tokens"] == gen["kv_cache_tokens"] > 0
     assert dis["weight_send_full_gb_per_s"] > 0 and dis["weight_sync_full_bytes"] > 0
     assert (tmp_path / "rl-tiny-nproc2-gen1-offpolicy1-exact-cpu.json").is_file()
+
+
+def test_bench_rl_with_the_engine_split_over_two_ranks(tmp_path: Path) -> None:
+    # The engine split over the two ranks (expert parallel): the bench's engine is called by both together, as
+    # the run's is (each rank alone, their forwards' collectives would pair different batches).
+    rec = _bench(tmp_path, "--preset", "tiny-moe", "--set", "engine.expert_parallel=2")
+    assert (rec["world_size"], rec["expert_parallel"], rec["mismatch_num_mismatched_tokens"]) == (2, 2, 0)
+    assert rec["mismatch_num_tokens"] == rec["generated_tokens"] > 0 and rec["engine_steps"] > 0
