@@ -85,12 +85,19 @@ class Parallelism:
                 self.mesh = DeviceMesh.from_group(ctx.group, device_type)
 
     def engine_model(self, model: CausalLM) -> CausalLM:
-        """The model the rollout engine samples from: the policy itself on one device; a full replica in the
-        model dtype under FSDP (taken before the policy is sharded)."""
+        """The model the rollout engine samples from: the policy itself on one device; under FSDP a replica in
+        the model dtype, taken before the policy is sharded as its structure alone (parameters on the meta
+        device: no second whole copy of the weights on the device while the policy is still whole; an engine
+        group may split it as it is). `bind` gives it memory once the policy is sharded and fills every weight
+        from the shards (the weight sync's gather: bf16 -> fp32 master -> bf16 is the identity, so the bytes are
+        the policy's)."""
         if not self.sharded:
             return model
-        replica = copy.deepcopy(model).requires_grad_(False)
-        return replica
+        self._replica_device = model.device
+        memo: dict[int, object] = {}
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        return copy.deepcopy(model, memo).requires_grad_(False)
 
     def parallelize(self, model: nn.Module, *, trainable: bool = True) -> None:
         """Shard `model` (a CausalLM or a ValueModel around one) in place; no-op on one device."""
@@ -143,6 +150,16 @@ class Parallelism:
         """Pair each trainer parameter with the engine replica's tensor of the same name."""
         if not self.sharded:
             return
+        structure_only = any(p.is_meta for p in engine_model.parameters())
+        if structure_only:  # `engine_model`'s replica: its memory now that the policy is sharded
+            made: dict[int, nn.Parameter] = {}  # tied weights stay one parameter
+            for m in engine_model.modules():  # the parameters alone (the buffers were copied whole)
+                for key, t in m._parameters.items():
+                    if t is not None and t.is_meta:
+                        if id(t) not in made:
+                            empty = torch.empty_like(t, device=self._replica_device)
+                            made[id(t)] = nn.Parameter(empty, requires_grad=False)
+                        m._parameters[key] = made[id(t)]
         mine = dict(engine_model.named_parameters())
         self._pairs = []
         self._trained = []
@@ -155,6 +172,8 @@ class Parallelism:
             self._names[id(mine[name])] = name
             if p.requires_grad:
                 self._trained.append((p, mine[name]))
+        if structure_only:
+            self.sync_weights(full=True)
 
     @torch.no_grad()
     def whole_engine_model(self) -> CausalLM | None:

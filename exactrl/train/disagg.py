@@ -209,9 +209,8 @@ class Round:
     end: float
     tokens: int = 0  # completion tokens generated
     bytes: int = 0  # weight bytes received
-    engine_steps: int = (
-        0  # the engine's steps and preemptions in the round, and its KV cache after it (tokens)
-    )
+    # The engine's steps and preemptions in the round, and its KV cache after it (tokens).
+    engine_steps: int = 0
     preemptions: int = 0
     kv_cache_tokens: int = 0
 

@@ -745,6 +745,21 @@ def plan_memory(
     train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
     step = Phase("optimizer", {**step_other, **({} if release else {"kv_cache": kv})})
     phases = [gen, train, step]
+    if sharded:
+        # Before FSDP2 shards anything each rank holds the policy whole in the model dtype (built or loaded on its
+        # device), a KL reference's and a critic's whole copies when the run has them, and, as each layer is cast
+        # to its fp32 masters just before it is sharded, one layer in fp32; the engine replica is structure alone
+        # until the policy is sharded (`Parallelism.engine_model`). A run whose set-up does not fit would stop
+        # before its first step: the plan says so before anything loads.
+        setup = {
+            "policy_whole": c["policy_params"] * b,
+            "fsdp_cast_layer_fp32": c["largest_layer_params"] * 4,
+        }
+        if a.kl_coef > 0 and cfg.lora.rank == 0:
+            setup["reference_whole"] = c["policy_params"] * b
+        if c["critic_params"]:
+            setup["critic_whole"] = c["critic_params"] * b + c["critic_head_fp32"] * 4
+        phases.insert(0, Phase("setup", setup))
     for other in ckpt_other:
         phases.append(Phase("checkpoint", {**other, **({} if release else {"kv_cache": kv})}))
     counts_out = {

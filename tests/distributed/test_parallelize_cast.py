@@ -50,3 +50,27 @@ def test_masters_are_cast_a_layer_at_a_time_and_equal_model_float(one_gloo_rank,
         assert local.dtype == p.dtype == torch.float32 and torch.equal(local, p), name
     for (name, b), (_, w) in zip(model.named_buffers(), want.named_buffers()):
         assert b.dtype == w.dtype and torch.equal(b, w), name
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_the_replica_is_structure_until_the_policy_is_sharded_then_the_policys_bytes(
+    one_gloo_rank, name
+) -> None:
+    # Under FSDP2 the engine replica is taken before the policy is sharded: as its structure alone (no second
+    # whole copy beside the whole policy), given memory and filled from the shards once they exist.
+    model = build_model(preset(name), dtype=torch.bfloat16, exact=True, seed=0)
+    model.init_weights(seed=3, std=0.05)  # trained-looking: not the first init's values
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    par = Parallelism(one_gloo_rank)
+    replica = par.engine_model(model)
+    assert all(p.is_meta for p in replica.parameters())
+    assert all(not b.is_meta for b in replica.buffers())
+    par.parallelize(model)
+    par.bind(model, replica)
+    got = dict(replica.named_parameters())
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        assert got[n].dtype == torch.bfloat16 and not got[n].requires_grad, n
+        assert torch.equal(got[n], w), n
+    for (n, b), (_, w) in zip(replica.named_buffers(), build_model(preset(name)).named_buffers()):
+        assert torch.equal(b.float(), w.float()), n

@@ -27,6 +27,7 @@ from exactrl.model.lora import apply_lora_config
 from exactrl.model.qwen import CausalLM, build_model
 from exactrl.train.critic import ValueModel
 from exactrl.train.memory import (
+    CUDA_CONTEXT_BYTES,
     GiB,
     MemoryPlanError,
     activation_bytes_per_token,
@@ -251,7 +252,8 @@ def test_a_disaggregated_trainer_plans_no_kv_cache_and_grows_its_microbatch_one_
         world_size=1, gpu_memory=gpu, device="cuda", sharded=True,
     )  # fmt: skip
     assert colocated.fits and disagg.fits
-    assert all(p.terms["kv_cache"] > 0 for p in colocated.phases)  # one step off keeps it in every phase
+    # One step off keeps it in every phase (but the set-up, before any engine).
+    assert all(p.terms["kv_cache"] > 0 for p in colocated.phases if p.name != "setup")
     assert all(p.terms.get("kv_cache", 0) == 0 for p in disagg.phases)
     assert all("decode_graph_pool" not in p.terms for p in disagg.phases)
     assert "decode_graph_pool" in colocated.phase("training").terms
@@ -259,8 +261,9 @@ def test_a_disaggregated_trainer_plans_no_kv_cache_and_grows_its_microbatch_one_
     assert disagg.counts["tokens_per_microbatch"] == 32768
     # The engine replica stays (the generators' weights come from it), and one step off the guard's copy of the
     # weights that sampled the batch (the replica moves on before the guard runs).
-    assert all("engine_replica" in p.terms for p in disagg.phases)
-    assert all(p.terms["guard_copy"] == disagg.counts["policy_params"] * 2 for p in disagg.phases)
+    steady = [p for p in disagg.phases if p.name != "setup"]
+    assert all("engine_replica" in p.terms for p in steady)
+    assert all(p.terms["guard_copy"] == disagg.counts["policy_params"] * 2 for p in steady)
     assert all("guard_copy" not in p.terms for p in colocated.phases)
 
 
@@ -548,7 +551,7 @@ def test_plan_command_prints_a_table_and_one_json_line(capsys):
     assert out[1].startswith("bytes per rank (GiB)") and "generation" in out[1]
     j = json.loads(out[-1])["memory_plan"]
     assert j["world_size"] == 8 and j["fits"] is False
-    assert set(j["phases"]) == {"generation", "training", "optimizer"}
+    assert set(j["phases"]) == {"setup", "generation", "training", "optimizer"}
 
 
 def test_plan_command_nproc_1_is_one_fsdp2_rank(capsys):
@@ -736,3 +739,28 @@ def test_multi_turn_with_the_episode_cap_unset_and_one_step_off_are_planned():
     off = make_plan(run_cfg("algorithm.max_off_policy_steps=1"), gpu_memory=80 * GiB, device="cuda")
     terms = off.phase("training").terms
     assert "behaviour_copy" not in sync and terms["behaviour_copy"] == sync["policy_weights"]
+
+
+def test_the_set_up_is_planned_whole_before_fsdp2_shards():
+    """Before FSDP2 shards anything a rank holds the policy whole in the model dtype, a KL reference's whole
+    copy, and one layer cast to fp32 (the engine replica is structure alone until then): a card that holds the
+    steady phases but not the set-up is refused by its "setup" phase."""
+    shape = ("model.preset=qwen3-8b", "train.fsdp_tokens_per_microbatch=2048")
+    plan = make_plan(run_cfg(*shape), world_size=8, device="cuda")
+    setup, p = plan.phase("setup").terms, plan.counts["policy_params"]
+    assert setup["policy_whole"] == 2 * p and "reference_whole" not in setup
+    assert setup["fsdp_cast_layer_fp32"] == 4 * plan.counts["largest_layer_params"]
+    assert not any(k.startswith("engine") for k in setup)
+    kl = make_plan(run_cfg(*shape, "algorithm.kl_coef=0.05"), world_size=8, device="cuda")
+    assert kl.phase("setup").terms["reference_whole"] == 2 * p
+    # A card between the steady phases and the set-up with the reference: refused by the set-up alone.
+    steady = max(ph.peak for ph in kl.phases if ph.name != "setup")
+    setup_peak = kl.phase("setup").peak
+    assert setup_peak > steady
+    card = int((steady + setup_peak) / 2 + CUDA_CONTEXT_BYTES)
+    refused = make_plan(
+        run_cfg(*shape, "algorithm.kl_coef=0.05"), world_size=8, gpu_memory=card, device="cuda"
+    )
+    assert not refused.fits and refused.worst.name == "setup"
+    # The control: without the reference the same card holds it.
+    assert make_plan(run_cfg(*shape), world_size=8, gpu_memory=card, device="cuda").fits
