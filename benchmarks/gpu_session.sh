@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [parity-split] [rl-30b] [host-table] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
+#     [parity-split] [rl-30b] [weight-send-8b] [host-table] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
 #     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -158,10 +158,19 @@ if want parity-split; then  # the engine split over two GPUs (issue 46): tensor 
 fi
 if want rl-30b; then  # issue 46: qwen3-30b-a3b, full depth, exact GRPO on two GPUs, full fine-tune as the plan fits it
   # on 2 x H200 (offload streamed by groups, activation checkpointing, experts split over the two engines' ranks)
-  NCCL_NVLS_ENABLE=0 timeout 560 $X bench rl --preset qwen3-30b-a3b --mode exact --nproc 2 --prompts 16 --samples 4 \
-    --max-tokens 256 --prompt-max 256 --tokens-per-microbatch 4096 --kv-memory-fraction 0.5 --warmup 1 \
-    --steps ${RL_STEPS:-2} --set train.offload=optimizer --set train.activation_checkpointing=true \
-    --set engine.expert_parallel=${EP:-2} --out-dir "$OUT/rl-30b" 2>&1 | grep -v -i warn | tail -30 | tee "$OUT/rl_30b.txt"
+  # (the whole log under $OUT as it goes: the set-up stages print their seconds and GPU memory; random weights
+  # alone take ~150 s per rank)
+  NCCL_NVLS_ENABLE=0 timeout ${RL30_TIMEOUT:-570} $X bench rl --preset qwen3-30b-a3b --mode exact --nproc 2 --prompts 16 \
+    --samples 4 --max-tokens 256 --prompt-max 256 --tokens-per-microbatch 4096 --kv-memory-fraction 0.5 --warmup 1 \
+    --steps ${RL_STEPS:-1} --set train.offload=optimizer --set train.activation_checkpointing=true \
+    --set engine.expert_parallel=${EP:-2} --out-dir "$OUT/rl-30b" 2>&1 | tee "$OUT/rl_30b.log" | grep -v -i warn \
+    | tail -30 | tee "$OUT/rl_30b.txt"
+fi
+if want weight-send-8b; then  # issue 44: qwen3-8b's weights trainer -> generator (1 + 1, a small workload: the send
+  # is the figure: weight_send_full_gb_per_s, the first send with the group's set-up, and weight_send_s per step)
+  NCCL_NVLS_ENABLE=0 timeout 400 $X bench rl --preset qwen3-8b --mode exact --nproc 2 --generator-ranks 1 --prompts 8 \
+    --samples 2 --max-tokens 64 --prompt-max 128 --tokens-per-microbatch 4096 --warmup 1 --steps 2 \
+    --out-dir "$OUT/rl-8b-send" 2>&1 | tee "$OUT/rl_8b_send.log" | grep -v -i warn | tail -24 | tee "$OUT/rl_8b_send.txt"
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \
