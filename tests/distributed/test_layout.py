@@ -85,6 +85,8 @@ def test_a_generator_sizes_its_kv_cache_by_its_own_fraction(monkeypatch) -> None
     monkeypatch.setattr(loading, "load_policy", lambda **kw: (torch.nn.Linear(1, 1), None))
     monkeypatch.setattr(ops, "set_exact_environment", lambda exact: None)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: None)
+    det = torch.utils.deterministic  # the flag it sets is put back after the test
+    monkeypatch.setattr(det, "fill_uninitialized_memory", det.fill_uninitialized_memory)
     made = []
     generator_engine(cfg, SimpleNamespace(world=DistContext.single()), lambda m, c, tokenizer: made.append(c))
     assert made[0].kv_memory_fraction == 0.7
