@@ -159,11 +159,11 @@ fi
 if want rl-30b; then  # issue 46: qwen3-30b-a3b, full depth, exact GRPO on two GPUs, full fine-tune as the plan fits it
   # on 2 x H200 (offload streamed by groups, activation checkpointing, experts split over the two engines' ranks)
   # (the whole log under $OUT as it goes: the set-up stages print their seconds and GPU memory; random weights
-  # alone take ~150 s per rank)
+  # drawn keyed, on threads: the one stream took ~150 s per rank)
   NCCL_NVLS_ENABLE=0 timeout ${RL30_TIMEOUT:-570} $X bench rl --preset qwen3-30b-a3b --mode exact --nproc 2 --prompts 16 \
     --samples 4 --max-tokens 256 --prompt-max 256 --tokens-per-microbatch 4096 --kv-memory-fraction 0.5 --warmup 1 \
     --steps ${RL_STEPS:-1} --set train.offload=optimizer --set train.activation_checkpointing=true \
-    --set engine.expert_parallel=${EP:-2} --out-dir "$OUT/rl-30b" 2>&1 | tee "$OUT/rl_30b.log" | grep -v -i warn \
+    --set engine.expert_parallel=${EP:-2} --set model.init_draws=keyed --out-dir "$OUT/rl-30b" 2>&1 | tee "$OUT/rl_30b.log" | grep -v -i warn \
     | tail -30 | tee "$OUT/rl_30b.txt"
 fi
 if want weight-send-8b; then  # issue 44: qwen3-8b's weights trainer -> generator (1 + 1, a small workload: the send

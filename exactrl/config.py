@@ -255,8 +255,12 @@ class ModelConfig:
     """Keep the LM head (final projection to vocabulary logits) in float32 even when dtype is bfloat16."""
     tokenizer: str | None = None
     """Path to a tokenizer.json; defaults to the one inside path."""
+    init_draws: Literal["stream", "keyed"] = "stream"
+    """A preset's random weights: "stream" (one generator draws every matrix in order on one core: the presets' values as they have always been) or "keyed" (each matrix from its own generator seeded by the run's seed and its name, drawn on several threads: other values, the same on every device, dtype and thread count; a 30B preset's one-core draws take minutes). Not used with model.path."""
 
     def validate(self) -> None:
+        if self.init_draws not in ("stream", "keyed"):
+            _fail("model.init_draws", f'must be "stream" or "keyed", got {self.init_draws!r}')
         if self.preset is not None and self.path is not None:
             # The usual way here: a config written for a preset, pointed at a checkpoint with --set model.path=...
             _fail(

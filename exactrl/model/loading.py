@@ -39,9 +39,11 @@ def load_policy(
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
     preset_overrides: dict[str, Any] | None = None,
+    init_draws: str = "stream",
 ) -> tuple[CausalLM, Tokenizer]:
     """Build or load the policy and its tokenizer on `device` in `dtype`. preset_overrides: fields of the preset's
-    ModelConfig to replace (e.g. {"num_layers": 4}: a large shape with fewer layers)."""
+    ModelConfig to replace (e.g. {"num_layers": 4}: a large shape with fewer layers). init_draws: how a preset's
+    random weights are drawn (`CausalLM.init_weights`)."""
     if (preset_name is None) == (path is None):
         raise ValueError(
             "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
@@ -65,6 +67,7 @@ def load_policy(
             seed=seed,
             fp32_lm_head=fp32_lm_head,
             name=preset_name if not preset_overrides else f"{preset_name} {preset_overrides}",
+            init_draws=init_draws,
         )
     check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
     return model, tok

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from exactrl.model.config import ModelConfig
-from exactrl.model.init import normal_into
+from exactrl.model.init import INIT_DRAWS, keyed_normal_into, normal_into
 from exactrl.model.layers import MLP, Linear, PackedLinear, RMSNorm, pack_state_dict
 from exactrl.model.moe import SparseMoeBlock
 from exactrl.ops import AttentionBatch, Ops, get_ops
@@ -128,17 +128,26 @@ class CausalLM(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02, desc: str | None = None) -> CausalLM:
+    def init_weights(
+        self, seed: int = 0, std: float = 0.02, desc: str | None = None, draws: str = "stream"
+    ) -> CausalLM:
         """Random init as HF does for Qwen (normal(0, 0.02) for matrices, ones for norms, zeros for biases).
 
-        One CPU generator draws every matrix in parameter order, fp32 normal(0, 1) times std rounded to the
-        parameter's dtype: the same values on every device and dtype. Drawn in place, chunk by chunk
-        (`exactrl.model.init`), with progress shown when it takes a while (desc: what to call the phase)."""
+        draws="stream" (the default, the presets' values as they have always been): one CPU generator draws every
+        matrix in parameter order, fp32 normal(0, 1) times std rounded to the parameter's dtype: the same values on
+        every device and dtype, drawn on one core. draws="keyed": each matrix (each part of a packed one, under
+        the unpacked model's name) from its own generator seeded by (seed, name), drawn on several threads at once
+        (`exactrl.model.init.keyed_normal_into`): other values than "stream", the same on every device, dtype and
+        thread count. Drawn in place, chunk by chunk (`exactrl.model.init`), with progress shown when it takes a
+        while (desc: what to call the phase)."""
+        if draws not in INIT_DRAWS:
+            raise ValueError(f"draws must be one of {INIT_DRAWS}, got {draws!r}")
         g = torch.Generator().manual_seed(seed)
         packed = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, PackedLinear)}
         # adapters have their own init (exactrl.model.lora.add_lora)
         todo = [(n, p) for n, p in self.named_parameters() if ".lora." not in n]
         total = sum(p.numel() for _, p in todo)
+        keyed: list[tuple[str, torch.Tensor]] = []
         with Progress(desc or "initialising weights", total, "params") as bar:
             for name, p in todo:
                 if name.endswith("norm.weight"):
@@ -148,9 +157,13 @@ class CausalLM(nn.Module):
                     p.zero_()
                     bar.update(p.numel())
                 else:  # a packed weight part by part, in HF's order: the draws of the unpacked model
-                    rows = list(packed[name].parts.values()) if name in packed else [p.shape[0]]
-                    for piece in p.split(rows, dim=0):
-                        normal_into(piece, std, g, bar.update)
+                    parts = packed[name].parts if name in packed else {"": p.shape[0]}
+                    for part, piece in zip(parts, p.split(list(parts.values()), dim=0)):
+                        if draws == "stream":
+                            normal_into(piece, std, g, bar.update)
+                        else:  # the unpacked model's name of the part
+                            keyed.append((f"{name.rsplit('.', 2)[0]}.{part}.weight" if part else name, piece))
+            keyed_normal_into(keyed, std, seed, bar.update)
         return self
 
     @property
@@ -268,9 +281,10 @@ def build_model(
     seed: int = 0,
     fp32_lm_head: bool = False,
     name: str | None = None,
+    init_draws: str = "stream",
 ) -> CausalLM:
     """A randomly initialised model on `device` with the ops backend for (device, exact). name: what to call it
-    in the progress lines (a preset's name).
+    in the progress lines (a preset's name). init_draws: `CausalLM.init_weights`'s draws.
 
     The parameters are made where and as they live (`dtype` on `device`) and drawn in place: the values of an fp32
     model drawn on the CPU and then cast and moved, with no fp32 copy of the whole model on the host."""
@@ -280,7 +294,9 @@ def build_model(
     n = sum(p.numel() for p in model.parameters())
     what = name or f"a {cfg.architecture} model"
     model.init_weights(
-        seed, desc=f"random weights of {what} ({amount(n, 'params')}, {dtype_name(dtype)}, {device})"
+        seed,
+        desc=f"random weights of {what} ({amount(n, 'params')}, {dtype_name(dtype)}, {device})",
+        draws=init_draws,
     )
     return model
 

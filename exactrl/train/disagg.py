@@ -194,6 +194,7 @@ def generator_engine(
         fp32_lm_head=cfg.model.fp32_lm_head,
         seed=cfg.run.seed,
         tokenizer_path=cfg.model.tokenizer,
+        init_draws=cfg.model.init_draws,
     )
     model.requires_grad_(False)
     engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}

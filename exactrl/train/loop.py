@@ -452,6 +452,7 @@ class RLRun:
             fp32_lm_head=cfg.model.fp32_lm_head,
             seed=cfg.run.seed,
             tokenizer_path=cfg.model.tokenizer,
+            init_draws=cfg.model.init_draws,
         )
         if (cfg.train.moe_aux_loss_coef or cfg.train.moe_z_loss_coef) and not has_experts(self.model):
             # Said now, before the warm start and the run folder's commit (the trainer refuses it too, later).

@@ -101,3 +101,61 @@ def test_a_model_built_on_the_gpu_has_the_cpus_values(monkeypatch: pytest.Monkey
             gpu = dict(build_model(preset(name), device="cuda", dtype=dtype, seed=5).named_parameters())
             for k in cpu:
                 assert gpu[k].is_cuda and torch.equal(cpu[k], gpu[k].cpu()), (name, dtype, k)
+
+
+def _keyed_reference(name: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Keyed draws written out: every matrix, each part of a packed one under the unpacked model's name, one fp32
+    `randn(shape) * std` from a generator seeded by `part_seed(seed, name)`, then the cast."""
+    model = build_model(
+        preset(name), dtype=torch.float32, seed=seed
+    )  # norms, biases; matrices replaced below
+    packed = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    out = {}
+    for n, p in model.named_parameters():
+        if n.endswith(("norm.weight", ".bias")):
+            out[n] = p.detach().to(dtype)
+            continue
+        parts = packed[n].parts if n in packed else {"": p.shape[0]}
+        pieces = []
+        for part, rows in parts.items():
+            key = f"{n.rsplit('.', 2)[0]}.{part}.weight" if part else n
+            g = torch.Generator().manual_seed(init.part_seed(seed, key))
+            pieces.append(torch.randn((rows, *p.shape[1:]), generator=g, dtype=torch.float32) * 0.02)
+        out[n] = torch.cat(pieces).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_keyed_draws_are_each_parts_own_draw_whatever_the_threads(name: str, monkeypatch) -> None:
+    """model.init_draws = "keyed": each part from its own seeded generator, drawn on threads; the same bits with 1
+    or 4 threads and with many chunks, and other values than the one stream (the control)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        want = _keyed_reference(name, dtype, seed=3)
+        for workers, chunk in ((1, 1 << 24), (4, 4096 + 16)):
+            monkeypatch.setattr(init, "CHUNK", chunk)
+            monkeypatch.setattr(init, "draw_workers", lambda w=workers: w)
+            got = dict(build_model(preset(name), dtype=dtype, seed=3, init_draws="keyed").named_parameters())
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k].dtype == dtype and torch.equal(got[k], want[k]), (name, dtype, workers, k)
+        # The control: the one stream gives every matrix other values.
+        stream = dict(build_model(preset(name), dtype=dtype, seed=3).named_parameters())
+        matrices = [k for k in want if not k.endswith(("norm.weight", ".bias"))]
+        assert matrices and not any(torch.equal(stream[k], want[k]) for k in matrices)
+    with pytest.raises(ValueError, match="draws must be one of"):
+        build_model(preset("tiny"), init_draws="parallel")
+
+
+@pytest.mark.gpu
+def test_keyed_draws_on_the_gpu_are_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(init, "CHUNK", 4096)
+    monkeypatch.setattr(init, "draw_workers", lambda: 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = dict(
+            build_model(preset("tiny-moe"), dtype=dtype, seed=5, init_draws="keyed").named_parameters()
+        )
+        gpu = build_model(preset("tiny-moe"), device="cuda", dtype=dtype, seed=5, init_draws="keyed")
+        for k, p in gpu.named_parameters():
+            assert p.is_cuda and torch.equal(cpu[k], p.cpu()), (dtype, k)
