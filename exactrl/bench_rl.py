@@ -513,9 +513,9 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
                     "generate_s": statistics.median(gen_s),
                     "weight_recv_s": statistics.median(sync_s),
                     "idle_s": statistics.median(idle_s),
-                    "engine_steps": sum(x.get("engine_steps", 0) for x in timed_rounds),
-                    "preemptions": sum(x.get("preemptions", 0) for x in timed_rounds),
-                    "kv_cache_tokens": max((x.get("kv_cache_tokens", 0) for x in rounds), default=0),
+                    "engine_steps": sum(x["engine_steps"] for x in timed_rounds),
+                    "preemptions": sum(x["preemptions"] for x in timed_rounds),
+                    "kv_cache_tokens": max((x["kv_cache_tokens"] for x in rounds), default=0),
                 }
             )
         out["generators"] = per_gen

@@ -7,24 +7,12 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
-import torch.distributed as dist
 
-from exactrl.distributed.env import DistContext
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.model import build_model, preset
 from exactrl.ops.batch import AttentionBatch
 from exactrl.ops.torch_ops import ROW_MULTIPLE, ExactTorchOps
-
-
-@pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistContext(rank=0, world_size=1, backend="gloo")
-    dist.destroy_process_group()
 
 
 def test_a_padded_linear_returns_its_own_tensor_with_the_same_bits():
@@ -36,10 +24,10 @@ def test_a_padded_linear_returns_its_own_tensor_with_the_same_bits():
     assert torch.equal(out[:5], ops.linear(torch.cat([x[:5], torch.zeros(30, 24)]), w)[:5])
 
 
-def test_fsdp2_layers_give_no_view_warning(one_rank_group):
+def test_fsdp2_layers_give_no_view_warning(one_gloo_rank):
     torch.manual_seed(0)
     model = build_model(preset("tiny"), dtype=torch.float32, exact=True, seed=0)
-    Parallelism(one_rank_group).parallelize(model)
+    Parallelism(one_gloo_rank).parallelize(model)
     lens = [3, 4]  # 7 tokens: padded to ROW_MULTIPLE in every linear
     ids = torch.randint(0, model.config.vocab_size, (sum(lens),))
     positions = torch.cat([torch.arange(n) for n in lens])

@@ -8,21 +8,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
 
-from exactrl.distributed.env import DistContext
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.model import build_model, preset
-
-
-@pytest.fixture
-def one_gloo_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistContext(rank=0, world_size=1, backend="gloo")
-    dist.destroy_process_group()
 
 
 def test_masters_are_cast_a_layer_at_a_time_and_equal_model_float(one_gloo_rank, monkeypatch) -> None:
