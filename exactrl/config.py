@@ -311,12 +311,13 @@ class EngineConfig:
     one-device engine (exactrl/distributed/tensor_parallel.py). Under torchrun (`exactrl train --nproc N`, T
     dividing N) each group of T ranks samples the union of its ranks' prompts in one engine call and every rank
     trains on its own share, as at T = 1 (exactrl/distributed/shared_engine.py); `exactrl parity --tensor-parallel
-    T` checks it. Not with LoRA, generator ranks, one step off, multi-turn, dynamic sampling or ReMax (refused)."""
+    T` checks it. LoRA adapters split with their projections (A whole on every rank, B's rows with the weight's).
+    Not with generator ranks, one step off, multi-turn, dynamic sampling or ReMax (refused)."""
     expert_parallel: int = 1
     """Ranks that share one rollout engine of a mixture-of-experts model, each holding 1/E of every sparse layer's
     routed experts (exactrl/distributed/expert_parallel.py); E must divide the experts. Runs like
     engine.tensor_parallel (the same group when both are above 1, so then they must be equal); `exactrl parity
-    --expert-parallel E` checks it. Refused for dense models and with LoRA."""
+    --expert-parallel E` checks it. Refused for dense models. LoRA (attention adapters) stays whole on every rank."""
 
     def validate(self) -> None:
         _check_at_least(self.tensor_parallel, 1, "engine.tensor_parallel")

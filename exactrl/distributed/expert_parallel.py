@@ -69,12 +69,13 @@ def check_expert_parallel(model: CausalLM, size: int) -> None:
         raise ValueError(
             f"engine.expert_parallel = {size}: the model has no sparse (mixture-of-experts) layer; set it to 1"
         )
-    check_expert_parallel_shape(model.config, size, lora=model.lora_spec is not None)
+    check_expert_parallel_shape(model.config, size)
 
 
-def check_expert_parallel_shape(cfg: ModelConfig, size: int, *, lora: bool = False) -> None:
+def check_expert_parallel_shape(cfg: ModelConfig, size: int) -> None:
     """`check_expert_parallel` from the model's config alone (nothing built: `exactrl plan`, the run's preflight).
-    lora: the run attaches LoRA adapters."""
+    LoRA needs nothing of it: a mixture-of-experts model's adapters are on the attention projections only
+    (`add_lora` refuses the MLP targets), which expert parallel leaves whole on every rank."""
     if size == 1:
         return
     key = f"engine.expert_parallel = {size}"
@@ -82,10 +83,6 @@ def check_expert_parallel_shape(cfg: ModelConfig, size: int, *, lora: bool = Fal
         raise ValueError(f"{key}: the model has no sparse (mixture-of-experts) layer; set it to 1")
     if cfg.num_experts % size:
         raise ValueError(f"{key} does not divide the model's {cfg.num_experts} experts")
-    if lora:
-        raise ValueError(
-            f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.expert_parallel = 1"
-        )
 
 
 @torch.no_grad()

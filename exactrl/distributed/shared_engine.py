@@ -50,13 +50,11 @@ def engine_group_size(tensor_parallel: int, expert_parallel: int) -> int:
     return max(t, e)
 
 
-def check_engine_split(
-    cfg: ModelConfig, tensor_parallel: int, expert_parallel: int, *, lora: bool = False
-) -> int:
+def check_engine_split(cfg: ModelConfig, tensor_parallel: int, expert_parallel: int) -> int:
     """Refuse, by key, an engine split the model's shape does not allow (nothing built); returns G."""
     size = engine_group_size(tensor_parallel, expert_parallel)
-    check_tensor_parallel_shape(cfg, tensor_parallel, lora=lora)
-    check_expert_parallel_shape(cfg, expert_parallel, lora=lora)
+    check_tensor_parallel_shape(cfg, tensor_parallel)
+    check_expert_parallel_shape(cfg, expert_parallel)
     return size
 
 

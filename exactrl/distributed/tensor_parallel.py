@@ -29,8 +29,14 @@ The rule that makes it exact by construction: **every output element is one in-o
 
 Collectives move bits, never add: every gather here is an all-gather of the tensors' bytes.
 
-Not done (refused where configured): LoRA adapters on a split projection, hidden or intermediate sizes that T does
-not divide. What a run needs of the ranks: the T ranks of a group run the same engine calls in the same order
+LoRA adapters split as their projection does: a projection's output y = x W^T + s (x A^T) B^T, and the rank
+computes its own output columns, so it holds the rows of B that match its rows of W and the whole A (A's K loop runs
+over the whole input, which every rank has: the replicated hidden state, or the gathered input of o_proj /
+down_proj). The low-rank product x A^T is then the one-device engine's, and each output column's B loop runs
+whole on one rank: adapters are replicated in A and column-split in B, and the weight sync slices B as it slices W
+(adapters only after each update, as on one device).
+
+Not done (refused where configured): hidden or intermediate sizes that T does not divide. What a run needs of the ranks: the T ranks of a group run the same engine calls in the same order
 (the same prompts, the same request ids): the scheduler is deterministic and the logits every rank samples from
 are the same bits, so they stay in step.
 """
@@ -162,16 +168,23 @@ class GatheredLinear(Linear):
     all-gather makes it whole (K whole on every rank), the rank computes its slice of the output columns (its
     rows of the weight) with one in-order K loop per element, and an all-gather makes the output whole."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        tp: TensorParallelGroup,
+        lora: nn.Module | None = None,
+    ):
         nn.Module.__init__(self)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.lora = None
+        self.lora = lora  # its B already cut to this rank's output rows (`_gathered`)
         self.tp = tp
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         x = self.tp.gather_last(x)  # [T, K]: the features of every rank, in rank order (= the unsplit order)
-        return self.tp.gather_last(ops.linear(x, self.weight, self.bias))
+        # The base product and the adapter's term on the rank's output columns, as `Linear.forward` computes them.
+        return self.tp.gather_last(super().forward(ops, x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -248,19 +261,14 @@ def as_engine_shard(model: CausalLM, group: TensorParallelGroup) -> EngineShardC
 
 def check_tensor_parallel(model: CausalLM, size: int) -> None:
     """Refuse, by key, what `shard_engine_model` does not do (before any group is made)."""
-    check_tensor_parallel_shape(model.config, size, lora=model.lora_spec is not None)
+    check_tensor_parallel_shape(model.config, size)
 
 
-def check_tensor_parallel_shape(cfg: ModelConfig, size: int, *, lora: bool = False) -> None:
-    """`check_tensor_parallel` from the model's config alone (nothing built: `exactrl plan`, the run's preflight).
-    lora: the run attaches LoRA adapters."""
+def check_tensor_parallel_shape(cfg: ModelConfig, size: int) -> None:
+    """`check_tensor_parallel` from the model's config alone (nothing built: `exactrl plan`, the run's preflight)."""
     key = f"engine.tensor_parallel = {size}"
     if size == 1:
         return
-    if lora:
-        raise ValueError(
-            f"{key} with LoRA adapters (lora.rank > 0) is not done: set engine.tensor_parallel = 1"
-        )
     head_split(cfg.num_heads, cfg.num_kv_heads, TensorParallelGroup(size, 0))
     for what, n in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
         if n % size:
@@ -349,8 +357,9 @@ def shard_engine_model(model: CausalLM, tp: TensorParallelGroup) -> CausalLM:
 def _split_packed(
     prefix: str, name: str, layer: PackedLinear, pieces: list[tuple[int, int]], slicers: dict[str, Any]
 ) -> None:
-    """Keep the rows `pieces` of a packed projection's weight (and bias); register how a full weight maps to
-    them under the packed parameter's name (the one `named_parameters` gives)."""
+    """Keep the rows `pieces` (one per part, in part order) of a packed projection's weight (and bias) and of
+    each targeted part's LoRA B; register how a full tensor maps to them under the parameter's name (the one
+    `named_parameters` gives)."""
 
     def take(full: torch.Tensor) -> torch.Tensor:
         return _rows(full, pieces)
@@ -360,6 +369,26 @@ def _split_packed(
     if layer.bias is not None:
         layer.bias = nn.Parameter(take(layer.bias), requires_grad=False)
         slicers[f"{prefix}{name}.bias"] = take
+    if layer.lora is not None:  # part i's B holds that part's rows only: the piece, from the part's first row
+        starts = [0]
+        for n in layer.parts.values():
+            starts.append(starts[-1] + n)
+        for i, _ in layer.lora.targets:
+            a, b = pieces[i]
+            _split_lora_b(f"{prefix}{name}.lora", layer.lora, i, (a - starts[i], b - starts[i]), slicers)
+
+
+def _split_lora_b(
+    prefix: str, lora: nn.Module, i: int, rows: tuple[int, int], slicers: dict[str, Any]
+) -> None:
+    """Keep the rows [a, b) of the adapter's B(i) (`lora_B_<i>`, [out of part i, r]); register its slicer."""
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        return full[rows[0] : rows[1]].contiguous()
+
+    key = f"lora_B_{i}"
+    setattr(lora, key, nn.Parameter(take(getattr(lora, key)), requires_grad=False))
+    slicers[f"{prefix}.{key}"] = take
 
 
 def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[str, Any]) -> GatheredLinear:
@@ -374,4 +403,6 @@ def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[s
     if layer.bias is not None:
         slicers[f"{name}.bias"] = take
         bias = take(layer.bias)
-    return GatheredLinear(take(layer.weight), bias, tp)
+    if layer.lora is not None:
+        _split_lora_b(f"{name}.lora", layer.lora, 0, (span.start, span.stop), slicers)
+    return GatheredLinear(take(layer.weight), bias, tp, layer.lora)

@@ -57,7 +57,7 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
     from exactrl.train.memory import model_config
 
     e = cfg.engine
-    size = check_engine_split(model_config(cfg), e.tensor_parallel, e.expert_parallel, lora=cfg.lora.rank > 0)
+    size = check_engine_split(model_config(cfg), e.tensor_parallel, e.expert_parallel)
     if size == 1:
         return 1
     key = (

@@ -21,10 +21,12 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    forward), on every rank; skip_sync: the negative control (no weight
                                                    sync). Also the sharded model's state_dict() (HF names, per-expert
                                                    for a mixture of experts) against the replica's
-  {"kind": "cli", "argv": [...], "plant": "row_parallel" | "partial_combine"}
+  {"kind": "cli", "argv": [...], "plant": "row_parallel" | "partial_combine" | "adapters_off"}
                                                    the same, but a shared engine's o_proj / down_proj sum partial
                                                    products over K slices (Megatron's row-parallel arithmetic): the
-                                                   negative control of engine.tensor_parallel in exactrl train
+                                                   negative control of engine.tensor_parallel in exactrl train;
+                                                   or its experts' combine split over the ranks; or its o_proj /
+                                                   down_proj run without their LoRA adapters
   {"kind": "crashed", "src": DIR, "dst": DIR, "step": S}
                                                    rank 0 copies run DIR as a crash after step S's checkpoint leaves it
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
@@ -97,6 +99,17 @@ def cli_job(job: dict) -> None:
         real_row = tensor_parallel.GatheredLinear.forward
         tensor_parallel.GatheredLinear.forward = row_parallel
         undo.append(lambda: setattr(tensor_parallel.GatheredLinear, "forward", real_row))
+    if job.get("plant") == "adapters_off":  # a shared engine whose gathered layers drop their adapters
+        from exactrl.distributed import tensor_parallel
+
+        real_gathered = tensor_parallel.GatheredLinear.forward
+
+        def without_adapter(self, ops, x):
+            x = self.tp.gather_last(x)
+            return self.tp.gather_last(ops.linear(x, self.weight, self.bias))
+
+        tensor_parallel.GatheredLinear.forward = without_adapter
+        undo.append(lambda: setattr(tensor_parallel.GatheredLinear, "forward", real_gathered))
     if (
         job.get("plant") == "partial_combine"
     ):  # expert parallel's negative control: a combine split over ranks

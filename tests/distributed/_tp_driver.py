@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed/_tp_driver.py SPEC.json
 
 SPEC.json: {"jobs": [job, ...], "out": FILE.json (default tp.json in the working directory)}. For each job {"preset": NAME, "dtype": "float32" | "bfloat16",
-"overrides": {field: value}} every rank builds the same model
+"overrides": {field: value}, "lora": [target, ...] (LoRA adapters on those projections, B non-zero)} every rank
+builds the same model
 with trained-looking weights, samples ragged prompts with the one-device engine (tensor_parallel 1, the whole model
 on this rank) and with the engine split over both ranks (tensor_parallel 2), eagerly and through the static decode
 buffers, and with a negative control: the same split but o_proj / down_proj as Megatron's row-parallel layers (K
@@ -32,6 +33,7 @@ from exactrl.distributed.tensor_parallel import (
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model import build_model, preset
+from exactrl.model.lora import LoraSpec, add_lora
 from exactrl.ops import Ops
 
 PROMPT_LENS = (1, 5, 17, 33, 2, 9)  # ragged: one token, a chunk and a half, past two KV blocks
@@ -136,10 +138,28 @@ def compare(a, b) -> dict:
     return {"tokens_equal": same_tokens, "logprobs_equal": lp_equal, "differ": differ, "total": total}
 
 
+def adapters_off(model: nn.Module) -> nn.Module:
+    """The LoRA control: a split engine whose o_proj / down_proj drop their adapters (a GatheredLinear that
+    carries no LoRA, as before adapters were split)."""
+    for m in model.modules():
+        if isinstance(m, GatheredLinear):
+            m.lora = None
+    return model
+
+
 def run_job(job: dict, tp: TensorParallelGroup) -> dict:
     dtype = getattr(torch, job["dtype"])
     cfg = preset(job["preset"], **job.get("overrides", {}))
-    full = build_model(cfg, dtype=dtype, exact=True, seed=0)
+
+    def build(seed: int) -> nn.Module:
+        model = build_model(cfg, dtype=dtype, exact=True, seed=seed)
+        if job.get(
+            "lora"
+        ):  # trained adapters: B non-zero (trained_looking below), so they change every output
+            add_lora(model, LoraSpec(rank=4, alpha=8.0, target_modules=tuple(job["lora"])), seed=seed)
+        return model
+
+    full = build(0)
     trained_looking(full, seed=1)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -151,13 +171,20 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
     control = generate(partial_sum_control(full, tp), prompts)
 
     # Weight sync: a shard of another model takes every full weight of `full` through shard_full_weight.
-    other = build_model(cfg, dtype=dtype, exact=True, seed=5)
+    other = build(5)
     synced = shard_engine_model(other, tp)
     with torch.no_grad():
         for name, p in synced.named_parameters():
             p.copy_(synced.shard_full_weight(name, dict(full.named_parameters())[name]))
     two_synced = generate(synced, prompts)
-    stale = generate(shard_engine_model(build_model(cfg, dtype=dtype, exact=True, seed=5), tp), prompts)
+    stale = generate(shard_engine_model(build(5), tp), prompts)
+    lora = {}
+    if job.get("lora"):
+        lora = {
+            "lora_off": compare(
+                one, generate(adapters_off(shard_engine_model(copy.deepcopy(full), tp)), prompts)
+            )
+        }
 
     # The ranks of the split engine sampled the same tokens and recorded the same logprobs.
     mine = (two[0], [x.tolist() for x in two[1]])
@@ -169,9 +196,7 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
     if job.get("expert_parallel"):
         ep_only = shard_experts(copy.deepcopy(full), tp)
         both = shard_experts(shard_engine_model(copy.deepcopy(full), tp), tp)
-        synced_both = shard_experts(
-            shard_engine_model(build_model(cfg, dtype=dtype, exact=True, seed=5), tp), tp
-        )
+        synced_both = shard_experts(shard_engine_model(build(5), tp), tp)
         with torch.no_grad():
             for name, p in synced_both.named_parameters():
                 p.copy_(synced_both.shard_full_weight(name, dict(full.named_parameters())[name]))
@@ -182,20 +207,24 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
             "ep_control": compare(one, generate(expert_control(full, tp), prompts)),
             "params_held_ep": sum(p.numel() for p in both.parameters()),
         }
-    return ep | {
-        "preset": job["preset"],
-        "dtype": job["dtype"],
-        "tokens": sum(len(t) for t in one[0]),
-        "preemptions": one[2],
-        "tp2": compare(one, two),
-        "tp2_static": compare(one, two_static),
-        "control": compare(one, control),
-        "synced": compare(one, two_synced),
-        "stale": compare(one, stale),
-        "params_full": sum(p.numel() for p in full.parameters()),
-        "params_held": held,
-        "kv_heads": split.kv_heads,
-    }
+    return (
+        ep
+        | lora
+        | {
+            "preset": job["preset"],
+            "dtype": job["dtype"],
+            "tokens": sum(len(t) for t in one[0]),
+            "preemptions": one[2],
+            "tp2": compare(one, two),
+            "tp2_static": compare(one, two_static),
+            "control": compare(one, control),
+            "synced": compare(one, two_synced),
+            "stale": compare(one, stale),
+            "params_full": sum(p.numel() for p in full.parameters()),
+            "params_held": held,
+            "kv_heads": split.kv_heads,
+        }
+    )
 
 
 def main() -> None:

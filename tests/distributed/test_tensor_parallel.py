@@ -33,7 +33,6 @@ from exactrl.distributed.tensor_parallel import (
     tensor_parallel_groups,
 )
 from exactrl.model import build_model, preset
-from exactrl.model.lora import LoraSpec, add_lora
 from exactrl.ops.torch_ops import ExactTorchOps
 
 from ._runs import ROOT, launch
@@ -87,19 +86,23 @@ def test_shapes_tensor_parallel_cannot_split_are_refused(size: int, overrides: d
         check_tensor_parallel(model, size)
 
 
-def test_lora_and_a_world_size_it_does_not_divide_are_refused() -> None:
-    model = build_model(preset("tiny"), exact=True)
-    add_lora(model, LoraSpec(rank=4, alpha=8.0))
-    with pytest.raises(ValueError, match="engine.tensor_parallel = 2 with LoRA"):
-        check_tensor_parallel(model, 2)
+def test_a_world_size_tensor_parallel_does_not_divide_is_refused() -> None:
     with pytest.raises(ValueError, match="engine.tensor_parallel = 2 does not divide the world size 3"):
         tensor_parallel_groups(0, 3, 2)
 
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 JOBS = [
     {"preset": "tiny", "dtype": "float32"},
-    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True},
-    {"preset": "tiny-llama", "dtype": "float32", "overrides": {"num_kv_heads": 1, "vocab_size": 509}},
+    # LoRA on the attention projections (a MoE model's only targets): replicated under expert parallel.
+    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True, "lora": ATTENTION},
+    # LoRA on every projection: B split with its projection's rows (q/k/v, gate/up packed; o/down gathered).
+    {
+        "preset": "tiny-llama",
+        "dtype": "float32",
+        "overrides": {"num_kv_heads": 1, "vocab_size": 509},
+        "lora": [*ATTENTION, "gate_proj", "up_proj", "down_proj"],
+    },
 ]
 
 
@@ -118,6 +121,10 @@ def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
         assert r["control"]["differ"] > 0, (what, r["control"])
         assert not r["stale"]["tokens_equal"], what
         assert r["params_held"] < 0.9 * r["params_full"], what  # the split holds a share, not a replica
+        if (
+            "lora_off" in r
+        ):  # the adapters change the samples: a split that dropped o_proj's / down_proj's differs
+            assert not r["lora_off"]["logprobs_equal"], (what, r["lora_off"])
         if (
             "ep2" in r
         ):  # expert parallel alone, and with tensor parallel (static decode), and loaded from full

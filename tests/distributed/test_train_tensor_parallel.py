@@ -4,7 +4,10 @@ call while each rank trains on its own share. The run equals the T = 1 run at th
 (every metric but timings, the held-out evaluations included) and in its final weights (the checkpoint's policy/,
 written from weights gathered whole), bit for bit; resumed at T = 2 from its step-2 checkpoint it equals the
 uninterrupted run. The negative control plants Megatron's row-parallel arithmetic in the split engine's o_proj /
-down_proj (partial sums over K slices): the run differs, and the guard counts the mismatched tokens.
+down_proj (partial sums over K slices): the run differs, and the guard counts the mismatched tokens. With LoRA
+adapters on every projection (their B split with the projection, adapters alone synced after each update, a KL
+reference of the base with the adapters off) T = 2 equals T = 1 the same way (make test-all), and a split engine
+whose o_proj / down_proj drop their adapters is caught.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ STEPS = 3
 # checkpoint every step.
 EVAL = ["task.num_eval=4", "task.eval_every=2", "train.save_every=1"]
 TP = "engine.tensor_parallel=2"
+LORA = ("lora.rank=4", "algorithm.kl_coef=0.05")
 EP = "engine.expert_parallel=2"
 
 
@@ -43,6 +47,24 @@ def runs(tmp_path_factory) -> Path:
         },
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("train-tp-lora")
+    (tmp / "reward.py").write_text(REWARD)
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "t1", STEPS, *LORA, "train.save_every=1")},
+        {"kind": "cli", "argv": small_argv(tmp, "t2", STEPS, *LORA, "train.save_every=1", TP)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "planted", 2, *LORA, TP, "run.on_mismatch=warn"),
+            "plant": "adapters_off",
+        },
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp-lora", 400)
     assert code == 0, out[-3000:]
     return tmp
 
@@ -84,6 +106,14 @@ def test_row_parallel_arithmetic_in_the_shared_engine_is_caught(runs: Path) -> N
     first = [r for r in records(runs / "t1") if r.get("step") == 1 and "loss" in r]
     planted = [r for r in records(runs / "planted") if r.get("step") == 1 and "loss" in r]
     assert len(first) == len(planted) == 1 and first != planted
+
+
+@pytest.mark.extended  # make test-all: the engine's LoRA split is in the default run (test_tensor_parallel.py)
+def test_lora_adapters_split_with_their_projections_train_as_one_engine(lora_runs: Path) -> None:
+    assert mismatched(lora_runs / "t2") == 0
+    assert same(lora_runs / "t1", lora_runs / "t2")
+    # The control: B is zero until the first update, so step 2 is the first whose adapters change the samples.
+    assert mismatched(lora_runs / "planted") > 0
 
 
 @pytest.mark.extended  # make test-all: tensor parallel keeps the default run's shared-engine checks
