@@ -163,7 +163,8 @@ if want rl-30b; then  # issue 46: qwen3-30b-a3b, full depth, exact GRPO on two G
   NCCL_NVLS_ENABLE=0 timeout ${RL30_TIMEOUT:-570} $X bench rl --preset qwen3-30b-a3b --mode exact --nproc 2 --prompts 16 \
     --samples 4 --max-tokens 256 --prompt-max 256 --tokens-per-microbatch 4096 --kv-memory-fraction 0.5 --warmup 1 \
     --steps ${RL_STEPS:-1} --set train.offload=optimizer --set train.activation_checkpointing=true \
-    --set engine.expert_parallel=${EP:-2} --set model.init_draws=keyed --out-dir "$OUT/rl-30b" 2>&1 | tee "$OUT/rl_30b.log" | grep -v -i warn \
+    --set engine.expert_parallel=${EP:-2} --set model.init_draws=keyed --set train.fsdp_reduce=microbatch \
+    ${RL30_SETS:-} --out-dir "$OUT/rl-30b" 2>&1 | tee "$OUT/rl_30b.log" | grep -v -i warn \
     | tail -30 | tee "$OUT/rl_30b.txt"
 fi
 if want weight-send-8b; then  # issue 44: qwen3-8b's weights trainer -> generator (1 + 1, a small workload: the send

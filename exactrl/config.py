@@ -825,6 +825,14 @@ class TrainConfig:
     16384 (above max_tokens_per_microbatch) that the memory plan fits with 10% of the device to spare, else
     max_tokens_per_microbatch; on CPU ranks max_tokens_per_microbatch. Ignored on one device without torchrun.
     Episode and SFT length limits keep following max_tokens_per_microbatch."""
+    fsdp_reduce: Literal["minibatch", "microbatch"] = "minibatch"
+    """Under torchrun (FSDP2): when the gradients are reduce-scattered. "minibatch": once, after a minibatch's last
+    microbatch; until then each rank accumulates the gradients of every trained parameter unsharded, in fp32 (4
+    bytes per trained parameter of the whole model on each rank, the memory plan's fsdp_accumulated_grads).
+    "microbatch": after every microbatch, the shards accumulating (1/N of that): a round of reduce-scatters per
+    microbatch, and the gradient summed in another (fixed) order, so not the bits of "minibatch"; what a model
+    whose fp32 gradients do not fit beside its shards needs (qwen3-30b-a3b on 2 x H200). One microbatch a
+    minibatch: the same either way."""
     cuda_graphs: bool = True
     """Replay each microbatch's forward, loss and backward from a CUDA graph (ignored on CPU). Microbatches are
     then padded to a few bucket shapes; padding never reaches the loss."""

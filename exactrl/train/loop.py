@@ -1628,6 +1628,7 @@ def trainer_settings(cfg: RunConfig, microbatch_tokens: int | None = None) -> Tr
         rollout_correction=a.rollout_correction,
         rollout_correction_threshold=a.rollout_correction_threshold,
         max_tokens_per_microbatch=microbatch_tokens or tr.max_tokens_per_microbatch,
+        reduce_every_microbatch=tr.fsdp_reduce == "microbatch",
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
         moe_aux_loss_coef=tr.moe_aux_loss_coef,

@@ -531,6 +531,19 @@ def rollout_tokens_needed(cfg: RunConfig, world_size: int) -> int:
     return prompts * (cfg.task.max_prompt_tokens + n * grow) + bs * n * prompts
 
 
+def minibatch_may_split(cfg: RunConfig, world_size: int, tokens: int) -> bool:
+    """Can a rank's share of a minibatch take more than one microbatch of `tokens`? (Its worst case: every
+    sequence as long as the prompt and completion limits allow.)"""
+    a = cfg.algorithm
+    if cfg.env.name is not None:
+        longest = min(episode_token_limit(cfg), cfg.engine.max_model_len)
+    else:
+        longest = min(cfg.task.max_prompt_tokens + cfg.sampling.max_tokens, cfg.engine.max_model_len)
+    prompts = -(-a.prompts_per_step // world_size)
+    sequences = -(-prompts * a.group_size // a.minibatches_per_rollout)
+    return sequences * longest > tokens
+
+
 def kv_cache_blocks(cfg: RunConfig, mcfg, b: int, world_size: int, free: int | None) -> int:
     """The KV blocks of the run (the scratch block not included): `engine.num_kv_blocks`, else
     `kv_memory_fraction` of `free` (on a GPU: what the phases holding the cache leave free, the scratch block
@@ -646,15 +659,25 @@ def plan_memory(
         # The replica's trained part is released for training (the sync refreshes it anyway); a frozen base
         # (LoRA) stays on the device in every phase.
         engine_held["engine_replica"] = c["policy_trainable"] * b
-        if group > 1:  # a shared engine: this rank's shard (no LoRA: preflight refuses it with a split)
-            engine_held["engine_replica"] = engine_shard_params(cfg) * b
-        if c["policy_frozen"]:
-            resident["engine_replica_frozen"] = c["policy_frozen"] * b
+        frozen_held = c["policy_frozen"]
+        if group > 1:  # a shared engine: this rank's shard (with LoRA: the base's shard frozen, the adapters)
+            shard = engine_shard_params(cfg)
+            frozen_held = shard if c["policy_frozen"] else 0
+            engine_held["engine_replica"] = (c["policy_trainable"] if c["policy_frozen"] else shard) * b
+        if frozen_held:
+            resident["engine_replica_frozen"] = frozen_held * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
         opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
         # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.
         train_extra["fsdp_unsharded_layers"] = c["largest_layer_params"] * (2 * b + 4)
+        if tr.fsdp_reduce == "minibatch" and minibatch_may_split(
+            cfg, n, microbatch_tokens(cfg, n, sharded=True)
+        ):
+            # Until a minibatch's last microbatch each rank accumulates every trained gradient unsharded, in fp32.
+            train_extra["fsdp_accumulated_grads"] = (
+                c["policy_trainable"] + c["critic_trainable"] + c["critic_head_fp32"]
+            ) * 4
     if a.max_off_policy_steps > 0 and not sharded:
         # One step off: the engine samples from its own copy of the weights in the model dtype (the whole model,
         # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
@@ -814,6 +837,8 @@ def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, li
         )
     if tr.cuda_graphs:
         out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
+    if sharded and tr.fsdp_reduce == "minibatch":
+        out.append(('train.fsdp_reduce="microbatch"', ["train.fsdp_reduce=microbatch"], world_size))
     if cfg.model.dtype == "float32":
         out.append(("model.dtype=bfloat16", ["model.dtype=bfloat16"], world_size))
     if tr.offload == "none":
@@ -842,7 +867,7 @@ def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, li
 def engine_splits(cfg: RunConfig, world_size: int) -> list[list[str]]:
     """The engine splits to try at `world_size` torchrun ranks, as --set overrides: T = G, and for a mixture of
     experts E = G and T = E = G, for each G of 2, 4, 8 above the config's that divides the world size and that
-    `exactrl train` would run (preflight's refusals: the model's shape, LoRA, the modes a shared engine lacks)."""
+    `exactrl train` would run (preflight's refusals: the model's shape, the modes a shared engine lacks)."""
     from exactrl.train.preflight import check_shared_engine
 
     moe = model_config(cfg).is_moe

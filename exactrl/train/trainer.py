@@ -103,6 +103,9 @@ class TrainerSettings:
     rollout_correction: str | None = None
     rollout_correction_threshold: float = 2.0
     max_tokens_per_microbatch: int = 8192
+    # FSDP2 (train.fsdp_reduce = "microbatch"): reduce-scatter after every microbatch, the shards accumulating,
+    # instead of once per minibatch after the unsharded fp32 gradients accumulated.
+    reduce_every_microbatch: bool = False
     grad_clip: float = 1.0
     exact: bool = True
     # Exact mode's guard: every completion token's trainer logprob at the sampling weights is compared with the
@@ -747,11 +750,13 @@ class PolicyTrainer:
         # Every microbatch is queued before any result is read: one device sync per minibatch.
         done: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         for k, ids in enumerate(micros):
-            _set_gradient_sync(self.model, k == num_micro - 1)  # sharded: one reduce-scatter per minibatch
+            # Sharded: one reduce-scatter per minibatch, or one per microbatch (train.fsdp_reduce).
+            sync = s.reduce_every_microbatch or k == num_micro - 1
+            _set_gradient_sync(self.model, sync)
             lp, m, metric_vec = self._policy_microbatch(b, ids, divisor, router_tokens, acc)
             done.append((ids, m, metric_vec, lp[: len(ids)].clone() if check_mismatch and ids else None))
             if self.critic is not None:
-                _set_gradient_sync(self.critic, k == num_micro - 1)
+                _set_gradient_sync(self.critic, sync)
                 acc.add(self._value_microbatch(b, ids, divisor), float(b.full_mask[ids].sum()))
         # The optimizer step is queued without reading anything back: a non-finite loss in any microbatch, or
         # a non-finite gradient norm, makes the device skip it. Results are read once, at the end of the step.
@@ -1011,8 +1016,9 @@ class _QueuedMinibatch:
 
 
 def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
-    """FSDP2: reduce-scatter gradients in this backward only when `sync` (the minibatch's last microbatch);
-    before that they accumulate unsharded, in fp32. Nothing to do for an unsharded model."""
+    """FSDP2: reduce-scatter gradients in this backward only when `sync` (the minibatch's last microbatch, or
+    every microbatch with train.fsdp_reduce = "microbatch"); before that they accumulate unsharded, in fp32.
+    Nothing to do for an unsharded model."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(sync)
 

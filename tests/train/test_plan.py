@@ -488,9 +488,17 @@ def test_qwen3_30b_a3b_on_8_x_80gb_fits_with_the_moment_shards_offloaded():
         "algorithm.rollouts_per_step=128",
         "engine.max_model_len=1024",
         "sampling.max_tokens=512",
+        "train.fsdp_reduce=microbatch",
     ]
     quickstart = lambda *more: load_config(ROOT / "configs" / "quickstart.toml", [*sets, *more])  # noqa: E731
     gpu, host = int(79.18 * GiB), 1024 * GiB
+    # One reduce-scatter per minibatch: every rank accumulates the whole model's fp32 gradients unsharded
+    # until the minibatch's last microbatch, 4 bytes a parameter (a 2 x H200 rank ran out of memory there).
+    whole = make_plan(
+        quickstart("train.offload=optimizer", "train.fsdp_reduce=minibatch"), world_size=8, gpu_memory=gpu
+    )
+    assert whole.phase("training").terms["fsdp_accumulated_grads"] == 4 * preset("qwen3-30b-a3b").num_params()
+    assert not whole.fits and 'train.fsdp_reduce="microbatch"' in whole.refusal()
     off = make_plan(quickstart(), world_size=8, gpu_memory=gpu, host_memory=host)
     assert not off.fits and off.worst.name == "generation"
     assert 'train.offload="optimizer"' in off.refusal()
@@ -745,7 +753,7 @@ def test_the_set_up_is_planned_whole_before_fsdp2_shards():
     """Before FSDP2 shards anything a rank holds the policy whole in the model dtype, a KL reference's whole
     copy, and one layer cast to fp32 (the engine replica is structure alone until then): a card that holds the
     steady phases but not the set-up is refused by its "setup" phase."""
-    shape = ("model.preset=qwen3-8b", "train.fsdp_tokens_per_microbatch=2048")
+    shape = ("model.preset=qwen3-8b", "train.fsdp_tokens_per_microbatch=2048", "train.fsdp_reduce=microbatch")
     plan = make_plan(run_cfg(*shape), world_size=8, device="cuda")
     setup, p = plan.phase("setup").terms, plan.counts["policy_params"]
     assert setup["policy_whole"] == 2 * p and "reference_whole" not in setup

@@ -156,7 +156,26 @@ def test_plan_refuses_what_train_refuses(capsys):
 
     assert "engine.tensor_parallel = 2 needs torchrun ranks" in refused()  # no --nproc: no torchrun
     assert "does not divide the world size 3" in refused("--nproc", "3")
-    assert "with LoRA adapters" in refused("--nproc", "2", "--set", "lora.rank=8")
+    assert "a generator rank holds a whole engine" in refused(
+        "--nproc", "4", "--set", "distributed.generator_ranks=2"
+    )
     assert "the model has no sparse" in refused("--nproc", "2", "--set", "engine.expert_parallel=2")
     assert main([*base, "--nproc", "2"]) == 0
     assert '"engine_ranks":2' in capsys.readouterr().out
+
+
+def test_a_split_engine_with_lora_holds_its_shard_of_the_frozen_base():
+    """LoRA with engine.tensor_parallel = 2: the replica's frozen base is the rank's shard, not the whole model,
+    and the adapters are what the weight sync refreshes; without the split the whole base stays."""
+    lora = ("model.preset=qwen3-8b", "lora.rank=16")
+    split = make_plan(run_cfg(*lora, "engine.tensor_parallel=2"), world_size=2, device="cuda")
+    whole = make_plan(run_cfg(*lora), world_size=2, device="cuda")
+    shard = memory.engine_shard_params(run_cfg(*lora, "engine.tensor_parallel=2"))
+    gen, gen1 = split.phase("generation").terms, whole.phase("generation").terms
+    assert gen["engine_replica_frozen"] == 2 * shard
+    assert (
+        gen1["engine_replica_frozen"]
+        == 2 * whole.counts["policy_frozen"]
+        > 1.9 * gen["engine_replica_frozen"]
+    )
+    assert gen["engine_replica"] == gen1["engine_replica"] == 2 * split.counts["policy_trainable"]
