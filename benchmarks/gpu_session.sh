@@ -171,6 +171,7 @@ if want weight-send-8b; then  # issue 44: qwen3-8b's weights trainer -> generato
   # is the figure: weight_send_full_gb_per_s, the first send with the group's set-up, and weight_send_s per step)
   NCCL_NVLS_ENABLE=0 timeout 400 $X bench rl --preset qwen3-8b --mode exact --nproc 2 --generator-ranks 1 --prompts 8 \
     --samples 2 --max-tokens 64 --prompt-max 128 --tokens-per-microbatch 4096 --warmup 1 --steps 2 \
+    --set model.init_draws=keyed --set train.offload=optimizer \
     --out-dir "$OUT/rl-8b-send" 2>&1 | tee "$OUT/rl_8b_send.log" | grep -v -i warn | tail -24 | tee "$OUT/rl_8b_send.txt"
 fi
 if want parity; then

@@ -58,13 +58,23 @@ def main() -> None:
     ap.add_argument("--mode", default="exact", choices=("exact", "fast"))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--busy-cores", type=int, default=0, help="spinning processes beside the run")
-    ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument(
+        "--host-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: as `exactrl train` and `bench` set them, limit_host_threads; -1: torch's "
+        "default, one per core)",
+    )
     args = ap.parse_args()
 
     import torch
 
-    if args.host_threads:
+    if args.host_threads > 0:
         torch.set_num_threads(args.host_threads)
+    elif args.host_threads == 0:
+        from exactrl.distributed.env import limit_host_threads
+
+        limit_host_threads(args.device)
 
     from exactrl.bench import _bench_rollouts
     from exactrl.model.loading import load_policy
