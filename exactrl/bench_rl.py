@@ -327,13 +327,11 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
     short (a timeout) still leaves its finished steps."""
-    from exactrl.distributed.env import init_from_env, under_torchrun
-    from exactrl.distributed.layout import split_layout
+    from exactrl.distributed.env import under_torchrun
     from exactrl.distributed.shared_engine import SharedEngine
     from exactrl.engine.engine import EngineConfig
-    from exactrl.model.loading import resolve_device
     from exactrl.tasks import Example
-    from exactrl.train.loop import RLRun, check_modes_before_launch
+    from exactrl.train.loop import RLRun, check_modes_before_launch, job_layout
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -346,8 +344,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         layout = None
         if under_torchrun():  # --nproc N: colocated ranks, or generator ranks apart (--generator-ranks)
             check_modes_before_launch(cfg)
-            world = init_from_env(resolve_device(cfg.run.device))
-            layout = split_layout(world, cfg.distributed.generator_ranks)
+            layout = job_layout(cfg)
             if layout.role == "generator":
                 return _serve_as_generator(args, cfg, layout)
         elif cfg.distributed.generator_ranks:

@@ -369,26 +369,41 @@ def _split_packed(
     if layer.bias is not None:
         layer.bias = nn.Parameter(take(layer.bias), requires_grad=False)
         slicers[f"{prefix}{name}.bias"] = take
-    if layer.lora is not None:  # part i's B holds that part's rows only: the piece, from the part's first row
-        starts = [0]
-        for n in layer.parts.values():
-            starts.append(starts[-1] + n)
-        for i, _ in layer.lora.targets:
-            a, b = pieces[i]
-            _split_lora_b(f"{prefix}{name}.lora", layer.lora, i, (a - starts[i], b - starts[i]), slicers)
+    # Part i's LoRA B holds that part's rows only: the piece, counted from the part's first row (kept for adapters
+    # attached after the split, `shard_adapters`).
+    starts = [0]
+    for n in layer.parts.values():
+        starts.append(starts[-1] + n)
+    layer.shard_rows = [(a - s0, b - s0) for (a, b), s0 in zip(pieces, starts)]
+    if layer.lora is not None:
+        _split_adapter(f"{prefix}{name}", layer, slicers)
 
 
-def _split_lora_b(
-    prefix: str, lora: nn.Module, i: int, rows: tuple[int, int], slicers: dict[str, Any]
-) -> None:
-    """Keep the rows [a, b) of the adapter's B(i) (`lora_B_<i>`, [out of part i, r]); register its slicer."""
+def _split_adapter(name: str, layer: Linear, slicers: dict[str, Any]) -> None:
+    """The rows `layer.shard_rows` of each targeted part's LoRA B (`lora_B_<i>`, [out of part i, r]), kept (a B
+    attached before the split is cut; one attached after it has those rows already); its slicer registered."""
+    for i, _ in layer.lora.targets:
+        a, b = layer.shard_rows[i]
 
-    def take(full: torch.Tensor) -> torch.Tensor:
-        return full[rows[0] : rows[1]].contiguous()
+        def take(full: torch.Tensor, a: int = a, b: int = b) -> torch.Tensor:
+            return full[a:b].contiguous()
 
-    key = f"lora_B_{i}"
-    setattr(lora, key, nn.Parameter(take(getattr(lora, key)), requires_grad=False))
-    slicers[f"{prefix}.{key}"] = take
+        key = f"lora_B_{i}"
+        held = getattr(layer.lora, key)
+        if held.shape[0] != b - a:
+            setattr(layer.lora, key, nn.Parameter(take(held), requires_grad=False))
+        slicers[f"{name}.lora.{key}"] = take
+
+
+def shard_adapters(model: nn.Module) -> None:
+    """LoRA adapters attached to an engine already split by tensor parallel (a generator's, after the split):
+    register how the whole adapters map to the rank's (B's rows with its projection's; A whole). A no-op on a
+    model that is not a tensor-parallel shard."""
+    if not isinstance(model, EngineShardCausalLM):
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.lora is not None and getattr(m, "shard_rows", None) is not None:
+            _split_adapter(name, m, model.shard_slicers)
 
 
 def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[str, Any]) -> GatheredLinear:
@@ -403,6 +418,8 @@ def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[s
     if layer.bias is not None:
         slicers[f"{name}.bias"] = take
         bias = take(layer.bias)
-    if layer.lora is not None:
-        _split_lora_b(f"{name}.lora", layer.lora, 0, (span.start, span.stop), slicers)
-    return GatheredLinear(take(layer.weight), bias, tp, layer.lora)
+    out = GatheredLinear(take(layer.weight), bias, tp, layer.lora)
+    out.shard_rows = [(span.start, span.stop)]
+    if out.lora is not None:
+        _split_adapter(name, out, slicers)
+    return out

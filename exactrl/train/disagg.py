@@ -44,6 +44,9 @@ class Command:
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
+    shapes: list[tuple[int, ...]] = field(
+        default_factory=list
+    )  # "sync": their whole shapes (a split engine's)
     resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
     rule: CutRule | None = None  # "partial": when the generation stops
     # "episodes": the prompts' examples (the environment's input)
@@ -61,7 +64,10 @@ class RemoteEngine:
         self.layout = layout
         self.config = config
         self.model: torch.nn.Module | None = None
-        self.peer = layout.generator_of(layout.local.rank)
+        self.peer = layout.generator_of(layout.local.rank)  # the rank that answers
+        self.peers = layout.generators_of(
+            layout.local.rank
+        )  # every rank of its engine: each gets the commands
         self._asked = False  # whether this round's command went out (`end_round`)
         self.last_send: dict[str, float] = {}
 
@@ -109,9 +115,14 @@ class RemoteEngine:
             )
         )
 
+    def _tell(self, cmd: Command) -> None:
+        """`cmd` to every rank of this trainer's engine."""
+        for p in self.peers:
+            self.layout.send(cmd, p)
+
     def _ask(self, cmd: Command) -> Any:
         """This round's command to the generator, and its answer."""
-        self.layout.send(cmd, self.peer)
+        self._tell(cmd)
         self._asked = True
         return self.layout.recv(self.peer)
 
@@ -125,7 +136,7 @@ class RemoteEngine:
         """A round where this trainer may not have asked anything (the held-out evaluation runs on trainer 0's
         generator alone): a "skip" keeps the generator's rounds in step."""
         if not self._asked:
-            self.layout.send(Command("skip"), self.peer)
+            self._tell(Command("skip"))
         self._asked = False
 
     @torch.no_grad()
@@ -133,7 +144,7 @@ class RemoteEngine:
         """Every trainer: tell the generator new weights come; trainer 0: broadcast `named` (model-dtype tensors,
         the same names and order on every trainer) to every generator."""
         t0 = time.perf_counter()
-        self.layout.send(Command("sync", names=[n for n, _ in named]), self.peer)
+        self._tell(Command("sync", names=[n for n, _ in named], shapes=[tuple(t.shape) for _, t in named]))
         moved = 0
         if self.layout.local.rank == 0:
             moved = send_weights([t for _, t in named], self.layout.sync_group)
@@ -149,10 +160,10 @@ class RemoteEngine:
         """Every trainer, once its policy has its adapters (after the warm start and the evaluation before RL, as
         a colocated run builds its replica's engine): the generator attaches the same adapters to its model. Their
         values come with the next full weight sync."""
-        self.layout.send(Command("lora"), self.peer)
+        self._tell(Command("lora"))
 
     def stop(self) -> None:
-        self.layout.send(Command("stop"), self.peer)
+        self._tell(Command("stop"))
 
 
 def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None) -> dict[str, Any]:
@@ -174,8 +185,9 @@ def generator_engine(
     cfg: RunConfig, layout: Layout, make: Callable[..., RolloutEngine] = RolloutEngine
 ) -> RolloutEngine:
     """The generator's engine: the run's model shape and dtype on this rank's device, in the exact environment the
-    trainers set (its weights come from trainer 0 before the first generation). make: the engine class (or a
-    factory with its signature; `exactrl bench rl` plans completion lengths)."""
+    trainers set (its weights come from trainer 0 before the first generation), split over the rank's engine group
+    when engine.tensor_parallel / expert_parallel share it. make: the engine class (or a factory with its
+    signature; `exactrl bench rl` plans completion lengths)."""
     from exactrl.model.loading import load_policy
     from exactrl.ops import set_exact_environment
 
@@ -197,8 +209,18 @@ def generator_engine(
         init_draws=cfg.model.init_draws,
     )
     model.requires_grad_(False)
+    group = getattr(layout, "engine_group", None)
+    if group is not None:
+        from exactrl.distributed.shared_engine import split_engine_model
+
+        model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
-    return make(model, EngineConfig(**engine_cfg), tokenizer=tok)
+    engine = make(model, EngineConfig(**engine_cfg), tokenizer=tok)
+    if (
+        group is not None
+    ):  # each rank sizes an unset KV cache from its own free memory: the group takes the least
+        engine.agree_blocks = group.min
+    return engine
 
 
 @dataclass
@@ -232,6 +254,8 @@ class GeneratorLoop:
         self.env = env  # multi-turn: the run's environment, whose episodes this generator runs
         self.layout = layout
         self.trainers = layout.trainers_of(layout.world.rank)
+        # The rank that sends the outputs back (a split engine's other ranks run the same calls and keep quiet).
+        self.answers = layout.answers(layout.world.rank)
         self.params = dict(engine.model.named_parameters())
         self.rounds: list[Round] = []
         self.lora, self.seed = lora, seed  # the run's [lora] section: the adapters a "lora" command attaches
@@ -248,6 +272,11 @@ class GeneratorLoop:
         apply_lora_config(
             self.engine.model, replace(self.lora, path=None), seed=self.seed
         )  # values: the sync's
+        from exactrl.distributed.tensor_parallel import shard_adapters
+
+        shard_adapters(
+            self.engine.model
+        )  # a split engine: B's rows are its projection's, the sync slices them
         self.engine.runner = None
         self.params = dict(self.engine.model.named_parameters())
 
@@ -268,7 +297,12 @@ class GeneratorLoop:
                     raise RuntimeError(
                         f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
                     )
-                moved = recv_weights([self.params[n] for n in names], self.layout.sync_group)
+                moved = recv_weights(
+                    [self.params[n] for n in names],
+                    self.layout.sync_group,
+                    shapes=cmds[0].shapes or None,
+                    part=self._part(names),
+                )
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if kinds & {"sync", "lora"}:
@@ -294,6 +328,11 @@ class GeneratorLoop:
                     )
                 )
 
+    def _part(self, names: list[str]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """What of whole weight i (`names[i]`) this rank's engine holds: all of it, or a split engine's slice."""
+        model = self.engine.model
+        return lambda i, whole: model.shard_full_weight(names[i], whole)
+
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
         """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for
         all: where the cut falls depends on which samples share the engine's steps, so each trainer's generation
@@ -305,7 +344,7 @@ class GeneratorLoop:
             out = self.engine.generate_until_cut(c.prompts, c.request_ids, c.params, c.resumed, c.rule)
             tokens += sum(len(s.completion_ids) for s in out.samples)
             tokens -= sum(len(s.completion_ids) for s in c.resumed)
-            self.layout.send(out, r)
+            self._answer(out, r)
         return tokens
 
     def run_episodes(self, asks: list[tuple[int, Command]]) -> int:
@@ -334,7 +373,7 @@ class GeneratorLoop:
                 pool=self.env.pool(),  # started once for the run, on this rank
             )
             tokens += sum(len(e.completion_ids) for g in eb.groups for e in g)
-            self.layout.send(eb, r)
+            self._answer(eb, r)
         return tokens
 
     def generate(self, asks: list[tuple[int, Command]]) -> int:
@@ -351,6 +390,10 @@ class GeneratorLoop:
             tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
             start = 0
             for r, c in same:
-                self.layout.send(outs[start : start + len(c.prompts)], r)
+                self._answer(outs[start : start + len(c.prompts)], r)
                 start += len(c.prompts)
         return tokens
+
+    def _answer(self, obj: Any, trainer: int) -> None:
+        if self.answers:
+            self.layout.send(obj, trainer)

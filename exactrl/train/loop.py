@@ -79,6 +79,18 @@ from exactrl.train.sft import (
 from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout, TrainerSettings
 
 
+def job_layout(cfg: RunConfig) -> Layout:
+    """This rank's place in the job (every rank calls it: the process groups are made collectively): the
+    colocated layout, or trainer / generator ranks, the generators' engines split over groups of
+    engine.tensor_parallel / expert_parallel ranks."""
+    e = cfg.engine
+    return split_layout(
+        init_from_env(resolve_device(cfg.run.device)),
+        cfg.distributed.generator_ranks,
+        engine_group_size(e.tensor_parallel, e.expert_parallel),
+    )
+
+
 class _StopFlag:
     """Ctrl-C (SIGINT) or SIGTERM sets the flag: the current step finishes, a checkpoint is written, the run exits
     cleanly. SIGTERM is what a cluster scheduler (Slurm, Kubernetes) and torchrun's agent send before they kill a
@@ -297,7 +309,7 @@ def train(
     and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
     cfg.validate()
     check_modes_before_launch(cfg)
-    layout = split_layout(init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks)
+    layout = job_layout(cfg)
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
     run = RLRun(
@@ -375,9 +387,7 @@ class RLRun:
         # A disaggregated run's trainer: its place among the trainers (the generators are not in its collectives).
         if layout is None:
             check_modes_before_launch(cfg)
-            layout = split_layout(
-                init_from_env(resolve_device(cfg.run.device)), cfg.distributed.generator_ranks
-            )
+            layout = job_layout(cfg)
         if layout.role == "generator":
             raise ValueError("RLRun runs on trainer ranks; a generator rank runs serve_generator")
         self.layout = layout
@@ -393,7 +403,8 @@ class RLRun:
         # (exactrl/distributed/shared_engine.py); None: every rank its own.
         self.engine_group: TensorParallelGroup | None = None
         e = cfg.engine
-        if engine_group_size(e.tensor_parallel, e.expert_parallel) > 1:
+        # (A disaggregated run's engine is the generators': split over their groups, `split_layout`.)
+        if engine_group_size(e.tensor_parallel, e.expert_parallel) > 1 and not layout.disaggregated:
             self.engine_group = engine_group(
                 self.dist.rank, self.dist.world_size, e.tensor_parallel, e.expert_parallel
             )

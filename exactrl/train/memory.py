@@ -637,7 +637,9 @@ def plan_memory(
     # this device holds no KV cache and no decode graphs; it keeps the replica it sends them (and at k >= 1 the
     # guard's forward on it, counted as an engine forward's working set).
     trainer_only = cfg.distributed.generator_ranks > 0
-    group = engine_group_ranks(cfg)
+    # The ranks sharing this rank's engine (a disaggregated trainer holds a whole replica: the engine, split or
+    # not, runs on the generators).
+    group = 1 if trainer_only else engine_group_ranks(cfg)
     if group > 1 and not sharded:
         raise ValueError(f"an engine shared by {group} ranks needs torchrun ranks (FSDP2)")
 
@@ -871,7 +873,9 @@ def engine_splits(cfg: RunConfig, world_size: int) -> list[list[str]]:
     from exactrl.train.preflight import check_shared_engine
 
     moe = model_config(cfg).is_moe
-    out = []
+    out: list[list[str]] = []
+    if cfg.distributed.generator_ranks:  # the engine is on the generators: splitting it saves a trainer nothing
+        return out
     for g in (2, 4, 8):
         if g <= engine_group_ranks(cfg) or world_size % g:
             continue

@@ -66,21 +66,29 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
         else f"engine.expert_parallel = {e.expert_parallel}"
     )
     a = cfg.algorithm
+    gens = (
+        cfg.distributed.generator_ranks
+    )  # > 0: the engine is split over generator ranks, the trainers hold none
     refusals = [
         (not distributed, "needs torchrun ranks (`exactrl train --nproc N`), N a multiple of it"),
         (
-            distributed and world_size % size != 0,
+            distributed and not gens and world_size % size != 0,
             f"does not divide the world size {world_size}: every engine needs {size} ranks of its own",
         ),
         (
-            cfg.distributed.generator_ranks > 0,
-            f"with distributed.generator_ranks = {cfg.distributed.generator_ranks}: a generator rank holds a "
-            "whole engine; set one of them to its default",
+            gens % size != 0,
+            f"does not divide distributed.generator_ranks = {gens}: every engine needs {size} generator ranks of "
+            "its own",
         ),
         (
-            a.max_off_policy_steps > 0,
+            a.max_off_policy_steps > 0 and not gens,
             f"with algorithm.max_off_policy_steps = {a.max_off_policy_steps}: the next batch is sampled by a "
-            "worker thread that issues no collective, and a shared engine's every forward is one",
+            "worker thread that issues no collective, and a shared engine's every forward is one (generator "
+            "ranks run it: distributed.generator_ranks)",
+        ),
+        (
+            a.partial_rollouts and gens > 0,
+            "with algorithm.partial_rollouts on generator ranks is not tested yet",
         ),
         (
             cfg.env.name is not None,

@@ -63,8 +63,14 @@ class _Layout:
     def generator_of(self, trainer_rank: int) -> int:
         return 2
 
+    def generators_of(self, trainer_rank: int) -> list[int]:
+        return [2]
+
     def trainers_of(self, generator_rank: int) -> list[int]:
         return [0, 1]
+
+    def answers(self, generator_rank: int) -> bool:
+        return True
 
 
 def _engine(model) -> RolloutEngine:

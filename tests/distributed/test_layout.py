@@ -9,7 +9,7 @@ import torch
 
 from exactrl.config import load_config
 from exactrl.distributed.env import DistContext
-from exactrl.distributed.layout import buckets, split_layout
+from exactrl.distributed.layout import Layout, buckets, split_layout
 from exactrl.train.drivers.modes import choose_driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +26,34 @@ def test_colocated_layout_is_the_job_itself() -> None:
     [
         (DistContext.single(), 1, "needs torchrun ranks"),
         (DistContext(rank=0, world_size=2, backend="gloo"), 2, "leaves no rank to train"),
-        (DistContext(rank=0, world_size=3, backend="gloo"), 2, "more generators than trainers"),
+        (
+            DistContext(rank=0, world_size=3, backend="gloo"),
+            2,
+            "more generator engines \\(2\\) than trainers",
+        ),
     ],
 )
 def test_layouts_that_cannot_work_are_refused(world: DistContext, g: int, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         split_layout(world, g)
+    # Engines of several generator ranks: the group size must divide the generators (nothing is made before).
+    with pytest.raises(ValueError, match="must divide the generator ranks"):
+        split_layout(DistContext(rank=0, world_size=4, backend="gloo"), 3, 2)
+
+
+def test_generator_engines_of_several_ranks_serve_whole_trainer_shares() -> None:
+    # 2 trainers, 4 generators in 2 engines of 2: trainer r's engine is ranks 2 + 2 * (r % 2) and + 1; the first
+    # answers; each engine's ranks serve the same trainers.
+    lay = Layout(
+        DistContext(rank=0, world_size=6, backend="gloo"), 4, "trainer", DistContext.single(), group_size=2
+    )
+    assert lay.engines == 2
+    assert [lay.generators_of(r) for r in range(2)] == [[2, 3], [4, 5]]
+    assert [lay.generator_of(r) for r in range(2)] == [2, 4]
+    assert [lay.trainers_of(g) for g in range(2, 6)] == [[0], [0], [1], [1]]
+    assert [lay.answers(g) for g in range(2, 6)] == [True, False, True, False]
+    one = Layout(DistContext(rank=0, world_size=3, backend="gloo"), 1, "trainer", DistContext.single())
+    assert one.generators_of(1) == [2] and one.trainers_of(2) == [0, 1] and one.answers(2)
 
 
 @pytest.mark.parametrize(("key", "words"), [('algorithm.overlap="tail"', "algorithm.overlap")])

@@ -175,11 +175,20 @@ def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(
     [
         ([], 0, "needs torchrun ranks"),
         ([], 3, "does not divide the world size 3"),
-        (["distributed.generator_ranks=1"], 2, "generator_ranks = 1: a generator rank holds a whole engine"),
+        (["distributed.generator_ranks=1"], 2, "does not divide distributed.generator_ranks = 1"),
         (
             ["algorithm.max_off_policy_steps=1"],
             2,
             "max_off_policy_steps = 1: the next batch is sampled by a worker",
+        ),
+        (
+            [
+                "distributed.generator_ranks=2",
+                "algorithm.max_off_policy_steps=2",
+                "algorithm.partial_rollouts=true",
+            ],
+            2,
+            "partial_rollouts on generator ranks is not tested yet",
         ),
         (["algorithm.dynamic_sampling=reward"], 2, "dynamic_sampling = 'reward' is not tested yet"),
     ],

@@ -1,0 +1,87 @@
+"""Generator ranks that share one engine split over them (distributed.generator_ranks = 2 with
+engine.tensor_parallel = 2, exactrl/distributed/layout.py): the trainer sends each command to both generator ranks,
+both run the same engine calls (every forward's all-gathers among them), the first answers, and each takes its slice
+of every weight trainer 0 broadcasts whole. On 3 CPU ranks (1 trainer, one engine of 2 generators) a run equals the
+colocated run of one FSDP2 rank step for step (every metric but timings, the held-out evaluations included) and in
+its final weights, bit for bit: full weights, and (make test-all) LoRA (the adapters attached on the generators after
+their split, each sync moving the adapters alone, B sliced) and one step off. The control plants Megatron's row-parallel arithmetic
+in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ._runs import REWARD, launch, mismatched, records, same, small_argv
+
+pytestmark = pytest.mark.slow
+
+DRIVER = Path(__file__).with_name("_driver.py")
+STEPS = 3
+EVAL = ["task.num_eval=4", "task.eval_every=2"]
+SPLIT = ["distributed.generator_ranks=2", "engine.tensor_parallel=2"]
+LORA = ("lora.rank=4", "algorithm.kl_coef=0.05")
+K1 = "algorithm.max_off_policy_steps=1"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("disagg-split")
+    (tmp / "reward.py").write_text(REWARD)
+    code, out, _ = launch(
+        DRIVER, tmp, 1, [{"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)}], "co", 400
+    )
+    assert code == 0, out[-3000:]
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "split", STEPS, *EVAL, *SPLIT)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "planted", 1, *SPLIT, "run.on_mismatch=warn"),
+            "plant": "row_parallel",
+        },
+    ]
+    code, out, _ = launch(DRIVER, tmp, 3, jobs, "split", 600)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("disagg-split-more")
+    (tmp / "reward.py").write_text(REWARD)
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *LORA)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, K1)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 1, jobs, "co", 400)
+    assert code == 0, out[-3000:]
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "split-lora", STEPS, *LORA, *SPLIT)},
+        {"kind": "cli", "argv": small_argv(tmp, "split-k1", STEPS, K1, *SPLIT)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 3, jobs, "split", 600)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+def test_a_split_generator_engine_equals_the_colocated_run(runs: Path) -> None:
+    assert sum("eval/reward" in r for r in records(runs / "split")) == 3
+    assert mismatched(runs / "split") == 0
+    assert same(runs / "colocated", runs / "split")
+
+
+def test_row_parallel_arithmetic_on_the_generators_is_caught(runs: Path) -> None:
+    assert mismatched(runs / "planted") > 0
+
+
+@pytest.mark.extended  # make test-all: the split generators' default-run checks are above
+def test_lora_on_a_split_generator_engine_equals_the_colocated_run(more_runs: Path) -> None:
+    assert mismatched(more_runs / "split-lora") == 0
+    assert same(more_runs / "colocated-lora", more_runs / "split-lora")
+
+
+@pytest.mark.extended
+def test_one_step_off_on_a_split_generator_engine_equals_the_colocated_run(more_runs: Path) -> None:
+    assert mismatched(more_runs / "split-k1") == 0
+    assert same(more_runs / "colocated-k1", more_runs / "split-k1")
