@@ -8,7 +8,7 @@
 #     [bench-rl-profile] [tail-check] [bench-rl-exact] [probe-train] [probe-decode] [split-check] [split-ab] [bench-rl-nosplit] [split-wide]
 #     [moe-tests] [moe-probe] [moe-parity] [moe-price] [moe-train-price] [moe-sweep] [moe-rl] [plan-check] [bench-rl-offpolicy]
 #     [probes-overlap] [fsdp-mb] [bench-rl-overlap] [bench-rl-partial] [kv-sweep] [pin-8b] [offload-cost] [plan-trace] [train-eager] [fsdp-offload] [train-vs-torch]
-#     [parity-split] [rl-30b] [weight-send-8b] [host-table] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
+#     [parity-split] [rl-30b] [weight-send-8b] [load-8b] [decode-split] [host-table] [profile-vs-torch] [train-table] [probe-adamw] [fsdp-ws2] [bench-rl-2gpu] (fsdp-offload: NPROC=2 for two GPUs)
 #     [pdl-ab] [ab-rollout] [ab-train] [profile-decode] [probe-mid-bk] (AB_BASE: a folder holding a baseline exactrl package) [probe-chunked-gemm] [probe-l2] [step-times]
 # ("all" = tests parity rollout train kernels).
 # Results: benchmarks/results/*.json, and logs under $OUT when set.
@@ -173,6 +173,23 @@ if want weight-send-8b; then  # issue 44: qwen3-8b's weights trainer -> generato
     --samples 2 --max-tokens 64 --prompt-max 128 --tokens-per-microbatch 4096 --warmup 1 --steps 2 \
     --set model.init_draws=keyed --set train.offload=optimizer \
     --out-dir "$OUT/rl-8b-send" 2>&1 | tee "$OUT/rl_8b_send.log" | grep -v -i warn | tail -24 | tee "$OUT/rl_8b_send.txt"
+fi
+if want load-8b; then  # issue 46: a preset's keyed random init, and its safetensors checkpoint loaded back, against
+  # the disk's sequential read of the same files (pages dropped from the cache first)
+  timeout 400 python3 benchmarks/load_bandwidth.py --preset ${LOAD_PRESET:-qwen3-8b} --device cuda \
+    --dir /tmp/exactrl-load-ckpt 2>&1 | grep -v -i warn | tail -8 | tee -a "$OUT/load.txt"
+fi
+if want decode-split; then  # issue 46: decode tok/s at T = 1 and T = 2 (the gathered form and the all-reduce form
+  # in the same process), qwen3-8b; then qwen3-30b-a3b at E = T = 2 (DECODE_30B=1)
+  timeout 240 python3 benchmarks/decode_split.py --preset qwen3-8b 2>&1 | grep -v -i warn | tail -6 \
+    | tee -a "$OUT/decode_split.txt"
+  NCCL_NVLS_ENABLE=0 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/decode_split.py \
+    --preset qwen3-8b 2>&1 | grep -v -i warn | tail -10 | tee -a "$OUT/decode_split.txt"
+  if [[ -n "${DECODE_30B:-}" ]]; then
+    NCCL_NVLS_ENABLE=0 timeout 400 torchrun --standalone --nproc-per-node 2 benchmarks/decode_split.py \
+      --preset qwen3-30b-a3b --expert-parallel --forms gathered --max-tokens 64 2>&1 | grep -v -i warn | tail -10 \
+      | tee -a "$OUT/decode_split.txt"
+  fi
 fi
 if want parity; then
   timeout 300 $X parity --preset qwen3-0.6b --device cuda --dtype bfloat16 --mode exact --num-prompts 24 \

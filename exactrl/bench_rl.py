@@ -178,6 +178,15 @@ class _StageTimers:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.gen_start: float | None = None
+        # Peak device memory per stage of the step (bytes allocated): the allocator's peak is read and restarted
+        # at every stage boundary, each reading credited to the stages open then (a nested stage's to its outer
+        # ones too) and to the step (`peak`). Not with overlapped stages (their peaks would mix); CUDA only.
+        self.memory: tuple[Callable[[], int], Callable[[], None]] | None = None
+        if torch.device(device).type == "cuda" and not (overlapped or tail):
+            self.memory = (torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats)
+        self.stage_peaks: dict[str, int] = {}
+        self.peak = 0
+        self._open: list[str] = []
         self.profile_generate = False  # set for one step: its generate stage runs under torch.profiler
         self.kernels: list[dict[str, Any]] | None = None
         for key, name in STAGES:
@@ -209,16 +218,33 @@ class _StageTimers:
             t = time.perf_counter()
             if key == "generate_s":
                 self.gen_start = t
+            self.bank_memory()
+            self._open.append(key)
             try:
                 if key == "generate_s" and self.profile_generate:
                     return self._profiled(fn, *args, **kwargs)
                 return fn(*args, **kwargs)
             finally:
                 _sync(self.device, self.overlapped)  # the stage's device work counts to the stage
+                self.bank_memory()
+                self._open.pop()
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
                 self.calls[key] = self.calls.get(key, 0) + 1
 
         return timed
+
+    def bank_memory(self) -> int:
+        """The allocator's peak since the last boundary, credited to the open stages and the step, then restarted;
+        returns the step's peak so far (0 without `memory`)."""
+        if self.memory is None:
+            return 0
+        read, reset = self.memory
+        p = read()
+        for k in self._open:
+            self.stage_peaks[k] = max(self.stage_peaks.get(k, 0), p)
+        self.peak = max(self.peak, p)
+        reset()
+        return self.peak
 
     def _profiled(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn under torch.profiler; `kernels`: time per GPU kernel (CUDA) or per operator's own CPU time (CPU),
@@ -244,6 +270,7 @@ class _StageTimers:
 
     def start_step(self) -> None:
         self.seconds, self.calls, self.gen_start = {}, {}, None
+        self.stage_peaks, self.peak, self._open = {}, 0, []
 
     def check_step(self) -> None:
         """Every stage ran once: otherwise the breakdown would silently miss time (the loop changed)."""
@@ -610,8 +637,13 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
         if key in m:
             rec[key.replace("/", "_")] = int(m[key])
     if cuda:
-        rec["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        rec["gpu_memory_peak_gb"] = max(timers.bank_memory(), torch.cuda.max_memory_allocated()) / 1e9
         rec["gpu_memory_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 1e9
+        if (
+            timers.stage_peaks
+        ):  # per stage, beside the plan's phases (generate: generation; train: training and
+            # the optimizer step)
+            rec["gpu_memory_stage_peak_gb"] = {k[:-2]: v / 1e9 for k, v in timers.stage_peaks.items()}
     g0 = timers.gen_start
     if g0 is None:  # tail overlap: generate was not wrapped; its first engine step marks its start
         g0 = eng.trace[0][1] if eng.trace else t0
@@ -722,6 +754,11 @@ def _record(
     if "gpu_memory_peak_gb" in med:
         rec["gpu_memory_peak_gb"] = max(r["gpu_memory_peak_gb"] for r in timed)
         rec["gpu_memory_reserved_peak_gb"] = max(r["gpu_memory_reserved_peak_gb"] for r in timed)
+    stages = {k for r in timed for k in r.get("gpu_memory_stage_peak_gb", {})}
+    if stages:
+        rec["gpu_memory_stage_peak_gb"] = {
+            k: max(r.get("gpu_memory_stage_peak_gb", {}).get(k, 0.0) for r in timed) for k in sorted(stages)
+        }
     plan = getattr(run, "memory_plan", None)
     if plan is not None:  # the plan's peak per phase (GiB per rank), beside the measured peaks above
         rec["plan_peak_gib"] = {ph.name: round(ph.peak / 2**30, 2) for ph in plan.phases}
@@ -849,6 +886,7 @@ def _table(rec: dict[str, Any]) -> str:
         ("preemptions", rec.get("preemptions")),
         ("mismatched tokens", rec.get("mismatch_num_mismatched_tokens")),
         ("gpu_memory_peak_gb", rec.get("gpu_memory_peak_gb")),
+        *[(f"  {k} stage peak gb", v) for k, v in rec.get("gpu_memory_stage_peak_gb", {}).items()],
     ]
     out = [f"{'metric':30} value"]
     for k, v in rows:

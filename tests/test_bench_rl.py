@@ -144,3 +144,44 @@ def test_each_sample_stops_at_its_planned_length():
     got = [[len(s.token_ids) for s in o.samples] for o in outs]
     assert got == wl.max_tokens.tolist()
     assert all(s.finish_reason == "length" for o in outs for s in o.samples)
+
+
+def test_stage_memory_peaks_are_credited_to_every_open_stage_and_the_step():
+    """bench rl's per-stage device-memory peaks (beside the plan's phases): the allocator's peak is read and
+    restarted at each stage boundary; a stage nested in another (the weight sync inside an update) counts for both.
+    A fake allocator stands in for CUDA's."""
+    from types import SimpleNamespace
+
+    from exactrl.bench_rl import _StageTimers
+
+    high = [0]  # the fake allocator's peak since its last reset
+
+    def use(n: int) -> None:
+        high[0] = max(high[0], n)
+
+    parallel = SimpleNamespace(sync_weights=lambda: use(25))
+
+    def update():
+        use(20)
+        parallel.sync_weights()  # the wrapped one: nested in the update stage
+
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(algorithm=SimpleNamespace(partial_rollouts=False)),
+        parallel=parallel,
+        rollout=lambda: use(10),
+        rank_scores=lambda: use(3),
+        update=update,
+    )
+    timers = _StageTimers(run, "cpu")
+    assert timers.memory is None  # CPU: nothing measured
+    timers.memory = (lambda: high[0], lambda: high.__setitem__(0, 0))
+    timers.start_step()
+    use(7)  # before any stage: the step's, no stage's
+    run.rollout()
+    run.rank_scores()
+    run.update()
+    assert timers.stage_peaks == {"generate_s": 10, "reward_s": 3, "train_s": 25, "weight_sync_s": 25}
+    assert timers.bank_memory() == 25
+    timers.start_step()
+    run.rank_scores()
+    assert timers.stage_peaks == {"reward_s": 3} and timers.peak == 3

@@ -237,6 +237,27 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
     "probe_train_gemm.py": (["--presets", "tiny", "--rows", "32"], {"TRITON_INTERPRET": "1"}, False),
     "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
+    "decode_split.py": (
+        [
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "4",
+        ],
+        {},
+        False,
+    ),
+    "load_bandwidth.py": (
+        lambda tmp: ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--dir", str(tmp / "ckpt")],
+        {},
+        False,
+    ),
     "probe_host_side.py": (
         ["--device", "cpu", "--preset", "tiny", "--tokens", "128", "--warmup", "1"],
         {},
@@ -350,3 +371,15 @@ def test_a_kernel_probe_without_the_interpreter_names_it():
             f"SystemExit: {script}: needs a CUDA GPU, or TRITON_INTERPRET=1 for a dry run on the CPU with small "
             "sizes; --help says what it measures"
         ), f"{script}: {code}"
+
+
+def test_decode_split_on_two_ranks_times_both_forms():
+    # Two torchrun ranks: the split forms of decode_split.py (its dry run above is T = 1).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "benchmarks" / "decode_split.py"), "--preset", "tiny", "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--concurrency", "3", "--max-tokens", "6"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    recs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert {r["form"] for r in recs} == {"gathered (exact)", "all-reduce (row-parallel)"}
+    assert all(r["tensor_parallel"] == 2 and r["output_tokens"] > 0 for r in recs)

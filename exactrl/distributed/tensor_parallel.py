@@ -423,3 +423,43 @@ def _gathered(name: str, layer: Linear, tp: TensorParallelGroup, slicers: dict[s
     if out.lora is not None:
         _split_adapter(name, out, slicers)
     return out
+
+
+# -- for comparison only: Megatron's row-parallel arithmetic (not bit-exact) ---------------------------------------
+class RowParallelLinear(nn.Module):
+    """o_proj / down_proj as Megatron's row-parallel layer: the rank holds the K columns of its own input features
+    (the heads or intermediate features its column-split layer produced), computes the partial product over them,
+    and the ranks all-reduce (sum) the partials. One all-reduce of [T, D] instead of `GatheredLinear`'s two
+    all-gathers, and K cut over the ranks: the rounding differs from one device. Never used by a run: the tests'
+    negative control and benchmarks/decode_split.py's baseline (what keeping the bits costs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup):
+        super().__init__()
+        k = weight.shape[1] // tp.size
+        self.weight = nn.Parameter(
+            weight[:, tp.rank * k : (tp.rank + 1) * k].contiguous(), requires_grad=False
+        )
+        self.bias = (
+            None if bias is None or tp.rank else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
+        self.tp = tp
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        y = ops.linear(x, self.weight, self.bias)
+        dist.all_reduce(y, group=self.tp.group)
+        return y
+
+
+def row_parallel_reference(full: CausalLM, tp: TensorParallelGroup) -> CausalLM:
+    """A split engine model from the whole model `full` (left as it is) whose o_proj / down_proj are
+    `RowParallelLinear`: the all-reduce form of the same split, for comparison (see RowParallelLinear)."""
+    import copy
+
+    model = shard_engine_model(copy.deepcopy(full), tp)
+    whole = dict(full.named_modules())
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, GatheredLinear):
+                src = whole[f"{name}.{child_name}" if name else child_name]
+                setattr(m, child_name, RowParallelLinear(src.weight, src.bias, tp))
+    return model

@@ -27,6 +27,7 @@ from exactrl.distributed.expert_parallel import ExpertParallelExperts, shard_exp
 from exactrl.distributed.tensor_parallel import (
     GatheredLinear,
     TensorParallelGroup,
+    row_parallel_reference,
     shard_engine_model,
     tensor_parallel_groups,
 )
@@ -53,37 +54,6 @@ def trained_looking(model: nn.Module, seed: int) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
         else:
             p.copy_(torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5)
-
-
-class PartialSumLinear(nn.Module):
-    """The negative control: Megatron's row-parallel layer. The rank holds the K columns of its input features,
-    computes a partial product over them and the ranks all-reduce (sum) the partials: K cut in two."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup):
-        super().__init__()
-        k = weight.shape[1] // tp.size
-        self.weight = nn.Parameter(
-            weight[:, tp.rank * k : (tp.rank + 1) * k].contiguous(), requires_grad=False
-        )
-        self.bias = None if bias is None or tp.rank else nn.Parameter(bias, requires_grad=False)
-        self.tp = tp
-
-    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight, self.bias)
-        dist.all_reduce(y, group=self.tp.group)
-        return y
-
-
-def partial_sum_control(full: nn.Module, tp: TensorParallelGroup) -> nn.Module:
-    """A split engine model whose o_proj / down_proj are PartialSumLinear, from the full model `full`."""
-    model = shard_engine_model(copy.deepcopy(full), tp)
-    full_mods = dict(full.named_modules())
-    for name, m in list(model.named_modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, GatheredLinear):
-                src = full_mods[f"{name}.{child_name}"]
-                setattr(m, child_name, PartialSumLinear(src.weight, src.bias, tp))
-    return model
 
 
 class PartialCombineExperts(ExpertParallelExperts):
@@ -168,7 +138,7 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
     split = shard_engine_model(copy.deepcopy(full), tp)
     two = generate(split, prompts)
     two_static = generate(split, prompts, "static")
-    control = generate(partial_sum_control(full, tp), prompts)
+    control = generate(row_parallel_reference(full, tp), prompts)
 
     # Weight sync: a shard of another model takes every full weight of `full` through shard_full_weight.
     other = build(5)

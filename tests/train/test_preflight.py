@@ -80,6 +80,7 @@ def test_more_ranks_with_the_memory_settings_are_offered_before_a_smaller_model(
             "algorithm.rollouts_per_step=128",
             "engine.max_model_len=1024",
             "sampling.max_tokens=512",
+            "train.fsdp_reduce=microbatch",
         ],
     )
     gpu, host = int(79.18 * GiB), 1000 * GiB
@@ -270,6 +271,7 @@ def test_docs_memory_figures_are_what_plan_prints(capsys):
     f = lambda n: f"{n / GiB:.2f}"  # noqa: E731
     base = ["model.preset=qwen3-30b-a3b", "model.dtype=bfloat16", "run.device=cuda"]
     base += ["algorithm.rollouts_per_step=128", "engine.max_model_len=1024", "sampling.max_tokens=512"]
+    base += ["train.fsdp_reduce=microbatch"]
     for off in ("none", "optimizer"):
         args = [x for s in [*base, f"train.offload={off}"] for x in ("--set", s)]
         rc, out, _ = plan_cli(capsys, *args, "--nproc", "8", "--gpu-memory", "79.18", "--host-memory", "1024")
