@@ -95,14 +95,6 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
             f"with env.name = {cfg.env.name!r}: multi-turn episodes do not go through the shared engine's one "
             "call per step yet",
         ),
-        (
-            a.dynamic_sampling != "off",
-            f"with algorithm.dynamic_sampling = {a.dynamic_sampling!r} is not tested yet",
-        ),
-        (
-            a.resolved_advantage == "remax",
-            "with advantage 'remax' (a greedy rollout per prompt) is not tested yet",
-        ),
     ]
     for bad, text in refusals:
         if bad:

@@ -111,3 +111,21 @@ def same(a: Path, b: Path) -> bool:
 
 def mismatched(run: Path) -> float:
     return sum(r.get("mismatch/num_mismatched_tokens", 0.0) for r in records(run))
+
+
+# Dynamic sampling on a coin-flip reward in groups of 2: groups without signal are dropped and the trainers ask
+# their generator for extra rounds, the same number on every trainer (the decision is global).
+COIN = """
+import hashlib
+
+def coin(completion, answer, example):
+    return float(int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 4 == 0)
+"""
+
+
+def dynamic_argv(tmp: Path, name: str, steps: int, *extra: str) -> dict:
+    """A `_driver.py` job: a run of `steps` with DAPO's dynamic sampling on the coin reward (tmp/coin.py: COIN)."""
+    argv = small_argv(tmp, name, steps, *extra)
+    sets = ["algorithm.dynamic_sampling=reward", "algorithm.group_size=2", "algorithm.rollouts_per_step=8"]
+    sets += ["sampling.temperature=1.0", f'reward.functions=["{tmp / "coin.py"}:coin"]']
+    return {"kind": "cli", "argv": argv[:-1] + [x for s in sets for x in ("--set", s)] + argv[-1:]}

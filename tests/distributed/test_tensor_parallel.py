@@ -190,7 +190,6 @@ def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(
             2,
             "partial_rollouts on generator ranks is not tested yet",
         ),
-        (["algorithm.dynamic_sampling=reward"], 2, "dynamic_sampling = 'reward' is not tested yet"),
     ],
 )
 def test_train_refuses_what_a_shared_engine_does_not_run_by_key(

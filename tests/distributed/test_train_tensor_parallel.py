@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ._runs import REWARD, launch, mismatched, records, same, small_argv
+from ._runs import COIN, REWARD, crashed_after, dynamic_argv, launch, mismatched, records, same, small_argv
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,6 @@ def runs(tmp_path_factory) -> Path:
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "t1", STEPS, *EVAL)},
         {"kind": "cli", "argv": small_argv(tmp, "t2", STEPS, *EVAL, TP)},
-        {"kind": "crashed", "src": str(tmp / "t2"), "dst": str(tmp / "resumed"), "step": 2},
-        {"kind": "cli", "argv": small_argv(tmp, "resumed", STEPS, *EVAL, TP, resume=True)},
         # One step is enough for the control (its first update's guard sees the difference).
         {
             "kind": "cli",
@@ -49,6 +47,16 @@ def runs(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp", 400)
     assert code == 0, out[-3000:]
     return tmp
+
+
+@pytest.fixture(scope="module")
+def resumed(runs: Path) -> Path:
+    """make test-all: the T = 2 run crashed after its step-2 checkpoint and resumed at T = 2."""
+    crashed_after(runs / "t2", runs / "resumed", 2)
+    jobs = [{"kind": "cli", "argv": small_argv(runs, "resumed", STEPS, *EVAL, TP, resume=True)}]
+    code, out, _ = launch(DRIVER, runs, 2, jobs, "tp-resume", 400)
+    assert code == 0, out[-3000:]
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +73,25 @@ def lora_runs(tmp_path_factory) -> Path:
         },
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp-lora", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def mode_runs(tmp_path_factory) -> Path:
+    """DAPO's dynamic sampling (extra rounds of generation, the same number on every rank: the decision is
+    global) and ReMax (a greedy rollout per prompt besides the sampled ones) with the shared engine."""
+    tmp = tmp_path_factory.mktemp("train-tp-modes")
+    (tmp / "reward.py").write_text(REWARD)
+    (tmp / "coin.py").write_text(COIN)
+    remax = "algorithm.advantage=remax"
+    jobs = [
+        dynamic_argv(tmp, "t1-ds", STEPS),
+        dynamic_argv(tmp, "t2-ds", STEPS, TP),
+        {"kind": "cli", "argv": small_argv(tmp, "t1-remax", STEPS, remax)},
+        {"kind": "cli", "argv": small_argv(tmp, "t2-remax", STEPS, remax, TP)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp-modes", 400)
     assert code == 0, out[-3000:]
     return tmp
 
@@ -97,8 +124,9 @@ def test_a_shared_engine_trains_as_one_engine_per_rank(runs: Path) -> None:
     assert same(runs / "t1", runs / "t2")
 
 
-def test_a_shared_engine_resumes_bitwise(runs: Path) -> None:
-    assert same(runs / "t2", runs / "resumed")
+@pytest.mark.extended  # make test-all: resume itself is the same DCP path as at T = 1 (tested by default)
+def test_a_shared_engine_resumes_bitwise(resumed: Path) -> None:
+    assert same(resumed / "t2", resumed / "resumed")
 
 
 def test_row_parallel_arithmetic_in_the_shared_engine_is_caught(runs: Path) -> None:
@@ -114,6 +142,15 @@ def test_lora_adapters_split_with_their_projections_train_as_one_engine(lora_run
     assert same(lora_runs / "t1", lora_runs / "t2")
     # The control: B is zero until the first update, so step 2 is the first whose adapters change the samples.
     assert mismatched(lora_runs / "planted") > 0
+
+
+@pytest.mark.extended  # make test-all: the shared engine's default-run checks are above
+def test_dynamic_sampling_and_remax_with_a_shared_engine_equal_one_engine_per_rank(mode_runs: Path) -> None:
+    for mode in ("ds", "remax"):
+        assert mismatched(mode_runs / f"t2-{mode}") == 0, mode
+        assert same(mode_runs / f"t1-{mode}", mode_runs / f"t2-{mode}"), mode
+    # the dynamic runs dropped groups and sampled extra rounds (the path is exercised)
+    assert any(r.get("dynamic_sampling/extra_rounds", 0) > 0 for r in records(mode_runs / "t2-ds"))
 
 
 @pytest.mark.extended  # make test-all: tensor parallel keeps the default run's shared-engine checks
