@@ -87,10 +87,6 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
             "ranks run it: distributed.generator_ranks)",
         ),
         (
-            a.partial_rollouts and gens > 0,
-            "with algorithm.partial_rollouts on generator ranks is not tested yet",
-        ),
-        (
             cfg.env.name is not None,
             f"with env.name = {cfg.env.name!r}: multi-turn episodes do not go through the shared engine's one "
             "call per step yet",

@@ -4,7 +4,7 @@ both run the same engine calls (every forward's all-gathers among them), the fir
 of every weight trainer 0 broadcasts whole. On 3 CPU ranks (1 trainer, one engine of 2 generators) a run equals the
 colocated run of one FSDP2 rank step for step (every metric but timings, the held-out evaluations included) and in
 its final weights, bit for bit: full weights, and (make test-all) LoRA (the adapters attached on the generators after
-their split, each sync moving the adapters alone, B sliced) and one step off. The control plants Megatron's row-parallel arithmetic
+their split, each sync moving the adapters alone, B sliced), one step off and partial rollouts. The control plants Megatron's row-parallel arithmetic
 in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ._runs import REWARD, launch, mismatched, records, same, small_argv
+from .test_partial_multirank import PARTIAL
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +54,14 @@ def more_runs(tmp_path_factory) -> Path:
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *LORA)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, K1)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-partial", 4, *PARTIAL)},
     ]
     code, out, _ = launch(DRIVER, tmp, 1, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "split-lora", STEPS, *LORA, *SPLIT)},
         {"kind": "cli", "argv": small_argv(tmp, "split-k1", STEPS, K1, *SPLIT)},
+        {"kind": "cli", "argv": small_argv(tmp, "split-partial", 4, *PARTIAL, *SPLIT)},
     ]
     code, out, _ = launch(DRIVER, tmp, 3, jobs, "split", 600)
     assert code == 0, out[-3000:]
@@ -85,3 +88,14 @@ def test_lora_on_a_split_generator_engine_equals_the_colocated_run(more_runs: Pa
 def test_one_step_off_on_a_split_generator_engine_equals_the_colocated_run(more_runs: Path) -> None:
     assert mismatched(more_runs / "split-k1") == 0
     assert same(more_runs / "colocated-k1", more_runs / "split-k1")
+
+
+@pytest.mark.extended
+def test_partial_rollouts_on_a_split_generator_engine_equal_the_colocated_run(more_runs: Path) -> None:
+    # The generation cut by count runs on both generator ranks in the same order (the cut is the colocated one's);
+    # groups left in flight are carried and resumed. (One trainer's share at this shape leaves no sample cut
+    # mid-completion: test_partial_multirank.py's two trainers show that case on one-rank generators.)
+    rows = [r for r in records(more_runs / "split-partial") if "offpolicy/partial/engine_steps" in r]
+    assert rows and sum(r["offpolicy/partial/resumed_samples"] for r in rows) > 0
+    assert mismatched(more_runs / "split-partial") == 0
+    assert same(more_runs / "colocated-partial", more_runs / "split-partial")

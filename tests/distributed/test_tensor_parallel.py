@@ -181,15 +181,6 @@ def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(
             2,
             "max_off_policy_steps = 1: the next batch is sampled by a worker",
         ),
-        (
-            [
-                "distributed.generator_ranks=2",
-                "algorithm.max_off_policy_steps=2",
-                "algorithm.partial_rollouts=true",
-            ],
-            2,
-            "partial_rollouts on generator ranks is not tested yet",
-        ),
     ],
 )
 def test_train_refuses_what_a_shared_engine_does_not_run_by_key(
