@@ -36,9 +36,9 @@ down_proj). The low-rank product x A^T is then the one-device engine's, and each
 whole on one rank: adapters are replicated in A and column-split in B, and the weight sync slices B as it slices W
 (adapters only after each update, as on one device).
 
-Not done (refused where configured): hidden or intermediate sizes that T does not divide. What a run needs of the ranks: the T ranks of a group run the same engine calls in the same order
-(the same prompts, the same request ids): the scheduler is deterministic and the logits every rank samples from
-are the same bits, so they stay in step.
+Not done (refused where configured): hidden or intermediate sizes that T does not divide. What a run needs of the
+ranks: the T ranks of a group run the same engine calls in the same order (the same prompts, the same request ids):
+the scheduler is deterministic and the logits every rank samples from are the same bits, so they stay in step.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ class Command:
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
-    shapes: list[tuple[int, ...]] = field(
-        default_factory=list
-    )  # "sync": their whole shapes (a split engine's)
+    # "sync": the parameters' whole shapes (a split engine's rank receives them whole and keeps its slice)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
     resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
     rule: CutRule | None = None  # "partial": when the generation stops
     # "episodes": the prompts' examples (the environment's input)
@@ -64,10 +63,9 @@ class RemoteEngine:
         self.layout = layout
         self.config = config
         self.model: torch.nn.Module | None = None
-        self.peer = layout.generator_of(layout.local.rank)  # the rank that answers
-        self.peers = layout.generators_of(
-            layout.local.rank
-        )  # every rank of its engine: each gets the commands
+        # The rank that answers, and every rank of its engine (each gets the commands).
+        self.peer = layout.generator_of(layout.local.rank)
+        self.peers = layout.generators_of(layout.local.rank)
         self._asked = False  # whether this round's command went out (`end_round`)
         self.last_send: dict[str, float] = {}
 
@@ -216,9 +214,8 @@ def generator_engine(
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
     engine = make(model, EngineConfig(**engine_cfg), tokenizer=tok)
-    if (
-        group is not None
-    ):  # each rank sizes an unset KV cache from its own free memory: the group takes the least
+    if group is not None:
+        # Each rank sizes an unset KV cache from its own free memory: the group takes the least.
         engine.agree_blocks = group.min
     return engine
 
@@ -274,9 +271,8 @@ class GeneratorLoop:
         )  # values: the sync's
         from exactrl.distributed.tensor_parallel import shard_adapters
 
-        shard_adapters(
-            self.engine.model
-        )  # a split engine: B's rows are its projection's, the sync slices them
+        # A split engine: B's rows are its projection's, and the sync slices the whole B it sends.
+        shard_adapters(self.engine.model)
         self.engine.runner = None
         self.params = dict(self.engine.model.named_parameters())
 

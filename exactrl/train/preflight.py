@@ -66,9 +66,8 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
         else f"engine.expert_parallel = {e.expert_parallel}"
     )
     a = cfg.algorithm
-    gens = (
-        cfg.distributed.generator_ranks
-    )  # > 0: the engine is split over generator ranks, the trainers hold none
+    # > 0: the engine is split over generator ranks, the trainers hold none
+    gens = cfg.distributed.generator_ranks
     refusals = [
         (not distributed, "needs torchrun ranks (`exactrl train --nproc N`), N a multiple of it"),
         (
