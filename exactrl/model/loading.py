@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
-from exactrl.model.config import preset
-from exactrl.model.hf import dtype_from_name, load_model
+from exactrl.model.config import ModelConfig, preset
+from exactrl.model.hf import dtype_from_name, load_model, read_config
 from exactrl.model.qwen import CausalLM, build_model
 from exactrl.model.tokenizer import Tokenizer, byte_tokenizer
+from exactrl.ops import get_ops
 
 
 def resolve_device(device: str | torch.device) -> str:
@@ -55,10 +56,7 @@ def load_policy(
         model = load_model(path, device=device, dtype=torch_dtype, exact=exact, fp32_lm_head=fp32_lm_head)
         tok = Tokenizer.load(tokenizer_path or path)
     else:
-        tok = Tokenizer.load(tokenizer_path) if tokenizer_path else byte_tokenizer()
-        cfg = preset(preset_name)
-        check_vocab(tok, cfg.vocab_size, tokenizer_path, f"preset {preset_name}")
-        cfg = preset(preset_name, eos_token_id=tok.eos_token_id, **(preset_overrides or {}))
+        cfg, tok = preset_and_tokenizer(preset_name, tokenizer_path, preset_overrides)
         model = build_model(
             cfg,
             device=device,
@@ -71,6 +69,45 @@ def load_policy(
         )
     check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
     return model, tok
+
+
+def preset_and_tokenizer(
+    preset_name: str, tokenizer_path: str | Path | None = None, preset_overrides: dict[str, Any] | None = None
+) -> tuple[ModelConfig, Tokenizer]:
+    """A preset's ModelConfig (its EOS the tokenizer's) and the tokenizer (the byte tokenizer unless one is given),
+    the vocabularies checked: what `load_policy` builds a preset's model from."""
+    tok = Tokenizer.load(tokenizer_path) if tokenizer_path else byte_tokenizer()
+    check_vocab(tok, preset(preset_name).vocab_size, tokenizer_path, f"preset {preset_name}")
+    return preset(preset_name, eos_token_id=tok.eos_token_id, **(preset_overrides or {})), tok
+
+
+def policy_structure(
+    *,
+    preset_name: str | None = None,
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    exact: bool = True,
+    fp32_lm_head: bool = False,
+    tokenizer_path: str | Path | None = None,
+) -> tuple[CausalLM, Tokenizer]:
+    """`load_policy`'s model as its structure alone (parameters on the meta device, in `dtype`, with the ops of
+    `device`), and its tokenizer: for a model whose every weight arrives from elsewhere (a generator rank's, filled
+    by the trainers' weight sync), which may be split before it is given memory (`to_empty`)."""
+    if (preset_name is None) == (path is None):
+        raise ValueError(
+            "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
+        )
+    device = resolve_device(device)
+    if path is not None:
+        check_model_dir(path)
+        cfg, tok = read_config(path), Tokenizer.load(tokenizer_path or path)
+        check_vocab(tok, cfg.vocab_size, tokenizer_path or path, path)
+    else:
+        cfg, tok = preset_and_tokenizer(preset_name, tokenizer_path)
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)
+    return model.to(dtype=dtype_from_name(dtype)), tok
 
 
 def check_vocab(tok: Tokenizer, model_vocab: int, tok_source: object, model_source: object) -> None:

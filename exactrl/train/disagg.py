@@ -183,10 +183,12 @@ def generator_engine(
     cfg: RunConfig, layout: Layout, make: Callable[..., RolloutEngine] = RolloutEngine
 ) -> RolloutEngine:
     """The generator's engine: the run's model shape and dtype on this rank's device, in the exact environment the
-    trainers set (its weights come from trainer 0 before the first generation), split over the rank's engine group
-    when engine.tensor_parallel / expert_parallel share it. make: the engine class (or a factory with its
-    signature; `exactrl bench rl` plans completion lengths)."""
-    from exactrl.model.loading import load_policy
+    trainers set, split over the rank's engine group when engine.tensor_parallel / expert_parallel share it. Every
+    weight comes from trainer 0 before the first generation, so the model is made as its structure (no random draws,
+    no checkpoint read, never the whole model on a rank of a split engine) and given memory once split; the loop
+    refuses to generate before every weight has arrived. make: the engine class (or a factory with its signature;
+    `exactrl bench rl` plans completion lengths)."""
+    from exactrl.model.loading import policy_structure
     from exactrl.ops import set_exact_environment
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
@@ -195,23 +197,21 @@ def generator_engine(
     if cfg.run.exact:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False
-    model, tok = load_policy(
+    model, tok = policy_structure(
         preset_name=cfg.model.preset,
         path=cfg.model.path,
         device=device,
         dtype=cfg.model.dtype,
         exact=cfg.run.exact,
         fp32_lm_head=cfg.model.fp32_lm_head,
-        seed=cfg.run.seed,
         tokenizer_path=cfg.model.tokenizer,
-        init_draws=cfg.model.init_draws,
     )
-    model.requires_grad_(False)
     group = getattr(layout, "engine_group", None)
     if group is not None:
         from exactrl.distributed.shared_engine import split_engine_model
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
+    model = model.to_empty(device=device).requires_grad_(False)
     engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
     engine = make(model, EngineConfig(**engine_cfg), tokenizer=tok)
     if group is not None:
@@ -254,6 +254,8 @@ class GeneratorLoop:
         # The rank that sends the outputs back (a split engine's other ranks run the same calls and keep quiet).
         self.answers = layout.answers(layout.world.rank)
         self.params = dict(engine.model.named_parameters())
+        # The weights no sync has filled yet (the engine's model is made empty, `generator_engine`).
+        self.unfilled = set(self.params)
         self.rounds: list[Round] = []
         self.lora, self.seed = lora, seed  # the run's [lora] section: the adapters a "lora" command attaches
 
@@ -274,7 +276,9 @@ class GeneratorLoop:
         # A split engine: B's rows are its projection's, and the sync slices the whole B it sends.
         shard_adapters(self.engine.model)
         self.engine.runner = None
+        before = self.params
         self.params = dict(self.engine.model.named_parameters())
+        self.unfilled |= set(self.params) - set(before)  # the adapters: their values come with the next sync
 
     def serve(self) -> None:
         while True:
@@ -299,6 +303,7 @@ class GeneratorLoop:
                     shapes=cmds[0].shapes or None,
                     part=self._part(names),
                 )
+                self.unfilled -= set(names)
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if kinds & {"sync", "lora"}:
@@ -308,6 +313,11 @@ class GeneratorLoop:
             asks = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "generate"]
             cuts = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "partial"]
             eps = [(r, c) for r, c in zip(self.trainers, cmds) if c.kind == "episodes"]
+            if (asks or cuts or eps) and self.unfilled:
+                raise RuntimeError(
+                    f"generator rank {self.layout.world.rank}: asked to generate before the weight sync filled "
+                    f"{len(self.unfilled)} of its parameters (e.g. {sorted(self.unfilled)[0]!r})"
+                )
             if asks or cuts or eps:
                 before = dict(self.engine.stats)
                 tokens = self.generate(asks) + self.generate_until_cut(cuts) + self.run_episodes(eps)

@@ -110,6 +110,7 @@ def _served(generator_model) -> tuple[list, list]:
     each asked with)."""
     boxes = {(a, b): queue.Queue() for a in range(3) for b in range(3) if a != b}
     loop = GeneratorLoop(_engine(generator_model), _Layout(2, boxes), env=EnvSetup(Steps, Steps, SETTINGS))
+    loop.unfilled.clear()  # its weights are given here, not sent by a trainer's sync
     server = threading.Thread(target=loop.serve, daemon=True)
     server.start()
     tok = byte_tokenizer()

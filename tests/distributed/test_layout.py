@@ -104,7 +104,7 @@ def test_a_generator_sizes_its_kv_cache_by_its_own_fraction(monkeypatch) -> None
         ["engine.kv_memory_fraction=0.2", "distributed.generator_kv_memory_fraction=0.7"],
     )
     cfg.validate()
-    monkeypatch.setattr(loading, "load_policy", lambda **kw: (torch.nn.Linear(1, 1), None))
+    monkeypatch.setattr(loading, "policy_structure", lambda **kw: (torch.nn.Linear(1, 1), None))
     monkeypatch.setattr(ops, "set_exact_environment", lambda exact: None)
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: None)
     det = torch.utils.deterministic  # the flag it sets is put back after the test
@@ -116,3 +116,31 @@ def test_a_generator_sizes_its_kv_cache_by_its_own_fraction(monkeypatch) -> None
     bad = apply_overrides(cfg, ["distributed.generator_kv_memory_fraction=0"])
     with pytest.raises(ConfigError, match="distributed.generator_kv_memory_fraction"):
         bad.validate()
+
+
+def test_a_generator_made_empty_refuses_to_generate_before_its_weights_arrive() -> None:
+    """A generator's model is its structure given memory (`generator_engine`: every weight comes from trainer 0):
+    asked to generate before a sync filled it, it stops with the parameter it lacks instead of sampling garbage."""
+    from types import SimpleNamespace
+
+    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.sampler import SamplingParams
+    from exactrl.model.loading import policy_structure
+    from exactrl.train.disagg import Command, GeneratorLoop
+
+    model, tok = policy_structure(preset_name="tiny", device="cpu")
+    assert all(p.is_meta for p in model.parameters())
+    model = model.to_empty(device="cpu").requires_grad_(False)
+    ask = Command("generate", [[1, 2, 3]], SamplingParams(max_tokens=2), [0])
+    layout = SimpleNamespace(
+        world=SimpleNamespace(rank=1),
+        trainers_of=lambda g: [0],
+        answers=lambda g: True,
+        recv=lambda src: ask,
+        send=lambda obj, dst: None,
+    )
+    loop = GeneratorLoop(RolloutEngine(model, EngineConfig(num_kv_blocks=8), tokenizer=tok), layout)
+    with pytest.raises(
+        RuntimeError, match=r"generator rank 1: asked to generate before the weight sync filled"
+    ):
+        loop.serve()
