@@ -7,8 +7,8 @@ outputs. Sampling is keyed by (seed, request, sample, position) and every kernel
 outputs are the ones the trainer's own engine would have produced from the same weights: each trainer trains on
 exactly the samples the colocated rank of the same number would, and metrics and weights come out bitwise equal.
 
-A generator rank runs `serve_generator`: it loads the model (the same shape and dtype), receives every weight from
-trainer 0 before the first generation, then answers its trainers' commands round by round until they stop it.
+A generator rank runs `serve_generator`: it makes the model (the same shape and dtype, empty), receives every weight
+from trainer 0 before the first generation, then answers its trainers' commands round by round until they stop it.
 Every trainer sends the same sequence of commands (a trainer with nothing to ask sends "skip"), so a generator that
 serves several trainers receives one command from each per round, and runs one `generate` for all of them when
 they ask with the same sampling parameters (one batch, the same bits).
@@ -165,9 +165,9 @@ class RemoteEngine:
 
 
 def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None) -> dict[str, Any]:
-    """A generator rank's whole job: load the model, then answer the trainers until they stop. env: the run's
-    environment (multi-turn: the episodes run here). Returns an empty summary (rank 0, a trainer, writes the
-    run's)."""
+    """A generator rank's whole job: make the model (its weights come with the first sync), then answer the
+    trainers until they stop. env: the run's environment (multi-turn: the episodes run here). Returns an empty
+    summary (rank 0, a trainer, writes the run's)."""
     # The trainers stop the run (and checkpoint) on a signal; a generator waits for their "stop" instead of dying
     # under them (torchrun's agent passes every signal on to every rank).
     for sig in (signal.SIGINT, signal.SIGTERM):
