@@ -86,13 +86,24 @@ def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
     from exactrl.train.rundir import check_run_dir
 
     cfg = load_config(args.config, args.set or [])
-    check_run_config(cfg, nproc, distributed=True)
+    check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
     check_run_dir(
         cfg,
         resume=args.resume,
         overwrite=args.overwrite,
         allow_config_change=args.allow_config_change,
     )
+
+
+def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
+    """The ranks of `world_size` that train (distributed.generator_ranks left out): what the run's preflight and
+    memory plan count, as its trainers do under torchrun (refused by key where the layout cannot work)."""
+    from exactrl.distributed.layout import trainer_ranks
+    from exactrl.distributed.shared_engine import engine_group_size
+
+    e = cfg.engine
+    group = engine_group_size(e.tensor_parallel, e.expert_parallel)
+    return trainer_ranks(world_size, cfg.distributed.generator_ranks, group, distributed=distributed)
 
 
 def cmd_train(args) -> int:
@@ -278,6 +289,14 @@ def cmd_plan(args) -> int:
     # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
     # `exactrl train --nproc N` runs them.
     sharded = args.world_size is not None
+    # A disaggregated run: the trainers' plan (FSDP2 over them alone); the generator ranks hold the engine.
+    trainers = _trainers(cfg, world_size, distributed=sharded)
+    if trainers != world_size:
+        print(
+            f"planned for the {trainers} trainer ranks of {world_size} (distributed.generator_ranks = "
+            f"{cfg.distributed.generator_ranks} hold the engine alone: not planned here)"
+        )
+    world_size = trainers
     check_run_config(cfg, world_size, distributed=sharded)
     gpu = gpu_memory_bytes(args.gpu_memory)
     host = gpu_memory_bytes(args.host_memory, "--host-memory")

@@ -108,29 +108,8 @@ def split_layout(world: DistContext, generator_ranks: int, group_size: int = 1) 
     generators the group size does not divide."""
     if generator_ranks == 0:
         return Layout(world, 0, "colocated", world)
-    where = f"distributed.generator_ranks = {generator_ranks}"
-    if group_size < 1 or generator_ranks % group_size:
-        raise ValueError(
-            f"{where} with an engine split over {group_size} ranks (engine.tensor_parallel / expert_parallel): "
-            "every engine needs that many generator ranks of its own, so it must divide the generator ranks"
-        )
-    if not world.distributed:
-        raise ValueError(
-            f"{where} needs torchrun ranks (`exactrl train --nproc N`): one process has no rank to spare for "
-            "generation; set it to 0"
-        )
-    if generator_ranks >= world.world_size:
-        raise ValueError(
-            f"{where} with {world.world_size} ranks leaves no rank to train: it must be below the world size"
-        )
-    trainers = world.world_size - generator_ranks
+    trainers = trainer_ranks(world.world_size, generator_ranks, group_size, distributed=world.distributed)
     engines = generator_ranks // group_size
-    if engines > trainers:
-        raise ValueError(
-            f"{where} with {world.world_size} ranks: more generator engines ({engines}) than trainers ({trainers}), "
-            "and an engine serves whole trainer shares, so some would have nothing to do; use at most world size / "
-            "2 generators (with engines of one rank)"
-        )
     trainer_group = dist.new_group(ranks=list(range(trainers)))
     sync_group = dist.new_group(ranks=[0, *range(trainers, world.world_size)])
     msg_group = dist.new_group(backend="gloo")  # a group of its own on CPU ranks too: the path GPUs take
@@ -147,6 +126,41 @@ def split_layout(world: DistContext, generator_ranks: int, group_size: int = 1) 
         local = DistContext(world.rank, trainers, world.local_rank, world.backend, group=trainer_group)
         return Layout(world, generator_ranks, "trainer", local, sync_group, msg_group, group_size)
     return Layout(world, generator_ranks, "generator", world, sync_group, msg_group, group_size, engine_group)
+
+
+def trainer_ranks(
+    world_size: int, generator_ranks: int, group_size: int = 1, *, distributed: bool = True
+) -> int:
+    """The ranks that train among `world_size` (all of them when generator_ranks is 0): what the trainers' FSDP2
+    shards and a plan divide by. Refuses, by key, the layouts that cannot work (`split_layout`'s, and what `exactrl
+    plan` / `train --nproc N` check before any rank starts): generators without torchrun, no rank left to train,
+    an engine with no trainer to serve, generators the engine's group size does not divide."""
+    if generator_ranks == 0:
+        return world_size
+    where = f"distributed.generator_ranks = {generator_ranks}"
+    if group_size < 1 or generator_ranks % group_size:
+        raise ValueError(
+            f"{where} with an engine split over {group_size} ranks (engine.tensor_parallel / expert_parallel): "
+            "every engine needs that many generator ranks of its own, so it must divide the generator ranks"
+        )
+    if not distributed:
+        raise ValueError(
+            f"{where} needs torchrun ranks (`exactrl train --nproc N`): one process has no rank to spare for "
+            "generation; set it to 0"
+        )
+    if generator_ranks >= world_size:
+        raise ValueError(
+            f"{where} with {world_size} ranks leaves no rank to train: it must be below the world size"
+        )
+    trainers = world_size - generator_ranks
+    engines = generator_ranks // group_size
+    if engines > trainers:
+        raise ValueError(
+            f"{where} with {world_size} ranks: more generator engines ({engines}) than trainers ({trainers}), "
+            "and an engine serves whole trainer shares, so some would have nothing to do; use at most world size / "
+            "2 generators (with engines of one rank)"
+        )
+    return trainers
 
 
 # -- messages: one pickled object, point to point (global ranks) ----------------------------------------------

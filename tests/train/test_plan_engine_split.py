@@ -156,7 +156,7 @@ def test_plan_refuses_what_train_refuses(capsys):
 
     assert "engine.tensor_parallel = 2 needs torchrun ranks" in refused()  # no --nproc: no torchrun
     assert "does not divide the world size 3" in refused("--nproc", "3")
-    assert "does not divide distributed.generator_ranks = 1" in refused(
+    assert "so it must divide the generator ranks" in refused(
         "--nproc", "3", "--set", "distributed.generator_ranks=1"
     )
     assert "the model has no sparse" in refused("--nproc", "2", "--set", "engine.expert_parallel=2")

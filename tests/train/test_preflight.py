@@ -297,3 +297,18 @@ def test_docs_memory_figures_are_what_plan_prints(capsys):
     )
     peak = together.rsplit("(peak ", 1)[1].rstrip(")")
     assert f"together (peak {peak})" in " ".join(doc.split())
+
+
+def test_a_disaggregated_plan_shards_over_the_trainers_alone(capsys):
+    """`exactrl plan --nproc 3` with one generator rank plans the 2 trainers' FSDP2 shards (1/2 each, as the run's
+    own check does), not 1/3; a layout with no rank left to train is refused before anything starts."""
+    gen = ["--set", "model.preset=qwen3-8b", "--gpu-memory", "139"]
+    rc, out, _ = plan_cli(capsys, *gen, "--nproc", "3", "--set", "distributed.generator_ranks=1")
+    assert "planned for the 2 trainer ranks of 3" in "\n".join(out)
+    dis = json.loads(out[-1])["memory_plan"]
+    rc, out, _ = plan_cli(capsys, *gen, "--nproc", "2")
+    co = json.loads(out[-1])["memory_plan"]
+    assert dis["world_size"] == co["world_size"] == 2
+    assert dis["phases"]["training"]["policy_shards"] == co["phases"]["training"]["policy_shards"]
+    rc, out, err = plan_cli(capsys, *gen, "--nproc", "2", "--set", "distributed.generator_ranks=2")
+    assert rc != 0 and "leaves no rank to train" in err + "\n".join(out)
