@@ -951,7 +951,8 @@ def main(args: Any) -> int:
     if rec["trace"]:
         try:
             png = plot_concurrency([rec], Path(args.plot) if args.plot else path.with_suffix(".png"))
-            rec["plot"] = str(png)
+            # Beside the record, by default: its file name (no path of the machine that ran it); --plot as given.
+            rec["plot"] = str(args.plot) if args.plot else png.name
         except ImportError as err:  # the JSON holds the trace: `--plot-from` draws it where matplotlib is
             print(f"no plot drawn ({err}); draw it later with --plot-from {path}", file=sys.stderr)
     path.write_text(json.dumps(rec) + "\n")
