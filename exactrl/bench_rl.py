@@ -639,10 +639,8 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     if cuda:
         rec["gpu_memory_peak_gb"] = max(timers.bank_memory(), torch.cuda.max_memory_allocated()) / 1e9
         rec["gpu_memory_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 1e9
-        if (
-            timers.stage_peaks
-        ):  # per stage, beside the plan's phases (generate: generation; train: training and
-            # the optimizer step)
+        if timers.stage_peaks:
+            # Per stage, beside the plan's phases (generate: generation; train: training and the optimizer step).
             rec["gpu_memory_stage_peak_gb"] = {k[:-2]: v / 1e9 for k, v in timers.stage_peaks.items()}
     g0 = timers.gen_start
     if g0 is None:  # tail overlap: generate was not wrapped; its first engine step marks its start

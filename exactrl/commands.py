@@ -99,11 +99,10 @@ def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
     """The ranks of `world_size` that train (distributed.generator_ranks left out): what the run's preflight and
     memory plan count, as its trainers do under torchrun (refused by key where the layout cannot work)."""
     from exactrl.distributed.layout import trainer_ranks
-    from exactrl.distributed.shared_engine import engine_group_size
+    from exactrl.train.memory import engine_group_ranks
 
-    e = cfg.engine
-    group = engine_group_size(e.tensor_parallel, e.expert_parallel)
-    return trainer_ranks(world_size, cfg.distributed.generator_ranks, group, distributed=distributed)
+    g = cfg.distributed.generator_ranks
+    return trainer_ranks(world_size, g, engine_group_ranks(cfg), distributed=distributed)
 
 
 def cmd_train(args) -> int:

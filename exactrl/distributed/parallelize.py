@@ -191,9 +191,8 @@ class Parallelism:
         if self.ctx.is_main:
             with torch.device("meta"):
                 whole = CausalLM(shard.config, ops=shard.ops, fp32_lm_head=shard.fp32_lm_head)
-                if (
-                    shard.lora_spec is not None
-                ):  # the adapters, whole (their values come with the gather below)
+                if shard.lora_spec is not None:
+                    # The adapters, whole (their values come with the gather below).
                     from exactrl.model.lora import add_lora
 
                     add_lora(whole, shard.lora_spec)

@@ -45,10 +45,7 @@ def load_policy(
     """Build or load the policy and its tokenizer on `device` in `dtype`. preset_overrides: fields of the preset's
     ModelConfig to replace (e.g. {"num_layers": 4}: a large shape with fewer layers). init_draws: how a preset's
     random weights are drawn (`CausalLM.init_weights`)."""
-    if (preset_name is None) == (path is None):
-        raise ValueError(
-            "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
-        )
+    _one_source(preset_name, path)
     device = resolve_device(device)
     torch_dtype = dtype_from_name(dtype)
     if path is not None:
@@ -69,6 +66,13 @@ def load_policy(
         )
     check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
     return model, tok
+
+
+def _one_source(preset_name: str | None, path: str | Path | None) -> None:
+    if (preset_name is None) == (path is None):
+        raise ValueError(
+            "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
+        )
 
 
 def preset_and_tokenizer(
@@ -94,10 +98,7 @@ def policy_structure(
     """`load_policy`'s model as its structure alone (parameters on the meta device, in `dtype`, with the ops of
     `device`), and its tokenizer: for a model whose every weight arrives from elsewhere (a generator rank's, filled
     by the trainers' weight sync), which may be split before it is given memory (`to_empty`)."""
-    if (preset_name is None) == (path is None):
-        raise ValueError(
-            "give exactly one of a model preset (model.preset / --preset) or a checkpoint (model.path / --model)"
-        )
+    _one_source(preset_name, path)
     device = resolve_device(device)
     if path is not None:
         check_model_dir(path)

@@ -33,7 +33,6 @@ from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
     SharedEngine,
     engine_group,
-    engine_group_size,
     split_engine_model,
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
@@ -60,7 +59,7 @@ from exactrl.train.drivers.sync import SyncDriver
 from exactrl.train.drivers.tail import TailDriver
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
-from exactrl.train.memory import check_before_loading, microbatch_tokens, model_config
+from exactrl.train.memory import check_before_loading, engine_group_ranks, microbatch_tokens, model_config
 from exactrl.train.offpolicy import BehaviourPolicy
 from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
@@ -83,11 +82,10 @@ def job_layout(cfg: RunConfig) -> Layout:
     """This rank's place in the job (every rank calls it: the process groups are made collectively): the
     colocated layout, or trainer / generator ranks, the generators' engines split over groups of
     engine.tensor_parallel / expert_parallel ranks."""
-    e = cfg.engine
     return split_layout(
         init_from_env(resolve_device(cfg.run.device)),
         cfg.distributed.generator_ranks,
-        engine_group_size(e.tensor_parallel, e.expert_parallel),
+        engine_group_ranks(cfg),
     )
 
 
@@ -404,7 +402,7 @@ class RLRun:
         self.engine_group: TensorParallelGroup | None = None
         e = cfg.engine
         # (A disaggregated run's engine is the generators': split over their groups, `split_layout`.)
-        if engine_group_size(e.tensor_parallel, e.expert_parallel) > 1 and not layout.disaggregated:
+        if engine_group_ranks(cfg) > 1 and not layout.disaggregated:
             self.engine_group = engine_group(
                 self.dist.rank, self.dist.world_size, e.tensor_parallel, e.expert_parallel
             )

@@ -874,9 +874,8 @@ def engine_splits(cfg: RunConfig, world_size: int) -> list[list[str]]:
 
     moe = model_config(cfg).is_moe
     out: list[list[str]] = []
-    if (
-        cfg.distributed.generator_ranks
-    ):  # the engine is on the generators: splitting it saves a trainer nothing
+    # The engine is on the generators: splitting it saves a trainer nothing.
+    if cfg.distributed.generator_ranks:
         return out
     for g in (2, 4, 8):
         if g <= engine_group_ranks(cfg) or world_size % g:

@@ -123,9 +123,8 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
 
     def build(seed: int) -> nn.Module:
         model = build_model(cfg, dtype=dtype, exact=True, seed=seed)
-        if job.get(
-            "lora"
-        ):  # trained adapters: B non-zero (trained_looking below), so they change every output
+        # Trained adapters: B non-zero (trained_looking below), so they change every output.
+        if job.get("lora"):
             add_lora(model, LoraSpec(rank=4, alpha=8.0, target_modules=tuple(job["lora"])), seed=seed)
         return model
 

@@ -121,9 +121,8 @@ def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
         assert r["control"]["differ"] > 0, (what, r["control"])
         assert not r["stale"]["tokens_equal"], what
         assert r["params_held"] < 0.9 * r["params_full"], what  # the split holds a share, not a replica
-        if (
-            "lora_off" in r
-        ):  # the adapters change the samples: a split that dropped o_proj's / down_proj's differs
+        # The adapters change the samples: a split that dropped o_proj's / down_proj's differs.
+        if "lora_off" in r:
             assert not r["lora_off"]["logprobs_equal"], (what, r["lora_off"])
         if (
             "ep2" in r
