@@ -313,7 +313,8 @@ class EngineConfig:
     trains on its own share, as at T = 1 (exactrl/distributed/shared_engine.py); `exactrl parity --tensor-parallel
     T` checks it. LoRA adapters split with their projections (A whole on every rank, B's rows with the weight's).
     With distributed.generator_ranks = G (T dividing G) the generators form G / T engines of T ranks each and the
-    trainers hold whole replicas (one step off and partial rollouts run there too). Not with multi-turn, or one
+    trainers hold whole replicas (one step off and partial rollouts run there too). Multi-turn episodes run in
+    lockstep on the group's ranks, each calling its own prompts' environment (exactrl/envs/rollout.py). Not with one
     step off on colocated ranks (refused)."""
     expert_parallel: int = 1
     """Ranks that share one rollout engine of a mixture-of-experts model, each holding 1/E of every sparse layer's

@@ -14,15 +14,21 @@ other request of the call (the engine is batch-invariant), so a rank gets the ve
 engine would have sampled at G = 1: the RL loop above it runs unchanged, and the guard checks every token of a
 rank's share against the trainer as before.
 
+Multi-turn episodes go the same way (`run_episodes`): the group's shares are gathered, every rank runs the union in
+its engine in lockstep (exactrl/envs/rollout.py, "Lockstep"), each rank calling the environments of its own prompts
+and trading its verdicts with the others once per turn round, and each keeps its own episodes: the ones its engine
+would have run at G = 1, bit for bit.
+
 A call that only some ranks make (the held-out evaluation, on rank 0) is a `round`: a rank of the group that asked
-nothing in the round joins with an empty share when the round ends, so the group still makes one call together.
+nothing in the round joins with an empty share when the round ends, so the group still makes one call together
+(a generation or episodes, whichever the others asked for).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from exactrl.distributed.expert_parallel import check_expert_parallel_shape, shard_experts
 from exactrl.distributed.tensor_parallel import (
@@ -33,8 +39,10 @@ from exactrl.distributed.tensor_parallel import (
 )
 from exactrl.engine.engine import RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
+from exactrl.envs.rollout import EnvSetup, EpisodeBatch, Lockstep, run_episodes
 from exactrl.model.config import ModelConfig
 from exactrl.model.qwen import CausalLM
+from exactrl.tasks.base import Example
 
 
 def engine_group_size(tensor_parallel: int, expert_parallel: int) -> int:
@@ -76,14 +84,26 @@ def split_engine_model(
     return model
 
 
-class SharedEngine:
-    """A rank's handle on the engine its group shares: `generate` takes this rank's share and returns its outputs
-    (see the module docstring). The engine's own attributes the run reads (`model`, `config`, `runner`,
-    `release_kv`) are the wrapped engine's."""
+class _Share(NamedTuple):
+    """One rank's part of a group call."""
 
-    def __init__(self, engine: RolloutEngine, group: TensorParallelGroup) -> None:
+    kind: str | None  # "generate" or "episodes"; None: a rank that joins a round with nothing to ask
+    prompts: list[list[int]]
+    request_ids: list[int]
+    params: SamplingParams | None
+
+
+class SharedEngine:
+    """A rank's handle on the engine its group shares: `generate` and `run_episodes` take this rank's share and
+    return its outputs (see the module docstring). env: the run's environment (multi-turn runs). The engine's own
+    attributes the run reads (`model`, `config`, `runner`, `release_kv`) are the wrapped engine's."""
+
+    def __init__(
+        self, engine: RolloutEngine, group: TensorParallelGroup, env: EnvSetup | None = None
+    ) -> None:
         self.engine = engine
         self.group = group
+        self.env = env
         # Each rank sizes an unset KV cache from its own free memory: the group takes the smallest.
         engine.agree_blocks = group.min
         self._in_round = False
@@ -121,37 +141,110 @@ class SharedEngine:
         the group calls it (a rank with nothing to sample passes no prompts); request ids must be unique over the
         group (the loop's are the prompt's index in the step), and the ranks with prompts must pass equal
         sampling parameters."""
+        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        shares = self._gather(_Share("generate", [list(p) for p in prompts], ids, params))
+        return self._generate(shares, progress)
+
+    def run_episodes(
+        self,
+        examples: list[Example],
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        request_ids: list[int],
+        progress: Callable[[int], object] | None = None,
+    ) -> EpisodeBatch:
+        """This rank's episodes (`exactrl.envs.run_episodes` against the run's environment) of the group's one
+        lockstep run of every rank's prompts: every rank calls it, request ids unique over the group."""
+        shares = self._gather(_Share("episodes", [list(p) for p in prompt_ids], list(request_ids), params))
+        return self._episodes(shares, examples, progress)
+
+    # -- the group's call, from the gathered shares -----------------------------------------------------------
+    def _gather(self, share: _Share) -> list[_Share]:
         if self._in_round:
             if self._asked:
                 raise RuntimeError("a round of a shared engine holds one call (the held-out evaluation's)")
             self._asked += 1
-        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        mine = ([list(p) for p in prompts], ids, params if prompts else None)
-        shares = self.group.gather_objects(mine)
-        asking = [s[2] for s in shares if s[0]]
-        if not asking:
-            return []
-        if any(p != asking[0] for p in asking):
+        return self.group.gather_objects(share if share.prompts else _Share(share.kind, [], [], None))
+
+    def _params(self, shares: list[_Share], kind: str) -> SamplingParams | None:
+        """The call's sampling parameters (None: no rank asked anything); refuses ranks that disagree."""
+        asking = [s for s in shares if s.prompts]
+        if any(s.kind != kind for s in asking):
+            raise RuntimeError(
+                f"the ranks of a shared engine asked for {sorted({s.kind for s in asking})} at once"
+            )
+        if any(s.params != asking[0].params for s in asking):
             raise RuntimeError(
                 "the ranks of a shared engine asked for different sampling parameters in one call"
             )
-        union = [p for s in shares for p in s[0]]
-        union_ids = [i for s in shares for i in s[1]]
-        outs = self.engine.generate(union, asking[0], request_ids=union_ids)
-        start = sum(len(s[0]) for s in shares[: self.group.rank])
-        outs = outs[start : start + len(prompts)]
+        return asking[0].params if asking else None
+
+    def _mine(self, shares: list[_Share]) -> slice:
+        """Where this rank's share lies in the union."""
+        start = sum(len(s.prompts) for s in shares[: self.group.rank])
+        return slice(start, start + len(shares[self.group.rank].prompts))
+
+    def _generate(
+        self, shares: list[_Share], progress: Callable[[int], object] | None = None
+    ) -> list[RequestOutput]:
+        params = self._params(shares, "generate")
+        if params is None:
+            return []
+        union = [p for s in shares for p in s.prompts]
+        union_ids = [i for s in shares for i in s.request_ids]
+        outs = self.engine.generate(union, params, request_ids=union_ids)[self._mine(shares)]
         if progress is not None:
             progress(sum(len(o.samples) for o in outs))
         return outs
 
+    def _episodes(
+        self,
+        shares: list[_Share],
+        examples: list[Example],
+        progress: Callable[[int], object] | None = None,
+    ) -> EpisodeBatch:
+        params = self._params(shares, "episodes")
+        if params is None:
+            return EpisodeBatch([], [])
+        env = self.env
+        if env is None:
+            raise RuntimeError(
+                f"rank {self.group.rank} of a shared engine: asked for episodes, but has no [env]"
+            )
+        union = [p for s in shares for p in s.prompts]
+        mine = self._mine(shares)
+        # The environments of this rank's prompts run here (their examples are this rank's); the others' only
+        # step in this rank's engine.
+        owned = [mine.start <= i < mine.stop for i in range(len(union))]
+        union_examples: list[Any] = [None] * len(union)
+        union_examples[mine] = examples
+        return run_episodes(
+            self.engine,
+            self.engine.tokenizer,
+            union_examples,
+            union,
+            env.make,
+            env.settings,
+            params,
+            request_ids=[i for s in shares for i in s.request_ids],
+            progress=progress,
+            pool=env.pool() if examples else None,  # the environment's workers, on the ranks that call it
+            lockstep=Lockstep(self.group.gather_objects, owned),
+        )
+
     @contextmanager
     def round(self) -> Iterator[None]:
-        """A round in which not every rank of the group may call `generate` (at most once each): one that did not
-        joins with an empty share at its end, so the group makes its one call together."""
+        """A round in which not every rank of the group may call `generate` or `run_episodes` (at most once each): one
+        that did not joins with an empty share at its end, so the group makes its one call together."""
         self._in_round, self._asked = True, 0
         try:
             yield
         finally:
             self._in_round = False
-        if not self._asked:
-            self.generate([], None)
+        if not self._asked:  # join the others' call, whichever it is, with nothing of this rank's
+            shares = self.group.gather_objects(_Share(None, [], [], None))
+            kinds = {s.kind for s in shares if s.prompts}
+            if kinds == {"episodes"}:
+                self._episodes(shares, [])
+            else:
+                self._generate(shares)

@@ -33,6 +33,20 @@ on. Where a call runs (`settings.isolation`):
   abandoned, and one that busy-loops keeps taking the GIL;
 - an `AsyncEnvironment`: on one event loop thread, where a call past its time is cancelled. A coroutine that
   blocks without awaiting cannot be cancelled: write async environments that await.
+
+Lockstep (`Lockstep`: an engine split over a group of ranks, exactrl/distributed/shared_engine.py and the generator
+groups of exactrl/train/disagg.py). Every forward of a split engine is a collective over its group, so every rank
+must step it with the same scheduler state in the same order; the schedule above depends on when answers arrive,
+which differs between ranks. In lockstep every rank of the group runs the union of the group's episodes in its
+engine, and each episode's environment is called by one rank, its owner. The loop goes in rounds: the engine steps
+until nothing is runnable (the same step on every rank); an owner calls an episode's environment as soon as its turn
+ends (the call overlaps the round's other decoding) and decides what the answer means (end, or resume with the
+observation's ids) when it is back; at the round's end the owners wait for their last answers, one `gather` trades
+every owner's decisions, and every rank applies all of them in one order, by (request id, sample index). Timeouts are
+decided by the owner alone, so a slow environment ends its episode on every rank at once. The tokens and logprobs
+of an episode are the ones of a run without lockstep (batch-invariant engine, sampling keyed by request and sample);
+the price is the turn round: an episode whose answer is back waits for the round's last turn to end before it
+resumes. A rank keeps (and reports progress, metrics and failures for) the episodes it owns.
 """
 
 from __future__ import annotations
@@ -176,6 +190,29 @@ class EpisodeBatch:
     first_failures: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Lockstep:
+    """How one rank of a split engine takes part in its group's episodes (module docstring, "Lockstep").
+
+    gather: every rank's picklable object, in rank order (`TensorParallelGroup.gather_objects`); owned[i]: whether
+    this rank calls prompt i's environment and keeps its episodes (exactly one rank of the group owns each prompt;
+    `examples[i]` of a prompt it does not own is never read, None will do)."""
+
+    gather: Callable[[Any], list[Any]]
+    owned: list[bool]
+
+
+@dataclass
+class _Verdict:
+    """What an environment call means for its episode: resume with `observation` (token ids), or, None, end it
+    (`reason`, `reward`, `error`)."""
+
+    observation: list[int] | None
+    reason: str = ""
+    reward: float = 0.0
+    error: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Running environment calls off the engine's thread
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +288,7 @@ def isolation_of(make_env: Callable[[], Environment | AsyncEnvironment], isolati
 class _Run:
     """One episode in flight."""
 
-    example: Example
+    example: Example | None  # None: a prompt another rank owns (lockstep)
     env: Environment | AsyncEnvironment | None = None
     seq: Sequence | None = None
     turns: list[tuple[int, int]] = field(default_factory=list)  # absolute positions in seq.token_ids
@@ -277,24 +314,33 @@ def run_episodes(
     request_ids: list[int] | None = None,
     progress: Callable[[int], object] | None = None,
     pool: EnvWorkerPool | None = None,
+    lockstep: Lockstep | None = None,
 ) -> EpisodeBatch:
     """params.n episodes per example (see the module docstring). params.max_tokens is replaced by
     settings.max_tokens_per_turn; params.stop should hold the environment's `stop` strings (`env_stop`).
     `progress(k)` is called as k more episodes end. pool: worker processes to keep across calls
-    (`EnvSetup.pool`); without one, a sync environment that runs in processes gets a pool for this call."""
+    (`EnvSetup.pool`); without one, a sync environment that runs in processes gets a pool for this call.
+    lockstep: this rank's part in a split engine's episodes (module docstring); the batch then holds the prompts
+    this rank owns, in order."""
     settings.validate()
     if len(examples) != len(prompt_ids):
         raise ValueError(f"got {len(examples)} examples for {len(prompt_ids)} prompts")
+    owned = [True] * len(prompt_ids) if lockstep is None else list(lockstep.owned)
+    if len(owned) != len(prompt_ids):
+        raise ValueError(f"lockstep: {len(owned)} owners for {len(prompt_ids)} prompts")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     params = SamplingParams(**{**params.__dict__, "max_tokens": settings.max_tokens_per_turn})
     # A factory that cannot go to a worker process is refused here, before any token is sampled.
-    own_pool = pool is None and isolation_of(make_env, settings.isolation) == "process"
+    own_pool = pool is None and any(owned) and isolation_of(make_env, settings.isolation) == "process"
     if own_pool:
         pool = EnvWorkerPool(make_env, settings.workers)
     session = TurnSession(engine, prompt_ids, params, settings.max_episode_tokens, request_ids)
     by_req = {rid: i for i, rid in enumerate(session.request_ids)}
+    # The requests whose environments run here (all of them, but in lockstep).
+    mine = {rid for rid, o in zip(session.request_ids, owned) if o}
     runs: dict[tuple[int, int], _Run] = {}
+    decided: dict[tuple[int, int], _Verdict] = {}  # lockstep: this round's verdicts, applied at its end
     done: dict[tuple[int, int], Episode] = {}
     first_failures: dict[str, str] = {}
     caller = _Caller(pool, own_pool)
@@ -307,6 +353,8 @@ def run_episodes(
         assert seq is not None
         if seq.is_paused:
             session.release(seq, reason)
+        if key[0] not in mine:  # another rank of the group keeps it (lockstep)
+            return
         if pool is not None and run.started:
             pool.end(key)
         if error is not None and reason in ("env_error", "env_timeout") and reason not in first_failures:
@@ -352,10 +400,12 @@ def run_episodes(
         if run is None:  # the episode's first turn (a fork child is a new Sequence object)
             run = runs[key] = _Run(examples[by_req[seq.request_id]])
         run.seq = seq
-        if seq.is_finished:  # refused by the engine (outgrew the KV cache)
+        if seq.is_finished:  # refused by the engine (outgrew the KV cache): the same on every rank of a group
             end(key, run, seq.finish_reason or "error", 0.0, seq.finish_reason)
             return
         run.turns.append((seq.turn_start, seq.num_tokens))
+        if key[0] not in mine:  # its owner calls the environment; the verdict comes at the round's end
+            return
         ids = seq.turn_token_ids
         turn = Turn(
             tokenizer.decode(ids) if tokenizer is not None else "",
@@ -367,46 +417,40 @@ def run_episodes(
             try:
                 run.env = make_env()
             except Exception as e:  # noqa: BLE001
-                end(key, run, "env_error", 0.0, f"making the environment: {describe_error(e, factory_file)}")
+                error = f"making the environment: {describe_error(e, factory_file)}"
+                settle(key, run, _Verdict(None, "env_error", 0.0, error))
                 return
         call_env(key, run, turn)
 
-    def on_answer(key: tuple[int, int], run: _Run) -> None:
+    def on_answer(key: tuple[int, int], run: _Run) -> _Verdict:
+        """What the environment's answer (or its absence past the deadline) means for the episode."""
         fut, run.call = run.call, None
         assert fut is not None and run.seq is not None
         run.last_call_s = time.perf_counter() - run.t_call
         run.env_time_s += run.last_call_s
         if not fut.done():  # a thread or a coroutine past its deadline (the pool answers its own)
             fut.cancel()
-            end(key, run, "env_timeout", 0.0, f"environment call took more than {timeout:g} s")
-            return
+            return _Verdict(None, "env_timeout", 0.0, f"environment call took more than {timeout:g} s")
         try:
             res = fut.result()
         except EnvCallTimeout as e:
-            end(key, run, "env_timeout", 0.0, str(e))
-            return
+            return _Verdict(None, "env_timeout", 0.0, str(e))
         except (TimeoutError, asyncio.TimeoutError):
-            end(key, run, "env_timeout", 0.0, f"environment call took more than {timeout:g} s")
-            return
+            return _Verdict(None, "env_timeout", 0.0, f"environment call took more than {timeout:g} s")
         except EnvCallError as e:  # described in the worker, with the place in the environment's file
-            end(key, run, "env_error", 0.0, str(e))
-            return
+            return _Verdict(None, "env_error", 0.0, str(e))
         except BaseException as e:  # noqa: BLE001
-            end(key, run, "env_error", 0.0, describe_error(e, source_file(run.env) or factory_file))
-            return
+            return _Verdict(None, "env_error", 0.0, describe_error(e, source_file(run.env) or factory_file))
         problem = check_step_result(res)
         if problem is not None:
-            end(key, run, "env_error", 0.0, problem)
-            return
+            return _Verdict(None, "env_error", 0.0, problem)
         run.tool_calls += int(res.tool_calls)
         run.tool_errors += int(res.tool_errors)
         reward = float(res.reward)
         if res.done:
-            end(key, run, "done", reward)
-            return
+            return _Verdict(None, "done", reward)
         if len(run.turns) >= settings.max_turns:
-            end(key, run, "max_turns", reward)
-            return
+            return _Verdict(None, "max_turns", reward)
         obs = res.observation
         if obs is None:
             obs_ids: list[int] = []
@@ -416,14 +460,52 @@ def run_episodes(
             obs_ids = list(obs)
         vocab = engine.model.config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in obs_ids):
-            end(key, run, "env_error", 0.0, f"observation token ids must be ints in [0, {vocab})")
-            return
+            return _Verdict(None, "env_error", 0.0, f"observation token ids must be ints in [0, {vocab})")
         # The cap counts the observation: it must leave room for at least one more model token, else the
         # episode ends here, the observation not appended (module docstring, "The token cap").
         if run.seq.num_tokens + len(obs_ids) + 1 > session.max_total_tokens:
-            end(key, run, "max_tokens", reward)
-            return
-        session.resume(run.seq, obs_ids, settings.max_tokens_per_turn)
+            return _Verdict(None, "max_tokens", reward)
+        return _Verdict(obs_ids)
+
+    def apply(key: tuple[int, int], run: _Run, verdict: _Verdict) -> None:
+        if verdict.observation is None:
+            end(key, run, verdict.reason, verdict.reward, verdict.error)
+        else:
+            assert run.seq is not None
+            session.resume(run.seq, verdict.observation, settings.max_tokens_per_turn)
+
+    def settle(key: tuple[int, int], run: _Run, verdict: _Verdict) -> None:
+        """Alone, a verdict applies at once; in lockstep it waits for the round's end (`trade`)."""
+        if lockstep is None:
+            apply(key, run, verdict)
+        else:
+            decided[key] = verdict
+
+    def answered_calls(now: float) -> list[tuple[tuple[int, int], _Run]]:
+        return [
+            (k, r) for k, r in runs.items() if r.call is not None and (r.call.done() or now >= r.deadline)
+        ]
+
+    def trade() -> None:
+        """Lockstep, nothing runnable: wait for this rank's last answers, trade every owner's verdicts, apply them
+        all in (request id, sample index) order. Every paused episode then has been resumed or ended."""
+        assert lockstep is not None
+        while waiting := [r for r in runs.values() if r.call is not None]:
+            caller.poll()
+            now = time.perf_counter()
+            answered = answered_calls(now)
+            if not answered:
+                caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
+            for k, r in answered:
+                decided[k] = on_answer(k, r)
+        ours = dict(decided)
+        decided.clear()
+        told = [(k, v.observation, v.reason) for k, v in ours.items()]
+        for k, obs, reason in sorted((x for part in lockstep.gather(told) for x in part), key=lambda x: x[0]):
+            apply(k, runs[k], ours[k] if k in ours else _Verdict(obs, reason))
+        # The next round would wait for a verdict no owner sends: fail rather than hang.
+        if session.num_paused:
+            raise RuntimeError(f"lockstep: no rank of the group decided {session.num_paused} paused episodes")
 
     try:
         while True:
@@ -431,31 +513,41 @@ def run_episodes(
             for seq in session.take_turn_ends():
                 on_turn_end(seq)
             caller.poll()
-            waiting = [(k, r) for k, r in runs.items() if r.call is not None]
             now = time.perf_counter()
-            answered = [(k, r) for k, r in waiting if r.call.done() or now >= r.deadline]
-            if not answered and not ran:
-                if not waiting:
-                    break  # nothing runs, nothing is asked: every episode has ended
-                # Every episode waits for its environment: sleep until the first answer or deadline.
-                caller.wait([r.call for _, r in waiting], max(0.0, min(r.deadline for _, r in waiting) - now))
-                continue
+            answered = answered_calls(now)
             for k, r in answered:
-                on_answer(k, r)
+                settle(k, r, on_answer(k, r))
+            if ran:
+                continue
+            if lockstep is not None:  # the round's end: the same step on every rank of the group
+                if not session.num_paused:
+                    break  # every episode has ended
+                trade()
+                continue
+            if answered:
+                continue
+            waiting = [r for r in runs.values() if r.call is not None]
+            if not waiting:
+                break  # nothing runs, nothing is asked: every episode has ended
+            # Every episode waits for its environment: sleep until the first answer or deadline.
+            caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
     finally:
         caller.close()
         session.close()
     for k, r in runs.items():  # cannot happen: every paused episode is resumed or ended above
-        if k not in done:
+        if k[0] in mine and k not in done:
             raise RuntimeError(f"episode {k} was left unfinished ({r.seq})")
     groups: list[list[Episode]] = [[] for _ in prompt_ids]
     for (rid, _j), ep in sorted(done.items()):
         groups[by_req[rid]].append(ep)
+    keep = [i for i, o in enumerate(owned) if o]
+    groups = [groups[i] for i in keep]
     episodes = [e for g in groups for e in g]
     metrics = episode_metrics(episodes)
     if pool is not None and metrics:
         metrics["env/workers_stopped"] = float(pool.num_killed - killed_before)
-    return EpisodeBatch(groups, list(session.errors), metrics, session.cache_stats(), first_failures)
+    errors = [session.errors[i] for i in keep]
+    return EpisodeBatch(groups, errors, metrics, session.cache_stats(), first_failures)
 
 
 def _episode(seq: Sequence, run: _Run, reason: str, reward: float, error: str | None) -> Episode:

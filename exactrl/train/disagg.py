@@ -175,7 +175,12 @@ def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None)
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
-    GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed, env=env).serve()
+    loop = GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed, env=env)
+    try:
+        loop.serve()
+    finally:
+        if loop.engine.runner is not None:  # before the process group goes (`ModelRunner.release_graphs`)
+            loop.engine.runner.release_graphs()
     return {}
 
 
@@ -275,6 +280,8 @@ class GeneratorLoop:
 
         # A split engine: B's rows are its projection's, and the sync slices the whole B it sends.
         shard_adapters(self.engine.model)
+        if self.engine.runner is not None:
+            self.engine.runner.release_graphs()
         self.engine.runner = None
         before = self.params
         self.params = dict(self.engine.model.named_parameters())
@@ -357,9 +364,12 @@ class GeneratorLoop:
         """Multi-turn: each trainer's episodes, one call after the other, as its colocated engine would run them
         (an episode's environment calls and reward are keyed by its example and sample, its sampling by its
         request id); each trainer gets its `EpisodeBatch`. Returns the tokens the episodes hold after their
-        prompts (model turns and observations)."""
-        from exactrl.envs import run_episodes
+        prompts (model turns and observations). A split engine's ranks run each call in lockstep
+        (exactrl/envs/rollout.py, "Lockstep"): the first rank, which answers, calls every environment, the others
+        follow its verdicts."""
+        from exactrl.envs.rollout import Lockstep, run_episodes
 
+        group = getattr(self.layout, "engine_group", None)
         tokens = 0
         for r, c in asks:
             if self.env is None:
@@ -376,7 +386,10 @@ class GeneratorLoop:
                 self.env.settings,
                 c.params,
                 request_ids=c.request_ids,
-                pool=self.env.pool(),  # started once for the run, on this rank
+                pool=self.env.pool() if self.answers else None,  # started once for the run, on this rank
+                lockstep=None
+                if group is None
+                else Lockstep(group.gather_objects, [self.answers] * len(c.prompts)),
             )
             tokens += sum(len(e.completion_ids) for g in eb.groups for e in g)
             self._answer(eb, r)

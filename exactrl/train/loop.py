@@ -179,7 +179,10 @@ def env_episodes(
 ) -> Any:
     """`exactrl.envs.run_episodes` on this process's engine (with the run's environment workers, started once),
     or, disaggregated (a `RemoteEngine`), on this trainer's generator against its own instance of the
-    environment: the same episodes either way."""
+    environment, or, with a `SharedEngine`, in lockstep with the other ranks of its group (each calling its own
+    prompts' environments): the same episodes every way."""
+    if isinstance(engine, SharedEngine):
+        return engine.run_episodes(examples, prompt_ids, params, request_ids, progress=progress)
     if isinstance(engine, RemoteEngine):
         eb = engine.run_episodes(examples, prompt_ids, params, request_ids)
         if progress is not None:
@@ -824,7 +827,7 @@ class RLRun:
         elif engine_model is not model:
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
             if self.engine_group is not None:
-                self.engine = SharedEngine(self.engine, self.engine_group)
+                self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
         if self.critic is not None:
             self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
@@ -1529,12 +1532,16 @@ class RLRun:
             )
 
     def close(self) -> None:
-        """Stop the reward workers (user reward functions run in processes of their own)."""
+        """Stop the reward workers (user reward functions run in processes of their own) and drop the engine's
+        decode graphs."""
         if self.driver is not None:  # a generation still running under a failed update
             self.driver.close()
         self.weights.stop()  # disaggregated: the generator's loop ends (it would wait for the next round)
         if self.rewards is not None:
             self.rewards.close()
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:  # before the process group goes (`ModelRunner.release_graphs`)
+            runner.release_graphs()
 
     def finish(self) -> dict[str, Any]:
         """The held-out accuracy after RL, summary.json, report.png and the summary lines."""

@@ -85,11 +85,6 @@ def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -
             "worker thread that issues no collective, and a shared engine's every forward is one (generator "
             "ranks run it: distributed.generator_ranks)",
         ),
-        (
-            cfg.env.name is not None,
-            f"with env.name = {cfg.env.name!r}: multi-turn episodes do not go through the shared engine's one "
-            "call per step yet",
-        ),
     ]
     for bad, text in refusals:
         if bad:

@@ -4,8 +4,9 @@ both run the same engine calls (every forward's all-gathers among them), the fir
 of every weight trainer 0 broadcasts whole. On 3 CPU ranks (1 trainer, one engine of 2 generators) a run equals the
 colocated run of one FSDP2 rank step for step (every metric but timings, the held-out evaluations included) and in
 its final weights, bit for bit: full weights, and (make test-all) LoRA (the adapters attached on the generators after
-their split, each sync moving the adapters alone, B sliced), one step off and partial rollouts. The control plants Megatron's row-parallel arithmetic
-in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
+their split, each sync moving the adapters alone, B sliced), one step off, partial rollouts and multi-turn episodes
+(the first generator rank calls the environment, the other follows its verdicts in lockstep). The control plants
+Megatron's row-parallel arithmetic in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ._runs import REWARD, launch, mismatched, records, same, small_argv
+from .test_disagg import MULTI_TURN
 from .test_partial_multirank import PARTIAL
 
 pytestmark = pytest.mark.slow
@@ -55,6 +57,7 @@ def more_runs(tmp_path_factory) -> Path:
         {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *LORA)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, K1)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-partial", 4, *PARTIAL)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)},
     ]
     code, out, _ = launch(DRIVER, tmp, 1, jobs, "co", 400)
     assert code == 0, out[-3000:]
@@ -62,6 +65,7 @@ def more_runs(tmp_path_factory) -> Path:
         {"kind": "cli", "argv": small_argv(tmp, "split-lora", STEPS, *LORA, *SPLIT)},
         {"kind": "cli", "argv": small_argv(tmp, "split-k1", STEPS, K1, *SPLIT)},
         {"kind": "cli", "argv": small_argv(tmp, "split-partial", 4, *PARTIAL, *SPLIT)},
+        {"kind": "cli", "argv": small_argv(tmp, "split-mt", STEPS, *EVAL, *MULTI_TURN, *SPLIT)},
     ]
     code, out, _ = launch(DRIVER, tmp, 3, jobs, "split", 600)
     assert code == 0, out[-3000:]
@@ -99,3 +103,12 @@ def test_partial_rollouts_on_a_split_generator_engine_equal_the_colocated_run(mo
     assert rows and sum(r["offpolicy/partial/resumed_samples"] for r in rows) > 0
     assert mismatched(more_runs / "split-partial") == 0
     assert same(more_runs / "colocated-partial", more_runs / "split-partial")
+
+
+@pytest.mark.extended
+def test_multi_turn_episodes_on_a_split_generator_engine_equal_the_colocated_run(more_runs: Path) -> None:
+    steps = [r for r in records(more_runs / "split-mt") if "env/turns_mean" in r]
+    assert len(steps) == STEPS and all(r["env/turns_mean"] == 2 for r in steps)
+    assert sum("eval/env/episodes" in r for r in records(more_runs / "split-mt")) == 3
+    assert mismatched(more_runs / "split-mt") == 0
+    assert same(more_runs / "colocated-mt", more_runs / "split-mt")

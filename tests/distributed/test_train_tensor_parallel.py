@@ -7,7 +7,9 @@ uninterrupted run. The negative control plants Megatron's row-parallel arithmeti
 down_proj (partial sums over K slices): the run differs, and the guard counts the mismatched tokens. With LoRA
 adapters on every projection (their B split with the projection, adapters alone synced after each update, a KL
 reference of the base with the adapters off) T = 2 equals T = 1 the same way (make test-all), and a split engine
-whose o_proj / down_proj drop their adapters is caught.
+whose o_proj / down_proj drop their adapters is caught. Multi-turn episodes (make test-all) run in lockstep on the
+group's ranks (exactrl/envs/rollout.py, "Lockstep"), each calling its own prompts' environment, the held-out
+evaluation's too (rank 1 follows rank 0's episodes): T = 2 equals T = 1, and row-parallel arithmetic there is caught.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ._runs import COIN, REWARD, crashed_after, dynamic_argv, launch, mismatched, records, same, small_argv
+from .test_disagg import MULTI_TURN
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +100,26 @@ def mode_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def mt_runs(tmp_path_factory) -> Path:
+    """Multi-turn episodes (two model turns around an observation, tests/distributed/_mt_env.py) at T = 1 and T = 2,
+    evaluations included, and the row-parallel control."""
+    tmp = tmp_path_factory.mktemp("train-tp-mt")
+    (tmp / "reward.py").write_text(REWARD)
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "t1", STEPS, *EVAL, *MULTI_TURN)},
+        {"kind": "cli", "argv": small_argv(tmp, "t2", STEPS, *EVAL, *MULTI_TURN, TP)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "planted", 1, *MULTI_TURN, TP, "run.on_mismatch=warn"),
+            "plant": "row_parallel",
+        },
+    ]
+    code, out, _ = launch(DRIVER, tmp, 2, jobs, "tp-mt", 400)
+    assert code == 0, out[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory) -> Path:
     """tiny-moe at world size 2: the engine's experts split over the two ranks (E = 2) against E = 1, and the
     control with the combine split over the ranks."""
@@ -158,3 +181,14 @@ def test_expert_parallel_trains_as_one_engine_and_a_split_combine_is_caught(ep_r
     assert mismatched(ep_runs / "e2") == 0
     assert same(ep_runs / "e1", ep_runs / "e2")
     assert mismatched(ep_runs / "planted") > 0
+
+
+@pytest.mark.extended  # make test-all: the lockstep itself is in the default run (tests/envs/test_lockstep.py)
+def test_multi_turn_episodes_on_a_shared_engine_equal_one_engine_per_rank(mt_runs: Path) -> None:
+    steps = [r for r in records(mt_runs / "t2") if "env/turns_mean" in r]
+    assert len(steps) == STEPS and all(r["env/turns_mean"] == 2 for r in steps)
+    assert all(r["mismatch/num_tokens"] == r["mismatch/completion_tokens"] > 0 for r in steps)
+    assert sum("eval/env/episodes" in r for r in records(mt_runs / "t2")) == 3  # rank 1 followed rank 0's
+    assert mismatched(mt_runs / "t2") == 0
+    assert same(mt_runs / "t1", mt_runs / "t2")
+    assert mismatched(mt_runs / "planted") > 0

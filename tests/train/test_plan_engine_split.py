@@ -162,6 +162,8 @@ def test_plan_refuses_what_train_refuses(capsys):
     assert "the model has no sparse" in refused("--nproc", "2", "--set", "engine.expert_parallel=2")
     assert main([*base, "--nproc", "2"]) == 0
     assert '"engine_ranks":2' in capsys.readouterr().out
+    # Multi-turn episodes run in lockstep on the group's ranks (exactrl/envs/rollout.py): no longer refused.
+    assert main([*base, "--nproc", "2", "--set", "env.name=guess"]) == 0, capsys.readouterr()
 
 
 def test_a_split_engine_with_lora_holds_its_shard_of_the_frozen_base():
