@@ -634,6 +634,7 @@ def _end_process_group() -> None:
     active exception") after its work is done: torchrun then reports a finished command as failed. Measured on
     2 gloo ranks whose last collective was all_gather_object: 15 of 30 launches aborted without the pause, 0 of 30
     with it."""
+    import gc
     import time
 
     import torch.distributed as dist
@@ -646,6 +647,9 @@ def _end_process_group() -> None:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Whatever a command left to the cycle collector goes now, an engine's CUDA graphs among it: graphs
+            # that captured NCCL collectives make destroy_process_group hang (`ModelRunner.release_graphs`).
+            gc.collect()
             torch.cuda.empty_cache()
         dist.barrier()
         dist.destroy_process_group()

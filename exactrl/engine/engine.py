@@ -157,6 +157,8 @@ class RolloutEngine:
             if r is not None:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:
+            if self.runner is not None:  # it and its graph state refer to each other: break that at once
+                self.runner.release_graphs()
             self.runner = None  # free the old cache (and graphs) before allocating the new one
             r = ModelRunner(
                 self.model,

@@ -298,6 +298,20 @@ class ModelRunner:
             self.graphs_dropped += len(st.graphs)
             self._static = None  # free the old graphs (and their memory) before capturing new ones
 
+    def release_graphs(self) -> None:
+        """Reset and drop the captured decode graphs (the next decode captures them again). A split engine's graphs
+        hold NCCL collectives, and they must be gone before their process group is destroyed:
+        `destroy_process_group` waits in ncclCommDestroy for ever otherwise (PyTorch issue 115388; seen with
+        benchmarks/decode_split.py at T = 2 on 2 x H200, 2026-11-28). The runner and its graph state refer to each
+        other, so dropping the engine alone leaves them for the cycle collector, after the group may be gone."""
+        st = self._static
+        if st is None:
+            return
+        self.graph_capture_s += st.capture_s
+        for graph, _ in st.graphs.values():
+            graph.reset()
+        self._static = None
+
     def _static_state(self) -> _StaticDecode:
         if self._static is None:
             self._static = _StaticDecode(self)

@@ -189,3 +189,32 @@ def test_fetch_and_upload_do_not_wait_for_the_gpu():
     torch.cuda._sleep(300_000_000)
     torch.empty(3, dtype=torch.float64).copy_(out[0])
     assert stream.query()
+
+
+def test_release_graphs_frees_the_runner_without_the_cycle_collector():
+    """A runner and its static decode state refer to each other: dropped alone, they (the KV cache, a split
+    engine's graphs with their NCCL collectives) wait for the cycle collector, which may run after the process
+    group is destroyed. `release_graphs` breaks the cycle: the runner goes when its last reference does, and the
+    next decode builds the state again with the same bits."""
+    import gc
+    import weakref
+
+    model = build_model(preset("tiny"), dtype=torch.float32, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    gc.disable()
+    try:
+        for release in (False, True):
+            eng, out = _generate(model, "static", params, max_num_seqs=8, max_model_len=64)
+            assert eng.runner._static is not None
+            ref = weakref.ref(eng.runner)
+            if release:
+                eng.runner.release_graphs()
+                assert eng.runner._static is None
+                again = _flat(eng.generate(PROMPTS, params))  # the state is built again
+                _assert_same(again, _flat(out))
+                eng.runner.release_graphs()
+            del eng
+            assert (ref() is None) == release  # without the release (the control) the cycle keeps it
+    finally:
+        gc.enable()
+        gc.collect()
