@@ -16,10 +16,18 @@ Why the bits cannot change (the MoE rules of DESIGN.md, applied across ranks):
   rounded, one cast), on the same [T, k, D] outputs. The Triton combine adds w0 * o0 to an accumulator of 0,
   which differs from w0 * o0 only in the sign of a zero (0 + -0 = +0), and torch.equal does not see that.
 
-The all-gather moves T * k * D per rank (each rank's slots at their place in a zero buffer): simple and exact; an
+Two ways to compute a rank's slots, the same bits (a row's bits do not depend on the other rows of the call):
+- static (a decode step: at most `static_slots` slots, or whenever a CUDA graph is being captured): every rank runs
+  all T * k slots through its own stack, a slot of another rank's expert sent to this rank's expert of the same
+  index within its block (`id % per`: the owners' rows are right, the others' are computed and never read). No
+  data-dependent shape, no host synchronisation: the decode step fits a CUDA graph. The price is E times the
+  expert rows, which a decode step (a few rows per expert, bound by reading the weights) hardly notices.
+- by count (larger calls, prefill): the rank picks its own slots (`nonzero`, a host synchronisation) and computes
+  those alone, E times fewer rows.
+
+The all-gather moves T * k * D per rank (each rank's slots at their place in the buffer): simple and exact; an
 all-to-all of variable counts would move a 1/E share. Not done: expert parallel in the trainer (FSDP2 shards the
-stacks there), experts that E does not divide (refused by key), CUDA graphs (the slot count is data-dependent:
-an expert-parallel engine decodes eagerly).
+stacks there), experts that E does not divide (refused by key).
 """
 
 from __future__ import annotations
@@ -48,16 +56,28 @@ class ExpertParallelExperts(nn.Module):
         self.gate_up = nn.Parameter(experts.gate_up[span].detach().clone(), requires_grad=False)
         self.down = nn.Parameter(experts.down[span].detach().clone(), requires_grad=False)
 
+    # The most slots (tokens x k) a call computes the static way (module docstring); a decode step's are fewer.
+    static_slots = 4096
+
     def forward(self, ops: Ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
         per = self.gate_up.shape[0]
         flat = ids.reshape(-1)  # slot s = t * k + r
-        local = flat - self.first_expert
-        slots = ((local >= 0) & (local < per)).nonzero()[:, 0]
-        mine = x.new_zeros(T * k, x.shape[1])
-        if slots.numel():
-            ones = torch.ones(slots.numel(), 1, dtype=torch.float32, device=x.device)
-            mine[slots] = ops.moe_experts(x[slots // k], self.gate_up, self.down, ones, local[slots, None])
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or T * k <= self.static_slots:
+            # Every slot here; an owned one's local expert is id - first_expert = id % per (contiguous blocks).
+            ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
+            rows = x.repeat_interleave(k, dim=0)  # row s is token s // k
+            mine = ops.moe_experts(rows, self.gate_up, self.down, ones, (flat % per)[:, None])
+        else:
+            local = flat - self.first_expert
+            slots = ((local >= 0) & (local < per)).nonzero()[:, 0]
+            mine = x.new_zeros(T * k, x.shape[1])
+            if slots.numel():
+                ones = torch.ones(slots.numel(), 1, dtype=torch.float32, device=x.device)
+                mine[slots] = ops.moe_experts(
+                    x[slots // k], self.gate_up, self.down, ones, local[slots, None]
+                )
         every = torch.stack(self.group.gather(mine))  # [size, T * k, D]: each slot's output on its owner
         outs = every[flat // per, torch.arange(T * k, device=x.device)].view(T, k, x.shape[1])
         return combine_rank_order(outs, weights, x.dtype)
@@ -104,8 +124,7 @@ def shard_experts(model: CausalLM, group: TensorParallelGroup) -> EngineShardCau
             m.experts = ExpertParallelExperts(m.experts, group)
             shard.shard_slicers[f"{name}.experts.gate_up"] = take
             shard.shard_slicers[f"{name}.experts.down"] = take
-    # The slots a rank computes have a data-dependent count (nonzero), which a CUDA graph cannot hold: the engine
-    # decodes this model eagerly (graph capture failed with "operation not permitted when stream is capturing" on
-    # 2 x H200, 2026-11-28).
-    shard.graph_capturable = False
+    # A decode step computes every slot (the static way, module docstring): a CUDA graph holds it. (Picking the
+    # rank's slots by count, as before, failed graph capture with "operation not permitted when stream is
+    # capturing" on 2 x H200, 2026-11-28.)
     return shard

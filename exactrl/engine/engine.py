@@ -78,8 +78,8 @@ class RequestOutput:
 
 def default_decode_mode(model: Any, cuda_graphs: bool) -> str:
     """How an engine decodes `model` unless told (`RolloutEngine.decode_mode`): CUDA graphs on a GPU when
-    `cuda_graphs`, else eagerly. A model whose decode a graph cannot hold (`graph_capturable` False: expert
-    parallel picks its slots with a data-dependent shape) decodes eagerly: the same bits, launched by the host."""
+    `cuda_graphs`, else eagerly. A model whose decode a graph cannot hold (`graph_capturable` False) decodes
+    eagerly: the same bits, launched by the host."""
     capturable = getattr(model, "graph_capturable", True)
     return "graph" if cuda_graphs and capturable and model.device.type == "cuda" else "eager"
 

@@ -720,9 +720,8 @@ def plan_memory(
         )
         act = {}
     decode = decode_step_bytes(cfg, mcfg) if cuda and not trainer_only else 0
-    if cuda and cfg.engine.cuda_graphs and not trainer_only and cfg.engine.expert_parallel == 1:
-        # The decode graphs (and their pool) are kept between generations: in the training phase too (an
-        # expert-parallel engine decodes eagerly: no graphs).
+    if cuda and cfg.engine.cuda_graphs and not trainer_only:
+        # The decode graphs (and their pool) are kept between generations: in the training phase too.
         resident["decode_graph_pool"] = decode
         decode = 0
     held = {**resident, **({} if offload else opt_state)}

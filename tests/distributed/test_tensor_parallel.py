@@ -127,7 +127,7 @@ def test_two_ranks_sample_the_one_device_bits(tmp_path) -> None:
         if (
             "ep2" in r
         ):  # expert parallel alone, and with tensor parallel (static decode), and loaded from full
-            for key in ("ep2", "tp2_ep2", "tp2_ep2_synced"):
+            for key in ("ep2", "ep2_by_count", "tp2_ep2", "tp2_ep2_synced"):
                 assert r[key]["tokens_equal"] and r[key]["logprobs_equal"], (what, key, r[key])
             # The control: each rank's partial combine rounded to the model dtype, then all-reduced.
             assert r["ep_control"]["differ"] > 0, (what, r["ep_control"])
@@ -143,22 +143,24 @@ def test_expert_parallel_refuses_what_it_cannot_split() -> None:
         check_expert_parallel(build_model(preset("tiny-moe"), exact=True), 3)
 
 
-def test_an_expert_parallel_engine_decodes_without_cuda_graphs() -> None:
-    # The slots a rank computes have a data-dependent count (nonzero): a CUDA graph cannot capture that decode
-    # (2 x H200, 2026-11-28: "operation not permitted when stream is capturing"), so the engine decodes it eagerly.
+def test_an_expert_parallel_engine_decodes_in_cuda_graphs() -> None:
+    # A decode step computes every slot on every rank (no data-dependent shape): the engine captures it. Picking
+    # the rank's own slots by count (`nonzero`) had failed capture on 2 x H200, 2026-11-28.
     from types import SimpleNamespace
 
-    from exactrl.distributed.expert_parallel import shard_experts
+    from exactrl.distributed.expert_parallel import ExpertParallelExperts, shard_experts
     from exactrl.distributed.tensor_parallel import TensorParallelGroup
     from exactrl.engine.engine import default_decode_mode
 
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert default_decode_mode(on_gpu, cuda_graphs=True) == "graph"
-    assert default_decode_mode(on_gpu, cuda_graphs=False) == "eager"
     model = shard_experts(build_model(preset("tiny-moe"), exact=True), TensorParallelGroup(size=2, rank=0))
-    assert not model.graph_capturable
-    split = SimpleNamespace(device=torch.device("cuda", 0), graph_capturable=model.graph_capturable)
-    assert default_decode_mode(split, cuda_graphs=True) == "eager"
+    assert any(isinstance(m, ExpertParallelExperts) for m in model.modules())
+    split = SimpleNamespace(
+        device=torch.device("cuda", 0), graph_capturable=getattr(model, "graph_capturable", True)
+    )
+    assert default_decode_mode(split, cuda_graphs=True) == "graph"
+    assert default_decode_mode(split, cuda_graphs=False) == "eager"
+    held_back = SimpleNamespace(device=torch.device("cuda", 0), graph_capturable=False)
+    assert default_decode_mode(held_back, cuda_graphs=True) == "eager"
 
 
 def test_parity_refuses_a_tensor_parallel_degree_that_does_not_divide_the_ranks(capsys) -> None:
