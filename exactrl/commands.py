@@ -274,11 +274,19 @@ def cmd_twin(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """The run's memory plan per rank (exactrl.plan); exit 1 when a phase would not fit --gpu-memory, or the
-    optimizer state offload pins would not fit --host-memory. The config passes the checks `exactrl train` makes
-    before anything loads (exactrl.train.preflight), at the planned world size."""
+    """The run's memory plan per rank (exactrl.plan), a disaggregated run's trainer ranks' and generator ranks'
+    each; exit 1 when a phase would not fit --gpu-memory, or the optimizer state offload pins would not fit
+    --host-memory. The config passes the checks `exactrl train` makes before anything loads
+    (exactrl.train.preflight), at the planned world size."""
     from exactrl.config import load_config
-    from exactrl.train.memory import gpu_memory_bytes, host_memory_bytes, make_plan, print_plan
+    from exactrl.train.memory import (
+        gpu_memory_bytes,
+        host_memory_bytes,
+        make_generator_plan,
+        make_plan,
+        print_plan,
+        trainer_role,
+    )
     from exactrl.train.preflight import check_run_config, inert_keys
 
     cfg = load_config(args.config, args.set or [])
@@ -288,13 +296,15 @@ def cmd_plan(args) -> int:
     # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
     # `exactrl train --nproc N` runs them.
     sharded = args.world_size is not None
-    # A disaggregated run: the trainers' plan (FSDP2 over them alone); the generator ranks hold the engine.
+    # A disaggregated run: the trainers' plan (FSDP2 over them alone), then the generator ranks' (the engine alone).
+    job_size = world_size
     trainers = _trainers(cfg, world_size, distributed=sharded)
     if trainers != world_size:
         print(
-            f"planned for the {trainers} trainer ranks of {world_size} (distributed.generator_ranks = "
-            f"{cfg.distributed.generator_ranks} hold the engine alone: not planned here)"
+            f"planned for the {trainers} trainer ranks of {world_size} and, below them, the "
+            f"distributed.generator_ranks = {cfg.distributed.generator_ranks} that hold the engine alone"
         )
+        print(f"{trainer_role(world_size, trainers)}:")
     world_size = trainers
     check_run_config(cfg, world_size, distributed=sharded)
     gpu = gpu_memory_bytes(args.gpu_memory)
@@ -323,8 +333,12 @@ def cmd_plan(args) -> int:
         cfg, world_size=world_size, gpu_memory=gpu, device=device, host_memory=host, sharded=sharded,
         host_memory_from=host_from,
     )  # fmt: skip
-    print_plan(plan)
-    return 0 if plan.fits else 1
+    generator = None
+    if trainers != job_size:
+        plan.role = trainer_role(job_size, trainers)
+        generator = make_generator_plan(cfg, world_size=job_size, gpu_memory=gpu, device=device)
+    print_plan(plan, generator=generator)
+    return 0 if plan.fits and (generator is None or generator.fits) else 1
 
 
 def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:

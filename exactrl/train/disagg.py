@@ -175,6 +175,15 @@ def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None)
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
+    # Before the model is made: an engine whose weights, cache and transients cannot fit this GPU is refused now,
+    # naming the knobs (the trainers check their own plan in RLRun); the first generator rank says the plan.
+    from exactrl.train.memory import check_generator_before_loading
+
+    device = rank_device(layout.world, resolve_device(cfg.run.device))
+    first = layout.world.rank == layout.trainers
+    check_generator_before_loading(
+        cfg, str(device), layout.world.world_size, out=print if first else (lambda *a: None)
+    )
     loop = GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed, env=env)
     try:
         loop.serve()
