@@ -67,7 +67,7 @@ class ExpertParallelExperts(nn.Module):
         if capturing or T * k <= self.static_slots:
             # Every slot here; an owned one's local expert is id - first_expert = id % per (contiguous blocks).
             ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
-            rows = x.repeat_interleave(k, dim=0)  # row s is token s // k
+            rows = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])  # row s: token s // k
             mine = ops.moe_experts(rows, self.gate_up, self.down, ones, (flat % per)[:, None])
         else:
             local = flat - self.first_expert
