@@ -157,9 +157,11 @@ class RolloutEngine:
             if r is not None:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:
-            if self.runner is not None:  # it and its graph state refer to each other: break that at once
-                self.runner.release_graphs()
-            self.runner = None  # free the old cache (and graphs) before allocating the new one
+            old, r, self.runner = self.runner, None, None
+            if old is not None:  # its cache and graphs go before the new cache is allocated (they form a cycle)
+                old.release_graphs()
+                old.release_kv()
+            del old
             r = ModelRunner(
                 self.model,
                 n,
