@@ -158,7 +158,9 @@ class RolloutEngine:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:
             old, r, self.runner = self.runner, None, None
-            if old is not None:  # its cache and graphs go before the new cache is allocated (they form a cycle)
+            if (
+                old is not None
+            ):  # its cache and graphs go before the new cache is allocated (they form a cycle)
                 old.release_graphs()
                 old.release_kv()
             del old
