@@ -183,8 +183,10 @@ if want decode-split; then  # issue 46: decode tok/s at T = 1 and T = 2 (the gat
   # in the same process), qwen3-8b; then qwen3-30b-a3b at E = T = 2 (DECODE_30B=1)
   # (the same new tokens at T = 1 and 2; the twenty-third session's T = 2 process hung at exit after its figures,
   # graphs holding NCCL collectives: ModelRunner.release_graphs since)
-  timeout 240 python3 benchmarks/decode_split.py --preset qwen3-8b --max-tokens ${DS_TOKENS:-128} 2>&1 \
-    | grep -v -i warn | tail -6 | tee -a "$OUT/decode_split.txt"
+  if [[ -z "${DS_SKIP_T1:-}" ]]; then  # DS_SKIP_T1=1: the T = 2 forms (and the 30B) alone
+    timeout 240 python3 benchmarks/decode_split.py --preset qwen3-8b --max-tokens ${DS_TOKENS:-128} 2>&1 \
+      | grep -v -i warn | tail -6 | tee -a "$OUT/decode_split.txt"
+  fi
   NCCL_NVLS_ENABLE=0 timeout 300 torchrun --standalone --nproc-per-node 2 benchmarks/decode_split.py \
     --preset qwen3-8b --max-tokens ${DS_TOKENS:-128} 2>&1 | grep -v -i warn | tail -10 | tee -a "$OUT/decode_split.txt"
   if [[ -n "${DECODE_30B:-}" ]]; then
