@@ -481,17 +481,16 @@ def _full_weight_sync(run: Any) -> dict[str, Any]:
 
 
 def _serve_as_generator(args: Any, cfg: Any, layout: Any) -> dict[str, Any]:
-    """A generator rank of `bench rl --generator-ranks G`: the run's generator loop on an engine with the
-    workload's length plan; then its rounds go to rank 0 (`_roles`, a collective of every rank)."""
-    from exactrl.train.disagg import GeneratorLoop, generator_engine
+    """A generator rank of `bench rl --generator-ranks G`: the run's generator (its memory plan checked, the plan's
+    cache) on an engine with the workload's length plan; then its rounds go to rank 0 (`_roles`, a collective of every rank)."""
+    from exactrl.train.disagg import run_generator
 
     def make(model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
         return PlannedLengthEngine(
             model, config, tokenizer=tokenizer, workload=_workload(args, tokenizer, model)
         )
 
-    loop = GeneratorLoop(generator_engine(cfg, layout, make), layout)
-    loop.serve()
+    loop = run_generator(cfg, layout, make=make)
     layout.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
     return {}
 

@@ -169,10 +169,12 @@ class SharedEngine:
     def _params(self, shares: list[_Share], kind: str) -> SamplingParams | None:
         """The call's sampling parameters (None: no rank asked anything); refuses ranks that disagree."""
         asking = [s for s in shares if s.prompts]
-        if any(s.kind != kind for s in asking):
-            raise RuntimeError(
-                f"the ranks of a shared engine asked for {sorted({s.kind for s in asking})} at once"
-            )
+        # Every share names its call, an empty one too (a rank joining a round names none): ranks that disagree all
+        # raise here, none goes on into the other call's collectives.
+        kinds = {r: s.kind for r, s in enumerate(shares) if s.kind is not None}
+        if any(k != kind for k in kinds.values()):
+            said = ", ".join(f"group rank {r} {k!r}" for r, k in kinds.items())
+            raise RuntimeError(f"the ranks of a shared engine asked for different calls at once: {said}")
         if any(s.params != asking[0].params for s in asking):
             raise RuntimeError(
                 "the ranks of a shared engine asked for different sampling parameters in one call"
@@ -243,7 +245,7 @@ class SharedEngine:
             self._in_round = False
         if not self._asked:  # join the others' call, whichever it is, with nothing of this rank's
             shares = self.group.gather_objects(_Share(None, [], [], None))
-            kinds = {s.kind for s in shares if s.prompts}
+            kinds = {s.kind for s in shares} - {None}  # an empty share names its call too
             if kinds == {"episodes"}:
                 self._episodes(shares, [])
             else:

@@ -151,6 +151,10 @@ class RolloutEngine:
         if cfg.num_kv_blocks:
             n = cfg.num_kv_blocks
         else:
+            if r is not None and -(-tokens_needed // cfg.block_size) + 1 > r.num_blocks:
+                # The call may need a larger cache: the free memory is measured without the one it would replace
+                # (every rank of a split engine takes this branch alike: the call and the agreed size are the group's).
+                r.release_kv()
             n = auto_num_blocks(self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed)
             if self.agree_blocks is not None:
                 n = self.agree_blocks(n)

@@ -175,33 +175,60 @@ def serve_generator(cfg: RunConfig, layout: Layout, env: EnvSetup | None = None)
             signal.signal(sig, lambda *_: None)
         except ValueError:
             break
+    run_generator(cfg, layout, env)
+    return {}
+
+
+def run_generator(
+    cfg: RunConfig,
+    layout: Layout,
+    env: EnvSetup | None = None,
+    make: Callable[..., RolloutEngine] = RolloutEngine,
+) -> GeneratorLoop:
+    """Check the generator's memory plan, make its engine (`generator_engine`, with the plan's KV cache on a GPU)
+    and serve the trainers until they stop; the loop (its rounds) is returned. The decode graphs go before the
+    process group does (`ModelRunner.release_graphs`), an error's way out included. make: as `generator_engine`'s."""
     # Before the model is made: an engine whose weights, cache and transients cannot fit this GPU is refused now,
     # naming the knobs (the trainers check their own plan in RLRun); the first generator rank says the plan.
     from exactrl.train.memory import check_generator_before_loading
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
     first = layout.world.rank == layout.trainers
-    check_generator_before_loading(
+    plan = check_generator_before_loading(
         cfg, str(device), layout.world.world_size, out=print if first else (lambda *a: None)
     )
-    loop = GeneratorLoop(generator_engine(cfg, layout), layout, lora=cfg.lora, seed=cfg.run.seed, env=env)
+    # On a GPU the engine holds the plan's cache (as a colocated run's MemoryPhases gives it), so the plan holds
+    # whatever the calls: a larger one (trainer 0's held-out evaluation) runs in it instead of growing it.
+    kv_blocks = None if plan is None else plan.counts["kv_blocks"]
+    loop = GeneratorLoop(
+        generator_engine(cfg, layout, make, kv_blocks=kv_blocks),
+        layout,
+        lora=cfg.lora,
+        seed=cfg.run.seed,
+        env=env,
+    )
     try:
         loop.serve()
     finally:
-        if loop.engine.runner is not None:  # before the process group goes (`ModelRunner.release_graphs`)
+        if loop.engine.runner is not None:
             loop.engine.runner.release_graphs()
-    return {}
+    return loop
 
 
 def generator_engine(
-    cfg: RunConfig, layout: Layout, make: Callable[..., RolloutEngine] = RolloutEngine
+    cfg: RunConfig,
+    layout: Layout,
+    make: Callable[..., RolloutEngine] = RolloutEngine,
+    kv_blocks: int | None = None,
 ) -> RolloutEngine:
     """The generator's engine: the run's model shape and dtype on this rank's device, in the exact environment the
     trainers set, split over the rank's engine group when engine.tensor_parallel / expert_parallel share it. Every
     weight comes from trainer 0 before the first generation, so the model is made as its structure (no random draws,
     no checkpoint read, never the whole model on a rank of a split engine) and given memory once split; the loop
     refuses to generate before every weight has arrived. make: the engine class (or a factory with its signature;
-    `exactrl bench rl` plans completion lengths)."""
+    `exactrl bench rl` plans completion lengths). kv_blocks: the KV cache's size from the generator's memory plan
+    (agreed over a split engine's group: the least), where engine.num_kv_blocks is unset; None: sized per call from
+    free memory."""
     from exactrl.model.loading import policy_structure
     from exactrl.ops import set_exact_environment
 
@@ -227,6 +254,9 @@ def generator_engine(
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     model = model.to_empty(device=device).requires_grad_(False)
     engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
+    if kv_blocks is not None and not cfg.engine.num_kv_blocks:
+        # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
+        engine_cfg["num_kv_blocks"] = kv_blocks if group is None else group.min(kv_blocks)
     engine = make(model, EngineConfig(**engine_cfg), tokenizer=tok)
     if group is not None:
         # Each rank sizes an unset KV cache from its own free memory: the group takes the least.
@@ -241,7 +271,9 @@ class Round:
     kind: str  # "generate" or "sync"
     start: float  # the work's start (after the commands arrived)
     end: float
-    tokens: int = 0  # completion tokens generated
+    # Completion tokens generated (a split engine's follower in a multi-turn round: 0, the episodes are its first
+    # rank's, which answers; a generation's every rank counts the group's call).
+    tokens: int = 0
     bytes: int = 0  # weight bytes received
     # The engine's steps and preemptions in the round, and its KV cache after it (tokens).
     engine_steps: int = 0
@@ -373,9 +405,9 @@ class GeneratorLoop:
         """Multi-turn: each trainer's episodes, one call after the other, as its colocated engine would run them
         (an episode's environment calls and reward are keyed by its example and sample, its sampling by its
         request id); each trainer gets its `EpisodeBatch`. Returns the tokens the episodes hold after their
-        prompts (model turns and observations). A split engine's ranks run each call in lockstep
-        (exactrl/envs/rollout.py, "Lockstep"): the first rank, which answers, calls every environment, the others
-        follow its verdicts."""
+        prompts (model turns and observations): the first rank's, which holds them; 0 on a follower. A split
+        engine's ranks run each call in lockstep (exactrl/envs/rollout.py, "Lockstep"): the first rank, which
+        answers, calls every environment, the others follow its verdicts."""
         from exactrl.envs.rollout import Lockstep, run_episodes
 
         group = getattr(self.layout, "engine_group", None)
