@@ -825,6 +825,12 @@ class RLRun:
             ):  # as the colocated replica's engine is built here, after the evaluation before RL
                 self.weights.attach_lora()
         elif engine_model is not model:
+            # The evaluation engine on the trainer's model goes first: its decode graphs and KV cache with it
+            # (the runner and its graph state form a cycle, which dropping the engine would leave to the collector).
+            old = self.engine.runner
+            if old is not None:
+                old.release_graphs()
+                old.release_kv()
             self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
             if self.engine_group is not None:
                 self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
@@ -1139,7 +1145,8 @@ class RLRun:
         index: list[int],
         round_: int = 0,
     ) -> RankScores:
-        """This rank's episodes of one round, no collective: rewards the environment's, the verdict (`correct`)
+        """This rank's episodes of one round, no collective of the job's (an engine split over a group trades
+        verdicts within the group, `SharedEngine.run_episodes`): rewards the environment's, the verdict (`correct`)
         reward > 0.5, the environment's failures as num_errors/num_timeouts, its metrics in `metrics`."""
         from exactrl.envs.rollout import env_report, env_stop
 

@@ -435,3 +435,25 @@ def test_generation_worker_hands_back_results_and_errors():
     w.start(lambda: 1)
     w.close()  # waits and drops the result
     assert not w.busy
+
+
+def test_the_evaluation_engine_is_released_when_the_replica_engine_replaces_it(tmp_path, monkeypatch):
+    """With an engine copy (k = 1) the engine that ran the held-out evaluation on the trainer's model is replaced:
+    its KV cache and decode graphs go with it, not left to the cycle collector beside the new engine's."""
+    replaced = []
+    original = RLRun.build_trainer
+
+    def spy(self):
+        old = self.engine.runner
+        original(self)
+        replaced.append((old, self.engine.runner))
+
+    monkeypatch.setattr(RLRun, "build_trainer", spy)
+    run = RLRun(_cfg(tmp_path, train__steps=1), out=lambda *a: None)
+    try:
+        run.run()
+    finally:
+        run.close()
+    ((old, new),) = replaced
+    assert old is not None and old is not new  # the evaluation before RL ran in the replaced engine
+    assert old._kv_flat is None and old._static is None
