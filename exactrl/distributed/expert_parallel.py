@@ -17,13 +17,15 @@ Why the bits cannot change (the MoE rules of DESIGN.md, applied across ranks):
   which differs from w0 * o0 only in the sign of a zero (0 + -0 = +0), and torch.equal does not see that.
 
 Two ways to compute a rank's slots, the same bits (a row's bits do not depend on the other rows of the call):
-- static (a decode step: at most `static_slots` slots, or whenever a CUDA graph is being captured): every rank runs
+- static (the engine's static decode step, `exactrl.model.moe.static_decode_step`: its warm-up, its graph capture
+  and its replays without graphs alike, and any call while a CUDA graph is being captured): every rank runs
   all T * k slots through its own stack, a slot of another rank's expert sent to this rank's expert of the same
   index within its block (`id % per`: the owners' rows are right, the others' are computed and never read). No
   data-dependent shape, no host synchronisation: the decode step fits a CUDA graph. The price is E times the
   expert rows, which a decode step (a few rows per expert, bound by reading the weights) hardly notices.
-- by count (larger calls, prefill): the rank picks its own slots (`nonzero`, a host synchronisation) and computes
-  those alone, E times fewer rows.
+- by count (every other call: prefill, an eager decode): the rank picks its own slots (`nonzero`, a host
+  synchronisation) and computes those alone, E times fewer rows. (A prefill chunk computed the static way would
+  pay E times the expert rows where it is bound by compute.)
 
 The all-gather moves T * k * D per rank (each rank's slots at their place in the buffer): simple and exact; an
 all-to-all of variable counts would move a 1/E share. Not done: expert parallel in the trainer (FSDP2 shards the
@@ -37,7 +39,7 @@ from torch import nn
 
 from exactrl.distributed.tensor_parallel import EngineShardCausalLM, TensorParallelGroup, as_engine_shard
 from exactrl.model.config import ModelConfig
-from exactrl.model.moe import Experts, SparseMoeBlock
+from exactrl.model.moe import Experts, SparseMoeBlock, in_static_decode_step
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import Ops
 from exactrl.ops.moe_torch import combine_rank_order
@@ -56,15 +58,12 @@ class ExpertParallelExperts(nn.Module):
         self.gate_up = nn.Parameter(experts.gate_up[span].detach().clone(), requires_grad=False)
         self.down = nn.Parameter(experts.down[span].detach().clone(), requires_grad=False)
 
-    # The most slots (tokens x k) a call computes the static way (module docstring); a decode step's are fewer.
-    static_slots = 4096
-
     def forward(self, ops: Ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
         per = self.gate_up.shape[0]
         flat = ids.reshape(-1)  # slot s = t * k + r
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or T * k <= self.static_slots:
+        if capturing or in_static_decode_step():
             # Every slot here; an owned one's local expert is id - first_expert = id % per (contiguous blocks).
             ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
             rows = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])  # row s: token s // k
@@ -124,7 +123,7 @@ def shard_experts(model: CausalLM, group: TensorParallelGroup) -> EngineShardCau
             m.experts = ExpertParallelExperts(m.experts, group)
             shard.shard_slicers[f"{name}.experts.gate_up"] = take
             shard.shard_slicers[f"{name}.experts.down"] = take
-    # A decode step computes every slot (the static way, module docstring): a CUDA graph holds it. (Picking the
+    # The static decode step computes every slot (module docstring): a CUDA graph holds it. (Picking the
     # rank's slots by count, as before, failed graph capture with "operation not permitted when stream is
     # capturing" on 2 x H200, 2026-11-28.)
     return shard

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from exactrl.engine.sampler import noise_keys, sample
+from exactrl.model.moe import static_decode_step
 from exactrl.model.qwen import CausalLM
 from exactrl.ops import BLOCK_N, AttentionBatch
 from exactrl.ops.batch import upload_int64
@@ -407,7 +408,10 @@ class _StaticDecode:
             slot_mapping=self.slots[:b],
             block_size=bs,
         )
-        return self.model(self.ids[:b] if ids is None else ids, self.pos[:b], batch, self.runner.kv_caches)
+        with static_decode_step():  # experts split over ranks compute every slot here (no host sync)
+            return self.model(
+                self.ids[:b] if ids is None else ids, self.pos[:b], batch, self.runner.kv_caches
+            )
 
     def _fill(self, rows: list[DecodeRow], b: int) -> None:
         """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""

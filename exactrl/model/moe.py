@@ -14,6 +14,7 @@ ops, so the trainer's router picks the experts the engine's did by itself: no ro
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,27 @@ from exactrl.model.layers import MLP, Linear
 from exactrl.ops import Ops
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+
+# Whether this thread is running the engine's static decode step (warm-up, graph capture or a static replay):
+# experts split over ranks then compute every slot on each rank, with no data-dependent shape
+# (exactrl/distributed/expert_parallel.py). A thread-local: a one-step-off engine decodes in a worker thread.
+_decode_state = threading.local()
+
+
+@contextmanager
+def static_decode_step() -> Iterator[None]:
+    """The engine's static decode step runs inside this (`exactrl.engine.runner`): see `in_static_decode_step`."""
+    before = getattr(_decode_state, "on", False)
+    _decode_state.on = True
+    try:
+        yield
+    finally:
+        _decode_state.on = before
+
+
+def in_static_decode_step() -> bool:
+    """Whether the calling thread is inside `static_decode_step`."""
+    return getattr(_decode_state, "on", False)
 
 
 class Experts(nn.Module):

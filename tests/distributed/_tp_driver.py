@@ -169,16 +169,11 @@ def run_job(job: dict, tp: TensorParallelGroup) -> dict:
         with torch.no_grad():
             for name, p in synced_both.named_parameters():
                 p.copy_(synced_both.shard_full_weight(name, dict(full.named_parameters())[name]))
-        by_count = shard_experts(copy.deepcopy(full), tp)
-        for (
-            m
-        ) in by_count.modules():  # every call picks its slots by count (prefill's way), none the static way
-            if isinstance(m, ExpertParallelExperts):
-                m.static_slots = 0
         ep = {
-            # decode and these short prompts' prefill compute every slot (the static way)
-            "ep2": compare(one, generate(ep_only, prompts)),
-            "ep2_by_count": compare(one, generate(by_count, prompts)),
+            # The engine's static decode (every slot on every rank, as its CUDA graphs run it), prefill by count
+            "ep2": compare(one, generate(ep_only, prompts, "static")),
+            # eager: every call picks the rank's slots by count (prefill's way), none the static way
+            "ep2_by_count": compare(one, generate(ep_only, prompts)),
             "tp2_ep2": compare(one, generate(both, prompts, "static")),
             "tp2_ep2_synced": compare(one, generate(synced_both, prompts)),
             "ep_control": compare(one, generate(expert_control(full, tp), prompts)),
