@@ -141,7 +141,11 @@ def limit_host_threads(device: str | torch.device) -> int:
     return torch.get_num_threads()
 
 
-def init_from_env(device: str, timeout_s: float = 1800.0) -> DistContext:
+# How long a collective waits for the other ranks before it fails (`init_from_env`).
+PROCESS_GROUP_TIMEOUT_S = 1800.0
+
+
+def init_from_env(device: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> DistContext:
     """Start the process group when launched by torchrun, else the single-process context.
 
     device: the run's resolved device ("cpu", "cuda", "cuda:N"): gloo on the CPU, NCCL on CUDA, where each rank

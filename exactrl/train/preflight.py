@@ -39,6 +39,7 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> D
             f"algorithm.rollouts_per_step / group_size = {cfg.algorithm.prompts_per_step} prompts per step for "
             f"{world_size} ranks: every rank needs at least one prompt (a group stays on one rank)"
         )
+    check_env_timeout(cfg, world_size)
     tr = cfg.train
     if (tr.moe_aux_loss_coef or tr.moe_z_loss_coef) and not moe:
         raise ValueError(
@@ -47,6 +48,22 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> D
             "sparse layer; set both to 0"
         )
     return driver
+
+
+def check_env_timeout(cfg: RunConfig, world_size: int) -> None:
+    """Refuse an environment call that may outlast a collective's wait: with several ranks, the others wait for a
+    rank's environment calls at their next collective (an engine split over ranks trades the verdicts of every turn
+    round, exactrl/envs/rollout.py "Lockstep"), and a first call may take 2 x env.timeout_s. Past the process
+    group's timeout the wait would fail the run with NCCL's or gloo's timeout instead of the environment's."""
+    from exactrl.distributed.env import PROCESS_GROUP_TIMEOUT_S
+
+    t = cfg.env.timeout_s
+    if world_size > 1 and cfg.env.name is not None and 2 * t >= PROCESS_GROUP_TIMEOUT_S:
+        raise ValueError(
+            f"env.timeout_s = {t:g} at {world_size} ranks: a first environment call may take 2 x {t:g} s, and the "
+            f"other ranks wait for it at most {PROCESS_GROUP_TIMEOUT_S:g} s (the process group's timeout); set "
+            f"env.timeout_s below {PROCESS_GROUP_TIMEOUT_S / 2:g}"
+        )
 
 
 def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -> int:

@@ -312,3 +312,16 @@ def test_a_disaggregated_plan_shards_over_the_trainers_alone(capsys):
     assert dis["phases"]["training"]["policy_shards"] == co["phases"]["training"]["policy_shards"]
     rc, out, err = plan_cli(capsys, *gen, "--nproc", "2", "--set", "distributed.generator_ranks=2")
     assert rc != 0 and "leaves no rank to train" in err + "\n".join(out)
+
+
+def test_an_environment_call_longer_than_a_collectives_wait_is_refused_at_several_ranks():
+    """At several ranks the others wait for a rank's environment calls in a collective (a split engine's lockstep
+    every turn round): a first call may take 2 x env.timeout_s, refused where that reaches the process group's
+    timeout; one rank, or a shorter limit, runs."""
+    from exactrl.train.preflight import check_run_config
+
+    slow = ["env.name=guess", "env.timeout_s=900"]
+    with pytest.raises(ValueError, match=r"env.timeout_s = 900 at 2 ranks: .* below 900"):
+        check_run_config(load_config(QUICKSTART, slow), 2, distributed=True)
+    check_run_config(load_config(QUICKSTART, slow), 1, distributed=False)
+    check_run_config(load_config(QUICKSTART, ["env.name=guess", "env.timeout_s=899"]), 2, distributed=True)
