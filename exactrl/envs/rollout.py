@@ -5,7 +5,8 @@
 Each prompt gets params.n episodes (a GRPO group: they share the prompt's KV blocks, then diverge). Between
 engine steps the driver hands every ended turn to its episode's environment (in a worker process, a worker
 thread, or on an event loop for an `AsyncEnvironment`), and resumes the episode with the observation's token ids
-as soon as the answer is back, while the other episodes keep decoding. Nothing waits for a turn round.
+as soon as the answer is back, while the other episodes keep decoding. Nothing waits for a turn round (on one
+engine; an engine split over ranks goes in rounds, "Lockstep" below).
 
 What an episode returns (`Episode`) is what the engine saw: the prompt ids, then the completion (model turns and
 observations, in order), a loss mask (True at sampled tokens, False at observation tokens), the rollout logprob
