@@ -40,32 +40,38 @@ def _run(script: str, args: list[str], env: dict[str, str] | None = None, timeou
     )
 
 
-# Runs each script as __main__ with the same arguments, one after another in one interpreter (torch imported once,
-# not once per script): {script: [its exit code (or the exception that escaped), what it printed]}.
+# Runs each script as __main__ with its arguments, one after another in one interpreter (torch imported once,
+# not once per script): {script: [its exit code (or the exception that escaped, with its traceback), what it
+# printed]}. A script's main that returns without exiting counts as exit code 0.
 MAIN_DRIVER = """
-import contextlib, io, json, runpy, sys
-args, out = json.loads(sys.argv[1]), {}
-for path in sys.argv[2:]:
+import contextlib, io, json, runpy, sys, traceback
+runs, out = json.loads(sys.argv[1]), {}
+for path, args in runs:
     sys.argv = [path, *args]
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             runpy.run_path(path, run_name="__main__")
-        code = "returned without exiting"
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) or e.code is None else f"SystemExit: {e.code}"
     except BaseException as e:
-        code = f"{type(e).__name__}: {e}"
-    out[path] = [code or 0, buf.getvalue()[:300]]
+        code = f"{type(e).__name__}: {e}\\n" + traceback.format_exc()[-3000:]
+    text = buf.getvalue()
+    out[path] = [code or 0, text[:300] if not code else text[-3000:]]
 print(json.dumps(out))
 """
 
 
-def _run_mains(scripts: list[str], args: list[str]) -> dict[str, list]:
+def _run_mains(
+    scripts: list[str], args: list[str], per_script: dict[str, list[str]] | None = None, env=None
+) -> dict[str, list]:
+    """`MAIN_DRIVER` over `scripts`, each with `args` (or its own, per_script); env: extra environment."""
     full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in _run
-    full["CUDA_VISIBLE_DEVICES"] = ""
+    full.update({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
     full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH), full.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-c", MAIN_DRIVER, json.dumps(args), *(str(BENCH / s) for s in scripts)]
+    runs = [[str(BENCH / s), (per_script or {}).get(s, args)] for s in scripts]
+    cmd = [sys.executable, "-c", MAIN_DRIVER, json.dumps(runs)]
     res = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return {Path(k).name: v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
@@ -331,11 +337,35 @@ def test_every_script_has_a_dry_run_or_is_declared_gpu_only():
     assert not set(DRY_RUNS) & GPU_ONLY
 
 
-@pytest.mark.parametrize(
-    "script",
-    [pytest.param(s, marks=[pytest.mark.extended] if DRY_RUNS[s][2] else []) for s in sorted(DRY_RUNS)],
-)
-def test_dry_run_on_the_cpu(script, tmp_path):
+LIGHT = sorted(s for s, (_, _, extended) in DRY_RUNS.items() if not extended)
+
+
+@pytest.fixture(scope="module")
+def light_dry_runs(tmp_path_factory) -> dict[str, list]:
+    """The light dry runs, one interpreter per extra environment (Triton's interpreter or not): torch imported
+    twice in all instead of once per script (about 20 s of `make test` on 2 cores)."""
+    out: dict[str, list] = {}
+    for env in ({}, {"TRITON_INTERPRET": "1"}):
+        scripts = [s for s in LIGHT if DRY_RUNS[s][1] == env]
+        per: dict[str, list[str]] = {}
+        for s in scripts:
+            args = DRY_RUNS[s][0]
+            per[s] = args(tmp_path_factory.mktemp(s.removesuffix(".py"))) if callable(args) else args
+        out |= _run_mains(scripts, [], per, env)
+    assert set(out) == set(LIGHT), "a light dry run's extra environment is neither {} nor the interpreter's"
+    return out
+
+
+@pytest.mark.parametrize("script", LIGHT)
+def test_dry_run_on_the_cpu(script, light_dry_runs):
+    code, text = light_dry_runs[script]
+    assert code == 0, f"{script}: {code}\n{text}"
+    assert text.strip(), f"{script} printed nothing"
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("script", sorted(set(DRY_RUNS) - set(LIGHT)))
+def test_heavy_dry_run_on_the_cpu(script, tmp_path):
     args, env, _ = DRY_RUNS[script]
     res = _run(script, args(tmp_path) if callable(args) else args, env)
     assert res.returncode == 0, f"{script}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
