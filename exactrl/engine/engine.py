@@ -282,11 +282,13 @@ class RolloutEngine:
         params: SamplingParams,
         progress: Callable[[int], object] | None,
         max_total_tokens: int | None = None,
+        extra_rows: int = 0,
     ) -> _Generation:
         """Size the KV cache for the call, and queue one sequence per valid prompt in a fresh scheduler.
 
         max_total_tokens set: multi-turn sequences (episodes; see `start_turns`) whose whole conversation holds
-        at most that many tokens, each turn at most params.max_tokens."""
+        at most that many tokens, each turn at most params.max_tokens. extra_rows: sequences the caller adds to
+        the scheduler beyond the n per valid prompt (partial rollouts' resumed samples)."""
         cfg = self.config
         limit = self.max_model_len if max_total_tokens is None else min(max_total_tokens, self.max_model_len)
         max_new = lambda p: min(params.max_tokens, limit - len(p))  # noqa: E731
@@ -297,7 +299,8 @@ class RolloutEngine:
             for i in valid
         )
         runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))
-        runner.refresh_graphs()
+        # The call never decodes more sequences at once than it holds: decode graphs up to that many rows.
+        runner.refresh_graphs(params.n * len(valid) + extra_rows)
         bm = BlockManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         sched = Scheduler(
             bm,

@@ -83,7 +83,7 @@ class PartialGeneration:
         need += sum(len(prompts[i]) + params.n * (params.max_tokens + bs) for i in valid)
         engine._ensure_runner(need)
         # New prompts through the engine's own admission (so a subclass's per-sample plans apply to them).
-        self._gen: _Generation = engine._start(prompts, ids, valid, params, None)
+        self._gen: _Generation = engine._start(prompts, ids, valid, params, None, extra_rows=len(resumed))
         self.params = params
         self._readmit(resumed)
 

@@ -150,7 +150,16 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
         _assert_same(
             _flat(graph.generate(PROMPTS, other)), _flat(_generate(model, "eager", other, **sizes)[1])
         )
-    assert graph.runner.num_graphs == 3 * len(graph_buckets(24))
+    # Graphs up to each call's rows: 21 sequences at T = 1.0 (every bucket of 24), 7 greedy and 7 top-k (up to 8).
+    small = len([b for b in graph_buckets(24) if b <= 8])
+    assert graph.runner.num_graphs == len(graph_buckets(24)) + 2 * small
+    # A later greedy call of 21 sequences captures the larger buckets it needs, and keeps the bits.
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    prompts3 = PROMPTS * 3
+    eager_eng = RolloutEngine(model, EngineConfig(**sizes))
+    eager_eng.decode_mode = "eager"
+    _assert_same(_flat(graph.generate(prompts3, greedy)), _flat(eager_eng.generate(prompts3, greedy)))
+    assert graph.runner.num_graphs == 2 * len(graph_buckets(24)) + small
     # Live weights: an in-place update is seen by the captured graphs; a reallocation triggers a recapture.
     with torch.no_grad():
         for p in model.parameters():
