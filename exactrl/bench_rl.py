@@ -136,10 +136,12 @@ class PlannedLengthEngine(RolloutEngine):
         super().__init__(*args, **kwargs)
         self.workload = workload
 
-    def _start(self, prompts, request_ids, valid, params, progress, max_total_tokens=None):  # type: ignore[override]
+    def _start(  # type: ignore[override]
+        self, prompts, request_ids, valid, params, progress, max_total_tokens=None, extra_rows: int = 0
+    ):
         if max_total_tokens is not None:
             raise ValueError("bench rl plans single-turn completions; multi-turn episodes are not supported")
-        call = super()._start(prompts, request_ids, valid, params, progress)
+        call = super()._start(prompts, request_ids, valid, params, progress, extra_rows=extra_rows)
         plan = self.workload.max_tokens
         for seq in call.sched.waiting:  # group parents, not yet forked
             limits = plan[seq.request_id % plan.shape[0]][: seq.num_samples]

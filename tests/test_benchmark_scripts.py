@@ -64,7 +64,11 @@ print(json.dumps(out))
 
 
 def _run_mains(
-    scripts: list[str], args: list[str], per_script: dict[str, list[str]] | None = None, env=None
+    scripts: list[str],
+    args: list[str],
+    per_script: dict[str, list[str]] | None = None,
+    env=None,
+    timeout: float = 300,
 ) -> dict[str, list]:
     """`MAIN_DRIVER` over `scripts`, each with `args` (or its own, per_script); env: extra environment."""
     full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as in _run
@@ -72,7 +76,7 @@ def _run_mains(
     full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH), full.get("PYTHONPATH", "")])
     runs = [[str(BENCH / s), (per_script or {}).get(s, args)] for s in scripts]
     cmd = [sys.executable, "-c", MAIN_DRIVER, json.dumps(runs)]
-    res = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return {Path(k).name: v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
@@ -351,7 +355,9 @@ def light_dry_runs(tmp_path_factory) -> dict[str, list]:
         for s in scripts:
             args = DRY_RUNS[s][0]
             per[s] = args(tmp_path_factory.mktemp(s.removesuffix(".py"))) if callable(args) else args
-        out |= _run_mains(scripts, [], per, env)
+        out |= _run_mains(
+            scripts, [], per, env, timeout=150 * len(scripts)
+        )  # each script's former limit, halved
     assert set(out) == set(LIGHT), "a light dry run's extra environment is neither {} nor the interpreter's"
     return out
 

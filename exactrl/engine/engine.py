@@ -151,11 +151,9 @@ class RolloutEngine:
         if cfg.num_kv_blocks:
             n = cfg.num_kv_blocks
         else:
-            if r is not None and -(-tokens_needed // cfg.block_size) + 1 > r.num_blocks:
-                # The call may need a larger cache: the free memory is measured without the one it would replace
-                # (every rank of a split engine takes this branch alike: the call and the agreed size are the group's).
-                r.release_kv()
-            n = auto_num_blocks(self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed)
+            # A larger cache may take the memory of the one it would replace (released first, below, if it grows).
+            held = r.kv_cache_bytes if r is not None else 0
+            n = auto_num_blocks(self.model, cfg.block_size, cfg.kv_memory_fraction, tokens_needed, held)
             if self.agree_blocks is not None:
                 n = self.agree_blocks(n)
             if r is not None:
@@ -300,7 +298,7 @@ class RolloutEngine:
         )
         runner = self._ensure_runner(tokens_needed + cfg.block_size * params.n * len(valid))
         # The call never decodes more sequences at once than it holds: decode graphs up to that many rows.
-        runner.refresh_graphs(params.n * len(valid) + extra_rows)
+        runner.refresh_graphs(params.n * len(valid) + extra_rows, agree=self.agree_blocks)
         bm = BlockManager(runner.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         sched = Scheduler(
             bm,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,13 +92,16 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype | None = None) -> int
     return cfg.num_layers * 2 * model.kv_heads * cfg.head_dim * itemsize
 
 
-def auto_num_blocks(model: CausalLM, block_size: int, memory_fraction: float, max_tokens_needed: int) -> int:
-    """KV blocks from free device memory (CUDA) or a capped budget (CPU), never more than the work needs."""
+def auto_num_blocks(
+    model: CausalLM, block_size: int, memory_fraction: float, max_tokens_needed: int, extra_free: int = 0
+) -> int:
+    """KV blocks from free device memory (CUDA) or a capped budget (CPU), never more than the work needs.
+    extra_free: bytes held now that would be free for the cache (the cache it would replace)."""
     per_block = kv_bytes_per_token(model) * block_size
     need = -(-max_tokens_needed // block_size) + 1
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
-        budget = int(free * memory_fraction)
+        budget = int((free + extra_free) * memory_fraction)
     else:
         budget = int(2 * 1024**3 * memory_fraction)
     return max(2, min(need, budget // per_block))
@@ -288,18 +292,23 @@ class ModelRunner:
         out = self._static_state().run(rows, (float(temperature), bool(greedy)))
         return out[:, : len(rows)]
 
-    def refresh_graphs(self, max_rows: int | None = None) -> None:
+    def refresh_graphs(self, max_rows: int | None = None, agree: Callable[[int], int] | None = None) -> None:
         """Drop the captured graphs if a parameter or the KV cache was reallocated since their capture (graphs
         hold raw addresses; in-place weight updates need nothing). The engine calls this once per `generate`,
         not per step: the weights do not move during a call. max_rows: the most sequences the call decodes at
         once (None: max_num_seqs); graphs are captured for the batch-size buckets up to it, a later call's larger
         buckets when it needs them (a run whose cache moves every step captures what its calls use, not all
-        max_num_seqs' buckets: 13 s of a qwen3-30b-a3b RL step's 17 s of generation for 36 buckets, 2 x H200)."""
+        max_num_seqs' buckets: 13 s of a qwen3-30b-a3b RL step's 17 s of generation for 36 buckets, 2 x H200).
+        agree: a split engine's group minimum (`RolloutEngine.agree_blocks`): the graphs are kept only where every
+        rank's are valid, so that no rank captures (its warm-up runs collectives) while another replays."""
         self.decode_rows = self.max_num_seqs if max_rows is None else max(1, min(max_rows, self.max_num_seqs))
         if self.kv_released:
             raise RuntimeError("the engine's KV cache is released: allocate_kv() before generating")
         st = self._static
-        if st is not None and not st.valid(self.model):
+        ok = st is not None and st.valid(self.model)
+        if agree is not None:
+            ok = bool(agree(int(ok)))
+        if st is not None and not ok:
             self.graph_capture_s += st.capture_s
             self.graphs_dropped += len(st.graphs)
             self._static = None  # free the old graphs (and their memory) before capturing new ones
@@ -383,6 +392,7 @@ class _StaticDecode:
         # captured together, the first time a step needs one of them; `captured`: the largest so far, per kind.
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captured: dict = {}
+        self.high = 0  # the largest bucket captured into the pool
         self.pool = torch.cuda.graph_pool_handle() if runner.decode_mode == "graph" else None
         self.capture_s = 0.0
 
@@ -509,6 +519,16 @@ class _StaticDecode:
         # rows than it said runs this step without a graph: the same computation, launched by the host).
         if self.pool is not None and self.captured.get(kind, 0) < b and all(row.prev_row < 0 for row in rows):
             upto = max(b, next(x for x in self.buckets if x >= self.runner.decode_rows))
+            if upto > self.high and self.graphs:
+                # Larger than anything captured into the pool: a capture now would add its working set to the
+                # pool's; instead every graph goes and the pool starts again, captured largest first (other kinds
+                # are captured again when next needed, up to the new high mark): one working set, as planned.
+                for graph, _ in self.graphs.values():
+                    graph.reset()
+                self.graphs, self.captured = {}, {}
+                self.pool = torch.cuda.graph_pool_handle()
+            # Up to the pool's high mark: the smaller buckets reuse the blocks of the largest.
+            upto = max(upto, self.high)
             t0 = time.perf_counter()
             self._capture(kind, upto)
             self.capture_s += time.perf_counter() - t0
@@ -545,6 +565,7 @@ class _StaticDecode:
                 self.graphs[(kind, b)] = (g, out)
                 bar.update(1)
             self.captured[kind] = upto
+            self.high = max(self.high, upto)
             torch.cuda.synchronize(self.model.device)
 
 

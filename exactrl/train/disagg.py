@@ -199,7 +199,8 @@ def run_generator(
     )
     # On a GPU the engine holds the plan's cache (as a colocated run's MemoryPhases gives it), so the plan holds
     # whatever the calls: a larger one (trainer 0's held-out evaluation) runs in it instead of growing it.
-    kv_blocks = None if plan is None else plan.counts["kv_blocks"]
+    # (An unchecked plan, train.check_memory = false, may not fit: the engine then sizes itself.)
+    kv_blocks = plan.counts["kv_blocks"] if plan is not None and cfg.train.check_memory else None
     loop = GeneratorLoop(
         generator_engine(cfg, layout, make, kv_blocks=kv_blocks),
         layout,

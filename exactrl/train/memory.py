@@ -1262,7 +1262,9 @@ def plan_generator(
     resident = dict(weights)
     decode = decode_step_bytes(cfg, mcfg) if cuda else 0
     if cuda and cfg.engine.cuda_graphs:
-        resident["decode_graph_pool"] = decode  # captured at the first decode, kept for the run
+        # captured at the first decode (up to the call's rows), kept between calls; a larger call starts the pool
+        # again (one working set, the largest bucket's)
+        resident["decode_graph_pool"] = decode
         decode = 0
     available = None if gpu_memory is None else gpu_memory - CUDA_CONTEXT_BYTES
     free = None

@@ -58,9 +58,10 @@ def check_env_timeout(cfg: RunConfig, world_size: int) -> None:
     from exactrl.distributed.env import PROCESS_GROUP_TIMEOUT_S
 
     t = cfg.env.timeout_s
-    if world_size > 1 and cfg.env.name is not None and 2 * t >= PROCESS_GROUP_TIMEOUT_S:
+    several = world_size > 1 or cfg.distributed.generator_ranks > 0  # world_size may count the trainers alone
+    if several and cfg.env.name is not None and 2 * t >= PROCESS_GROUP_TIMEOUT_S:
         raise ValueError(
-            f"env.timeout_s = {t:g} at {world_size} ranks: a first environment call may take 2 x {t:g} s, and the "
+            f"env.timeout_s = {t:g} under torchrun: a first environment call may take 2 x {t:g} s, and the "
             f"other ranks wait for it at most {PROCESS_GROUP_TIMEOUT_S:g} s (the process group's timeout); set "
             f"env.timeout_s below {PROCESS_GROUP_TIMEOUT_S / 2:g}"
         )

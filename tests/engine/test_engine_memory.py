@@ -13,31 +13,36 @@ from exactrl.engine.sampler import SamplingParams
 from exactrl.model import build_model, preset
 
 
-def test_a_growing_cache_is_sized_with_the_old_one_released(monkeypatch) -> None:
-    """A call that needs more blocks than the runner has measures the free memory (`auto_num_blocks`) with the old
-    cache already released, so the growth can use the memory that cache held; a call that fits keeps the runner
-    and its cache untouched (no measurement without it)."""
+def test_a_growing_cache_counts_the_old_one_and_a_capped_one_is_kept(monkeypatch) -> None:
+    """A call that needs more blocks than the runner has is sized (`auto_num_blocks`) with the old cache's bytes
+    counted as free (it is released before the larger one is allocated); a call whose size comes out no larger keeps
+    the runner and its cache as they are: no release, no new allocation (which could move the cache and its graphs)."""
     import exactrl.engine.engine as engine_mod
 
     model = build_model(preset("tiny"), dtype=torch.float32, seed=0)
     eng = RolloutEngine(model, EngineConfig(block_size=16, max_num_seqs=8, max_model_len=128))
-    seen: list[bool] = []  # per measurement: was the current runner's cache allocated?
+    extra: list[int] = []
+    cap = [None]  # a memory budget in blocks (None: the real one)
     real = engine_mod.auto_num_blocks
 
     def measuring(*a, **k):
-        seen.append(eng.runner is not None and eng.runner._kv_flat is not None)
-        return real(*a, **k)
+        extra.append(a[4] if len(a) > 4 else k.get("extra_free", 0))
+        n = real(*a, **k)
+        return n if cap[0] is None else min(n, cap[0])
 
     monkeypatch.setattr(engine_mod, "auto_num_blocks", measuring)
     params = SamplingParams(max_tokens=4, seed=0)
     eng.generate([[1, 2, 3]], params)  # the first cache: small
     small = eng.runner
-    assert seen == [False] and small.num_blocks < 8
-    eng.generate([[1, 2, 3]], params)  # fits: kept
-    assert eng.runner is small and seen[-1] is True
-    eng.generate([[1, 2, 3, 4, 5] * 20] * 6, params)  # larger: measured without the old cache
+    assert extra == [0] and small.num_blocks < 8
+    big = [[1, 2, 3, 4, 5] * 20] * 6
+    cap[0] = small.num_blocks  # the budget allows no more: kept, not allocated again
+    eng.generate(big, params)
+    assert eng.runner is small and small.kv_allocations == 1
+    assert extra[-1] == small.kv_cache_bytes > 0  # the old cache counted as free
+    cap[0] = None
+    eng.generate(big, params)  # larger: a new runner
     assert eng.runner is not small and eng.runner.num_blocks > small.num_blocks
-    assert seen[-1] is False
 
 
 def test_a_generator_holds_its_memory_plans_cache(monkeypatch) -> None:

@@ -321,7 +321,12 @@ def test_an_environment_call_longer_than_a_collectives_wait_is_refused_at_severa
     from exactrl.train.preflight import check_run_config
 
     slow = ["env.name=guess", "env.timeout_s=900"]
-    with pytest.raises(ValueError, match=r"env.timeout_s = 900 at 2 ranks: .* below 900"):
+    with pytest.raises(ValueError, match=r"env.timeout_s = 900 under torchrun: .* below 900"):
         check_run_config(load_config(QUICKSTART, slow), 2, distributed=True)
+    # One trainer and generator ranks (the count passed is the trainers'): the generators wait in lockstep too.
+    with pytest.raises(ValueError, match=r"env.timeout_s = 900 under torchrun"):
+        check_run_config(
+            load_config(QUICKSTART, [*slow, "distributed.generator_ranks=1"]), 1, distributed=True
+        )
     check_run_config(load_config(QUICKSTART, slow), 1, distributed=False)
     check_run_config(load_config(QUICKSTART, ["env.name=guess", "env.timeout_s=899"]), 2, distributed=True)
