@@ -150,16 +150,24 @@ def test_cuda_graph_decode_equals_eager_on_gpu(exact):
         _assert_same(
             _flat(graph.generate(PROMPTS, other)), _flat(_generate(model, "eager", other, **sizes)[1])
         )
-    # Graphs up to each call's rows: 21 sequences at T = 1.0 (every bucket of 24), 7 greedy and 7 top-k (up to 8).
+    # Every bucket of 24 for each of the three kinds: the greedy and top-k calls (7 sequences) capture up to the
+    # pool's high mark (24, the first call's), reusing its blocks.
+    assert graph.runner.num_graphs == 3 * len(graph_buckets(24))
+    # A fresh engine: a 7-sequence greedy call captures the buckets up to 8; a 21-sequence call of another kind goes
+    # past the pool's high mark, so every graph goes and the pool starts again with that kind's 24 buckets; the
+    # greedy kind comes back up to the new mark. The bits stay the eager engine's throughout.
     small = len([b for b in graph_buckets(24) if b <= 8])
-    assert graph.runner.num_graphs == len(graph_buckets(24)) + 2 * small
-    # A later greedy call of 21 sequences captures the larger buckets it needs, and keeps the bits.
+    fresh = RolloutEngine(model, EngineConfig(**sizes))
+    fresh.decode_mode = "graph"
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
-    prompts3 = PROMPTS * 3
     eager_eng = RolloutEngine(model, EngineConfig(**sizes))
     eager_eng.decode_mode = "eager"
-    _assert_same(_flat(graph.generate(prompts3, greedy)), _flat(eager_eng.generate(prompts3, greedy)))
-    assert graph.runner.num_graphs == 2 * len(graph_buckets(24)) + small
+    _assert_same(_flat(fresh.generate(PROMPTS, greedy)), _flat(eager_eng.generate(PROMPTS, greedy)))
+    assert fresh.runner.num_graphs == small
+    _assert_same(_flat(fresh.generate(PROMPTS, params)), _flat(a))
+    assert fresh.runner.num_graphs == len(graph_buckets(24))
+    _assert_same(_flat(fresh.generate(PROMPTS, greedy)), _flat(eager_eng.generate(PROMPTS, greedy)))
+    assert fresh.runner.num_graphs == 2 * len(graph_buckets(24))
     # Live weights: an in-place update is seen by the captured graphs; a reallocation triggers a recapture.
     with torch.no_grad():
         for p in model.parameters():
