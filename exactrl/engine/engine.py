@@ -160,9 +160,8 @@ class RolloutEngine:
                 n = max(n, r.num_blocks)
         if r is None or r.num_blocks != n:
             old, r, self.runner = self.runner, None, None
-            if (
-                old is not None
-            ):  # its cache and graphs go before the new cache is allocated (they form a cycle)
+            # Its cache and graphs go before the new cache is allocated (they form a cycle).
+            if old is not None:
                 old.release_graphs()
                 old.release_kv()
             del old

@@ -323,8 +323,7 @@ class ModelRunner:
         if st is None:
             return
         self.graph_capture_s += st.capture_s
-        for graph, _ in st.graphs.values():
-            graph.reset()
+        st.drop_graphs()
         self._static = None
 
     def _static_state(self) -> _StaticDecode:
@@ -523,9 +522,7 @@ class _StaticDecode:
                 # Larger than anything captured into the pool: a capture now would add its working set to the
                 # pool's; instead every graph goes and the pool starts again, captured largest first (other kinds
                 # are captured again when next needed, up to the new high mark): one working set, as planned.
-                for graph, _ in self.graphs.values():
-                    graph.reset()
-                self.graphs, self.captured = {}, {}
+                self.drop_graphs()
                 self.pool = torch.cuda.graph_pool_handle()
             # Up to the pool's high mark: the smaller buckets reuse the blocks of the largest.
             upto = max(upto, self.high)
@@ -538,6 +535,12 @@ class _StaticDecode:
             return self._compute(kind, b)
         entry[0].replay()
         return entry[1]
+
+    def drop_graphs(self) -> None:
+        """Reset and forget every captured graph (their pool's memory goes with the last of them)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs, self.captured = {}, {}
 
     def _capture(self, kind, upto: int) -> None:
         """Capture the buckets of `kind` not captured yet up to bucket `upto`, largest first, into the shared
