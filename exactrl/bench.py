@@ -31,7 +31,10 @@ from pathlib import Path
 
 import torch
 
+from exactrl.bench_records import record_head, result_path, source_commit, source_hash
 from exactrl.model.loading import load_policy, resolve_device
+
+__all__ = ["record_head", "result_path", "source_commit", "source_hash"]  # kept importable from here
 
 
 def _sync(device) -> None:
@@ -202,32 +205,6 @@ def measure_matmul_rate(device, dtype=torch.bfloat16) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
-def source_commit() -> str | None:
-    """The commit of the exactrl source tree that ran, with "+dirty" when it has uncommitted changes; None outside
-    a git checkout (an installed wheel). A result without its commit cannot be compared with a later one."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "exactrl"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def decode_weight_bytes(model, tokens: int) -> float:
     """Weight bytes one decode step of `tokens` sequences reads. Dense: every weight. An MoE's routed experts:
     only those hit, E * (1 - (1 - k/E)^tokens) per sparse layer in expectation when the router spreads tokens
@@ -246,40 +223,6 @@ def decode_weight_bytes(model, tokens: int) -> float:
     return total
 
 
-def source_hash() -> str:
-    """sha1 (12 hex digits) of the exactrl/ sources that ran: names a result's code even when it ran from an
-    uncommitted tree (a copy on a lent GPU machine)."""
-    import hashlib
-
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha1()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def record_head(bench: str, args, device: str, preset: str | None = None) -> dict:
-    """The keys every benchmark record starts with: what ran, on which device and GPU, in which mode and dtype,
-    from which commit and when (`benchmarks/bench_check.py` compares a record with the best recorded one)."""
-    return {
-        "bench": bench,
-        "commit": source_commit(),
-        "source": source_hash(),
-        "date": time.strftime("%Y-%m-%d"),
-        "preset": preset or (Path(args.model).name if getattr(args, "model", None) else args.preset),
-        "mode": args.mode,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-        "dtype": args.dtype,
-        "split_kv": getattr(args, "split_kv", "auto"),
-    }
-
-
-def _result_path(out_dir: str, bench: str, preset: str, mode: str, device: str) -> Path:
-    dev = torch.cuda.get_device_name().replace(" ", "-") if device.startswith("cuda") else "cpu"
-    return Path(out_dir) / f"{bench}-{preset}-{mode}-{dev}.json"
-
-
 def _emit(args, record: dict) -> None:
     name = args.preset if not args.model else Path(args.model).name
     if args.what == "rollout":
@@ -290,7 +233,7 @@ def _emit(args, record: dict) -> None:
         name += "-fsdp"
     if record.get("world_size", 1) > 1:
         name += f"-ws{record['world_size']}"
-    path = _result_path(args.out_dir, args.what, name, args.mode, record["device"])
+    path = result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
     print(json.dumps(record))
@@ -779,7 +722,7 @@ def main(args) -> int:
         if not under_torchrun():  # the FSDP path needs a process group: run this very command on one rank
             import sys as _sys
 
-            from exactrl.cli import launch_torchrun
+            from exactrl.distributed.launch import launch_torchrun
 
             return launch_torchrun(1, _sys.argv[1:])
         rec = bench_train_fsdp(args)

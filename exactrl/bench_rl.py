@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from exactrl.bench import record_head
+from exactrl.bench_records import record_head, result_path
 from exactrl.engine.engine import RolloutEngine
 
 # What each timed stage is called in the JSON, and the RLRun method it wraps (on `run`, or `run.parallel`).
@@ -902,8 +902,6 @@ def _table(rec: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
-    from exactrl.bench import _result_path
-
     if args.plot_from:
         recs = [json.loads(Path(p).read_text()) for p in args.plot_from]
         for p, r in zip(args.plot_from, recs):
@@ -928,7 +926,7 @@ def main(args: Any) -> int:
         name += f"-overlap-{args.overlap}"
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
-    path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
+    path = result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
     if baseline is not None and baseline.get("bench") != "rl":
         raise ValueError(f"--baseline {args.baseline}: not a `bench rl` result")

@@ -355,33 +355,6 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
     return _refusal_status(failed, len(prompts))
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """argv less its `--nproc N` / `--nproc=N` (the re-launched command must not launch again)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `exactrl <argv>` on `nproc` local ranks under torchrun and return the status to exit with: torchrun's
-    agent stops every rank as soon as one fails, and the first failing rank's error is printed once
-    (exactrl.distributed.launch). Check the command first (`check_before_launch`): what fails there starts nothing."""
-    from exactrl.distributed.env import under_torchrun
-    from exactrl.distributed.launch import launch
-
-    if under_torchrun():
-        raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    return launch(nproc, "exactrl.cli", _without_nproc(argv))
-
-
 def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
     """Refuse, before torchrun starts anything, what the command cannot do on `nproc` ranks: its row of
     commands.NOT_ON_RANKS (N > 1), and its own checks of its options and config (`before_launch`, set by its
@@ -586,6 +559,8 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "nproc", None) is not None:
             check_before_launch(args, args.nproc)
+            from exactrl.distributed.launch import launch_torchrun
+
             return launch_torchrun(args.nproc, argv)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -202,3 +202,29 @@ def launch(nproc: int, module: str, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(agent_main(sys.argv[1:]))
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv less its `--nproc N` / `--nproc=N` (the re-launched command must not launch again)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `exactrl <argv>` on `nproc` local ranks under torchrun and return the status to exit with: torchrun's
+    agent stops every rank as soon as one fails, and the first failing rank's error is printed once
+    (`launch`). Check the command first (`exactrl.cli.check_before_launch`): what fails there starts nothing."""
+    from exactrl.distributed.env import under_torchrun  # torch, imported only by a command that launches
+
+    if under_torchrun():
+        raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    return launch(nproc, "exactrl.cli", _without_nproc(argv))

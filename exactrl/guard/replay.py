@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from exactrl.guard.report import RecordedSequence, read_mismatch_report
+from exactrl.train.mismatch_report import RecordedSequence, read_mismatch_report
 
 
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -196,7 +196,7 @@ def replay_report(
         r.rollout_first = _first_diff(s.rollout_logprobs[:common], engine_lp[:common])
         _describe(r, s, toks, engine_lp, trainer_resampled[i], trainer_recorded[i])
         if probe and (r.recompute_first is not None or r.recorded_first is not None):
-            from exactrl.guard.layers import probe_layers
+            from exactrl.train.layer_probe import probe_layers
 
             p = probe_layers(model, s.prompt_ids, s.completion_ids, cfg.engine.max_model_len)
             r.layer, r.layer_note = p.layer, p.describe()

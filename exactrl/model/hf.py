@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,6 +46,16 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
     return ModelConfig.from_hf(d, where=str(path))
+
+
+def run_model_config(cfg: Any) -> ModelConfig:
+    """The ModelConfig of a run config (`exactrl.config.RunConfig`): its model.preset's shape, or the checkpoint's
+    config.json at model.path (a disk read: a run reads it once, `exactrl.train.resolved.resolve_run`)."""
+    from exactrl.model.config import preset
+
+    if cfg.model.path is not None:
+        return read_config(cfg.model.path)
+    return preset(cfg.model.preset)
 
 
 def _inside(model_dir: Path, fname: object, index: Path) -> Path:

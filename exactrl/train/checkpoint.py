@@ -28,6 +28,12 @@ from exactrl.model.lora import ADAPTER_WEIGHTS, LoraSpec, read_adapter_config
 from exactrl.model.qwen import CausalLM
 from exactrl.model.tokenizer import Tokenizer
 
+# Partial rollouts' groups in flight (exactrl/train/partial.py): the one-process pool's file, and a sharded
+# checkpoint's pools, POOLS_DIR/rank<r>-of-<N>/PARTIAL_FILE. Here, beside the rest of a checkpoint's layout, so that
+# the preflight reads them without importing the driver's modules.
+PARTIAL_FILE = "offpolicy_partial.json"
+POOLS_DIR = "offpolicy_partial"
+
 
 def fsync_dir(path: str | Path) -> None:
     """fsync every file under path, then the directory itself (for atomic checkpoints)."""

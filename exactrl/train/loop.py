@@ -1295,7 +1295,7 @@ class RLRun:
         """Write `mismatch-<step + 1>/` from every rank's offending sequences (a collective): what `exactrl parity
         --replay` needs. Returns its path on rank 0 (None on the others, or when no sequence was kept). model: the
         weights that sampled them when the engine's have moved on (a deferred guard's copy; None: the engine's)."""
-        from exactrl.guard.report import MismatchSequence, write_mismatch_report
+        from exactrl.train.mismatch_report import MismatchSequence, write_mismatch_report
 
         seqs = [
             MismatchSequence(
@@ -1600,7 +1600,7 @@ class RLRun:
             with writing(self.out_dir / "summary.json", "the run summary"):
                 (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
             try:
-                from exactrl.report import draw_report
+                from exactrl.train.run_report import draw_report
 
                 draw_report(self.out_dir)
             except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 
 from exactrl.config import RunConfig, apply_overrides, episode_token_limit
+from exactrl.model.hf import run_model_config as model_config
+from exactrl.train.engine_split import check_shared_engine
 
 GiB = 1024**3
 # Device memory outside torch's caching allocator: the CUDA context, cuBLAS and Triton workspaces. Measured as
@@ -259,16 +261,6 @@ def _gib(n: int) -> str:
 
 
 # -- the model's tensors, counted on the meta device ----------------------------------------------------------
-def model_config(cfg: RunConfig):
-    """The exactrl.model.ModelConfig of the run: the preset's shape, or the checkpoint's config.json."""
-    from exactrl.model.config import preset
-    from exactrl.model.hf import read_config
-
-    if cfg.model.path is not None:
-        return read_config(cfg.model.path)
-    return preset(cfg.model.preset)
-
-
 def _numel(params) -> int:
     return sum(p.numel() for p in params)
 
@@ -903,8 +895,6 @@ def engine_splits(cfg: RunConfig, world_size: int) -> list[list[str]]:
     """The engine splits to try at `world_size` torchrun ranks, as --set overrides: T = G, and for a mixture of
     experts E = G and T = E = G, for each G of 2, 4, 8 above the config's that divides the world size and that
     `exactrl train` would run (preflight's refusals: the model's shape, the modes a shared engine lacks)."""
-    from exactrl.train.preflight import check_shared_engine
-
     out: list[list[str]] = []
     # The engine is on the generators: splitting it saves a trainer nothing.
     if cfg.distributed.generator_ranks:
@@ -1372,8 +1362,6 @@ def _generator_knobs(cfg: RunConfig, world_size: int) -> list[tuple[str, str, li
 def suggest_generator(cfg: RunConfig, plan: MemoryPlan) -> list[str]:
     """The single settings that make a generator rank's plan fit, each with its peak (of each family the first
     that fits: the narrowest split, the largest cache, the most sequences); [] when it fits."""
-    from exactrl.train.preflight import check_shared_engine
-
     if plan.fits:
         return []
     out, seen = [], set()

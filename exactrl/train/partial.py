@@ -47,15 +47,13 @@ from exactrl.distributed.env import DistContext
 from exactrl.engine.engine import RequestOutput, Sample
 from exactrl.engine.partial import CutRule, PartialSample
 from exactrl.tasks import Example
+from exactrl.train.checkpoint import PARTIAL_FILE
 from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, check_batch
 from exactrl.train.offpolicy_dist import RankSample, agree_guard
 from exactrl.train.trainer import Rollout
 
 if TYPE_CHECKING:
     from exactrl.train.drivers.base import StepContext
-
-PARTIAL_FILE = "offpolicy_partial.json"
-POOLS_DIR = "offpolicy_partial"  # a sharded checkpoint's pools: POOLS_DIR/rank<r>-of-<N>/PARTIAL_FILE
 
 
 @dataclass

@@ -21,15 +21,16 @@ import json
 from pathlib import Path
 
 from exactrl.config import AlgorithmConfig, RunConfig
+from exactrl.model.hf import run_model_config as model_config
+from exactrl.train.checkpoint import PARTIAL_FILE, POOLS_DIR
 from exactrl.train.drivers.modes import DriverName, choose_driver
+from exactrl.train.engine_split import check_shared_engine
 
 
 def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> DriverName:
     """Refuse (ValueError, ConfigError) a config `exactrl train` would refuse at `world_size` ranks, before anything
     loads; returns the step driver that runs it (`exactrl.train.drivers.modes.choose_driver`). distributed: under
     torchrun (any world size, one included)."""
-    from exactrl.train.memory import model_config
-
     cfg.validate()
     moe = model_config(cfg).is_moe
     check_shared_engine(cfg, world_size, distributed=distributed)
@@ -67,49 +68,6 @@ def check_env_timeout(cfg: RunConfig, world_size: int) -> None:
         )
 
 
-def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -> int:
-    """Refuse, by key, an engine shared by several ranks (engine.tensor_parallel, engine.expert_parallel) where
-    `exactrl train` does not run it (exactrl/distributed/shared_engine.py); returns the ranks that share an
-    engine (1: each rank its own)."""
-    from exactrl.distributed.shared_engine import check_engine_split
-    from exactrl.train.memory import model_config
-
-    e = cfg.engine
-    size = check_engine_split(model_config(cfg), e.tensor_parallel, e.expert_parallel)
-    if size == 1:
-        return 1
-    key = (
-        f"engine.tensor_parallel = {e.tensor_parallel}"
-        if e.tensor_parallel > 1
-        else f"engine.expert_parallel = {e.expert_parallel}"
-    )
-    a = cfg.algorithm
-    # > 0: the engine is split over generator ranks, the trainers hold none
-    gens = cfg.distributed.generator_ranks
-    refusals = [
-        (not distributed, "needs torchrun ranks (`exactrl train --nproc N`), N a multiple of it"),
-        (
-            distributed and not gens and world_size % size != 0,
-            f"does not divide the world size {world_size}: every engine needs {size} ranks of its own",
-        ),
-        (
-            gens % size != 0,
-            f"does not divide distributed.generator_ranks = {gens}: every engine needs {size} generator ranks of "
-            "its own",
-        ),
-        (
-            a.max_off_policy_steps > 0 and not gens,
-            f"with algorithm.max_off_policy_steps = {a.max_off_policy_steps}: the next batch is sampled by a "
-            "worker thread that issues no collective, and a shared engine's every forward is one (generator "
-            "ranks run it: distributed.generator_ranks)",
-        ),
-    ]
-    for bad, text in refusals:
-        if bad:
-            raise ValueError(f"{key} {text}")
-    return size
-
-
 def _default(cls: type, name: str):
     return next(f for f in dataclasses.fields(cls) if f.name == name).default
 
@@ -142,7 +100,6 @@ def dropped_on_resume(directory: Path, *, off_policy: bool, partial: bool) -> li
     (partial rollouts), each as a sentence saying it is dropped."""
     from exactrl.train.offpolicy import PENDING_FILE
     from exactrl.train.offpolicy_dist import RANKS_DIR
-    from exactrl.train.partial import PARTIAL_FILE, POOLS_DIR
 
     notes = []
     if not off_policy and ((directory / PENDING_FILE).is_file() or (directory / RANKS_DIR).is_dir()):

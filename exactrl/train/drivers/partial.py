@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 
 from exactrl.distributed.env import DistContext
+from exactrl.train.checkpoint import PARTIAL_FILE, POOLS_DIR
 from exactrl.train.drivers.base import StepContext, Writer
 from exactrl.train.drivers.offpolicy import OneStepOffDriver
 from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, save_pending
 from exactrl.train.offpolicy_dist import RankSample, save_rank_pending, step_staleness
-from exactrl.train.partial import PARTIAL_FILE, POOLS_DIR, PartialRollouts
+from exactrl.train.partial import PartialRollouts
 
 _RANK_NAME = re.compile(r"rank(\d+)-of-(\d+)")
 
