@@ -360,7 +360,8 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     from exactrl.distributed.shared_engine import SharedEngine
     from exactrl.engine.engine import EngineConfig
     from exactrl.tasks import Example
-    from exactrl.train.loop import RLRun, check_modes_before_launch, job_layout
+    from exactrl.train.loop import RLRun
+    from exactrl.train.resolved import resolve_run
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -370,15 +371,14 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         # keeps the last timed step in that steady state (its batch, sampled ahead, is never trained on).
         cfg = _config(args, tmp, total + (1 if getattr(args, "max_off_policy_steps", 0) else 0))
         quiet = lambda *a, **k: print(*a, file=sys.stderr)  # noqa: E731
-        layout = None
-        if under_torchrun():  # --nproc N: colocated ranks, or generator ranks apart (--generator-ranks)
-            check_modes_before_launch(cfg)
-            layout = job_layout(cfg)
-            if layout.role == "generator":
-                return _serve_as_generator(args, cfg, layout)
-        elif cfg.distributed.generator_ranks:
+        if not under_torchrun() and cfg.distributed.generator_ranks:
             raise ValueError("bench rl: --generator-ranks needs --nproc N (torchrun ranks)")
-        run = RLRun(cfg, out=quiet, layout=layout)
+        # The run resolved as `exactrl train` resolves it (--nproc N: colocated ranks, or generator ranks apart).
+        resolved = resolve_run(cfg)
+        layout = resolved.layout if under_torchrun() else None
+        if resolved.layout.role == "generator":
+            return _serve_as_generator(args, cfg, resolved.layout)
+        run = RLRun(resolved, out=quiet)
         remote = run.remote is not None
         try:
             device = run.device

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from exactrl.config import RunConfig
 from exactrl.distributed.shared_engine import check_engine_split
+from exactrl.model.config import ModelConfig
 from exactrl.model.hf import run_model_config as model_config
 
 
-def check_shared_engine(cfg: RunConfig, world_size: int, *, distributed: bool) -> int:
+def check_shared_engine(
+    cfg: RunConfig, world_size: int, *, distributed: bool, model: ModelConfig | None = None
+) -> int:
     """Refuse, by key, an engine shared by several ranks (engine.tensor_parallel, engine.expert_parallel) where
     `exactrl train` does not run it (exactrl/distributed/shared_engine.py); returns the ranks that share an
-    engine (1: each rank its own)."""
+    engine (1: each rank its own). model: the model's shape when already read (None: read now)."""
     e = cfg.engine
-    size = check_engine_split(model_config(cfg), e.tensor_parallel, e.expert_parallel)
+    size = check_engine_split(model or model_config(cfg), e.tensor_parallel, e.expert_parallel)
     if size == 1:
         return 1
     key = (

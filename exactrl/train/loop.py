@@ -27,8 +27,7 @@ from exactrl.distributed.checkpoint import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
-from exactrl.distributed.layout import Layout, split_layout
+from exactrl.distributed.env import rank_device, under_torchrun
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
     SharedEngine,
@@ -52,19 +51,21 @@ from exactrl.train.critic import ValueModel
 from exactrl.train.disagg import RemoteEngine, serve_generator
 from exactrl.train.drivers.base import Stages, StepContext, StepDriver, StepState
 from exactrl.train.drivers.disagg import WeightSync
-from exactrl.train.drivers.modes import DriverName, choose_driver
+from exactrl.train.drivers.modes import DriverName
 from exactrl.train.drivers.offpolicy import OneStepOffDriver
 from exactrl.train.drivers.partial import PartialDriver
 from exactrl.train.drivers.sync import SyncDriver
 from exactrl.train.drivers.tail import TailDriver
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import MetricsLogger, import_wandb, progress_bar, step_line
-from exactrl.train.memory import check_before_loading, engine_group_ranks, microbatch_tokens, model_config
+from exactrl.train.memory import check_before_loading, microbatch_tokens
 from exactrl.train.offpolicy import BehaviourPolicy
 from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.phases import MemoryPhases
-from exactrl.train.preflight import check_run_config, dropped_on_resume
+from exactrl.train.preflight import dropped_on_resume
+from exactrl.train.resolved import ResolvedRun, resolve_run
+from exactrl.train.resolved import trainer_settings as trainer_settings  # importable from here as before
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
@@ -75,18 +76,7 @@ from exactrl.train.sft import (
     truncate_sft_log,
     write_sft_model,
 )
-from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout, TrainerSettings
-
-
-def job_layout(cfg: RunConfig) -> Layout:
-    """This rank's place in the job (every rank calls it: the process groups are made collectively): the
-    colocated layout, or trainer / generator ranks, the generators' engines split over groups of
-    engine.tensor_parallel / expert_parallel ranks."""
-    return split_layout(
-        init_from_env(resolve_device(cfg.run.device)),
-        cfg.distributed.generator_ranks,
-        engine_group_ranks(cfg),
-    )
+from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout
 
 
 class _StopFlag:
@@ -308,30 +298,22 @@ def train(
 
     Under torchrun with distributed.generator_ranks = G > 0 the last G ranks only generate (`serve_generator`)
     and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
-    cfg.validate()
-    check_modes_before_launch(cfg)
-    layout = job_layout(cfg)
+    resolved = resolve_run(cfg)  # validated once, on every rank, before anything loads
+    layout = resolved.layout
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
     run = RLRun(
-        cfg,
+        resolved,
         resume=resume,
         out=out,
         overwrite=overwrite,
         allow_config_change=allow_config_change,
         run_dir=run_dir,
-        layout=layout,
     )
     try:
         return run.run()
     finally:
         run.close()
-
-
-def check_modes_before_launch(cfg: RunConfig) -> None:
-    """The modes' refusals (`choose_driver`) before the ranks split into trainers and generators: every rank, a
-    generator too, refuses the same way."""
-    choose_driver(cfg, distributed=under_torchrun(), moe=model_config(cfg).is_moe)
 
 
 @dataclass
@@ -373,39 +355,35 @@ class RLRun:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        run: ResolvedRun | RunConfig,
         resume: bool = False,
         out=print,
         *,
         overwrite: bool = False,
         allow_config_change: bool = False,
         run_dir: RunDirPlan | None = None,
-        layout: Layout | None = None,
     ) -> None:
         self.clock = RunClock()
-        cfg.validate()
+        # The run resolved once (exactrl/train/resolved.py): a bare config is resolved here, as `train` does.
+        resolved = run if isinstance(run, ResolvedRun) else resolve_run(run)
+        self.resolved = resolved
+        cfg, layout = resolved.cfg, resolved.layout
         # Under torchrun: this rank's place in the run (world size 1 without it); rank 0 alone prints and writes.
         # A disaggregated run's trainer: its place among the trainers (the generators are not in its collectives).
-        if layout is None:
-            check_modes_before_launch(cfg)
-            layout = job_layout(cfg)
         if layout.role == "generator":
             raise ValueError("RLRun runs on trainer ranks; a generator rank runs serve_generator")
         self.layout = layout
         self.dist = layout.local
         self.parallel = Parallelism(self.dist)
-        # What `exactrl plan` and `train --nproc N` (before launching) refuse too: the checks that need the world
-        # size or the model's shape, the modes' among them; and the step driver that runs this config.
-        self.driver_name: DriverName = check_run_config(
-            cfg, self.dist.world_size, distributed=self.dist.distributed
-        )
+        # The step driver that runs this config, chosen once (with what `exactrl plan` refuses too).
+        self.driver_name: DriverName = resolved.driver
         self.cfg, self.resume = cfg, resume
         # engine.tensor_parallel / expert_parallel: the ranks of each group share one engine split over them
         # (exactrl/distributed/shared_engine.py); None: every rank its own.
         self.engine_group: TensorParallelGroup | None = None
         e = cfg.engine
         # (A disaggregated run's engine is the generators': split over their groups, `split_layout`.)
-        if engine_group_ranks(cfg) > 1 and not layout.disaggregated:
+        if resolved.engine_group_ranks > 1 and not layout.disaggregated:
             self.engine_group = engine_group(
                 self.dist.rank, self.dist.world_size, e.tensor_parallel, e.expert_parallel
             )
@@ -444,7 +422,7 @@ class RLRun:
         if kv_blocks is not None and self.engine_group is not None:
             # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
             kv_blocks = self.engine_group.min(kv_blocks)
-        self.phases = MemoryPhases(cfg, self.parallel, kv_blocks)
+        self.phases = MemoryPhases(resolved.releases_memory, self.parallel, kv_blocks)
         self.exact = cfg.run.exact
         set_exact_environment(self.exact)
         torch.manual_seed(cfg.run.seed)
@@ -796,7 +774,7 @@ class RLRun:
             engine_model = split_engine_model(
                 engine_model, self.engine_group, e.tensor_parallel, e.expert_parallel
             )
-        if a.max_off_policy_steps > 0:  # the engine samples from its own copy while the trainer updates
+        if self.resolved.off_policy:  # the engine samples from its own copy while the trainer updates
             # Under torchrun the engine replica is that copy (its version: the last weight sync).
             self.behaviour = (
                 ReplicaBehaviour(engine_model, self.parallel)
@@ -838,7 +816,7 @@ class RLRun:
         if self.critic is not None:
             self.critic_opt = MasterAdamW(self.critic, lr=tr.critic_lr, **opt_kw)
         self.opt = MasterAdamW(model, lr=tr.lr, **opt_kw)
-        settings = trainer_settings(cfg, self.microbatch_tokens)
+        settings = self.resolved.trainer_settings(self.microbatch_tokens)
         if a.rollout_correction and self.exact:
             import warnings
 
@@ -941,9 +919,8 @@ class RLRun:
         self.trainer.steps_done = self.step
         self.logger.truncate_after(self.step)
         self.out(f"resumed from {self.resume_from} at step {self.step}")
-        off_policy = self.driver_name in ("one_step_off", "partial")
         for note in dropped_on_resume(
-            self.resume_from, off_policy=off_policy, partial=self.driver_name == "partial"
+            self.resume_from, off_policy=self.resolved.off_policy, partial=self.driver_name == "partial"
         ):
             self.out(note)
         self.driver.restore(self.resume_from)
@@ -1621,47 +1598,6 @@ class _NoLogger:
 
     def close(self) -> None:
         pass
-
-
-def trainer_settings(cfg: RunConfig, microbatch_tokens: int | None = None) -> TrainerSettings:
-    """The trainer's view of the [algorithm], [train] and [sampling] sections; `microbatch_tokens` (the run's
-    budget under FSDP2, exactrl.train.memory.microbatch_tokens) replaces train.max_tokens_per_microbatch."""
-    a, tr = cfg.algorithm, cfg.train
-    return TrainerSettings(
-        algorithm=a.name,
-        advantage=a.resolved_advantage,
-        policy_loss=a.resolved_policy_loss,
-        whiten_advantages=a.resolved_whiten_advantages,
-        loss_options={k: v for k, v in a.policy_loss_kwargs().items() if k != "kind"},
-        temperature=cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0,
-        eps_low=a.eps_low,
-        eps_high=a.eps_high,
-        dual_clip=a.dual_clip,
-        aggregation=a.aggregation,
-        ppo_epochs=a.ppo_epochs,
-        minibatches=a.minibatches_per_rollout,
-        kl_coef=a.kl_coef,
-        kl_kind=a.kl_kind,
-        kl_in_reward=a.kl_in_reward,
-        entropy_coef=a.entropy_coef,
-        gamma=a.gamma,
-        lam=a.lam,
-        value_clip=a.value_clip,
-        vf_coef=a.vf_coef,
-        rollout_correction=a.rollout_correction,
-        rollout_correction_threshold=a.rollout_correction_threshold,
-        max_tokens_per_microbatch=microbatch_tokens or tr.max_tokens_per_microbatch,
-        reduce_every_microbatch=tr.fsdp_reduce == "microbatch",
-        cuda_graphs=tr.cuda_graphs,
-        grad_clip=tr.grad_clip,
-        moe_aux_loss_coef=tr.moe_aux_loss_coef,
-        moe_z_loss_coef=tr.moe_z_loss_coef,
-        overlong_filter=a.overlong_filter,
-        exact=cfg.run.exact,
-        on_mismatch=cfg.run.on_mismatch,
-        norm_constant=float(cfg.sampling.max_tokens),
-        seed=cfg.run.seed,
-    )
 
 
 def _summary_text(s: dict[str, Any], out_dir: Path) -> str:

@@ -47,6 +47,7 @@ import torch
 
 from exactrl.config import RunConfig, apply_overrides, episode_token_limit
 from exactrl.model.hf import run_model_config as model_config
+from exactrl.train.drivers.modes import driver_of, off_policy
 from exactrl.train.engine_split import check_shared_engine
 
 GiB = 1024**3
@@ -704,12 +705,13 @@ def plan_memory(
             train_extra["fsdp_accumulated_grads"] = (
                 c["policy_trainable"] + c["critic_trainable"] + c["critic_head_fp32"]
             ) * 4
-    if a.max_off_policy_steps > 0 and not sharded:
+    driver = driver_of(cfg)
+    if off_policy(driver) and not sharded:
         # One step off: the engine samples from its own copy of the weights in the model dtype (the whole model,
         # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
         # model that overlap yet (docs/memory.md). Under torchrun the engine replica above is that copy.
         resident["behaviour_copy"] = c["policy_params"] * b
-    if trainer_only and a.max_off_policy_steps > 0 and not a.partial_rollouts:
+    if trainer_only and driver == "one_step_off":
         # Disaggregated one step off: the guard of a batch runs on a copy of the weights that sampled it while the
         # replica moves on to the next version (exactrl/train/drivers/offpolicy.py).
         resident["guard_copy"] = c["policy_params"] * b

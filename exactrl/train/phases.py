@@ -22,27 +22,30 @@ import time
 from typing import Any
 
 from exactrl.engine.engine import RolloutEngine
+from exactrl.train.drivers.modes import DriverName, driver_of, overlaps
 
 
 def phases_overlap(cfg: Any) -> bool:
-    """Whether the engine generates while the trainer trains (one step off, or the tail overlap): its memory is
-    then needed in both phases and nothing is released."""
-    return cfg.algorithm.max_off_policy_steps > 0 or cfg.algorithm.overlap != "none"
+    """Whether the engine generates while the trainer trains (`exactrl.train.drivers.modes.overlaps` of the
+    config's driver): its memory is then needed in both phases and nothing is released."""
+    return overlaps(driver_of(cfg))
 
 
-def releases_memory(cfg: Any) -> bool:
-    """Whether the run frees the engine's memory during training (the plan and the loop ask the same)."""
-    return bool(cfg.engine.release_memory) and not phases_overlap(cfg)
+def releases_memory(cfg: Any, driver: DriverName | None = None) -> bool:
+    """Whether the run frees the engine's memory during training (the plan and the loop ask the same). driver: the
+    run's, resolved once (`exactrl.train.resolved`); None: the one the config selects."""
+    return bool(cfg.engine.release_memory) and not overlaps(driver or driver_of(cfg))
 
 
 class MemoryPhases:
     """The switches between the generation and training phases of one run, and what they cost.
 
-    kv_blocks: the KV cache's size from the memory plan (None: the engine sizes it itself). parallel: the run's
-    `Parallelism` (its replica is released under torchrun)."""
+    release: whether the switch to training frees the engine's memory (`ResolvedRun.releases_memory`). kv_blocks:
+    the KV cache's size from the memory plan (None: the engine sizes it itself). parallel: the run's `Parallelism`
+    (its replica is released under torchrun)."""
 
-    def __init__(self, cfg: Any, parallel: Any, kv_blocks: int | None) -> None:
-        self.release = releases_memory(cfg)
+    def __init__(self, release: bool, parallel: Any, kv_blocks: int | None) -> None:
+        self.release = release
         self.parallel = parallel
         self.kv_blocks = kv_blocks
         self._runner: Any = None  # the engine runner of the last `metrics`, and its counters then

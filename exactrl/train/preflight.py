@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from exactrl.config import AlgorithmConfig, RunConfig
+from exactrl.model.config import ModelConfig
 from exactrl.model.hf import run_model_config as model_config
 from exactrl.train.checkpoint import PARTIAL_FILE, POOLS_DIR
 from exactrl.train.drivers.modes import DriverName, choose_driver
@@ -32,8 +33,14 @@ def check_run_config(cfg: RunConfig, world_size: int, *, distributed: bool) -> D
     loads; returns the step driver that runs it (`exactrl.train.drivers.modes.choose_driver`). distributed: under
     torchrun (any world size, one included)."""
     cfg.validate()
-    moe = model_config(cfg).is_moe
-    check_shared_engine(cfg, world_size, distributed=distributed)
+    return check_with_model(cfg, model_config(cfg), world_size, distributed=distributed)
+
+
+def check_with_model(cfg: RunConfig, model: ModelConfig, world_size: int, *, distributed: bool) -> DriverName:
+    """`check_run_config` of a validated config whose model shape has been read (`model`): the checks that need the
+    world size or the shape; returns the step driver that runs it."""
+    moe = model.is_moe
+    check_shared_engine(cfg, world_size, distributed=distributed, model=model)
     driver = choose_driver(cfg, distributed=distributed, moe=moe)
     if cfg.algorithm.prompts_per_step < world_size:
         raise ValueError(

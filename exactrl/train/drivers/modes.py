@@ -72,13 +72,32 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
                 'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
                 "collected through the model object, which the engine runs at the same time"
             )
+    return driver_of(cfg)
+
+
+def driver_of(cfg: RunConfig) -> DriverName:
+    """The step driver a validated config selects, without the refusals (`choose_driver`): the one place that reads
+    the mode keys; what follows from the choice (`overlaps`, `off_policy`) is asked of its name."""
+    a = cfg.algorithm
     if a.partial_rollouts:
         return "partial"
-    if k:
+    if a.max_off_policy_steps:
         return "one_step_off"
     if a.overlap == "tail":
         return "tail"
     return "sync"
+
+
+def off_policy(driver: DriverName) -> bool:
+    """Whether the driver trains on a batch sampled by earlier weights (one step off, partial rollouts): the engine
+    samples from its own weight copy, and the checkpoint keeps the batch sampled ahead."""
+    return driver in ("one_step_off", "partial")
+
+
+def overlaps(driver: DriverName) -> bool:
+    """Whether the engine generates while the trainer trains (one step off, partial rollouts, the tail overlap):
+    its memory is then needed in both phases and nothing is released."""
+    return off_policy(driver) or driver == "tail"
 
 
 def _check_disaggregated(cfg: RunConfig) -> None:
