@@ -64,7 +64,7 @@ import torch
 from exactrl.bench_records import record_head, result_path
 from exactrl.engine.engine import RolloutEngine
 
-# What each timed stage is called in the JSON, and the RLRun method it wraps (on `run`, or `run.parallel`).
+# What each timed stage is called in the JSON, and the stage it wraps (on `run.stages`, or `run.parallel`).
 STAGES = (
     ("generate_s", "rollout"),
     ("reward_s", "rank_scores"),  # this rank's rewards (the gathers after are cheap)
@@ -166,7 +166,8 @@ def _sync(device: str, stream_only: bool = False) -> None:
 
 
 class _StageTimers:
-    """Wraps RLRun's stage methods on the run object: seconds and calls per stage in the current step."""
+    """Wraps the run's stages (`run.stages`, exactrl/train/stages.py) and its weight sync: seconds and calls per
+    stage in the current step."""
 
     def __init__(self, run: Any, device: str, overlapped: bool = False, tail: bool = False) -> None:
         self.device = device
@@ -194,13 +195,13 @@ class _StageTimers:
         for key, name in STAGES:
             if tail and name != "sync_weights":
                 continue
-            owner = run.parallel if name == "sync_weights" else run
+            owner = run.parallel if name == "sync_weights" else run.stages
             if name == "rollout" and run.cfg.algorithm.partial_rollouts:
                 continue  # partial rollouts: the pool's generation, cut by count (`wrap_generation`)
             fn = getattr(owner, name, None)
             if not callable(fn):
                 raise RuntimeError(
-                    f"bench rl: RLRun has no stage {name!r} any more (exactrl/train/loop.py); update STAGES in "
+                    f"bench rl: the run has no stage {name!r} any more (exactrl/train/stages.py); update STAGES in "
                     "exactrl/bench_rl.py"
                 )
             setattr(owner, name, self._wrap(key, fn))
@@ -400,11 +401,11 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             print(f"every weight synced once: {_setup_note(device, t_sync)}", file=sys.stderr)
             examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
             # The step's prompts stage: the workload's prompts, the same in every step; under torchrun this
-            # trainer's share, as RLRun.prompts shares a step's prompts (request ids: their index in the step).
+            # trainer's share, as RunStages.prompts shares a step's prompts (request ids: their index in the step).
             mine = list(run.dist.shard(len(wl.prompt_ids)))
-            run.prompts = lambda: ([examples[i] for i in mine], [wl.prompt_ids[i] for i in mine], mine)
+            run.stages.prompts = lambda: ([examples[i] for i in mine], [wl.prompt_ids[i] for i in mine], mine)
             if cfg.algorithm.partial_rollouts:
-                run.prompts = _cycling_prompts(examples, wl.prompt_ids)
+                run.stages.prompts = _cycling_prompts(examples, wl.prompt_ids)
             timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
             # The step driver again, over the workload's engine and prompts and the timed stages.
             run.driver = run.make_driver()

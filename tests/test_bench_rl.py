@@ -168,20 +168,18 @@ def test_stage_memory_peaks_are_credited_to_every_open_stage_and_the_step():
     run = SimpleNamespace(
         cfg=SimpleNamespace(algorithm=SimpleNamespace(partial_rollouts=False)),
         parallel=parallel,
-        rollout=lambda: use(10),
-        rank_scores=lambda: use(3),
-        update=update,
+        stages=SimpleNamespace(rollout=lambda: use(10), rank_scores=lambda: use(3), update=update),
     )
     timers = _StageTimers(run, "cpu")
     assert timers.memory is None  # CPU: nothing measured
     timers.memory = (lambda: high[0], lambda: high.__setitem__(0, 0))
     timers.start_step()
     use(7)  # before any stage: the step's, no stage's
-    run.rollout()
-    run.rank_scores()
-    run.update()
+    run.stages.rollout()
+    run.stages.rank_scores()
+    run.stages.update()
     assert timers.stage_peaks == {"generate_s": 10, "reward_s": 3, "train_s": 25, "weight_sync_s": 25}
     assert timers.bank_memory() == 25
     timers.start_step()
-    run.rank_scores()
+    run.stages.rank_scores()
     assert timers.stage_peaks == {"reward_s": 3} and timers.peak == 3

@@ -54,12 +54,12 @@ def cli_job(job: dict) -> None:
 
     fail_rank = job.get("fail_rank")
     if fail_rank is not None and int(os.environ["RANK"]) == fail_rank:
-        from exactrl.train import loop
+        from exactrl.train import stages
 
         def failing_update(self, step, rollouts):
             raise RuntimeError(f"planted failure on rank {fail_rank} at step {step + 1}")
 
-        loop.RLRun.update = failing_update
+        stages.RunStages.update = failing_update
     if job.get("skip_push"):  # the disaggregated layout's negative control: the generators keep stale weights
         from exactrl.train import disagg
 

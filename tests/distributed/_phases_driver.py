@@ -60,9 +60,9 @@ def _plant(name: str, rank: int):
 
 def _no_update(skip: list[int], nan: list[int]):
     """Patch the loop's update so that the listed steps make none; returns the function that undoes it."""
-    from exactrl.train import loop
+    from exactrl.train import stages
 
-    real = loop.RLRun.update
+    real = stages.RunStages.update
 
     def update(self, step, rollouts, *a, **k):
         if step in skip:
@@ -74,10 +74,10 @@ def _no_update(skip: list[int], nan: list[int]):
             rollouts[0].advantage = math.nan
         return real(self, step, rollouts, *a, **k)
 
-    loop.RLRun.update = update
+    stages.RunStages.update = update
 
     def undo():
-        loop.RLRun.update = real
+        stages.RunStages.update = real
 
     return undo
 

@@ -46,9 +46,9 @@ def _episodes(tmp_path: Path, env: str = "sample_envs:VaryingReward", out=lambda
     run = RLRun(cfg, out=out)
     try:
         base = copy.deepcopy(run.model)  # the sampling weights, before any update
-        run.stream = run.task.train_examples(seed=cfg.run.seed)
-        examples, ids, index = run.prompts()
-        sr = run.episodes(0, examples, ids, index)
+        run.stages.open_stream(cfg.run.seed)
+        examples, ids, index = run.stages.prompts()
+        sr = run.stages.episodes(0, examples, ids, index)
     finally:
         run.close()
     return cfg, base, sr

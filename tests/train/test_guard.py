@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 import exactrl.engine.engine as engine_mod
 from exactrl.config import config_from_dict
-from exactrl.train.loop import RLRun, train
+from exactrl.train.loop import train
+from exactrl.train.stages import RunStages
 from exactrl.train.trainer import MismatchError
 
 REWARD = """
@@ -109,13 +110,13 @@ def test_abort_applies_nothing_and_leaves_a_resumable_run(tmp_path, fault_at_cal
     fault_at_call(3)
     cfg = _cfg(tmp_path, algorithm__minibatches_per_rollout=minibatches)
     seen = {}
-    original = RLRun.mismatch_abort
+    original = RunStages.mismatch_abort
 
     def spy(self, step, sr, err):
-        seen["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        seen["weights"] = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         original(self, step, sr, err)
 
-    monkeypatch.setattr(RLRun, "mismatch_abort", spy)
+    monkeypatch.setattr(RunStages, "mismatch_abort", spy)
     with pytest.raises(MismatchError) as err:
         train(cfg, out=lambda *a: None)
     msg = str(err.value)
@@ -132,7 +133,7 @@ def test_abort_applies_nothing_and_leaves_a_resumable_run(tmp_path, fault_at_cal
     report = json.loads((run / "mismatch-000002" / "report.json").read_text())
     assert report["step"] == 2 and report["sequences"]
     # The run resumes from step 1 (no fault this time) and finishes.
-    monkeypatch.setattr(RLRun, "mismatch_abort", original)
+    monkeypatch.setattr(RunStages, "mismatch_abort", original)
     monkeypatch.undo()
     s = train(cfg, resume=True, out=lambda *a: None)
     assert s["rl_steps"] == 3 and s["mismatched_tokens_total"] == 0
@@ -158,7 +159,7 @@ def test_warn_trains_on_and_counts(tmp_path, fault_at_call):
     assert any("warning: step 2" in x for x in lines)
 
 
-def _snapshot(run: RLRun) -> dict:
+def _snapshot(stages: RunStages) -> dict:
     """Every parameter and every optimizer's state (fp32 masters, moments, step counts, lr), cloned."""
 
     def clone(x):
@@ -171,8 +172,12 @@ def _snapshot(run: RLRun) -> dict:
         return x
 
     return {
-        "params": {k: clone(v) for k, v in run.model.named_parameters()},
-        "optimizers": {k: clone(o.state_dict()) for k, o in run.optimizers.items()},
+        "params": {k: clone(v) for k, v in stages.trainer.model.named_parameters()},
+        "optimizers": {
+            k: clone(o.state_dict())
+            for k, o in (("policy", stages.opt), ("critic", stages.critic_opt))
+            if o is not None
+        },
     }
 
 
@@ -198,7 +203,7 @@ def test_skip_step_leaves_weights_and_optimizer_bitwise_and_a_replay_report(
     skipped step leaves the replay report an abort leaves, naming the first differing position."""
     fault_at_call(3, SEVERAL)  # step 2
     seen: dict[int, tuple[dict, dict, dict]] = {}
-    original = RLRun.update
+    original = RunStages.update
 
     def spy(self, step, rollouts):
         before = _snapshot(self)
@@ -206,7 +211,7 @@ def test_skip_step_leaves_weights_and_optimizer_bitwise_and_a_replay_report(
         seen[step + 1] = (before, _snapshot(self), m)
         return m
 
-    monkeypatch.setattr(RLRun, "update", spy)
+    monkeypatch.setattr(RunStages, "update", spy)
     cfg = _cfg(tmp_path, run__on_mismatch="skip_step", algorithm__minibatches_per_rollout=minibatches)
     s = train(cfg, out=lambda *a: None)
     before, after, m = seen[2]

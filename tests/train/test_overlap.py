@@ -29,6 +29,7 @@ from exactrl.train.loop import RLRun, train, trainer_settings
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.overlap import MicrobatchFiller
 from exactrl.train.packing import pack_by_tokens
+from exactrl.train.stages import RunStages
 from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout
 
 REWARD = """
@@ -114,13 +115,13 @@ def runs(tmp_path_factory, reward_dir):
     tmp = tmp_path_factory.mktemp("runs")
     sync_rollouts: dict[int, object] = {}
     with pytest.MonkeyPatch.context() as mp:
-        original_update = RLRun.update
+        original_update = RunStages.update
 
         def keep_sync(self, step, rollouts, off_policy_cap=None):
             sync_rollouts[step] = list(rollouts)
             return original_update(self, step, rollouts, off_policy_cap)
 
-        mp.setattr(RLRun, "update", keep_sync)
+        mp.setattr(RunStages, "update", keep_sync)
         # The off switch must be the code before overlap existed: every piece of the overlap machinery (the tail
         # driver, its group stream and microbatch filler, the trainer's fed step) is made unreachable, so the run
         # can only complete on the synchronous path (whole-batch `PolicyTrainer.step`).
@@ -268,13 +269,13 @@ def test_fault_aborts_before_the_update(tmp_path, reward_dir, fault_in_call, mon
     # Generate calls: 1 = the held-out evaluation before RL, 2 = step 1, 3 = step 2.
     fault_in_call(3)
     seen = {}
-    original = RLRun.mismatch_abort
+    original = RunStages.mismatch_abort
 
     def spy(self, step, sr, err):
-        seen["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        seen["weights"] = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         original(self, step, sr, err)
 
-    monkeypatch.setattr(RLRun, "mismatch_abort", spy)
+    monkeypatch.setattr(RunStages, "mismatch_abort", spy)
     with pytest.raises(MismatchError) as err:
         train(_cfg(tmp_path, reward_dir), out=lambda *a: None)
     msg = str(err.value)

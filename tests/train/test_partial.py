@@ -35,6 +35,7 @@ from exactrl.train.drivers.offpolicy import OneStepOffDriver
 from exactrl.train.loop import RLRun, train
 from exactrl.train.offpolicy import BehaviourPolicy, check_batch
 from exactrl.train.partial import PARTIAL_FILE, PartialRollouts
+from exactrl.train.stages import RunStages
 from exactrl.train.trainer import MismatchError, Rollout
 
 STOP = list(range(0, 256, 5))  # about a fifth of the byte tokens: lengths spread up to max_tokens
@@ -412,13 +413,13 @@ def test_skip_step_drops_the_carried_group_it_refused(tmp_path, reward_path, mon
     marked: list[int] = []
     _plant_at_second_cut(monkeypatch, lambda s: marked.append(s.request_id))
     trained: list[int] = []
-    update = RLRun.update
+    update = RunStages.update
 
     def spy(self, step, rollouts, **kw):
         trained.extend(r.request_id for r in rollouts)
         return update(self, step, rollouts, **kw)
 
-    monkeypatch.setattr(RLRun, "update", spy)
+    monkeypatch.setattr(RunStages, "update", spy)
     s = train(_cfg(tmp_path, reward_path, run__on_mismatch="skip_step"), out=lambda *a: None)
     rows = {r["step"]: r for r in _steps(tmp_path / "run")}
     assert rows[2]["mismatch/step_skipped"] == 1 and rows[2]["optimizer_steps"] == 0

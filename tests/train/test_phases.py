@@ -24,6 +24,7 @@ from exactrl.engine.runner import ModelRunner
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model import build_model, preset
 from exactrl.train.memory import GiB, kv_cache_bytes, make_plan, model_config, plan_memory
+from exactrl.train.stages import RunStages
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_plan import plugin, rl_cfg, run_cfg, run_records, run_weights, same_run  # noqa: E402,F401  (the plugin fixture too)
@@ -103,7 +104,7 @@ def test_rl_run_with_the_release_is_bitwise_the_same(tmp_path, monkeypatch):
     train(rl_cfg(tmp_path / "kept", "engine.release_memory=false"), out=quiet)
     # The released run, with the engine's cache checked absent while the trainer's step runs.
     seen: list[int] = []
-    real_update = loop.RLRun.update
+    real_update = RunStages.update
 
     def update(self, step, rollouts, *a, **k):
         seen.append(self.engine.runner.kv_cache_bytes)
@@ -143,7 +144,7 @@ def test_steps_without_an_update_get_their_cache_back(tmp_path, monkeypatch):
     from exactrl.train.loop import train
 
     torch.set_num_threads(1)
-    real_update = loop.RLRun.update
+    real_update = RunStages.update
     held: list[int] = []
 
     def update(self, step, rollouts, *a, **k):
