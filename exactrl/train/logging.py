@@ -285,3 +285,55 @@ def step_line(m: dict[str, Any]) -> str:
         f"ent {f('entropy', '.3f')} | mismatch {mism_s} | {f('perf/tokens_per_s', '.0f')} {tps} | "
         f"{f('perf/step_s', '.1f')} s{extra}"
     )
+
+
+class NoLogger:
+    """The logger of ranks other than 0: they compute the same global metrics and write nothing."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def summary_text(s: dict[str, Any], out_dir: Path) -> str:
+    def pct(x):
+        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+    return (
+        f"\n== {s['algorithm']} ({'exact' if s['exact'] else 'fast'} mode): {s['rl_steps']} RL steps in "
+        f"{s['rl_elapsed_s'] / 60 if 'rl_elapsed_s' in s else s['minutes']:.1f} min"
+        + (f" after {s['sft_elapsed_s'] / 60:.1f} min of SFT" if "sft_elapsed_s" in s else "")
+        + "\n"
+        f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
+        f"{_accuracy_source(s)}\n"
+        f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
+        f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
+        + (
+            f"\n   !! {s['reward_failure']}. "
+            + (
+                "The policy was trained on zero rewards"
+                if s.get("all_reward_calls_failed")
+                else "The policy never got its correctness reward and accuracy counts nothing"
+            )
+            + ": exit status 3"
+            if s.get("reward_failure")
+            else ""
+        )
+    )
+
+
+def _accuracy_source(s: dict[str, Any]) -> str:
+    """What the accuracy counts, for the summary line (reward.accuracy)."""
+    fn = s.get("accuracy_function")
+    if "accuracy_function" not in s:  # a summary from before accuracy_function was recorded
+        return ""
+    if fn is None:
+        return " (no correctness function: see reward.accuracy)"
+    if fn == "environment":
+        return " (episode reward > 0.5)"
+    return f" ({fn} > 0.5)"

@@ -8,10 +8,6 @@ rollout logprobs through the training path and logs how many differ (`mismatch/n
 from __future__ import annotations
 
 import copy
-import json
-import math
-import shutil
-import signal
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -20,13 +16,13 @@ from typing import Any
 import torch
 
 from exactrl.algorithms import KLController
-from exactrl.config import RunConfig, episode_token_limit
+from exactrl.config import RunConfig
 from exactrl.distributed.checkpoint import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from exactrl.distributed.env import rank_device, under_torchrun
+from exactrl.distributed.env import rank_device
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
     SharedEngine,
@@ -35,212 +31,42 @@ from exactrl.distributed.shared_engine import (
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RolloutEngine
-from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup
-from exactrl.model.files import writing
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
-from exactrl.model.tokenizer import Tokenizer
 from exactrl.ops import set_exact_environment
-from exactrl.tasks import Example, RewardComputer, load_chat_template, make_task
-from exactrl.tasks.prompts import PromptEncoder, PromptFilter
-from exactrl.tasks.rewards import CORRECT_ABOVE
+from exactrl.tasks import Example, RewardComputer
+from exactrl.tasks.prompts import PromptFilter
 from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.disagg import RemoteEngine, serve_generator
 from exactrl.train.drivers.base import StepContext, StepDriver
+from exactrl.train.drivers.build import build_driver
 from exactrl.train.drivers.disagg import WeightSync
 from exactrl.train.drivers.modes import DriverName
-from exactrl.train.drivers.offpolicy import OneStepOffDriver
-from exactrl.train.drivers.partial import PartialDriver
-from exactrl.train.drivers.sync import SyncDriver
-from exactrl.train.drivers.tail import TailDriver
 from exactrl.train.dynamic_sampling import DynamicSampler
-from exactrl.train.logging import MetricsLogger, import_wandb, step_line
+from exactrl.train.finish import Finish
+from exactrl.train.logging import MetricsLogger, NoLogger, import_wandb, step_line
 from exactrl.train.memory import check_before_loading, microbatch_tokens
 from exactrl.train.offpolicy import BehaviourPolicy
 from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW
+from exactrl.train.parts import build_task, env_setup, evaluate, make_encoder
 from exactrl.train.phases import MemoryPhases
 from exactrl.train.preflight import dropped_on_resume
 from exactrl.train.resolved import ResolvedRun, resolve_run
 from exactrl.train.resolved import trainer_settings as trainer_settings  # importable from here as before
 from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
 from exactrl.train.sft import (
-    SFT_CHECKPOINTS,
-    SFTCheckpointing,
     SFTResumePoint,
-    run_sft,
     sft_resume_point,
     truncate_sft_log,
-    write_sft_model,
 )
-from exactrl.train.stages import RunStages, StepRollouts, StepState, env_episodes, room_for_a_turn
+from exactrl.train.signals import StopFlag as _StopFlag
+from exactrl.train.stages import RunStages, StepState, room_for_a_turn
+from exactrl.train.stages import StepRollouts as StepRollouts  # importable from here as before
 from exactrl.train.trainer import PolicyTrainer
-
-
-class _StopFlag:
-    """Ctrl-C (SIGINT) or SIGTERM sets the flag: the current step finishes, a checkpoint is written, the run exits
-    cleanly. SIGTERM is what a cluster scheduler (Slurm, Kubernetes) and torchrun's agent send before they kill a
-    job: treated like Ctrl-C, a preempted run keeps its work. A second signal gives up waiting."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.stop = False
-        self.signal_name: str | None = None  # the signal that asked to stop ("SIGINT", "SIGTERM")
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopFlag:
-        # Under torchrun a rank often gets one stop twice: from the scheduler or the terminal (which signal every
-        # process of the job) and again from torchrun's agent, which passes every signal on to its ranks. A repeat
-        # must not abort the checkpoint then; the agent's SIGKILL after its shutdown timeout is the hard stop.
-        repeats_abort = not under_torchrun()
-
-        def handler(signum, frame):
-            if self.stop:  # a second signal: give up waiting (one process), or the same stop again (torchrun)
-                if repeats_abort:
-                    raise KeyboardInterrupt
-                return
-            self.stop = True
-            self.signum = signum
-            self.signal_name = signal.Signals(signum).name
-            what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
-            print(
-                f"\n{what}: finishing this step, then writing a checkpoint ({what} again to abort)",
-                flush=True,
-            )
-
-        for sig in self.SIGNALS:
-            try:
-                self._old[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread: signals are not ours to take
-                break
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}
-
-
-def build_task(cfg: RunConfig):
-    t = cfg.task
-    if t.name == "arithmetic":
-        return make_task(
-            "arithmetic",
-            max_operand=t.arithmetic_max_operand,
-            ops=t.arithmetic_ops,
-            num_terms=t.arithmetic_num_terms,
-            seed=cfg.run.seed,
-        )
-    return make_task(
-        t.name,
-        path=t.path,
-        eval_path=t.eval_path,
-        prompt_field=t.prompt_field,
-        answer_field=t.answer_field,
-        num_eval=t.num_eval,
-        seed=cfg.run.seed,
-    )
-
-
-def make_encoder(cfg: RunConfig, tok: Tokenizer) -> PromptEncoder:
-    template = None
-    if cfg.task.use_chat_template:
-        template = tok.chat_template
-        if template is None and cfg.model.path:
-            template = load_chat_template(cfg.model.path)
-    # The checkpoint's named special tokens (e.g. a Llama template's {{ bos_token }}), then the user's kwargs.
-    kwargs = {**getattr(tok, "special_tokens", {}), **dict(cfg.task.chat_template_kwargs)}
-    return PromptEncoder(tok, template, cfg.task.system_prompt, kwargs)
-
-
-def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
-    """The [env] section as the episode driver takes it (the environment resolved, its options checked)."""
-    from exactrl.envs import EpisodeSettings, env_factory
-
-    cls, make = env_factory(cfg.env.name, cfg.env.options, search_dirs)
-    settings = EpisodeSettings(
-        max_turns=cfg.env.max_turns,
-        max_tokens_per_turn=cfg.sampling.max_tokens,
-        max_episode_tokens=episode_token_limit(cfg),
-        timeout_s=cfg.env.timeout_s,
-        isolation=cfg.env.isolation,
-        workers=cfg.env.workers,
-        max_error_share=cfg.env.max_error_share,
-    )
-    return EnvSetup(cls, make, settings)
-
-
-def evaluate(
-    engine: RolloutEngine,
-    tok: Tokenizer,
-    encode: PromptEncoder,
-    examples: list[Example],
-    rewards: RewardComputer,
-    *,
-    samples: int = 1,
-    temperature: float = 0.0,
-    max_tokens: int = 64,
-    seed: int = 0,
-    stop: list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    env: EnvSetup | None = None,
-) -> dict[str, float]:
-    """Accuracy and pass@k over held-out examples. Accuracy: the share of samples the correctness function
-    (`rewards.accuracy_fn`, reward.accuracy) scores above 0.5, over every sample of every example: with one greedy
-    sample (the default) the greedy answers' accuracy; with k samples at T > 0 the mean over them (pass@1 estimated
-    from k samples, steadier than the first sample's). Never the summed reward: a format bonus is not a correct
-    answer. Without a correctness function the accuracy keys are left out (not reported, rather than invented);
-    eval/reward (the summed reward) and eval/reward/<function> are always there.
-
-    env: a multi-turn run's environment. A tool agent is measured with its tool: every example is an episode
-    through the environment (tool calls answered, as in training), scored by the environment's reward, whose
-    verdict (episode reward > 0.5) is the accuracy, and the episodes' metrics are logged under eval/env/...;
-    `rewards` is not used then."""
-    if not examples:
-        return {}
-    ids = [encode(ex) for ex in examples]
-    params = SamplingParams(
-        temperature=temperature,
-        max_tokens=max_tokens,
-        n=samples,
-        seed=seed + 7_777_777,
-        stop_token_ids=sorted(set(tok.stop_token_ids) | set(stop_token_ids or [])),
-        stop=list(stop or []),
-    )
-    extra: dict[str, float] = {}
-    if env is not None:
-        from exactrl.envs.rollout import env_stop
-
-        params.stop = env_stop(params.stop, env.cls)
-        eb = env_episodes(engine, tok, examples, ids, env, params, list(range(len(ids))))
-        # A prompt the engine refused (no episodes) scores 0 on every sample.
-        flat = [g[j].reward if j < len(g) else 0.0 for g in eb.groups for j in range(samples)]
-        r = torch.tensor(flat, dtype=torch.float32).view(len(examples), samples)
-        extra = {f"eval/{k}": v for k, v in eb.metrics.items()}
-        correct: torch.Tensor | None = r > CORRECT_ABOVE  # the environment's verdict
-    else:
-        outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
-        completions, answers, exs = [], [], []
-        for ex, out in zip(examples, outs):
-            for s in out.samples:
-                completions.append(tok.decode(s.token_ids))
-                answers.append(ex.answer)
-                exs.append(ex)
-        res = rewards(completions, answers, exs)
-        r = torch.tensor(res.rewards, dtype=torch.float32).view(len(examples), samples)
-        extra = {f"eval/reward/{k}": sum(v) / len(v) for k, v in res.per_function.items() if v}
-        correct = None if res.correct is None else torch.tensor(res.correct).view(len(examples), samples)
-    out = {"eval/reward": float(r.mean()), "eval/num_examples": float(len(examples)), **extra}
-    if correct is not None:
-        out["eval/accuracy"] = float(correct.float().mean())
-        if samples > 1:
-            out[f"eval/pass@{samples}"] = float(correct.any(1).float().mean())
-            out["eval/mean_accuracy"] = float(correct.float().mean())
-    return out
+from exactrl.train.warm_start import WarmStart
 
 
 def train(
@@ -279,7 +105,7 @@ def train(
         run.close()
 
 
-class RLRun:
+class RLRun(WarmStart, Finish):
     """One `exactrl train` job, cut into the stages of the algorithm:
 
     setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer (and the step driver) -> restore (on
@@ -422,10 +248,10 @@ class RLRun:
             self.plan.commit(cfg)
         self.dist.barrier()
         # With nothing to resume from the run starts over, and so does its metrics.jsonl.
-        self.logger: MetricsLogger | _NoLogger = (
+        self.logger: MetricsLogger | NoLogger = (
             MetricsLogger.from_config(cfg, resume=self.resume_from is not None or sft_resuming)
             if self.dist.is_main
-            else _NoLogger()
+            else NoLogger()
         )
         if sft_resuming and isinstance(self.logger, MetricsLogger):
             # Keep the SFT records of the steps the resumed weights hold; the rest is logged again.
@@ -573,124 +399,6 @@ class RLRun:
                 )
         return out
 
-    def warm_start(self) -> None:
-        """SFT warm start and the held-out accuracy before RL (skipped on resume: the checkpoint holds the
-        RL-trained weights, but the KL reference must still be the model RL started from)."""
-        cfg, model = self.cfg, self.model
-        sft_dir = self.out_dir / "sft"
-        if self.resume_from is None:
-            if cfg.sft.checkpoint:
-                from exactrl.model.hf import load_model
-
-                loaded = load_model(
-                    cfg.sft.checkpoint, device=self.device, dtype=model.dtype, exact=self.exact
-                )
-                model.load_state_dict(loaded.state_dict())
-            elif self.sft_point.finished is not None:
-                # SFT finished in an earlier invocation that stopped before its first RL checkpoint.
-                from exactrl.model.hf import load_model
-
-                loaded = load_model(sft_dir, device=self.device, dtype=model.dtype, exact=self.exact)
-                model.load_state_dict(loaded.state_dict())
-                done = self.sft_point.finished
-                # The run's time up to SFT's end, from the invocation that ran it (the summary splits SFT from RL).
-                self.summary["sft_elapsed_s"] = float(done.get(self.clock.KEY, 0.0))
-                if done.get("skipped_prompts"):
-                    self.summary["sft_skipped_prompts_total"] = done["skipped_prompts"]
-                self.out(
-                    f"resume: SFT finished earlier ({done.get('steps_done')} steps): its weights from {sft_dir}"
-                )
-            elif cfg.sft.steps > 0:
-                self.sft_warm_start(sft_dir)
-                if self.stopped_in_sft:
-                    return
-            self.weights.push(list(model.named_parameters()))  # disaggregated: the generators' first weights
-            before = self.evaluate()
-            self.summary["accuracy_before_rl"] = before.get("eval/accuracy")
-            self.logger.log({"step": 0, **before, "phase": "before_rl"})
-            acc = before.get("eval/accuracy")
-            unjudged = not cfg.env.name and self.rewards is not None and self.rewards.accuracy_fn is None
-            acc_s = (
-                f"{acc:.3f}" if acc is not None else "n/a (no correctness function)" if unjudged else "n/a"
-            )
-            self.out(f"held-out accuracy before RL: {acc_s} on {len(self.eval_examples)} examples")
-        elif cfg.algorithm.kl_coef > 0 and (cfg.sft.checkpoint or cfg.sft.steps > 0):
-            # Resuming: put the post-SFT weights in place before the reference copy is taken in build_trainer;
-            # the checkpoint then overwrites the policy's weights.
-            from exactrl.model.hf import load_model
-
-            loaded = load_model(
-                cfg.sft.checkpoint or sft_dir, device=self.device, dtype=model.dtype, exact=self.exact
-            )
-            model.load_state_dict(loaded.state_dict())
-
-    def sft_warm_start(self, sft_dir: Path) -> None:
-        """Run SFT (from its last checkpoint when resuming), checkpointing every sft.save_every steps and at a
-        stop; write sft/ (the weights and how far SFT got). A finished SFT's checkpoints are removed."""
-        cfg, model = self.cfg, self.model
-        ck = SFTCheckpointing(
-            root=self.out_dir / SFT_CHECKPOINTS,
-            tokenizer=self.tok,
-            every=cfg.sft.save_every,
-            keep=cfg.train.keep_checkpoints,
-            resume_from=self.sft_point.checkpoint,
-            write=self.dist.is_main,
-            barrier=self.dist.barrier,
-            extra_state=lambda: {self.clock.KEY: self.clock.total_s()},
-        )
-        if ck.resume_from is None:
-            self.out(f"SFT warm start: {cfg.sft.steps} steps of {cfg.sft.batch_size} examples")
-        sft = run_sft(
-            cfg,
-            model,
-            self.tok,
-            self.encode,
-            self.task,
-            lambda r: self.logger.log({"step": 0, **r}),
-            should_stop=self.stop_requested,
-            out=self.out,
-            demonstrate=self.demonstrations(),
-            checkpoints=ck,
-        )
-        self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
-        # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
-        sft_s = self.clock.total_s()
-        self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings
-        skipped = sft.filter.skipped if sft.filter is not None else 0
-        if skipped:
-            self.summary["sft_skipped_prompts_total"] = skipped
-        if self.dist.is_main:
-            extra = {"skipped_prompts": skipped, self.clock.KEY: sft_s}
-            write_sft_model(
-                model, self.tok, sft_dir, steps_done=sft.steps_done, steps=cfg.sft.steps, extra=extra
-            )
-            if not sft.stopped:  # sft/ holds the finished SFT: its resume points are of no more use
-                shutil.rmtree(ck.root, ignore_errors=True)
-        self.dist.barrier()
-        if sft.stopped:
-            self.stopped_in_sft = True
-            self.summary["sft_steps_done"] = sft.steps_done
-            self.out(
-                f"stopped during SFT after step {sft.steps_done} of {cfg.sft.steps}: `--resume` continues SFT from "
-                f"{sft.checkpoint}; the weights so far are also in {sft_dir}"
-            )
-
-    def demonstrations(self) -> Any:
-        """Multi-turn: the environment's worked episodes for the SFT warm start (tool calls and their results,
-        the results masked out of the loss), or None: single-turn, or an environment without `demonstration`,
-        whose warm start learns the examples' answers (said in the log)."""
-        if self.env is None:
-            return None
-        env = self.env.make()
-        probe = self.task.eval_examples(1) or [next(copy.deepcopy(self.task).train_examples(seed=0))]
-        if env.demonstration(probe[0]) is None:
-            self.out(
-                f"SFT: the environment {self.cfg.env.name!r} has no demonstration(): the warm start learns the "
-                "examples' answers as single completions"
-            )
-            return None
-        return env.demonstration
-
     def build_trainer(self) -> None:
         """The reference model (KL), the critic (PPO), the layout over the ranks, the optimizers and the
         policy trainer."""
@@ -810,13 +518,7 @@ class RLRun:
             kl_ctl=self.kl_ctl,
             out=self.out,
         )
-        if self.driver_name == "tail":
-            return TailDriver(ctx)
-        if self.driver_name in ("one_step_off", "partial"):
-            assert self.behaviour is not None
-            cls = PartialDriver if self.driver_name == "partial" else OneStepOffDriver
-            return cls(ctx, self.behaviour, StepRollouts)
-        return SyncDriver(ctx)
+        return build_driver(self.driver_name, ctx, self.behaviour)
 
     def restore(self) -> None:
         """Load the latest checkpoint on --resume: weights, optimizers, data position, totals."""
@@ -983,114 +685,3 @@ class RLRun:
         runner = getattr(self.engine, "runner", None)
         if runner is not None:  # before the process group goes (`ModelRunner.release_graphs`)
             runner.release_graphs()
-
-    def finish(self) -> dict[str, Any]:
-        """The held-out accuracy after RL, summary.json, report.png and the summary lines."""
-        after = self.evaluate() if not self.stopped_in_sft else {}
-        self.logger.log({"step": self.step, **after, "phase": "after_rl"})
-        self.logger.close()
-        t = self.totals
-        total_s = self.clock.total_s()
-        self.summary.update(
-            {
-                "accuracy_after_rl": after.get("eval/accuracy"),
-                "rl_steps": self.step,
-                "minutes": total_s / 60.0,
-                # After SFT (and the model's loading before it): RL steps, evaluations, checkpoints.
-                "rl_elapsed_s": total_s - self.summary.get("sft_elapsed_s", 0.0),
-                "mismatched_tokens_total": t["mismatched"],
-                "compared_tokens_total": t["compared"],
-                "skipped_prompts_total": t["skipped_prompts"],
-                "reward_errors_total": t["reward_errors"],
-                "nan_steps_total": t["nan_steps"],
-                "mismatch_skipped_steps_total": t.get("mismatch_skipped_steps", 0),
-                "exact": self.exact,
-                "algorithm": self.cfg.algorithm.name,
-                "advantage": self.cfg.algorithm.resolved_advantage,
-                "policy_loss": self.cfg.algorithm.resolved_policy_loss,
-                "stopped_early": self.stopped_early or self.stopped_in_sft,
-                "skipped_records_total": getattr(self.task, "num_skipped", 0),
-            }
-        )
-        if not self.summary["stopped_early"]:  # a resumed run that reached its end: the old stop is history
-            self.summary.pop("stopped_by", None)
-        if self.rewards is not None:
-            self.summary["accuracy_function"] = (
-                "environment" if self.cfg.env.name else self.rewards.accuracy_fn
-            )
-            failure = self.rewards.run_failure()
-            if failure is not None:
-                # Trained on zero rewards, or without the reward that says what is right, with an accuracy that
-                # counts nothing: the run must not look like a success (exit status 3).
-                self.summary["all_reward_calls_failed"] = self.rewards.all_calls_failed()
-                self.summary["accuracy_function_failed"] = self.rewards.accuracy_failure() is not None
-                self.summary["reward_failure"] = failure
-        self.clock.stamp(self.summary)
-        s = self.summary
-        if s.get("accuracy_before_rl") is not None and s.get("accuracy_after_rl") is not None:
-            s["accuracy_gain"] = s["accuracy_after_rl"] - s["accuracy_before_rl"]
-        s["world_size"] = self.dist.world_size
-        if self.dist.is_main:
-            with writing(self.out_dir / "summary.json", "the run summary"):
-                (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-            try:
-                from exactrl.train.run_report import draw_report
-
-                draw_report(self.out_dir)
-            except ImportError as err:  # matplotlib missing: the numbers are in metrics.jsonl anyway
-                self.out(f"report.png not drawn ({err})")
-        self.out(_summary_text(s, self.out_dir))
-        self.dist.barrier()
-        return s
-
-
-class _NoLogger:
-    """The logger of ranks other than 0: they compute the same global metrics and write nothing."""
-
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
-    def pct(x):
-        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
-
-    return (
-        f"\n== {s['algorithm']} ({'exact' if s['exact'] else 'fast'} mode): {s['rl_steps']} RL steps in "
-        f"{s['rl_elapsed_s'] / 60 if 'rl_elapsed_s' in s else s['minutes']:.1f} min"
-        + (f" after {s['sft_elapsed_s'] / 60:.1f} min of SFT" if "sft_elapsed_s" in s else "")
-        + "\n"
-        f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
-        f"{_accuracy_source(s)}\n"
-        f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
-        f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
-        + (
-            f"\n   !! {s['reward_failure']}. "
-            + (
-                "The policy was trained on zero rewards"
-                if s.get("all_reward_calls_failed")
-                else "The policy never got its correctness reward and accuracy counts nothing"
-            )
-            + ": exit status 3"
-            if s.get("reward_failure")
-            else ""
-        )
-    )
-
-
-def _accuracy_source(s: dict[str, Any]) -> str:
-    """What the accuracy counts, for the summary line (reward.accuracy)."""
-    fn = s.get("accuracy_function")
-    if "accuracy_function" not in s:  # a summary from before accuracy_function was recorded
-        return ""
-    if fn is None:
-        return " (no correctness function: see reward.accuracy)"
-    if fn == "environment":
-        return " (episode reward > 0.5)"
-    return f" ({fn} > 0.5)"

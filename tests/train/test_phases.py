@@ -96,7 +96,6 @@ def test_decode_graphs_are_dropped_exactly_when_the_cache_moved():
 
 @pytest.mark.usefixtures("plugin")
 def test_rl_run_with_the_release_is_bitwise_the_same(tmp_path, monkeypatch):
-    from exactrl.train import loop
     from exactrl.train.loop import train
 
     torch.set_num_threads(1)
@@ -110,7 +109,7 @@ def test_rl_run_with_the_release_is_bitwise_the_same(tmp_path, monkeypatch):
         seen.append(self.engine.runner.kv_cache_bytes)
         return real_update(self, step, rollouts, *a, **k)
 
-    monkeypatch.setattr(loop.RLRun, "update", update)
+    monkeypatch.setattr(RunStages, "update", update)
     train(rl_cfg(tmp_path / "released"), out=quiet)
     assert seen == [0, 0]
     assert same_run(tmp_path / "kept", tmp_path / "released")
@@ -140,7 +139,6 @@ def test_steps_without_an_update_get_their_cache_back(tmp_path, monkeypatch):
     tests/distributed/test_phases_multirank.py.)"""
     import json
 
-    from exactrl.train import loop
     from exactrl.train.loop import train
 
     torch.set_num_threads(1)
@@ -157,7 +155,7 @@ def test_steps_without_an_update_get_their_cache_back(tmp_path, monkeypatch):
             rollouts[0].advantage = math.nan
         return real_update(self, step, rollouts, *a, **k)
 
-    monkeypatch.setattr(loop.RLRun, "update", update)
+    monkeypatch.setattr(RunStages, "update", update)
     quiet = lambda *a, **k: None  # noqa: E731
     sets = ("train.steps=3", "run.on_mismatch=skip_step")
     train(rl_cfg(tmp_path / "kept", *sets, "engine.release_memory=false"), out=quiet)
