@@ -27,7 +27,8 @@ from _script import require_cuda  # benchmarks/: the script's own folder is on s
 from exactrl.config import RunConfig, apply_overrides, load_config
 from exactrl.engine.engine import RolloutEngine
 from exactrl.train.loop import RLRun
-from exactrl.train.memory import MemoryPlan, make_plan
+from exactrl.train.memory import MemoryPlan
+from exactrl.train.memory_fit import make_plan
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.trainer import PolicyTrainer
 

@@ -279,14 +279,9 @@ def cmd_plan(args) -> int:
     --host-memory. The config passes the checks `exactrl train` makes before anything loads
     (exactrl.train.preflight), at the planned world size."""
     from exactrl.config import load_config
-    from exactrl.train.memory import (
-        gpu_memory_bytes,
-        host_memory_bytes,
-        make_generator_plan,
-        make_plan,
-        print_plan,
-        trainer_role,
-    )
+    from exactrl.train.memory import gpu_memory_bytes, host_memory_bytes
+    from exactrl.train.memory_fit import make_plan, print_plan
+    from exactrl.train.memory_generator import make_generator_plan, trainer_role
     from exactrl.train.preflight import check_run_config, inert_keys
 
     cfg = load_config(args.config, args.set or [])

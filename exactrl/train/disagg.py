@@ -190,7 +190,7 @@ def run_generator(
     process group does (`ModelRunner.release_graphs`), an error's way out included. make: as `generator_engine`'s."""
     # Before the model is made: an engine whose weights, cache and transients cannot fit this GPU is refused now,
     # naming the knobs (the trainers check their own plan in RLRun); the first generator rank says the plan.
-    from exactrl.train.memory import check_generator_before_loading
+    from exactrl.train.memory_generator import check_generator_before_loading
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
     first = layout.world.rank == layout.trainers

@@ -47,7 +47,8 @@ from exactrl.train.drivers.modes import DriverName
 from exactrl.train.dynamic_sampling import DynamicSampler
 from exactrl.train.finish import Finish
 from exactrl.train.logging import MetricsLogger, NoLogger, import_wandb, step_line
-from exactrl.train.memory import check_before_loading, microbatch_tokens
+from exactrl.train.memory import microbatch_tokens
+from exactrl.train.memory_fit import check_before_loading
 from exactrl.train.offpolicy import BehaviourPolicy
 from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW

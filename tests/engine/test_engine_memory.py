@@ -52,7 +52,7 @@ def test_a_generator_holds_its_memory_plans_cache(monkeypatch) -> None:
     import exactrl.model.loading as loading
     import exactrl.ops as ops
     import exactrl.train.disagg as disagg
-    import exactrl.train.memory as memory
+    import exactrl.train.memory_generator as memory_generator
     from exactrl.config import apply_overrides, config_from_dict
     from exactrl.distributed.env import DistContext
 
@@ -80,7 +80,7 @@ def test_a_generator_holds_its_memory_plans_cache(monkeypatch) -> None:
     layout = SimpleNamespace(world=DistContext.single(), trainers=1)
     for plan, fixed, want in ((37, None, 37), (37, 20, 20), (None, None, None)):
         counts = None if plan is None else SimpleNamespace(counts={"kv_blocks": plan})
-        monkeypatch.setattr(memory, "check_generator_before_loading", lambda *a, c=counts, **k: c)
+        monkeypatch.setattr(memory_generator, "check_generator_before_loading", lambda *a, c=counts, **k: c)
         run_cfg = cfg if fixed is None else apply_overrides(cfg, [f"engine.num_kv_blocks={fixed}"])
         disagg.run_generator(run_cfg, layout, make=Engine)
         assert made[-1].num_kv_blocks == want

@@ -23,7 +23,8 @@ from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.runner import ModelRunner
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model import build_model, preset
-from exactrl.train.memory import GiB, kv_cache_bytes, make_plan, model_config, plan_memory
+from exactrl.train.memory import GiB, kv_cache_bytes, model_config, plan_memory
+from exactrl.train.memory_fit import make_plan
 from exactrl.train.stages import RunStages
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -31,12 +31,11 @@ from exactrl.train.memory import (
     GiB,
     MemoryPlanError,
     activation_bytes_per_token,
-    check_before_loading,
-    make_plan,
     microbatch_tokens,
     pinned_bytes,
     plan_memory,
 )
+from exactrl.train.memory_fit import check_before_loading, make_plan
 from exactrl.train.optim import OFFLOAD_CHUNK_BYTES, MasterAdamW, offload_chunks
 
 ROOT = Path(__file__).resolve().parents[2]

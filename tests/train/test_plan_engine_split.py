@@ -25,7 +25,8 @@ from exactrl.distributed.tensor_parallel import TensorParallelGroup, shard_engin
 from exactrl.engine.runner import kv_bytes_per_token
 from exactrl.model.config import preset
 from exactrl.model.qwen import build_model
-from exactrl.train.memory import GiB, make_plan, plan_memory
+from exactrl.train.memory import GiB, plan_memory
+from exactrl.train.memory_fit import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))

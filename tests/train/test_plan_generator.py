@@ -23,13 +23,8 @@ import torch
 
 from exactrl.cli import main
 from exactrl.train import disagg
-from exactrl.train.memory import (
-    CUDA_CONTEXT_BYTES,
-    GiB,
-    MemoryPlanError,
-    make_generator_plan,
-    plan_generator,
-)
+from exactrl.train.memory import CUDA_CONTEXT_BYTES, GiB, MemoryPlanError
+from exactrl.train.memory_generator import make_generator_plan, plan_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))

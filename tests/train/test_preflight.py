@@ -12,7 +12,8 @@ import pytest
 from exactrl.cli import main
 from exactrl.config import ConfigError, apply_overrides, config_from_dict, load_config
 from exactrl.train import memory
-from exactrl.train.memory import GiB, make_plan
+from exactrl.train.memory import GiB
+from exactrl.train.memory_fit import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.toml")
