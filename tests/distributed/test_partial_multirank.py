@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from exactrl.config import AlgorithmConfig
+from exactrl.train.checkpoint import PARTIAL_FILE, POOLS_DIR
 from exactrl.train.drivers.partial import pools_in
-from exactrl.train.partial import PARTIAL_FILE, POOLS_DIR, merge_partial_metrics
+from exactrl.train.partial import merge_partial_metrics
 from exactrl.train.preflight import dropped_on_resume
 
 from ._runs import REWARD, launch, mismatched, records, same, small_argv
