@@ -10,6 +10,7 @@ else of the run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from exactrl.distributed.env import DistContext
 from exactrl.train.stages import RunStages, StepState
 from exactrl.train.trainer import PolicyTrainer
 
-__all__ = ["StepContext", "StepDriver", "StepState", "Writer"]
+__all__ = ["StepContext", "StepDriver", "StepState", "Writer", "end_of_step"]
 
 if TYPE_CHECKING:
     from exactrl.algorithms import KLController
@@ -48,6 +49,35 @@ class StepContext:
     trainer: PolicyTrainer
     kl_ctl: KLController
     out: Callable[..., Any]
+
+
+def end_of_step(
+    ctx: StepContext,
+    m: dict[str, float],
+    sr: Any,
+    *,
+    generate_s: float,
+    train_s: float,
+    started: float,
+    tokens: float,
+    peak_memory: Callable[[], dict[str, float]],
+) -> dict[str, float]:
+    """The metrics every driver's step ends with, in this order: the step's seconds (generate, train, the whole
+    step since `started`), the generation's speed over `tokens`, the device's memory peak (`peak_memory`, read after
+    the step's seconds), the advantages' statistics and the KL controller's coefficient (updated from the step's
+    KL unless the batch was dropped); then the step's number, and `sr` (the step's StepRollouts) kept as the
+    last."""
+    m["perf/generate_s"], m["perf/train_s"] = generate_s, train_s
+    m["perf/step_s"] = time.perf_counter() - started
+    m["perf/tokens_per_s"] = tokens / max(generate_s, 1e-9)
+    m.update(peak_memory())
+    m.update(sr.advantage_metrics)
+    m["kl_coef"] = ctx.kl_ctl.value
+    if "kl_ref" in m and not m.get("mismatch/step_skipped"):  # a dropped batch steers nothing
+        ctx.kl_ctl.update(m["kl_ref"], len(sr.lengths))
+    m["step"] = ctx.state.step
+    ctx.state.last_rollouts = sr
+    return m
 
 
 class StepDriver(Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from exactrl.distributed.env import per_rank_metric
-from exactrl.train.drivers.base import StepContext, Writer
+from exactrl.train.drivers.base import StepContext, Writer, end_of_step
 from exactrl.train.offpolicy import (
     BehaviourBatch,
     BehaviourPolicy,
@@ -230,20 +230,24 @@ class OneStepOffDriver:
         # The trainer waiting for the next batch after its update.
         m.update(per_rank_metric(ctx.dist, "offpolicy/wait_s", wait_s))
         m["offpolicy/refresh_s"] = refresh_s
-        m["perf/generate_s"], m["perf/train_s"] = batch.generate_s, train_s
-        m["perf/step_s"] = time.perf_counter() - t_step
         # The generation's speed: partial rollouts sample other tokens than the batch holds (carried ones).
         sampled = m.get("offpolicy/partial/sampled_tokens", sum(sr.lengths))
-        m["perf/tokens_per_s"] = sampled / max(batch.generate_s, 1e-9)
-        if torch.device(ctx.device).type == "cuda":
-            m["perf/gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated(ctx.device) / 1e9
-        m.update(sr.advantage_metrics)
-        m["kl_coef"] = ctx.kl_ctl.value
-        if "kl_ref" in m and not m.get("mismatch/step_skipped"):
-            ctx.kl_ctl.update(m["kl_ref"], len(sr.lengths))
-        m["step"] = ctx.state.step
-        ctx.state.last_rollouts = sr
-        return m
+
+        def peak_memory() -> dict[str, float]:  # this rank's (no collective here)
+            if torch.device(ctx.device).type != "cuda":
+                return {}
+            return {"perf/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(ctx.device) / 1e9}
+
+        return end_of_step(
+            ctx,
+            m,
+            sr,
+            generate_s=batch.generate_s,
+            train_s=train_s,
+            started=t_step,
+            tokens=sampled,
+            peak_memory=peak_memory,
+        )
 
     def staleness(self, batch: BehaviourBatch, step: int, masks: list[torch.Tensor]) -> dict[str, float]:
         """How many versions behind the trained policy the batch's tokens are (over every rank: a collective)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from exactrl.distributed.env import per_rank_metric
-from exactrl.train.drivers.base import StepContext, Writer
+from exactrl.train.drivers.base import StepContext, Writer, end_of_step
 from exactrl.train.trainer import MismatchError
 
 
@@ -44,22 +44,25 @@ class SyncDriver:
             m["perf/weight_sync_bytes"] = float(adapter_nbytes(ctx.trainer.model))
         ctx.state.step += 1
         m = stages.step_metrics(m, sr)
-        ntok = sum(sr.lengths)
-        m["perf/generate_s"], m["perf/train_s"] = gen_s, train_s
-        m["perf/step_s"] = time.perf_counter() - t_step
-        m["perf/tokens_per_s"] = ntok / max(gen_s, 1e-9)
-        if torch.device(ctx.device).type == "cuda":
+
+        def peak_memory() -> dict[str, float]:
+            if torch.device(ctx.device).type != "cuda":
+                return {}
             # What the run holds at its worst (weights, KV cache, training): the maximum over the ranks, and each
             # rank's own under several (a collective every rank reaches here).
             peak = torch.cuda.max_memory_allocated(ctx.device) / 1e9
-            m.update(per_rank_metric(ctx.dist, "perf/gpu_memory_peak_gb", peak))
-        m.update(sr.advantage_metrics)
-        m["kl_coef"] = ctx.kl_ctl.value
-        if "kl_ref" in m and not m.get("mismatch/step_skipped"):  # a dropped batch steers nothing
-            ctx.kl_ctl.update(m["kl_ref"], len(sr.lengths))
-        m["step"] = ctx.state.step
-        ctx.state.last_rollouts = sr
-        return m
+            return per_rank_metric(ctx.dist, "perf/gpu_memory_peak_gb", peak)
+
+        return end_of_step(
+            ctx,
+            m,
+            sr,
+            generate_s=gen_s,
+            train_s=train_s,
+            started=t_step,
+            tokens=sum(sr.lengths),
+            peak_memory=peak_memory,
+        )
 
     def sample_and_update(
         self, step: int, examples: list[Any], prompt_ids: list[list[int]], index: list[int]
