@@ -8,7 +8,7 @@ Why the bits cannot change (the MoE rules of DESIGN.md, applied across ranks):
   on that rank's stack: the exact backends give a row its bits whatever other rows its expert received and
   wherever it sits (the op's contract), so computing only this rank's (token, rank) slots changes nothing. The op
   is asked for each slot alone, with routing weight 1.0 (k = 1): its combine then rounds `1.0 * o.float()` once
-  to the model dtype, which is o itself (the guard's layer probe does the same, exactrl/guard/layers.py).
+  to the model dtype, which is o itself (the guard's layer probe does the same, exactrl/train/layer_probe.py).
 - Tokens to experts and back: the ranks of an engine hold the same tokens (the activations are replicated, or
   gathered whole by tensor parallel), so a rank picks its slots locally; an all-gather of the slot outputs (bytes)
   brings every slot's output to every rank.

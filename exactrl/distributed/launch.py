@@ -1,7 +1,7 @@
 """Starting torchrun from `exactrl ... --nproc N`, and signals on their way to the ranks.
 
 A scheduler stops a job with SIGTERM (Ctrl-C is SIGINT) and kills it a grace period later. Each rank then
-finishes its step and checkpoints (`exactrl.train.loop._StopFlag`); torchrun's agent passes the signal it gets on
+finishes its step and checkpoints (`exactrl.train.signals.StopFlag`); torchrun's agent passes the signal it gets on
 to every rank and kills them after its own shutdown timeout (`--shutdown-timeout`, TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
 30 s by default: set it above a step plus a checkpoint). The launcher below makes sure the agent gets the signal
 the `exactrl` process got, once: the agent runs in a session of its own (a terminal's Ctrl-C, or a signal to the

@@ -1,6 +1,7 @@
-"""The exactness guard: what a run leaves when rollout and trainer logprobs differ (report.py), the replay of
-such a report (replay.py, `exactrl parity --replay`), the layer probe (layers.py), and exact-vs-fast twin runs
-(twin.py, `exactrl twin`)."""
+"""The exactness guard: the replay of a mismatch report (replay.py, `exactrl parity --replay`) and exact-vs-fast
+twin runs (twin.py, `exactrl twin`). The report itself and the layer probe are written by the training loop, so
+they live in the training layer (exactrl/train/mismatch_report.py, exactrl/train/layer_probe.py); report.py and
+layers.py here keep their names importable."""
 
 from exactrl.guard.report import (
     MismatchSequence,

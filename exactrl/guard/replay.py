@@ -8,7 +8,7 @@ Per recorded sequence:
 3. the recomputed engine logprobs are compared with the recomputed trainer logprobs (a divergence that replays:
    a kernel, a model option, a path that differs), and each side with what the run recorded (a recorded value
    that does not reproduce points at the run's machine or state: a fault that did not happen again);
-4. where the recomputed sides differ, the layer probe (exactrl.guard.layers) names the first differing layer; in a
+4. where the recomputed sides differ, the layer probe (exactrl.train.layer_probe) names the first differing layer; in a
    mixture-of-experts layer, whether the router picked different experts (which token, which experts) or the same
    experts gave different bits (which expert).
 
@@ -62,7 +62,7 @@ class SequenceReplay:
     layer: int | None = None
     layer_note: str | None = None
     experts: dict | None = None
-    """A sparse first differing layer: `exactrl.guard.layers.ExpertProbe` as a dict (finding, position, token_id,
+    """A sparse first differing layer: `exactrl.train.layer_probe.ExpertProbe` as a dict (finding, position, token_id,
     engine_experts, trainer_experts, expert)."""
 
     @property
