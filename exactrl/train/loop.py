@@ -107,11 +107,12 @@ def train(
 
 
 class RLRun(WarmStart, Finish):
-    """One `exactrl train` job, cut into the stages of the algorithm:
+    """One `exactrl train` job, built from its `ResolvedRun` (exactrl/train/resolved.py):
 
-    setup (here) -> warm_start (SFT, the held-out baseline) -> build_trainer (and the step driver) -> restore (on
-    --resume) -> per step: `driver.step()` (prompts -> rollout -> score (rewards, advantages) -> update, in the
-    driver's order: exactrl/train/drivers/) -> log -> checkpoint -> finish."""
+    setup (here) -> warm_start (SFT, the held-out baseline: warm_start.py) -> build_trainer (and the step driver)
+    -> restore (on --resume) -> per step: `driver.step()` (the `RunStages` of stages.py: prompts -> rollout ->
+    score (rewards, advantages) -> update, in the driver's order: exactrl/train/drivers/) -> log -> checkpoint ->
+    finish (finish.py)."""
 
     def __init__(
         self,
