@@ -23,11 +23,11 @@ export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0 PYT
 OUT=${OUT:-/tmp/exactrl-gpu}
 X="python3 -m exactrl.cli"
 PRESETS=${PRESETS:-qwen3-0.6b qwen3-1.7b}
+[[ $# -gt 0 ]] || { sed -n '2,21p' "$0"; exit 2; }
 NGPU=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT" benchmarks/results
-[[ $# -gt 0 ]] || { sed -n '2,21p' "$0"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
-log() { grep -v -i warn | tee -a "$OUT/$1"; }
+log() { { grep -v -i warn || true; } | tee -a "$OUT/$1"; }  # the output without warnings, appended to $OUT/FILE
 rl="--preset qwen3-1.7b --device cuda --dtype bfloat16 --prompts 64 --samples 8 --prompt-min 64 --prompt-max 512
   --max-tokens 2048 --completion-median 384 --completion-sigma 0.8 --warmup 1 --steps 2 --kv-memory-fraction 0.2
   --tokens-per-microbatch 4096"  # the bench rl shape of docs/benchmarks.md
@@ -87,7 +87,7 @@ for target in "$@"; do
     ((NGPU >= 2)) || { echo "multi: needs 2 GPUs, this machine has $NGPU" >&2; exit 1; }
     $X bench rl $rl --mode exact --nproc 2 --out-dir "$OUT/rl-colocated" 2>&1 | log multi.txt
     $X bench rl $rl --mode exact --nproc 2 --generator-ranks 1 --max-off-policy-steps 1 \
-      --baseline "$(ls "$OUT"/rl-colocated/*.json | head -1)" --out-dir "$OUT/rl-gen1-k1" 2>&1 | log multi.txt
+      --baseline "$(ls "$OUT"/rl-colocated/*.json 2>/dev/null | head -1)" --out-dir "$OUT/rl-gen1-k1" 2>&1 | log multi.txt
     python3 benchmarks/decode_split.py --preset qwen3-8b --max-tokens 128 2>&1 | log multi.txt
     torchrun --standalone --nproc-per-node 2 benchmarks/decode_split.py --preset qwen3-8b --max-tokens 128 2>&1 \
       | log multi.txt

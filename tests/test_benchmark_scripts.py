@@ -408,3 +408,45 @@ def test_decode_split_on_two_ranks_times_both_forms():
     recs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert {r["form"] for r in recs} == {"gathered (exact)", "all-reduce (row-parallel)"}
     assert all(r["tensor_parallel"] == 2 and r["output_tokens"] > 0 for r in recs)
+
+
+def test_gpu_sh_exactrl_commands_parse_with_todays_cli(tmp_path, monkeypatch):
+    """Every `exactrl` command line of every gpu.sh target, as bash expands it (python3, torchrun and nvidia-smi
+    replaced by stubs that record their arguments on a 2-GPU machine: nothing runs), names a command and flags the
+    CLI has (each command's function, and the torchrun launch of `--nproc`, replaced by one that records it), and
+    every script it runs exists."""
+    from exactrl import cli, commands
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    record = '#!/usr/bin/env bash\nprintf "%s\\037" "$(basename "$0")" "$@" >> "$STUB_LOG"; printf "\\036" >> "$STUB_LOG"\n'
+    for name in ("python3", "torchrun"):
+        (bin_dir / name).write_text(record)
+    (bin_dir / "nvidia-smi").write_text(record + 'echo "GPU 0: stub"; echo "GPU 1: stub"\n')
+    for p in bin_dir.iterdir():
+        p.chmod(0o755)
+    text = (BENCH / "gpu.sh").read_text()
+    targets = re.findall(r"^  ([a-z][a-z-]*)\)$", text, re.MULTILINE)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log)}
+    env.update(OUT=str(tmp_path / "out"), MULTI_30B="1")
+    res = subprocess.run(
+        ["bash", str(BENCH / "gpu.sh"), *targets], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    calls = [c.split("\x1f")[:-1] for c in log.read_text().split("\x1e") if c]
+    cli_calls = [c[3:] for c in calls if c[:3] == ["python3", "-m", "exactrl.cli"]]
+    scripts = {c[1] for c in calls if c[0] == "python3" and c[1].startswith("benchmarks/")}
+    scripts |= {a for c in calls if c[0] == "torchrun" for a in c if a.startswith("benchmarks/")}
+    assert len(cli_calls) >= 20 and scripts, (len(cli_calls), scripts)
+    assert {Path(s).name for s in scripts} <= set(SCRIPTS), sorted(scripts)
+    seen: list[str] = []
+    for mod, names in ((cli, ["cmd_parity"]), (commands, ["cmd_bench"])):
+        for name in names:
+            monkeypatch.setattr(mod, name, lambda args, _n=name: seen.append(_n) or 0)
+    # --nproc N: the checks before the launch run, the launch is recorded
+    monkeypatch.setattr(
+        "exactrl.distributed.launch.launch", lambda nproc, module, argv: seen.append(module) or 0
+    )
+    for argv in cli_calls:
+        assert cli.main(argv) == 0, argv
+    assert len(seen) == len(cli_calls)
