@@ -20,6 +20,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (with a small preset)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
     on_gpu = args.device != "cpu"
 
     def sync() -> None:

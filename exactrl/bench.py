@@ -322,10 +322,6 @@ def bench_rollout(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
-        )
     check_ranks(args, ctx.world_size)
     base_expect = {
         k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
@@ -646,10 +642,7 @@ def bench_train_fsdp(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
-        )
+    check_ranks(args, ctx.world_size)
     expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
     expect["tokens_per_rank"] = args.tokens_per_microbatch
     baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
@@ -742,8 +735,20 @@ def bench_train_fsdp(args) -> dict:
 
 
 def check_ranks(args, world_size: int) -> None:
-    """What the options ask of `world_size` ranks that the benchmark cannot give: said on each rank, and by the
-    `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    """What the options ask of `world_size` ranks, or of the benchmark at all, that it cannot give: said on each
+    rank, and by the `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    if args.what == "rl":
+        for flag, given in (("--vs", getattr(args, "vs", None)), ("--fsdp", getattr(args, "fsdp", False))):
+            if given:
+                raise ValueError(f"bench rl does not implement {flag}")
+    if args.what == "rollout" and args.vs == "torch":
+        raise ValueError(
+            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
+        )
+    if args.what == "train" and getattr(args, "fsdp", False) and args.vs == "torch":
+        raise ValueError(
+            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
+        )
     if args.what == "rollout" and args.concurrency < world_size:
         raise ValueError(
             f"bench rollout: --concurrency {args.concurrency} requests for {world_size} ranks; every rank "
@@ -751,11 +756,18 @@ def check_ranks(args, world_size: int) -> None:
         )
 
 
-def main(args) -> int:
+def apply_defaults(args) -> None:
+    """The defaults that depend on the benchmark: --max-tokens, --steps, bench rl's reward."""
     if getattr(args, "max_tokens", None) is None:
         args.max_tokens = 2048 if args.what == "rl" else 256
     if getattr(args, "steps", None) is None:
         args.steps = 3 if args.what == "rl" else 5
+    if args.what == "rl" and getattr(args, "reward", None) is None:
+        args.reward = ["numeric_match"]
+
+
+def main(args) -> int:
+    apply_defaults(args)
     if getattr(args, "split_kv", "auto") == "off":
         from exactrl.ops.triton import attention as triton_attention
 
@@ -763,21 +775,15 @@ def main(args) -> int:
     if args.what == "rl":
         from exactrl import bench_rl
 
-        refused = (
-            ("--vs", getattr(args, "vs", None)),
-            ("--fsdp", getattr(args, "fsdp", False)),
-        )
-        for flag, given in refused:
-            if given:
-                raise ValueError(f"bench rl does not implement {flag}")
-        if getattr(args, "reward", None) is None:
-            args.reward = ["numeric_match"]
+        check_ranks(args, int(os.environ.get("WORLD_SIZE", "1")))
         return bench_rl.main(args)
     if args.what == "train" and getattr(args, "fsdp", False):
         from exactrl.distributed.env import under_torchrun
 
         if not under_torchrun():  # the FSDP path needs a process group: run this very command on one rank
             import sys as _sys
+
+            check_ranks(args, 1)  # before the launch
 
             from exactrl.cli import launch_torchrun
 

@@ -90,6 +90,10 @@ def cmd_parity(args) -> int:
         from exactrl.commands import cmd_parity_replay
 
         return cmd_parity_replay(args)
+    from exactrl.distributed.env import under_torchrun
+
+    # What the options and the model's shape refuse, before anything loads (as the --nproc launcher checks them).
+    _parity_before_launch(args, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     set_exact_environment(args.mode == "exact")
     # Under torchrun: this rank's GPU (or the CPU with gloo); its share of the prompts, an FSDP-sharded trainer.
     ctx = init_from_env(resolve_device(args.device))
@@ -399,23 +403,69 @@ def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
         before_launch(args, nproc)
 
 
-def _parity_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    from exactrl.distributed.shared_engine import engine_group_size
+def _parity_before_launch(args: argparse.Namespace, nproc: int | None) -> None:
+    """parity's refusals that depend only on its options and the model's shape (its config: a preset, or the
+    checkpoint's config.json; nothing loads), before torchrun starts anything (`--nproc N`) and again on every rank
+    (`cmd_parity`: N = the world size under torchrun, None in one process). The engine split names the key that is
+    wrong; a split without ranks asks for --nproc."""
+    from exactrl.distributed.shared_engine import check_engine_split, engine_group_size
 
     g = engine_group_size(args.tensor_parallel, args.expert_parallel)
-    if nproc % g:
-        flag, key = (
-            ("--tensor-parallel", "tensor_parallel")
-            if args.tensor_parallel == g
-            else ("--expert-parallel", "expert_parallel")
-        )
+    flag, key = (
+        ("--tensor-parallel", "tensor_parallel")
+        if args.tensor_parallel == g
+        else ("--expert-parallel", "expert_parallel")
+    )
+    if nproc is not None and nproc % g:
         raise ValueError(
             f"{flag} (engine.{key} = {g}) must divide --nproc ({nproc}): every engine needs {g} ranks of its own"
         )
+    check_engine_split(_model_shape(args), args.tensor_parallel, args.expert_parallel)
+    if nproc is None:
+        if g > 1:
+            raise ValueError(
+                f"{flag} {g} (engine.{key}) splits one engine over {g} ranks: pass --nproc N, a multiple of {g} "
+                f"(e.g. --nproc {g}), to run it on ranks"
+            )
+        return
     engines = nproc // g
     if args.num_prompts < engines:  # as run_parity says on each rank
         what = f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
         raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
+
+
+def _model_shape(args: argparse.Namespace):
+    """The ModelConfig `_load` would build, read without building the model: --model's config.json or the
+    preset's (tiny by default)."""
+    from exactrl.model.config import preset
+    from exactrl.model.hf import read_config
+
+    if args.model:
+        return read_config(args.model)
+    return preset(args.preset or "tiny")
+
+
+def cap_host_threads(args: argparse.Namespace) -> int:
+    """Cap the host's intra-op threads before a command that computes on CUDA does any work (the rule is
+    `limit_host_threads`': CUDA runs only, never over an OMP_NUM_THREADS the user or torchrun set). Every command
+    passes here, so train, sft, eval, generate, parity, twin and every bench kind are capped alike. The device is
+    the command's `device_of(args)` (set by its parser: a config's run.device) or its --device flag; a command with
+    neither (plan, report, init-model) computes on no GPU. Returns the thread count now."""
+    import torch
+
+    from exactrl.config import resolve_device
+    from exactrl.distributed.env import limit_host_threads
+
+    device_of = getattr(args, "device_of", None)
+    device = device_of(args) if device_of is not None else getattr(args, "device", None)
+    if device:
+        try:
+            device = resolve_device(device)
+            torch.device(device)
+        except (RuntimeError, ValueError):  # not a device: the command itself says so
+            return torch.get_num_threads()
+        return limit_host_threads(device)
+    return torch.get_num_threads()
 
 
 def _quiet_unless_rank0() -> None:
@@ -587,6 +637,7 @@ def _main(argv: list[str] | None = None) -> int:
         if getattr(args, "nproc", None) is not None:
             check_before_launch(args, args.nproc)
             return launch_torchrun(args.nproc, argv)
+        cap_host_threads(args)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {e}", 2)

@@ -105,6 +105,53 @@ def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
     return trainer_ranks(world_size, g, engine_group_ranks(cfg), distributed=distributed)
 
 
+def config_device(path: str | Path | None, overrides: list[str]) -> str:
+    """run.device of a config, read without building it: the TOML's, then the last `--set run.device=...`; "auto"
+    where neither says. The CLI caps the host's threads by it before the command starts
+    (exactrl.cli.cap_host_threads); the command reads and validates the whole config itself, and says what is
+    wrong with a file this cannot read."""
+    import tomllib
+
+    from exactrl.config import parse_override
+
+    device: object = "auto"
+    if path is not None:
+        try:
+            run = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("run", {})
+            device = run.get("device", device) if isinstance(run, dict) else device
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            pass
+    for item in overrides:
+        key, _, _ = item.partition("=")
+        if key.strip() == "run.device":
+            try:
+                device = parse_override(item)[1]
+            except ValueError:
+                pass
+    return device if isinstance(device, str) else "auto"
+
+
+def _config_device(args: argparse.Namespace) -> str:
+    return config_device(args.config, args.set or [])
+
+
+def _eval_device(args: argparse.Namespace) -> str:
+    """eval's device as cmd_eval chooses it: --device, else the config's (--config, or the run's found from
+    --model), else auto."""
+    if args.device:
+        return args.device
+    config = args.config
+    if config is None and not args.no_run_config:
+        config = find_run_config(args.model)
+    return config_device(config, args.set or []) if config is not None else "auto"
+
+
+def _bench_device(args: argparse.Namespace) -> str:
+    """bench's --device, or the last `--set run.device=...` of bench rl's run config."""
+    runs = [o for o in getattr(args, "overrides", None) or [] if o.partition("=")[0].strip() == "run.device"]
+    return config_device(None, runs) if runs else args.device
+
+
 def cmd_train(args) -> int:
     from exactrl.config import load_config
 
@@ -342,9 +389,21 @@ def cmd_plan(args) -> int:
 
 
 def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    from exactrl.bench import check_ranks
+    """What `bench --nproc N` checks before torchrun starts the ranks: its options (`bench.check_ranks`), and for
+    bench rl the run config it builds, as `exactrl train --nproc N` checks its own (the layout of generator ranks,
+    the modes, the engine split on the model's shape)."""
+    import tempfile
 
-    check_ranks(args, nproc)
+    from exactrl import bench
+
+    bench.apply_defaults(args)
+    bench.check_ranks(args, nproc)
+    if args.what == "rl" and not args.plot_from:
+        from exactrl.bench_rl import _config
+        from exactrl.train.preflight import check_run_config
+
+        cfg = _config(args, tempfile.gettempdir(), args.warmup + args.steps)
+        check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
 
 
 def cmd_bench(args) -> int:
@@ -380,7 +439,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
     add_nproc_arg(p)
-    p.set_defaults(func=cmd_train, before_launch=_train_before_launch)
+    p.set_defaults(func=cmd_train, before_launch=_train_before_launch, device_of=_config_device)
 
     p = sub.add_parser(
         "plan",
@@ -426,7 +485,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume", action="store_true", help="continue an interrupted SFT from its last checkpoint"
     )
-    p.set_defaults(func=cmd_sft)
+    p.set_defaults(func=cmd_sft, device_of=_config_device)
 
     p = sub.add_parser(
         "eval", help="accuracy and pass@k of a checkpoint on held-out prompts", formatter_class=fmt
@@ -474,7 +533,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mode", default=None, choices=["exact", "fast"], help="default: run.exact of the config, else exact"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, device_of=_eval_device)
 
     p = sub.add_parser(
         "twin",
@@ -499,7 +558,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also run fast mode with this masking correction",
     )
     p.add_argument("--overwrite", action="store_true", help="start over in run folders that hold a run")
-    p.set_defaults(func=cmd_twin)
+    p.set_defaults(func=cmd_twin, device_of=_config_device)
 
     p = sub.add_parser(
         "report",
@@ -659,4 +718,4 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="directory the result JSON is written to",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, device_of=_bench_device)
