@@ -399,9 +399,10 @@ def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
     bench.apply_defaults(args)
     bench.check_ranks(args, nproc)
     if args.what == "rl" and not args.plot_from:
-        from exactrl.bench_rl import _config
+        from exactrl.bench_rl import _config, check_options
         from exactrl.train.preflight import check_run_config
 
+        check_options(args)
         cfg = _config(args, tempfile.gettempdir(), args.warmup + args.steps)
         check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
 

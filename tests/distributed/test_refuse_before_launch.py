@@ -39,6 +39,11 @@ CASES = {
         ["bench", "rl", *TINY_CPU, "--vs", "hf", "--nproc", "2"],
         "bench rl does not implement --vs",
     ),
+    "bench-rl-workload": (
+        ["bench", "rl", *TINY_CPU, "--prompt-min", "9", "--prompt-max", "8", "--nproc", "2"],
+        "bench rl: --prompt-max (8) must be >= --prompt-min (9)",
+    ),
+    "bench-rl-steps": (["bench", "rl", *TINY_CPU, "--steps", "0", "--nproc", "2"], "--steps must be >= 1"),
     "bench-rollout-vs-torch": (
         ["bench", "rollout", *TINY_CPU, "--vs", "torch", "--nproc", "1"],
         "the torch baseline is a training step",
