@@ -386,10 +386,11 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     return launch(nproc, "exactrl.cli", _without_nproc(argv))
 
 
-def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
+def check_before_launch(args: argparse.Namespace, nproc: int):
     """Refuse, before torchrun starts anything, what the command cannot do on `nproc` ranks: its row of
     commands.NOT_ON_RANKS (N > 1), and its own checks of its options and config (`before_launch`, set by its
-    parser: the same validation the command runs on each rank). Raises ValueError."""
+    parser: the same validation the command runs on each rank). Raises ValueError. Returns what `before_launch`
+    returns: the ranks' roles (exactrl.distributed.roles.Roles), or None."""
     from exactrl.commands import NOT_ON_RANKS
 
     if nproc < 1:
@@ -399,15 +400,16 @@ def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
             if command == args.command and applies(args):
                 raise ValueError(why(args) if callable(why) else why)
     before_launch = getattr(args, "before_launch", None)
-    if before_launch is not None:
-        before_launch(args, nproc)
+    return before_launch(args, nproc) if before_launch is not None else None
 
 
-def _parity_before_launch(args: argparse.Namespace, nproc: int | None) -> None:
+def _parity_before_launch(args: argparse.Namespace, nproc: int | None):
     """parity's refusals that depend only on its options and the model's shape (its config: a preset, or the
     checkpoint's config.json; nothing loads), before torchrun starts anything (`--nproc N`) and again on every rank
     (`cmd_parity`: N = the world size under torchrun, None in one process). The engine split names the key that is
-    wrong; a split without ranks asks for --nproc."""
+    wrong; a split without ranks asks for --nproc. Returns the ranks' roles."""
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
     from exactrl.distributed.shared_engine import check_engine_split, engine_group_size
 
     g = engine_group_size(args.tensor_parallel, args.expert_parallel)
@@ -427,11 +429,18 @@ def _parity_before_launch(args: argparse.Namespace, nproc: int | None) -> None:
                 f"{flag} {g} (engine.{key}) splits one engine over {g} ranks: pass --nproc N, a multiple of {g} "
                 f"(e.g. --nproc {g}), to run it on ranks"
             )
-        return
-    engines = nproc // g
-    if args.num_prompts < engines:  # as run_parity says on each rank
-        what = f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
-        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
+    else:
+        engines = nproc // g
+        if args.num_prompts < engines:  # as run_parity says on each rank
+            what = (
+                f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
+            )
+            raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
+    return Roles(
+        resolve_device(args.device),
+        tensor_parallel=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
+    )
 
 
 def _model_shape(args: argparse.Namespace):
@@ -635,7 +644,11 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "nproc", None) is not None:
-            check_before_launch(args, args.nproc)
+            roles = check_before_launch(args, args.nproc)
+            if roles is not None:  # what each rank will do, once, before the ranks' own output
+                from exactrl.distributed.roles import roles_line
+
+                print(roles_line(args.nproc, roles), file=sys.stderr, flush=True)
             return launch_torchrun(args.nproc, argv)
         cap_host_threads(args)
         code = int(args.func(args) or 0)

@@ -78,9 +78,10 @@ def _run(cfg, args) -> int:
     return 143 if summary.get("stopped_by") == "SIGTERM" else 130
 
 
-def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
+def _train_before_launch(args: argparse.Namespace, nproc: int):
     """What `train --nproc N` checks before torchrun starts the ranks: the config (TOML + --set, validated), what
-    it cannot do under torchrun at this world size, and the run directory (checked, nothing written)."""
+    it cannot do under torchrun at this world size, and the run directory (checked, nothing written). Returns the
+    ranks' roles (exactrl.distributed.roles)."""
     from exactrl.config import load_config
     from exactrl.train.preflight import check_run_config
     from exactrl.train.rundir import check_run_dir
@@ -93,6 +94,16 @@ def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
         overwrite=args.overwrite,
         allow_config_change=args.allow_config_change,
     )
+    return _roles(cfg)
+
+
+def _roles(cfg):
+    """A run config's ranks' roles: generator ranks, the engine split, the device."""
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
+
+    e = cfg.engine
+    return Roles(resolve_device(cfg), cfg.distributed.generator_ranks, e.tensor_parallel, e.expert_parallel)
 
 
 def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
@@ -343,13 +354,17 @@ def cmd_plan(args) -> int:
     # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
     # `exactrl train --nproc N` runs them.
     sharded = args.world_size is not None
+    if not sharded:
+        _plan_needs_nproc(cfg)
     # A disaggregated run: the trainers' plan (FSDP2 over them alone), then the generator ranks' (the engine alone).
     job_size = world_size
     trainers = _trainers(cfg, world_size, distributed=sharded)
     if trainers != world_size:
+        g = cfg.distributed.generator_ranks
         print(
-            f"planned for the {trainers} trainer ranks of {world_size} and, below them, the "
-            f"distributed.generator_ranks = {cfg.distributed.generator_ranks} that hold the engine alone"
+            f"planned for the {_ranks(trainers, 'trainer')} of {world_size} and, below "
+            f"{'it' if trainers == 1 else 'them'}, the {_ranks(g, 'generator')} (distributed.generator_ranks = "
+            f"{g}) that hold{'s' if g == 1 else ''} the engine alone"
         )
         print(f"{trainer_role(world_size, trainers)}:")
     world_size = trainers
@@ -384,14 +399,31 @@ def cmd_plan(args) -> int:
     if trainers != job_size:
         plan.role = trainer_role(job_size, trainers)
         generator = make_generator_plan(cfg, world_size=job_size, gpu_memory=gpu, device=device)
-    print_plan(plan, generator=generator)
+    print_plan(plan, generator=generator, json_line=args.json)
     return 0 if plan.fits and (generator is None or generator.fits) else 1
 
 
-def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
+def _ranks(n: int, role: str) -> str:
+    return f"{n} {role} rank{'' if n == 1 else 's'}"
+
+
+def _plan_needs_nproc(cfg) -> None:
+    """Refuse a plan without --nproc of a config that only runs on torchrun ranks (generator ranks, an engine split
+    over ranks), saying to pass --nproc to plan."""
+    e, g = cfg.engine, cfg.distributed.generator_ranks
+    keys = [f"distributed.generator_ranks = {g}"] if g else []
+    keys += [f"engine.{k} = {v}" for k, v in (("tensor_parallel", e.tensor_parallel), ("expert_parallel", e.expert_parallel)) if v > 1]  # fmt: skip
+    if keys:
+        raise ValueError(
+            f"{' and '.join(keys)} runs on torchrun ranks: pass --nproc N to `exactrl plan` (the run's ranks, as "
+            "`exactrl train --nproc N` would start them) to plan each rank"
+        )
+
+
+def _bench_before_launch(args: argparse.Namespace, nproc: int):
     """What `bench --nproc N` checks before torchrun starts the ranks: its options (`bench.check_ranks`), and for
     bench rl the run config it builds, as `exactrl train --nproc N` checks its own (the layout of generator ranks,
-    the modes, the engine split on the model's shape)."""
+    the modes, the engine split on the model's shape). Returns the ranks' roles."""
     import tempfile
 
     from exactrl import bench
@@ -405,6 +437,12 @@ def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
         check_options(args)
         cfg = _config(args, tempfile.gettempdir(), args.warmup + args.steps)
         check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
+        return _roles(cfg)
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
+
+    # rollout: an engine on each rank; train --fsdp: the FSDP2 step on each rank
+    return Roles(resolve_device(args.device), trains=args.what == "train", generates=args.what == "rollout")
 
 
 def cmd_bench(args) -> int:
@@ -474,6 +512,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="GB",
         help='host RAM in GiB that train.offload = "optimizer" pins its state in (default: this machine\'s when the '
         "plan is for this machine's GPU; not checked when --gpu-memory plans another machine)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='also print the plan as one JSON line after the tables ({"memory_plan": ..., "generator_memory_plan": ...})',
     )
     p.set_defaults(func=cmd_plan)
 
