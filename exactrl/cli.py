@@ -422,7 +422,8 @@ def _parity_before_launch(args: argparse.Namespace, nproc: int | None):
         raise ValueError(
             f"{flag} (engine.{key} = {g}) must divide --nproc ({nproc}): every engine needs {g} ranks of its own"
         )
-    check_engine_split(_model_shape(args), args.tensor_parallel, args.expert_parallel)
+    if g > 1:  # the model's shape: heads, widths and experts the split must divide
+        check_engine_split(_model_shape(args), args.tensor_parallel, args.expert_parallel)
     if nproc is None:
         if g > 1:
             raise ValueError(

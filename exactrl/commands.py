@@ -121,9 +121,7 @@ def config_device(path: str | Path | None, overrides: list[str]) -> str:
     where neither says. The CLI caps the host's threads by it before the command starts
     (exactrl.cli.cap_host_threads); the command reads and validates the whole config itself, and says what is
     wrong with a file this cannot read."""
-    import tomllib
-
-    from exactrl.config import parse_override
+    from exactrl.config import parse_override, tomllib  # the backport on Python 3.10
 
     device: object = "auto"
     if path is not None:
@@ -415,7 +413,7 @@ def _plan_needs_nproc(cfg) -> None:
     keys += [f"engine.{k} = {v}" for k, v in (("tensor_parallel", e.tensor_parallel), ("expert_parallel", e.expert_parallel)) if v > 1]  # fmt: skip
     if keys:
         raise ValueError(
-            f"{' and '.join(keys)} runs on torchrun ranks: pass --nproc N to `exactrl plan` (the run's ranks, as "
+            f"{' and '.join(keys)} run{'' if len(keys) > 1 else 's'} on torchrun ranks: pass --nproc N to `exactrl plan` (the run's ranks, as "
             "`exactrl train --nproc N` would start them) to plan each rank"
         )
 
