@@ -133,6 +133,32 @@ def read_baseline(path: str, bench: str, expect: dict) -> dict:
     return rec
 
 
+def baseline_of(args) -> dict | None:
+    """The `--baseline` record this benchmark compares with (None without one), refused by the key that differs
+    when it measured something else: read on each rank, and by the `--nproc N` launcher before torchrun starts
+    them (exactrl.commands._bench_before_launch)."""
+    path = getattr(args, "baseline", None)
+    if not path:
+        return None
+    if args.what == "rollout":
+        keys = ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
+        return read_baseline(path, "rollout", {k: getattr(args, k) for k in keys})
+    if args.what == "train":
+        if not getattr(args, "fsdp", False):
+            raise ValueError("bench train --baseline compares world sizes of the FSDP2 step: add --fsdp")
+        expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
+        return read_baseline(path, "train-fsdp", {**expect, "tokens_per_rank": args.tokens_per_microbatch})
+    try:  # rl: another layout or world size of the same workload
+        rec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--baseline {path}: not a `bench rl` result ({e})") from None
+    if not isinstance(rec, dict) or rec.get("bench") != "rl":
+        raise ValueError(f"--baseline {path}: not a `bench rl` result")
+    return rec
+
+
 def _scaling(rec: dict, baseline: dict | None) -> dict:
     """Scaling efficiency: aggregate tokens/s per rank here over the same in the baseline (1.0 = linear)."""
     if baseline is None:
@@ -323,10 +349,7 @@ def bench_rollout(args) -> dict:
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
     check_ranks(args, ctx.world_size)
-    base_expect = {
-        k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
-    }
-    baseline = read_baseline(args.baseline, "rollout", base_expect) if args.baseline else None
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     _reset_peak_memory(args.device)
     rec = _rollout_on_rank(args, ctx)
@@ -643,9 +666,7 @@ def bench_train_fsdp(args) -> dict:
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
     check_ranks(args, ctx.world_size)
-    expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
-    expect["tokens_per_rank"] = args.tokens_per_microbatch
-    baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     today = bench_train(args) if ctx.world_size == 1 else None
     _reset_peak_memory(args.device)  # the FSDP run's own peak, without today's path's

@@ -919,7 +919,7 @@ def _table(rec: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
-    from exactrl.bench import _result_path
+    from exactrl.bench import _result_path, baseline_of
 
     if args.plot_from:
         recs = [json.loads(Path(p).read_text()) for p in args.plot_from]
@@ -946,9 +946,7 @@ def main(args: Any) -> int:
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
-    baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
-    if baseline is not None and baseline.get("bench") != "rl":
-        raise ValueError(f"--baseline {args.baseline}: not a `bench rl` result")
+    baseline = baseline_of(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 (a trainer) writes the record
     if main_rank:
         path.parent.mkdir(parents=True, exist_ok=True)

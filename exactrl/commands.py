@@ -428,6 +428,7 @@ def _bench_before_launch(args: argparse.Namespace, nproc: int):
 
     bench.apply_defaults(args)
     bench.check_ranks(args, nproc)
+    bench.baseline_of(args)  # a --baseline of another benchmark or shape
     if args.what == "rl" and not args.plot_from:
         from exactrl.bench_rl import _config, check_options
         from exactrl.train.preflight import check_run_config

@@ -4,11 +4,14 @@ start-up first. The launcher is replaced by one that fails the test, so each cas
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from exactrl import cli
 from exactrl.distributed import launch
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY_CPU = ["--preset", "tiny", "--device", "cpu"]
 CASES = {
     "parity-ep-dense": (
@@ -44,6 +47,14 @@ CASES = {
         "bench rl: --prompt-max (8) must be >= --prompt-min (9)",
     ),
     "bench-rl-steps": (["bench", "rl", *TINY_CPU, "--steps", "0", "--nproc", "2"], "--steps must be >= 1"),
+    "bench-rollout-baseline": (
+        ["bench", "rollout", *TINY_CPU, "--baseline", "no-such-record.json", "--nproc", "2"],
+        "--baseline no-such-record.json: no such file",
+    ),
+    "bench-rl-baseline": (
+        ["bench", "rl", *TINY_CPU, "--baseline", str(ROOT / "README.md"), "--nproc", "2"],
+        "README.md: not a `bench rl` result",
+    ),
     "bench-rollout-vs-torch": (
         ["bench", "rollout", *TINY_CPU, "--vs", "torch", "--nproc", "1"],
         "the torch baseline is a training step",
