@@ -352,6 +352,24 @@ def _config(args: Any, out_dir: str, steps: int):
     return cfg
 
 
+def check_options(args: Any) -> None:
+    """Refuse options the benchmark cannot run (its step counts, its workload's shape): on each rank, and by the
+    `--nproc N` launcher before torchrun starts them (exactrl.commands._bench_before_launch)."""
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    Workload.draw(  # the same checks, on one token of vocabulary: nothing here depends on the model
+        prompts=args.prompts,
+        samples=args.samples,
+        prompt_min=args.prompt_min,
+        prompt_max=args.prompt_max,
+        completion_median=args.completion_median,
+        completion_sigma=args.completion_sigma,
+        max_tokens=args.max_tokens,
+        vocab=1,
+        seed=args.seed,
+    )
+
+
 def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
@@ -362,8 +380,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     from exactrl.tasks import Example
     from exactrl.train.loop import RLRun, check_modes_before_launch, job_layout
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    check_options(args)
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-rl-") as tmp:
         # Off-policy, every step samples the next step's batch during its update: one step more in the config
@@ -902,7 +919,7 @@ def _table(rec: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
-    from exactrl.bench import _result_path
+    from exactrl.bench import _result_path, baseline_of
 
     if args.plot_from:
         recs = [json.loads(Path(p).read_text()) for p in args.plot_from]
@@ -929,9 +946,7 @@ def main(args: Any) -> int:
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
-    baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
-    if baseline is not None and baseline.get("bench") != "rl":
-        raise ValueError(f"--baseline {args.baseline}: not a `bench rl` result")
+    baseline = baseline_of(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 (a trainer) writes the record
     if main_rank:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -450,3 +450,47 @@ def test_gpu_sh_exactrl_commands_parse_with_todays_cli(tmp_path, monkeypatch):
     for argv in cli_calls:
         assert cli.main(argv) == 0, argv
     assert len(seen) == len(cli_calls)
+
+
+# A script computes on a GPU when it names the device (`cuda` as a word: "cuda_graphs" in a result's keys is not).
+CUDA_SCRIPTS = [s for s in SCRIPTS if re.search(r"\bcuda\b", (BENCH / s).read_text())]
+# What caps the host's threads as `exactrl` does on CUDA (benchmarks/_script.py): require_cuda and kernel_device
+# call cap_host_threads; probe_host_side.py and train_vs_torch.py call limit_host_threads by their own options.
+CAPS = {"require_cuda", "kernel_device", "cap_host_threads", "limit_host_threads"}
+
+
+@pytest.mark.parametrize("script", CUDA_SCRIPTS)
+def test_every_gpu_script_caps_the_host_threads_before_its_work(script):
+    """A figure that a script reads with every core as torch's thread (one busy core halves it) is not the
+    command's: each GPU script calls a capping function in its main, before it loads a model."""
+    tree = ast.parse((BENCH / script).read_text())
+    called = {
+        n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+    }
+    assert called & CAPS, (
+        f"{script} computes on CUDA but never caps the host threads (_script.cap_host_threads)"
+    )
+
+
+def test_the_script_helpers_cap_the_threads_on_cuda(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _script
+    finally:
+        sys.path.remove(str(BENCH))
+    from exactrl.distributed.env import HOST_THREADS_CUDA
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for start in (lambda: _script.require_cuda("x.py"), lambda: _script.kernel_device("x.py")):
+            torch.set_num_threads(HOST_THREADS_CUDA + 2)
+            start()
+            assert torch.get_num_threads() == HOST_THREADS_CUDA
+        torch.set_num_threads(HOST_THREADS_CUDA + 2)
+        assert _script.cap_host_threads("cpu") == HOST_THREADS_CUDA + 2  # a CPU dry run keeps its threads
+    finally:
+        torch.set_num_threads(before)
