@@ -38,7 +38,7 @@ from exactrl.distributed.shared_engine import (
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.envs.rollout import EnvSetup
+from exactrl.envs.rollout import EnvSetup, combine_episode_metrics
 from exactrl.model.files import writing
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
@@ -65,7 +65,8 @@ from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.phases import MemoryPhases
 from exactrl.train.preflight import check_run_config, dropped_on_resume
-from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
+from exactrl.train.run_summary import add_step_totals, algorithm_label, summary_totals
+from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir, run_outputs
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
     SFTCheckpointing,
@@ -725,7 +726,8 @@ class RLRun:
             demonstrate=self.demonstrations(),
             checkpoints=ck,
         )
-        self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        if not sft.stopped:  # a stopped SFT says so below
+            self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
         # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
         sft_s = self.clock.total_s()
         self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings
@@ -1114,7 +1116,7 @@ class RLRun:
                 for name, n in counts.items():
                     key = f"{name}/{kind}"
                     sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
-        sr.advantage_metrics.update(rs.metrics)
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
 
     def episodes(
@@ -1134,8 +1136,13 @@ class RLRun:
         sr = self.with_advantages(
             rs.rollouts, res.rewards, {}, errors, rs.completions, rs.answers, None, refused=rs.refused
         )
-        sr.advantage_metrics.update(rs.metrics)  # turns, tool calls, environment errors and timeouts
+        # turns, tool calls, environment errors and timeouts, over every rank's episodes
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
+
+    def sampling_metrics(self, mine: dict[str, float]) -> dict[str, float]:
+        """The step's view of each rank's sampling metrics (a collective): env/* over every rank's episodes."""
+        return combine_episode_metrics(self.dist.all_gather_object(mine))
 
     def rank_episodes(
         self,
@@ -1410,6 +1417,7 @@ class RLRun:
             self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
         # Exact mode compares every completion token of the step (fast mode recomputes them all as well).
         m["mismatch/completion_tokens"] = float(self.step_model_tokens)
+        add_step_totals(self.totals, sr.advantage_metrics)  # dynamic sampling's prompts and groups
         if m.get("mismatch/step_skipped"):
             self.totals["mismatch_skipped_steps"] = self.totals.get("mismatch_skipped_steps", 0) + 1
             self.out(
@@ -1571,7 +1579,8 @@ class RLRun:
                 "nan_steps_total": t["nan_steps"],
                 "mismatch_skipped_steps_total": t.get("mismatch_skipped_steps", 0),
                 "exact": self.exact,
-                "algorithm": self.cfg.algorithm.name,
+                "algorithm": algorithm_label(self.cfg),
+                **summary_totals(t),
                 "advantage": self.cfg.algorithm.resolved_advantage,
                 "policy_loss": self.cfg.algorithm.resolved_policy_loss,
                 "stopped_early": self.stopped_early or self.stopped_in_sft,
@@ -1676,7 +1685,7 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
         f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
-        f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
+        f"   outputs in {out_dir}/ ({run_outputs(out_dir)})"
         + (
             f"\n   !! {s['reward_failure']}. "
             + (
