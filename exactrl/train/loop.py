@@ -35,6 +35,12 @@ from exactrl.distributed.shared_engine import (
     engine_group,
     split_engine_model,
 )
+from exactrl.distributed.shared_fs import (
+    agree,
+    agreed_checkpoint,
+    check_every_rank_sees,
+    check_shared_run_dir,
+)
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -412,6 +418,7 @@ class RLRun:
             )
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
+        check_shared_run_dir(self.dist, self.out_dir)  # every rank sees rank 0's run directory, or all refuse
         self.rewards: RewardComputer | None = None
         # The output dir is checked now and changed only once everything has loaded (plan.commit below).
         self.plan = run_dir
@@ -496,12 +503,15 @@ class RLRun:
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
-        self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
+        # Rank 0 chooses the checkpoint; every rank checks it sees it whole (exactrl/distributed/shared_fs.py).
+        self.resume_from = (
+            agreed_checkpoint(self.dist, lambda: latest_checkpoint(self.ckpt_root)) if resume else None
+        )
         # Without an RL checkpoint, SFT's own resume point: an unfinished SFT continues from its last checkpoint,
         # a finished one is not run again (its weights are sft/).
         self.sft_point = SFTResumePoint()
         if resume and self.resume_from is None and cfg.sft.steps > 0 and not cfg.sft.checkpoint:
-            self.sft_point = sft_resume_point(self.out_dir)
+            self.sft_point = agree(self.dist, lambda: sft_resume_point(self.out_dir))
         self.check_resume_point()
         sft_resuming = self.sft_point.finished is not None or self.sft_point.checkpoint is not None
         if resume and self.resume_from is None and not sft_resuming:
@@ -593,6 +603,8 @@ class RLRun:
         if self.resume_from is not None:
             check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
             sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
+            if cfg.algorithm.kl_coef > 0 and sft_src:
+                check_every_rank_sees(self.dist, Path(sft_src), "the KL reference")
             if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
                 raise ValueError(
                     f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "

@@ -100,6 +100,7 @@ def runs(tmp_path_factory):
         code, out, secs = _launch(tmp, nproc, jobs, tag)
         times[tag] = secs
         assert code == 0, f"launch {tag} ({nproc} ranks) failed:\n{out[-6000:]}"
+        (tmp / f"{tag}.log").write_text(out)
         return out
 
     def cli(name, algo="grpo", steps=2, *extra, resume=False):
@@ -119,6 +120,13 @@ def runs(tmp_path_factory):
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
     jobs += [cli("t2-mt", "grpo", 2, *mt)]
+    # A node that does not share the run directory: rank 1 works in node1/, where the relative run.output_dir is
+    # another folder (test_a_rank_that_cannot_see_the_run_directory_is_refused). Every rank refuses (exit 2).
+    private = cli("unshared")
+    private["argv"] = [
+        a.replace(f"run.output_dir={tmp / 'unshared'}", "run.output_dir=unshared") for a in private["argv"]
+    ]
+    jobs += [{**private, "cwd_rank": {"1": str(tmp / "node1")}, "expect_code": 2}]
     # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step; its FSDP2 microbatch budget
     # set apart from max_tokens_per_microbatch (40 tokens: a rank's 8 rollouts need more than one microbatch; 2
     # when the setting was planted away).
@@ -149,6 +157,15 @@ def runs(tmp_path_factory):
         )
         times[f"plain-{k}"] = time.perf_counter() - t
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # A 2-rank checkpoint with rank 1's shard removed, resumed on one process: refused by name, nothing changed
+    # (test_a_checkpoint_with_a_shard_removed_is_refused_by_name).
+    _crashed_after(tmp / "t2-grpo", tmp / "torn", 2)
+    (tmp / "torn" / "checkpoints" / "step-000002" / "dcp" / "__1_0.distcp").unlink()
+    torn = _argv(tmp, "torn", "grpo", STEPS, ckpt, resume=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "exactrl.cli", *torn], capture_output=True, text=True, env=env, cwd=tmp
+    )
+    (tmp / "torn.log").write_text(f"exit {p.returncode}\n{p.stdout}{p.stderr}")
     print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
     return tmp
 
@@ -312,6 +329,31 @@ def test_every_metric_is_global(runs, name):
         *({k: v for k, v in s.items() if k not in PER_PROCESS_SUMMARY} for s in (sa, sb))
     )
     assert not bad_summary, bad_summary
+
+
+def test_a_rank_that_cannot_see_the_run_directory_is_refused(runs):
+    """Rank 1 works where run.output_dir (relative) is a folder of its own, as on a node without the shared
+    filesystem: at start-up rank 0's token is not there for it, and both ranks refuse with one line naming the path
+    and rank 1, before anything is written (the folder the check made is gone again)."""
+    out = (runs / "ws2.log").read_text()
+    for rank in (0, 1):
+        (line,) = [
+            x for x in out.splitlines() if x.startswith(f"exactrl train (rank {rank}): error: rank(s) 1 (")
+        ]
+        assert "cannot see the run directory unshared of rank 0" in line and "run.output_dir" in line, line
+    assert not (runs / "unshared").exists() and not (runs / "node1" / "unshared").exists()
+
+
+def test_a_checkpoint_with_a_shard_removed_is_refused_by_name(runs):
+    """A 2-rank checkpoint missing rank 1's shard (left on another node's disk): the resume is refused in one
+    line naming the checkpoint and the shard, exit 2, before the run folder changes (no traceback)."""
+    out = (runs / "torn.log").read_text()
+    assert out.startswith("exit 2\n"), out[-3000:]
+    ckpt = runs / "torn" / "checkpoints" / "step-000002"
+    assert f"cannot resume from {ckpt}: shard dcp/__1_0.distcp is missing" in out
+    assert "Traceback" not in out and "CheckpointException" not in out
+    assert (runs / "torn" / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert not (runs / "torn" / "summary.json").exists()  # _crashed_after removed it; the refusal wrote none
 
 
 def test_world_size_1_and_2_optimise_the_same_objective(runs):
