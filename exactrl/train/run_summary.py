@@ -22,7 +22,8 @@ def algorithm_label(cfg: Any) -> str:
     clip-higher (0.28), dynamic sampling (accuracy), overlong penalty (2 tokens)` for configs/quickstart-dapo.toml."""
     a = cfg.algorithm
     parts = []
-    if a.eps_high > a.eps_low:
+    # DAPO's clip-higher raises PPO-clip's upper bound; GSPO's own (sequence-level) range is the preset's.
+    if a.eps_high > a.eps_low and a.resolved_policy_loss == "ppo_clip":
         parts.append(f"clip-higher ({a.eps_high:g})")
     if a.dynamic_sampling != "off":
         parts.append(f"dynamic sampling ({a.dynamic_sampling})")
