@@ -320,6 +320,9 @@ def train(
     layout = job_layout(cfg)
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
+    # Every trainer rank sees rank 0's run directory, or every one refuses (a run's own checkpoints need it; `bench
+    # rl` builds an RLRun in a private folder per rank and writes none).
+    check_shared_run_dir(layout.local, Path(cfg.run.output_dir))
     run = RLRun(
         cfg,
         resume=resume,
@@ -418,7 +421,6 @@ class RLRun:
             )
         self.out = out if self.dist.is_main else (lambda *a, **k: None)
         self.out_dir = Path(cfg.run.output_dir)
-        check_shared_run_dir(self.dist, self.out_dir)  # every rank sees rank 0's run directory, or all refuse
         self.rewards: RewardComputer | None = None
         # The output dir is checked now and changed only once everything has loaded (plan.commit below).
         self.plan = run_dir
