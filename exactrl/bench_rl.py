@@ -627,9 +627,8 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     rec["prompt_tokens"] = int(run.dist.sum(sum(len(r.prompt_ids) for r in sr.rollouts)))
     rec["truncated"] = int(sum(sr.truncated))
     rec["lengths"] = [int(x) for x in sr.lengths]
-    if not isinstance(
-        eng, _NoEngine
-    ):  # disaggregated: the generators' figures (`_roles`), not a row of zeros
+    # Disaggregated, a trainer has no engine: the generators' figures are `_roles`', not a row of zeros here.
+    if not isinstance(eng, _NoEngine):
         rec["engine_steps"] = int(eng.stats["steps"])
         rec["preemptions"] = int(eng.stats["preemptions"])
         rec["kv_cache_tokens"] = (
