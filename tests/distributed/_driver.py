@@ -27,6 +27,10 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    negative control of engine.tensor_parallel in exactrl train;
                                                    or its experts' combine split over the ranks; or its o_proj /
                                                    down_proj run without their LoRA adapters
+  {"kind": "cli", "argv": [...], "cwd_rank": {"R": DIR}, "expect_code": C}
+                                                   the same, rank R working in DIR (a relative run.output_dir
+                                                   is then another folder there: a node that does not share
+                                                   the run directory); exit code C is this job's expected end
   {"kind": "crashed", "src": DIR, "dst": DIR, "step": S}
                                                    rank 0 copies run DIR as a crash after step S's checkpoint leaves it
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
@@ -128,13 +132,21 @@ def cli_job(job: dict) -> None:
         undo.append(lambda: setattr(loop.RLRun, "stop_requested", real_stop))
     if job.get("plant_cut"):
         undo.append(_plant_first_cut())
+    private = job.get("cwd_rank", {}).get(os.environ["RANK"])
+    if private is not None:
+        here = os.getcwd()
+        Path(private).mkdir(parents=True, exist_ok=True)
+        os.chdir(private)
+        undo.append(lambda: os.chdir(here))
     try:
         code = main(job["argv"])
     finally:
         for u in undo:
             u()
-    if code and not (code == 130 and job.get("stop_at") is not None):
+    if code and not (code == 130 and job.get("stop_at") is not None) and code != job.get("expect_code"):
         sys.exit(code)
+    if job.get("expect_code") not in (None, code):
+        sys.exit(f"expected exit code {job['expect_code']}, got {code}")
 
 
 def _plant_first_cut():
