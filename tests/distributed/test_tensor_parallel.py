@@ -94,8 +94,15 @@ def test_a_world_size_tensor_parallel_does_not_divide_is_refused() -> None:
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 JOBS = [
     {"preset": "tiny", "dtype": "float32"},
-    # LoRA on the attention projections (a MoE model's only targets): replicated under expert parallel.
-    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True, "lora": ATTENTION},
+    # LoRA on the attention projections (a MoE model's only targets): replicated under expert parallel. Top-4
+    # routing: at the presets' top-2 a combine in another order than the one-device order adds alike.
+    {
+        "preset": "tiny-qwen2-moe",
+        "dtype": "bfloat16",
+        "overrides": {"num_experts_per_tok": 4},
+        "expert_parallel": True,
+        "lora": ATTENTION,
+    },
     # LoRA on every projection: B split with its projection's rows (q/k/v, gate/up packed; o/down gathered).
     {
         "preset": "tiny-llama",
