@@ -31,6 +31,9 @@ class EngineConfig:
     """Capture decode steps in CUDA graphs (ignored on CPU)."""
     max_model_len: int = 2048
     """Maximum total sequence length (prompt + completion) the engine accepts."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV-cache blocks of a prompt prefix the cache already holds (the samples of one prompt, a
+    multi-turn episode's earlier turns) instead of computing them again; false computes every prompt in full."""
     release_memory: bool = True
     """Memory phases of `exactrl train`: free the KV cache (and under torchrun the engine's weight replica) while
     the trainer runs, and allocate them again before the next generation (the replica is rebuilt by the weight

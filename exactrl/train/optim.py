@@ -508,7 +508,7 @@ class MasterAdamW:
     def init_state(self) -> None:
         """Zero AdamW state for every master that has none yet (torch makes it at the first step), where the state
         waits between steps: the host buffers with offload, else the master's device. A checkpoint loads into
-        these tensors in place (exactrl/distributed/checkpoint.py); with offload no moment of a resumed run passes
+        these tensors in place (exactrl/train/sharded_checkpoint.py); with offload no moment of a resumed run passes
         through the device outside a step."""
         for i, m in enumerate(self.master):
             st = self.opt.state[m]
