@@ -6,10 +6,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from exactrl.config.errors import ConfigError
 from exactrl.config.schema import RunConfig
@@ -19,9 +18,14 @@ _NoneType = type(None)
 _NONE_WORDS = frozenset({"none", "null"})
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+    """The resolved annotations of a config dataclass, read once per class."""
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _init_fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
@@ -237,7 +241,11 @@ def _convert(value: Any, tp: Any, key: str, ctx: _Ctx) -> Any:
     raise TypeError(f"{key}: unsupported annotation {tp!r} in a config dataclass")
 
 
-def config_from_dict(d: dict[str, Any], cls: type[_T] = RunConfig, source: str | None = None) -> _T:  # type: ignore[assignment]
+@overload
+def config_from_dict(d: dict[str, Any], *, source: str | None = None) -> RunConfig: ...
+@overload
+def config_from_dict(d: dict[str, Any], cls: type[_T], source: str | None = None) -> _T: ...
+def config_from_dict(d: dict[str, Any], cls: type[Any] = RunConfig, source: str | None = None) -> Any:
     """Build ``cls`` from a nested dict (as parsed from TOML); missing keys keep their defaults.
 
     Unknown keys/sections and wrong types raise :class:`ConfigError`; ``source`` (a file name) is named in

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from exactrl.config.errors import ConfigError, _fail
 from exactrl.config.fields import config_from_dict
@@ -21,11 +21,13 @@ else:  # pragma: no cover - Python 3.10 needs the tomli backport
 _T = TypeVar("_T")
 
 
-def load_config(
-    path: str | Path | None,
-    overrides: Sequence[str] = (),
-    cls: type[_T] = RunConfig,  # type: ignore[assignment]
-) -> _T:
+@overload
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig: ...
+@overload
+def load_config(path: str | Path | None, overrides: Sequence[str], cls: type[_T]) -> _T: ...
+@overload
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, cls: type[_T]) -> _T: ...
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), cls: type[Any] = RunConfig) -> Any:
     """Read a TOML config (``None`` = all defaults), apply ``section.key=value`` overrides, validate.
 
     Raises :class:`ConfigError` for invalid TOML, unknown keys, wrong types and failed checks.

@@ -141,7 +141,9 @@ def _to_fraction(token: str) -> Fraction | None:
     if mantissa.endswith("."):
         mantissa = mantissa[:-1]
     try:
-        value = Fraction(mantissa) * Fraction(Fraction(10) ** int(exponent or 0))  # exact: a Fraction power
+        power = int(exponent or 0)
+        scale = Fraction(10 ** abs(power))  # exact either way: no float in between
+        value = Fraction(mantissa) * scale if power >= 0 else Fraction(mantissa) / scale
     except (ValueError, ZeroDivisionError):
         return None
     if denominator:
@@ -156,7 +158,7 @@ def numbers_match(x: Fraction, y: Fraction) -> bool:
     within a relative tolerance of 1e-6 of `y` (absolute 1e-6 when |y| < 1), for rounded decimals like 0.333333."""
     if x.denominator == 1 and y.denominator == 1:
         return x == y
-    return abs(x - y) <= _REL_TOL * max(1, abs(y))
+    return abs(x - y) <= _REL_TOL * max(Fraction(1), abs(y))
 
 
 # ---------------------------------------------------------------------------------------------------------------

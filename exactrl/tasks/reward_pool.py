@@ -247,7 +247,8 @@ class Job:
             at, failed, rest = self.split
             others = rest.scores() if rest.num_samples else []
             return others[:at] + [failed] + others[at:]
-        status, payload = self.result if self.result is not None else ("died", "no result")
+        result: tuple[str, Any] = self.result if self.result is not None else ("died", "no result")
+        status, payload = result
         if status == "ok":
             return [(float(score), problem) for score, problem in payload]
         failed = (0.0, "timeout") if status == "timeout" else (0.0, str(payload))

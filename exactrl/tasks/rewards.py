@@ -311,9 +311,9 @@ class RewardComputer:
                 return [reward_pool.as_score(None, e, term.fn)] * n
             return reward_pool.as_scores(values, n)
         out = []
-        for c, a, e in zip(completions, answers, examples):
+        for c, a, ex in zip(completions, answers, examples):
             try:
-                value, error = _run_maybe_async(term.fn, (c, a, e)), None
+                value, error = _run_maybe_async(term.fn, (c, a, ex)), None
             except Exception as err:  # noqa: BLE001
                 value, error = None, err
             out.append(reward_pool.as_score(value, error, term.fn))
