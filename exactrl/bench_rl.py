@@ -376,7 +376,6 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
     short (a timeout) still leaves its finished steps."""
     from exactrl.distributed.env import under_torchrun
     from exactrl.distributed.shared_engine import SharedEngine
-    from exactrl.engine.engine import EngineConfig
     from exactrl.tasks import Example
     from exactrl.train.loop import RLRun, check_modes_before_launch, job_layout
 
@@ -406,9 +405,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             print(f"trainer and engine built: {_setup_note(device, t_build)}", file=sys.stderr)
             if not remote:  # this rank's engine (the policy on one device, the replica under torchrun)
                 sampler = run.behaviour.model if overlapped else run.engine.model
-                run.engine = PlannedLengthEngine(
-                    sampler, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
-                )
+                run.engine = PlannedLengthEngine(sampler, cfg.engine, tokenizer=run.tok, workload=wl)
                 if run.engine_group is not None:  # one engine split over a group (tensor / expert parallel):
                     # the group's ranks call it together, as the run's own engine is called
                     run.engine = SharedEngine(run.engine, run.engine_group)

@@ -193,10 +193,9 @@ def find_run_config(model_dir: str | Path) -> Path | None:
 
 def cmd_eval(args) -> int:
     import sys
-    from dataclasses import asdict
 
     from exactrl.config import load_config
-    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.engine import RolloutEngine
     from exactrl.model.loading import load_policy
     from exactrl.tasks import RewardComputer
     from exactrl.train.loop import build_task, env_setup, evaluate, make_encoder
@@ -261,7 +260,7 @@ def cmd_eval(args) -> int:
         )
     # Relative reward files and modules: from the working directory, as every path (exactrl.config).
     rewards = RewardComputer.from_config(cfg.reward, device=device)
-    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+    engine = RolloutEngine(model, cfg.engine, tokenizer=tok)
     # A tool agent is scored with its tool, as train scores it: episodes through the run's environment.
     env = None
     if cfg.env.name:

@@ -163,11 +163,8 @@ def init_from_env(device: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
     if backend == "nccl":
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **({"device_id": torch.device("cuda", local)} if backend == "nccl" else {}),
-        )
+        device_id: dict[str, Any] = {"device_id": torch.device("cuda", local)} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **device_id)
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
 
 

@@ -73,12 +73,12 @@ from exactrl.envs.base import (
     Environment,
     StepResult,
     Turn,
-    builtin_envs,
     check_step_result,
     describe_error,
     env_class,
     source_file,
 )
+from exactrl.envs.registry import builtin_envs
 from exactrl.envs.workers import EnvCallError, EnvCallTimeout, EnvWorkerPool
 from exactrl.tasks.base import Example
 
@@ -375,21 +375,23 @@ def run_episodes(
             run.call = pool.call(key, turn, limit, example=run.example, first=first)
             run.deadline = math.inf
             return
-        env = run.env
+        env, example = run.env, run.example
         assert env is not None
         if isinstance(env, AsyncEnvironment):
 
-            async def job() -> StepResult:
+            async def async_job() -> StepResult:
                 if first:
-                    await asyncio.wait_for(env.reset(run.example), timeout)
+                    assert example is not None  # an episode's first call carries its example
+                    await asyncio.wait_for(env.reset(example), timeout)
                 return await asyncio.wait_for(env.step(turn), timeout)
 
-            run.call = caller.coroutine(job, limit)
+            run.call = caller.coroutine(async_job, limit)
         else:
 
             def job() -> StepResult:
                 if first:
-                    env.reset(run.example)
+                    assert example is not None  # an episode's first call carries its example
+                    env.reset(example)
                 return env.step(turn)
 
             run.call = caller.thread(job)
@@ -496,7 +498,10 @@ def run_episodes(
             now = time.perf_counter()
             answered = answered_calls(now)
             if not answered:
-                caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
+                caller.wait(
+                    [r.call for r in waiting if r.call is not None],
+                    max(0.0, min(r.deadline for r in waiting) - now),
+                )
             for k, r in answered:
                 decided[k] = on_answer(k, r)
         ours = dict(decided)
@@ -531,7 +536,10 @@ def run_episodes(
             if not waiting:
                 break  # nothing runs, nothing is asked: every episode has ended
             # Every episode waits for its environment: sleep until the first answer or deadline.
-            caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
+            caller.wait(
+                [r.call for r in waiting if r.call is not None],
+                max(0.0, min(r.deadline for r in waiting) - now),
+            )
     finally:
         caller.close()
         session.close()

@@ -295,3 +295,38 @@ def step_line(m: dict[str, Any]) -> str:
         f"ent {f('entropy', '.3f')} | mismatch {mism_s} | {f('perf/tokens_per_s', '.0f')} {tps} | "
         f"{f('perf/step_s', '.1f')} s{extra}"
     )
+
+
+# Reading a run's files back (`exactrl report`, the guard's twin runs).
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, one dict per logged step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+    return rows
+
+
+def accuracy_label(run_dir: str | Path) -> str:
+    """What the run's accuracy counts, from its summary.json (`accuracy_function`), for the plot titles: "" when
+    the summary does not say (a run still going, or one from before the field)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if "accuracy_function" not in summary:
+        return ""
+    fn = summary["accuracy_function"]
+    if fn is None:
+        return "not reported: no correctness function (reward.accuracy)"
+    return "episode reward > 0.5" if fn == "environment" else f"{fn} > 0.5"

@@ -13,7 +13,7 @@ import math
 import shutil
 import signal
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,6 @@ import torch
 from exactrl.algorithms import KLController, advantage_metrics, compute_advantages, reward_metrics
 from exactrl.algorithms.overlong import add_overlong_penalty, overlong_metrics
 from exactrl.config import RunConfig, episode_token_limit
-from exactrl.distributed.checkpoint import (
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
 from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
@@ -42,7 +37,7 @@ from exactrl.distributed.shared_fs import (
     check_shared_run_dir,
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
-from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
+from exactrl.engine.engine import RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, combine_episode_metrics
 from exactrl.model.files import writing
@@ -81,6 +76,11 @@ from exactrl.train.sft import (
     sft_resume_point,
     truncate_sft_log,
     write_sft_model,
+)
+from exactrl.train.sharded_checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
 )
 from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout, TrainerSettings
 
@@ -498,10 +498,10 @@ class RLRun:
         # disaggregated trainer's engine is its generator (`generate` there, the weight replica here).
         self.remote: RemoteEngine | None = None
         if layout.disaggregated:
-            self.remote = RemoteEngine(layout, EngineConfig(**asdict(cfg.engine)))
+            self.remote = RemoteEngine(layout, replace(cfg.engine))
             self.engine: Any = self.remote
         else:
-            self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+            self.engine = RolloutEngine(self.model, cfg.engine, tokenizer=self.tok)
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
@@ -847,7 +847,7 @@ class RLRun:
             if old is not None:
                 old.release_graphs()
                 old.release_kv()
-            self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+            self.engine = RolloutEngine(engine_model, cfg.engine, tokenizer=self.tok)
             if self.engine_group is not None:
                 self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)

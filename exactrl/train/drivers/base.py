@@ -22,7 +22,7 @@ from exactrl.train.trainer import PolicyTrainer
 
 if TYPE_CHECKING:
     from exactrl.algorithms import KLController
-    from exactrl.train.drivers.disagg import EngineWeights
+    from exactrl.train.drivers.disagg import WeightSync
     from exactrl.train.phases import MemoryPhases
 
 # A checkpoint's extra writer: called with the checkpoint's directory (or, sharded, this rank's share of it).
@@ -77,7 +77,7 @@ class StepContext:
     device: torch.device
     engine: Any  # the RolloutEngine, or a disaggregated trainer's RemoteEngine
     phases: MemoryPhases  # the generation/training phase switches (KV cache, replica)
-    weights: EngineWeights  # the engine's (and the generators') weights after an update
+    weights: WeightSync  # the engine's (and the generators') weights after an update
     trainer: PolicyTrainer
     kl_ctl: KLController
     out: Callable[..., Any]

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
 from exactrl.distributed.shared_fs import require_every_shard
+from exactrl.model.qwen import CausalLM
 from exactrl.train.checkpoint import publish_checkpoint, rng_state, set_rng_state
 from exactrl.train.optim import MasterAdamW
 
@@ -91,7 +92,7 @@ def _optimizer_tree(opt: MasterAdamW, module: nn.Module) -> dict[str, Any]:
 def _weights(module: nn.Module, opt: MasterAdamW | None) -> dict[str, torch.Tensor]:
     """The fp32 weights by name: the parameters (sharded or fp32), or the optimizer's fp32 masters of a 16-bit
     model on one device (so a sharded checkpoint resumes without torchrun, and the other way round)."""
-    out = dict(module.named_parameters())
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
     if opt is not None and opt.has_master:
         names = {id(p): n for n, p in module.named_parameters()}
         out.update({names[id(p)]: m for p, m in zip(opt.params, opt.master)})
@@ -103,7 +104,9 @@ def _tree(model: nn.Module, optimizers: dict[str, MasterAdamW], critic: nn.Modul
     if critic is not None:
         tree["critic"] = _weights(critic, optimizers.get("critic"))
     for key, opt in optimizers.items():
-        tree[f"optim/{key}"] = _optimizer_tree(opt, critic if key == "critic" else model)
+        owner = critic if key == "critic" else model
+        assert owner is not None  # a critic's optimizer comes with the critic
+        tree[f"optim/{key}"] = _optimizer_tree(opt, owner)
     return tree
 
 
@@ -113,7 +116,7 @@ def save_sharded_checkpoint(
     step: int,
     *,
     model: nn.Module,
-    engine_model: nn.Module,
+    engine_model: CausalLM,
     tokenizer: Any,
     optimizers: dict[str, MasterAdamW],
     state: dict[str, Any],
@@ -184,7 +187,8 @@ def load_sharded_checkpoint(
         dcp.load(tree, checkpoint_id=str(path / "dcp"), process_group=process_group)
         for opt in optimizers.values():
             if opt.has_master:  # one device, bf16 model: the fp32 masters were loaded; refresh the weights
-                torch._foreach_copy_(opt.params, opt.master)
+                params: list[torch.Tensor] = list(opt.params)
+                torch._foreach_copy_(params, opt.master)
     state = json.loads((path / "state.json").read_text())
     set_rng_state(state["rng"])
     return state
