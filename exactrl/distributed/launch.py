@@ -42,11 +42,15 @@ def call_forwarding_signals(
     A second signal (Ctrl-C again) aborts: the agent and every rank that left its pid in `pids` (`note_rank_pid`)
     are killed at once, without a checkpoint. The ranks cannot tell a second Ctrl-C from the agent's copy of the
     first, so the launcher does it."""
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     sent: set[int] = set()
     aborted: list[int] = []
+    early: list[int] = []  # a signal before the agent started: handed to it as soon as it has
+    proc: subprocess.Popen | None = None
 
     def forward(signum: int, frame: Any) -> None:
+        if proc is None:
+            early.append(signum)
+            return
         if proc.poll() is not None:
             return
         if not sent:
@@ -73,6 +77,9 @@ def call_forwarding_signals(
         except ValueError:  # not the main thread: the signals stay with whoever owns them
             break
     try:
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        for signum in early:
+            forward(signum, None)
         rc = proc.wait()
     finally:
         for sig, handler in old.items():

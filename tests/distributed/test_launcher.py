@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,40 @@ def test_the_first_failure_is_the_earliest_rank_error_else_a_rank_that_was_not_s
     assert failure_report(rank, status, text) == (
         "exactrl: rank 1 was killed by SIGKILL (exit status 137); the other ranks were stopped"
     )
+
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+SECOND_CTRL_C = """
+import subprocess, sys, pathlib
+from exactrl.distributed.launch import call_forwarding_signals
+folder = pathlib.Path(sys.argv[1])
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[2]], start_new_session=True)  # a rank: its own session
+(folder / "pid-0").write_text(str(rank.pid))
+sys.exit(call_forwarding_signals([sys.executable, "-c", sys.argv[2]], pids=folder))
+"""
+
+
+def test_a_second_ctrl_c_kills_the_agent_and_the_ranks(tmp_path):
+    """The first Ctrl-C goes to torchrun's agent (the ranks checkpoint); a second one kills the agent and every rank
+    that left its pid, at once: here both ignore SIGINT, as a rank finishing its step does."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen(
+        [sys.executable, "-c", SECOND_CTRL_C, str(tmp_path), STUBBORN],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for _ in range(2):  # the agent and the rank are up (each says so once)
+        assert p.stdout.readline().strip() == "up"
+    rank = int((tmp_path / "pid-0").read_text())
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert p.poll() is None  # the first Ctrl-C stops nothing at once
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=20) == 128 + signal.SIGINT
+    assert "Ctrl-C again: killing the ranks without a checkpoint" in p.stderr.read()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank}").exists() and Path(f"/proc/{rank}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the rank survived the second Ctrl-C"
+        time.sleep(0.1)
