@@ -586,9 +586,12 @@ def _main(argv: list[str] | None = None) -> int:
     except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", 1)
         return 1
-    except Exception:
+    except Exception as e:
         from exactrl.distributed.launch import write_rank_error
 
+        # The guard's verdict reads the same on every rank (it names the ranks and the first token): one line.
+        if type(e).__name__ == "MismatchError" and write_rank_error(f"exactrl {args.command}: {e}", 1):
+            return 1
         # A crash (a bug): under exactrl's launcher its traceback is printed once, by the launcher; elsewhere it
         # propagates as ever (`record` files it for a plain torchrun).
         if write_rank_error(

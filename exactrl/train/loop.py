@@ -1305,6 +1305,7 @@ class RLRun:
                 completion_ids=rollouts[i].completion_ids,
                 rollout_logprobs=r_lp,
                 trainer_logprobs=t_lp,
+                rank=self.dist.rank if self.dist.distributed else None,
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
