@@ -93,6 +93,11 @@ def call_forwarding_signals(
     return rc
 
 
+def under_exactrl_launcher() -> bool:
+    """Whether exactrl's launcher started this rank (`--nproc`, `--nnodes`): a second Ctrl-C then aborts."""
+    return bool(os.environ.get(RANK_ERRORS_ENV))
+
+
 def note_rank_pid() -> None:
     """Under exactrl's launcher: leave this rank's pid for it (a second Ctrl-C kills the ranks)."""
     folder, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("LOCAL_RANK")

@@ -28,6 +28,7 @@ from exactrl.distributed.checkpoint import (
     save_sharded_checkpoint,
 )
 from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
+from exactrl.distributed.launch import under_exactrl_launcher
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
@@ -117,10 +118,11 @@ class _StopFlag:
             self.signum = signum
             self.signal_name = signal.Signals(signum).name
             what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
-            print(
-                f"\n{what}: finishing this step, then writing a checkpoint ({what} again to abort)",
-                flush=True,
-            )
+            # Under a plain torchrun a second one changes nothing; exactrl's launcher kills the ranks on it.
+            again = f"{what} again to abort"
+            if not (repeats_abort or under_exactrl_launcher()):
+                again = "torchrun's agent kills the ranks after its shutdown timeout"
+            print(f"\n{what}: finishing this step, then writing a checkpoint ({again})", flush=True)
 
         for sig in self.SIGNALS:
             try:
