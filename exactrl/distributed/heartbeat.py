@@ -6,12 +6,15 @@ rank of a run under torchrun runs a watchdog thread that, every BEAT_S:
 - counts one beat in the rendezvous store (the TCPStore at MASTER_ADDR:MASTER_PORT every rank joined: a connection
   of the thread's own, so it never waits behind the main thread's use of the store);
 - reads every rank's count: a rank whose count has not moved for LOST_AFTER_S (and that did not finish) is lost;
-  a rank that failed first says why in the store (`announce`), and that reason is what the others report;
+  a rank that fails says why in the store first (`announce`, or its watchdog when its launcher is gone): it is lost
+  after FAILED_SILENT_S of silence (its process gone; while it lives, writing its report, nothing is cut short),
+  and its reason is what the others report;
 - checks that its own launcher is alive (its parent process, torchrun's agent, and exactrl's launcher).
 On a lost peer, an unreachable store or a dead launcher the rank leaves its one line for the launcher (or prints
 it where there is none) and exits at once (status 1), whatever its main thread is waiting in; torchrun's agent then
 stops the node's other ranks. Bound: a lost rank stops every other rank within LOST_AFTER_S + 2 * BEAT_S
-(17 s), an unreachable store or a dead launcher within 2 * BEAT_S plus the store's connect timeout (STORE_TIMEOUT_S).
+(17 s); a rank that said why it failed, or whose launcher died, within FAILED_SILENT_S + 3 * BEAT_S (5 s) of its
+exit; an unreachable store within 2 * BEAT_S.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from datetime import timedelta
 
 BEAT_S = 1.0
 LOST_AFTER_S = float(os.environ.get("EXACTRL_LOST_AFTER_S", "15"))
+FAILED_SILENT_S = 2.0  # the silence that ends a rank that said it fails (`announce`)
 STORE_TIMEOUT_S = 10.0
 LAUNCHER_PID_ENV = "EXACTRL_LAUNCHER_PID"  # set by exactrl's launcher: its own pid, watched by every rank
 PREFIX = "exactrl/watchdog/"
@@ -78,21 +82,20 @@ class Watchdog(threading.Thread):
                     f"(node 0's launcher is gone?): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 )
                 return
-            if failed:
-                peer = next((r for r in range(self.world_size) if r != self.rank and self._failed(r)), None)
-                if peer is not None:
-                    self._stop(self._lost(peer, 0.0))
-                    return
+            # A rank that said why it fails is lost once it stops beating for FAILED_SILENT_S (its process is gone);
+            # while it lives (writing its report, its record) nothing is cut short. Any other rank after
+            # LOST_AFTER_S of silence.
+            said = (
+                {r for r in range(self.world_size) if r != self.rank and self._failed(r)} if failed else set()
+            )
             now = time.monotonic()
             for r, n in enumerate(counts):
-                if (
-                    r == self.rank or n >= DONE or n == 0
-                ):  # 0: not started yet (the process group joined first)
+                if r == self.rank or n >= DONE or n == 0:  # 0: not started yet (the process group came first)
                     continue
                 last = seen.get(r)
                 if last is None or last[0] != n:
                     seen[r] = (n, now)
-                elif now - last[1] > LOST_AFTER_S:
+                elif now - last[1] > (FAILED_SILENT_S if r in said else LOST_AFTER_S):
                     self._stop(self._lost(r, now - last[1]))
                     return
 

@@ -184,7 +184,9 @@ def _lose_node1(tmp: Path, tag: str, kill) -> tuple[float, str, str]:
     while any(_alive(pid) for pid in ranks):  # no rank keeps training orphaned
         assert time.monotonic() - t < 120
         time.sleep(0.2)
-    return time.monotonic() - t, logs[0].read_text(), logs[1].read_text()
+    secs = time.monotonic() - t
+    print(f"{tag}: every process of both nodes gone {secs:.1f} s after the kill")
+    return secs, logs[0].read_text(), logs[1].read_text()
 
 
 @pytest.mark.extended
