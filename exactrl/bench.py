@@ -133,6 +133,32 @@ def read_baseline(path: str, bench: str, expect: dict) -> dict:
     return rec
 
 
+def baseline_of(args) -> dict | None:
+    """The `--baseline` record this benchmark compares with (None without one), refused by the key that differs
+    when it measured something else: read on each rank, and by the `--nproc N` launcher before torchrun starts
+    them (exactrl.commands._bench_before_launch)."""
+    path = getattr(args, "baseline", None)
+    if not path:
+        return None
+    if args.what == "rollout":
+        keys = ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
+        return read_baseline(path, "rollout", {k: getattr(args, k) for k in keys})
+    if args.what == "train":
+        if not getattr(args, "fsdp", False):
+            raise ValueError("bench train --baseline compares world sizes of the FSDP2 step: add --fsdp")
+        expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
+        return read_baseline(path, "train-fsdp", {**expect, "tokens_per_rank": args.tokens_per_microbatch})
+    try:  # rl: another layout or world size of the same workload
+        rec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--baseline {path}: not a `bench rl` result ({e})") from None
+    if not isinstance(rec, dict) or rec.get("bench") != "rl":
+        raise ValueError(f"--baseline {path}: not a `bench rl` result")
+    return rec
+
+
 def _scaling(rec: dict, baseline: dict | None) -> dict:
     """Scaling efficiency: aggregate tokens/s per rank here over the same in the baseline (1.0 = linear)."""
     if baseline is None:
@@ -322,15 +348,8 @@ def bench_rollout(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
-        )
     check_ranks(args, ctx.world_size)
-    base_expect = {
-        k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
-    }
-    baseline = read_baseline(args.baseline, "rollout", base_expect) if args.baseline else None
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     _reset_peak_memory(args.device)
     rec = _rollout_on_rank(args, ctx)
@@ -646,13 +665,8 @@ def bench_train_fsdp(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
-        )
-    expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
-    expect["tokens_per_rank"] = args.tokens_per_microbatch
-    baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
+    check_ranks(args, ctx.world_size)
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     today = bench_train(args) if ctx.world_size == 1 else None
     _reset_peak_memory(args.device)  # the FSDP run's own peak, without today's path's
@@ -742,8 +756,20 @@ def bench_train_fsdp(args) -> dict:
 
 
 def check_ranks(args, world_size: int) -> None:
-    """What the options ask of `world_size` ranks that the benchmark cannot give: said on each rank, and by the
-    `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    """What the options ask of `world_size` ranks, or of the benchmark at all, that it cannot give: said on each
+    rank, and by the `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    if args.what == "rl":
+        for flag, given in (("--vs", getattr(args, "vs", None)), ("--fsdp", getattr(args, "fsdp", False))):
+            if given:
+                raise ValueError(f"bench rl does not implement {flag}")
+    if args.what == "rollout" and args.vs == "torch":
+        raise ValueError(
+            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
+        )
+    if args.what == "train" and getattr(args, "fsdp", False) and args.vs == "torch":
+        raise ValueError(
+            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
+        )
     if args.what == "rollout" and args.concurrency < world_size:
         raise ValueError(
             f"bench rollout: --concurrency {args.concurrency} requests for {world_size} ranks; every rank "
@@ -751,11 +777,18 @@ def check_ranks(args, world_size: int) -> None:
         )
 
 
-def main(args) -> int:
+def apply_defaults(args) -> None:
+    """The defaults that depend on the benchmark: --max-tokens, --steps, bench rl's reward."""
     if getattr(args, "max_tokens", None) is None:
         args.max_tokens = 2048 if args.what == "rl" else 256
     if getattr(args, "steps", None) is None:
         args.steps = 3 if args.what == "rl" else 5
+    if args.what == "rl" and getattr(args, "reward", None) is None:
+        args.reward = ["numeric_match"]
+
+
+def main(args) -> int:
+    apply_defaults(args)
     if getattr(args, "split_kv", "auto") == "off":
         from exactrl.ops.triton import attention as triton_attention
 
@@ -763,21 +796,15 @@ def main(args) -> int:
     if args.what == "rl":
         from exactrl import bench_rl
 
-        refused = (
-            ("--vs", getattr(args, "vs", None)),
-            ("--fsdp", getattr(args, "fsdp", False)),
-        )
-        for flag, given in refused:
-            if given:
-                raise ValueError(f"bench rl does not implement {flag}")
-        if getattr(args, "reward", None) is None:
-            args.reward = ["numeric_match"]
+        check_ranks(args, int(os.environ.get("WORLD_SIZE", "1")))
         return bench_rl.main(args)
     if args.what == "train" and getattr(args, "fsdp", False):
         from exactrl.distributed.env import under_torchrun
 
         if not under_torchrun():  # the FSDP path needs a process group: run this very command on one rank
             import sys as _sys
+
+            check_ranks(args, 1)  # before the launch
 
             from exactrl.cli import launch_torchrun
 

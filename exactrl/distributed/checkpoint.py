@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
+from exactrl.distributed.shared_fs import require_every_shard
 from exactrl.train.checkpoint import publish_checkpoint, rng_state, set_rng_state
 from exactrl.train.optim import MasterAdamW
 
@@ -143,6 +144,8 @@ def save_sharded_checkpoint(
     if write_rank_extra is not None:
         write_rank_extra(tmp)
         ctx.barrier()  # every rank's files are in before rank 0 renames the folder into place
+    # Every rank's shard in it as rank 0 sees it: published whole or not at all (every rank raises).
+    require_every_shard(ctx, tmp, name)
     if ctx.is_main:
         write_policy(engine_model, tmp / "policy", tokenizer, frozen_policy_from)
         if write_extra is not None:

@@ -622,6 +622,52 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     return m
 
 
+# How `episode_metrics` of several ranks' episodes combine into the step's (`combine_episode_metrics`): counts add,
+# maxima take the largest, means are per episode (weighted by each rank's env/episodes) and shares are recomputed.
+_EPISODE_MAXIMA = ("env/turns_max", "env/episode_tokens_max")
+# Means of whole numbers per episode: each rank's sum is mean * episodes, a whole number, recovered exactly.
+_EPISODE_COUNT_MEANS = (
+    "env/turns_mean",
+    "env/tool_calls_mean",
+    "env/tool_errors_mean",
+    "env/observation_tokens_mean",
+    "env/model_tokens_mean",
+    "env/episode_tokens_mean",
+)
+
+
+def combine_episode_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The step's `episode_metrics` from every rank's (each over its own episodes; an empty dict for a rank without
+    any): what one process running every episode would log. A rank's non-environment keys (e.g. dynamic_sampling/*,
+    the same on every rank) are taken from the first rank that has them."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    if len(parts) == 1:
+        return dict(parts[0])
+    n = sum(p["env/episodes"] for p in parts)
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        present = [p for p in parts if key in p]
+        if not key.startswith("env/"):
+            out[key] = present[0][key]
+        elif key in _EPISODE_MAXIMA:
+            out[key] = max(p[key] for p in present)
+        elif key in _EPISODE_COUNT_MEANS:
+            out[key] = sum(round(p[key] * p["env/episodes"]) for p in present) / n
+        elif key == "env/time_s_mean":
+            out[key] = sum(p["env/time_s"] for p in present) / n
+        elif key == "env/error_share":
+            continue  # below, from the summed failures and calls
+        else:  # counts: episodes, calls, tool calls, errors, timeouts, finish reasons, seconds, stopped workers
+            out[key] = float(sum(p[key] for p in present))
+    if "env/error_share" in out or any("env/error_share" in p for p in parts):
+        calls = out.get("env/calls", 0.0)
+        failed = out.get("env/errors", 0.0) + out.get("env/timeouts", 0.0)
+        out["env/error_share"] = failed / calls if calls else 0.0
+    return out
+
+
 def env_report(batch: EpisodeBatch, settings: EpisodeSettings) -> list[str]:
     """Lines for the run's log about environment failures: the first error and the first timeout (with where the
     environment raised), and a warning when more than settings.max_error_share of the calls failed."""

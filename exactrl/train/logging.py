@@ -269,6 +269,16 @@ def step_line(m: dict[str, Any]) -> str:
         extra += f" | moe load {f('moe/load_max_over_mean', '.2f')}x"
         if "moe/aux_loss" in m:
             extra += f" aux {f('moe/aux_loss', '.4f')}"
+    if (
+        "dynamic_sampling/groups_kept" in m
+    ):  # DAPO's dynamic sampling: groups with signal kept, dropped, rounds
+        extra += (
+            f" | groups kept {int(m['dynamic_sampling/groups_kept'])} "
+            f"dropped {int(m.get('dynamic_sampling/groups_dropped', 0))} "
+            f"(+{int(m.get('dynamic_sampling/extra_rounds', 0))} rounds)"
+        )
+        if m.get("dynamic_sampling/groups_missing"):
+            extra += f" {int(m['dynamic_sampling/groups_missing'])} missing"
     if "offpolicy/versions_behind/token_mean" in m:  # off-policy: staleness and the importance weights
         extra += (
             f" | behind {f('offpolicy/versions_behind/token_mean', '.2f')} "

@@ -36,10 +36,16 @@ from exactrl.distributed.shared_engine import (
     engine_group,
     split_engine_model,
 )
+from exactrl.distributed.shared_fs import (
+    agree,
+    agreed_checkpoint,
+    check_every_rank_sees,
+    check_shared_run_dir,
+)
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
-from exactrl.envs.rollout import EnvSetup
+from exactrl.envs.rollout import EnvSetup, combine_episode_metrics
 from exactrl.model.files import writing
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
@@ -66,7 +72,8 @@ from exactrl.train.offpolicy_dist import ReplicaBehaviour
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.phases import MemoryPhases
 from exactrl.train.preflight import check_run_config, dropped_on_resume
-from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir
+from exactrl.train.run_summary import add_step_totals, algorithm_label, summary_totals
+from exactrl.train.rundir import RunClock, RunDirPlan, check_run_dir, run_outputs
 from exactrl.train.sft import (
     SFT_CHECKPOINTS,
     SFTCheckpointing,
@@ -315,6 +322,9 @@ def train(
     layout = job_layout(cfg)
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
+    # Every trainer rank sees rank 0's run directory, or every one refuses (a run's own checkpoints need it; `bench
+    # rl` builds an RLRun in a private folder per rank and writes none).
+    check_shared_run_dir(layout.local, Path(cfg.run.output_dir))
     run = RLRun(
         cfg,
         resume=resume,
@@ -497,12 +507,15 @@ class RLRun:
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
-        self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
+        # Rank 0 chooses the checkpoint; every rank checks it sees it whole (exactrl/distributed/shared_fs.py).
+        self.resume_from = (
+            agreed_checkpoint(self.dist, lambda: latest_checkpoint(self.ckpt_root)) if resume else None
+        )
         # Without an RL checkpoint, SFT's own resume point: an unfinished SFT continues from its last checkpoint,
         # a finished one is not run again (its weights are sft/).
         self.sft_point = SFTResumePoint()
         if resume and self.resume_from is None and cfg.sft.steps > 0 and not cfg.sft.checkpoint:
-            self.sft_point = sft_resume_point(self.out_dir)
+            self.sft_point = agree(self.dist, lambda: sft_resume_point(self.out_dir))
         self.check_resume_point()
         sft_resuming = self.sft_point.finished is not None or self.sft_point.checkpoint is not None
         if resume and self.resume_from is None and not sft_resuming:
@@ -594,6 +607,8 @@ class RLRun:
         if self.resume_from is not None:
             check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
             sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
+            if cfg.algorithm.kl_coef > 0 and sft_src:
+                check_every_rank_sees(self.dist, Path(sft_src), "the KL reference")
             if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
                 raise ValueError(
                     f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "
@@ -727,7 +742,8 @@ class RLRun:
             demonstrate=self.demonstrations(),
             checkpoints=ck,
         )
-        self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        if not sft.stopped:  # a stopped SFT says so below
+            self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
         # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
         sft_s = self.clock.total_s()
         self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings
@@ -1116,7 +1132,7 @@ class RLRun:
                 for name, n in counts.items():
                     key = f"{name}/{kind}"
                     sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
-        sr.advantage_metrics.update(rs.metrics)
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
 
     def episodes(
@@ -1136,8 +1152,13 @@ class RLRun:
         sr = self.with_advantages(
             rs.rollouts, res.rewards, {}, errors, rs.completions, rs.answers, None, refused=rs.refused
         )
-        sr.advantage_metrics.update(rs.metrics)  # turns, tool calls, environment errors and timeouts
+        # turns, tool calls, environment errors and timeouts, over every rank's episodes
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
+
+    def sampling_metrics(self, mine: dict[str, float]) -> dict[str, float]:
+        """The step's view of each rank's sampling metrics (a collective): env/* over every rank's episodes."""
+        return combine_episode_metrics(self.dist.all_gather_object(mine))
 
     def rank_episodes(
         self,
@@ -1413,6 +1434,7 @@ class RLRun:
             self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
         # Exact mode compares every completion token of the step (fast mode recomputes them all as well).
         m["mismatch/completion_tokens"] = float(self.step_model_tokens)
+        add_step_totals(self.totals, sr.advantage_metrics)  # dynamic sampling's prompts and groups
         if m.get("mismatch/step_skipped"):
             self.totals["mismatch_skipped_steps"] = self.totals.get("mismatch_skipped_steps", 0) + 1
             self.out(
@@ -1574,7 +1596,8 @@ class RLRun:
                 "nan_steps_total": t["nan_steps"],
                 "mismatch_skipped_steps_total": t.get("mismatch_skipped_steps", 0),
                 "exact": self.exact,
-                "algorithm": self.cfg.algorithm.name,
+                "algorithm": algorithm_label(self.cfg),
+                **summary_totals(t),
                 "advantage": self.cfg.algorithm.resolved_advantage,
                 "policy_loss": self.cfg.algorithm.resolved_policy_loss,
                 "stopped_early": self.stopped_early or self.stopped_in_sft,
@@ -1679,7 +1702,7 @@ def _summary_text(s: dict[str, Any], out_dir: Path) -> str:
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
         f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
-        f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
+        f"   outputs in {out_dir}/ ({run_outputs(out_dir)})"
         + (
             f"\n   !! {s['reward_failure']}. "
             + (

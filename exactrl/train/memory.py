@@ -757,7 +757,9 @@ def plan_memory(
         resident["decode_graph_pool"] = decode
         decode = 0
     held = {**resident, **({} if offload else opt_state)}
-    gen_other = {**held, **engine_held, "engine_working_set": prefill_working_set(cfg, mcfg, b) + decode}
+    gen_other = {**held, **engine_held}
+    if not trainer_only:  # a trainer of a disaggregated run holds no engine: nothing to prefill, no cache
+        gen_other["engine_working_set"] = prefill_working_set(cfg, mcfg, b) + decode
     if group > 1:
         gen_other["engine_gathers"] = engine_gather_bytes(cfg, mcfg, b)
     train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
@@ -796,10 +798,11 @@ def plan_memory(
         free = available - max(sum(t.values()) for t in holding)
     blocks = kv_cache_blocks(cfg, mcfg, b, n, free)
     kv = kv_cache_bytes(cfg, mcfg, b, blocks) if not trainer_only else 0
+    cache = {} if trainer_only else {"kv_cache": kv}
 
-    gen = Phase("generation", {**gen_other, "kv_cache": kv})
-    train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
-    step = Phase("optimizer", {**step_other, **({} if release else {"kv_cache": kv})})
+    gen = Phase("generation", {**gen_other, **cache})
+    train = Phase("training", {**train_other, **({} if release else cache)})
+    step = Phase("optimizer", {**step_other, **({} if release else cache)})
     phases = [gen, train, step]
     if sharded:
         # Before FSDP2 shards anything each rank holds the policy whole in the model dtype (built or loaded on its
@@ -817,7 +820,7 @@ def plan_memory(
             setup["critic_whole"] = c["critic_params"] * b + c["critic_head_fp32"] * 4
         phases.insert(0, Phase("setup", setup))
     for other in ckpt_other:
-        phases.append(Phase("checkpoint", {**other, **({} if release else {"kv_cache": kv})}))
+        phases.append(Phase("checkpoint", {**other, **({} if release else cache)}))
     counts_out = {
         **c,
         "dtype_bytes": b,
@@ -1422,9 +1425,11 @@ def check_generator_before_loading(
     return plan
 
 
-def print_plan(plan: MemoryPlan, out=print, generator: MemoryPlan | None = None) -> None:
-    """The table, the verdict with the knobs, and one JSON line; a disaggregated run's generator plan (`generator`)
-    after the trainers', each under its ranks, and in the same JSON line."""
+def print_plan(
+    plan: MemoryPlan, out=print, generator: MemoryPlan | None = None, json_line: bool = True
+) -> None:
+    """The table, the verdict with the knobs, and (json_line) one JSON line; a disaggregated run's generator plan
+    (`generator`) after the trainers', each under its ranks, and in the same JSON line."""
     out(plan.table())
     if not plan.fits:
         out(plan.refusal())
@@ -1436,7 +1441,8 @@ def print_plan(plan: MemoryPlan, out=print, generator: MemoryPlan | None = None)
         if not generator.fits:
             out(generator.refusal())
         line["generator_memory_plan"] = generator.to_json()
-    out(json.dumps(line, separators=(",", ":")))
+    if json_line:
+        out(json.dumps(line, separators=(",", ":")))
 
 
 def gpu_memory_bytes(gb: float | None, flag: str = "--gpu-memory") -> int | None:
