@@ -359,31 +359,22 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
     return _refusal_status(failed, len(prompts))
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """argv less its `--nproc N` / `--nproc=N` (the re-launched command must not launch again)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `exactrl <argv>` on `nproc` local ranks under torchrun and return the status to exit with: torchrun's
-    agent stops every rank as soon as one fails, and the first failing rank's error is printed once
-    (exactrl.distributed.launch). Check the command first (`check_before_launch`): what fails there starts nothing."""
+def launch_torchrun(nodes, argv: list[str]) -> int:
+    """Run `exactrl <argv>` on this node's ranks of `nodes` (exactrl.distributed.nodes.Nodes, or N: N local ranks)
+    under torchrun and return the status to exit with: torchrun's agent stops every rank as soon as one fails, and
+    the first failing rank's error is printed once (exactrl.distributed.launch). Check the command first
+    (`check_before_launch`): what fails there starts nothing."""
     from exactrl.distributed.env import under_torchrun
     from exactrl.distributed.launch import launch
+    from exactrl.distributed.nodes import Nodes, without_launch_flags
 
+    if isinstance(nodes, int):  # --nproc N: one node
+        nodes = Nodes(1, nodes)
     if under_torchrun():
         raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    return launch(nproc, "exactrl.cli", _without_nproc(argv))
+    if nodes.nproc_per_node < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nodes.nproc_per_node}")
+    return launch(nodes, "exactrl.cli", without_launch_flags(argv))
 
 
 def check_before_launch(args: argparse.Namespace, nproc: int):
@@ -644,13 +635,16 @@ def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "nproc", None) is not None:
-            roles = check_before_launch(args, args.nproc)
+        from exactrl.distributed.nodes import nodes_from_args
+
+        nodes = nodes_from_args(args)
+        if nodes is not None:
+            roles = check_before_launch(args, nodes.world_size)
             if roles is not None:  # what each rank will do, once, before the ranks' own output
                 from exactrl.distributed.roles import roles_line
 
-                print(roles_line(args.nproc, roles), file=sys.stderr, flush=True)
-            return launch_torchrun(args.nproc, argv)
+                print(roles_line(nodes.world_size, roles), file=sys.stderr, flush=True)
+            return launch_torchrun(nodes, argv)
         cap_host_threads(args)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
@@ -659,9 +653,12 @@ def _main(argv: list[str] | None = None) -> int:
     except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", 1)
         return 1
-    except Exception:
+    except Exception as e:
         from exactrl.distributed.launch import write_rank_error
 
+        # The guard's verdict reads the same on every rank (it names the ranks and the first token): one line.
+        if type(e).__name__ == "MismatchError" and write_rank_error(f"exactrl {args.command}: {e}", 1):
+            return 1
         # A crash (a bug): under exactrl's launcher its traceback is printed once, by the launcher; elsewhere it
         # propagates as ever (`record` files it for a plain torchrun).
         if write_rank_error(
@@ -669,8 +666,7 @@ def _main(argv: list[str] | None = None) -> int:
         ):
             return 1
         raise
-    _end_process_group()
-    return code
+    return _end_process_group() or code
 
 
 def _rank_note() -> str:
@@ -689,7 +685,7 @@ def os_error_text(e: OSError) -> str:
     return f"{where}: {e.strerror or e}"
 
 
-def _end_process_group() -> None:
+def _end_process_group() -> int:
     """Leave the process group a command under torchrun started (no-op otherwise).
 
     Then pause a moment, GIL released: the backend's worker threads can outlive the group (torch's own caches
@@ -716,9 +712,24 @@ def _end_process_group() -> None:
             # that captured NCCL collectives make destroy_process_group hang (`ModelRunner.release_graphs`).
             gc.collect()
             torch.cuda.empty_cache()
-        dist.barrier()
+        from exactrl.distributed import heartbeat
+
+        try:
+            dist.barrier()
+        except (
+            Exception
+        ) as e:  # a peer failed after this rank's work: its error is the one to report, not this
+            from exactrl.distributed.launch import write_rank_error
+
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = f"exactrl: rank {os.environ.get('RANK')} lost a peer at the end of the run: {said}"
+            if not write_rank_error(text, 1, kind="lost"):
+                print(text, file=sys.stderr)
+            return 1
+        heartbeat.finish()
         dist.destroy_process_group()
         time.sleep(0.1)
+    return 0
 
 
 if __name__ == "__main__":

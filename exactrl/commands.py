@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from exactrl.distributed.nodes import add_nodes_args
+
 # What a command cannot do on several ranks (`--nproc N`, N > 1), refused by the launcher before torchrun starts
 # anything (exactrl.cli.check_before_launch): (command, when it applies to the parsed options, why: a text or a
 # function of the options). The ranks check again under a plain torchrun. A command that learns to run on ranks
@@ -476,6 +478,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
     add_nproc_arg(p)
+    add_nodes_args(p)
     p.set_defaults(func=cmd_train, before_launch=_train_before_launch, device_of=_config_device)
 
     p = sub.add_parser(

@@ -165,6 +165,11 @@ def init_from_env(device: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
     if not dist.is_initialized():
         device_id: dict[str, Any] = {"device_id": torch.device("cuda", local)} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **device_id)
+    from exactrl.distributed import heartbeat
+    from exactrl.distributed.launch import note_rank_pid
+
+    note_rank_pid()
+    heartbeat.start(rank, world)  # a lost peer or launcher stops this rank in seconds, in one line
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
 
 
@@ -177,4 +182,7 @@ def rank_device(ctx: DistContext, device: str) -> str:
 
 def shutdown(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
+        from exactrl.distributed import heartbeat
+
+        heartbeat.finish()
         dist.destroy_process_group()

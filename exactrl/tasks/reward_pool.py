@@ -197,6 +197,13 @@ def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], 
         except BaseException as e:  # noqa: BLE001
             fns.append(None)
             status.append(("error", f"{type(e).__name__}: {e}"))
+    try:
+        _serve(conn, fns, status, progress)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the rank that started this worker is gone (killed): its launcher reports that, not this worker
+
+
+def _serve(conn: Connection, fns: list[Any], status: list[Any], progress: Any) -> None:
     conn.send(("ready", status))
 
     def handle(msg: tuple[str, int, Any]) -> tuple[str, list[tuple[float, str | None]]]:

@@ -23,6 +23,7 @@ from exactrl.algorithms import KLController, advantage_metrics, compute_advantag
 from exactrl.algorithms.overlong import add_overlong_penalty, overlong_metrics
 from exactrl.config import RunConfig, episode_token_limit
 from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
+from exactrl.distributed.launch import under_exactrl_launcher
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
@@ -124,10 +125,11 @@ class _StopFlag:
             self.signum = signum
             self.signal_name = signal.Signals(signum).name
             what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
-            print(
-                f"\n{what}: finishing this step, then writing a checkpoint ({what} again to abort)",
-                flush=True,
-            )
+            # Under a plain torchrun a second one changes nothing; exactrl's launcher kills the ranks on it.
+            again = f"{what} again to abort"
+            if not (repeats_abort or under_exactrl_launcher()):
+                again = "torchrun's agent kills the ranks after its shutdown timeout"
+            print(f"\n{what}: finishing this step, then writing a checkpoint ({again})", flush=True)
 
         for sig in self.SIGNALS:
             try:
@@ -1326,6 +1328,7 @@ class RLRun:
                 completion_ids=rollouts[i].completion_ids,
                 rollout_logprobs=r_lp,
                 trainer_logprobs=t_lp,
+                rank=self.dist.rank if self.dist.distributed else None,
             )
             for i, _, r_lp, t_lp in err.sequences
         ]

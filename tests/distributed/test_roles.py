@@ -49,7 +49,7 @@ def test_the_generators_serve_the_trainers_the_layout_gives_them(world, generato
 
 def test_a_launch_prints_the_line_once_before_the_ranks_start(monkeypatch, tmp_path, capsys):
     started = []
-    monkeypatch.setattr(launch, "launch", lambda nproc, module, argv: started.append(nproc) or 0)
+    monkeypatch.setattr(launch, "launch", lambda nodes, module, argv: started.append(nodes.world_size) or 0)
     argv = ["train", "configs/quickstart.toml", "--set", f"run.output_dir={tmp_path / 'run'}", "--set",
             "distributed.generator_ranks=1", "--nproc", "3"]  # fmt: skip
     assert cli.main(argv) == 0 and started == [3]
