@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     Under exactrl's own launcher (`--nproc N`) a rank's error goes to the launcher instead, which prints the first
     one once (`_say_error`)."""
     from exactrl.distributed.env import under_torchrun
-    from exactrl.distributed.launch import RANK_ERRORS_ENV
+    from exactrl.distributed.heartbeat import RANK_ERRORS_ENV
 
     if under_torchrun() and not os.environ.get(RANK_ERRORS_ENV):
         return int(record(_main)(argv) or 0)
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
 def _say_error(text: str, status: int) -> None:
     """A command's error, ahead of exiting with `status`: to exactrl's launcher when it started this rank (it
     prints the first failing rank's error once), else on stderr."""
-    from exactrl.distributed.launch import write_rank_error
+    from exactrl.distributed.heartbeat import write_rank_error
 
     if not write_rank_error(text, status):
         print(text, file=sys.stderr)
@@ -654,7 +654,7 @@ def _main(argv: list[str] | None = None) -> int:
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", 1)
         return 1
     except Exception as e:
-        from exactrl.distributed.launch import write_rank_error
+        from exactrl.distributed.heartbeat import write_rank_error
 
         # The guard's verdict reads the same on every rank (it names the ranks and the first token): one line.
         if type(e).__name__ == "MismatchError" and write_rank_error(f"exactrl {args.command}: {e}", 1):
@@ -719,7 +719,7 @@ def _end_process_group() -> int:
         except (
             Exception
         ) as e:  # a peer failed after this rank's work: its error is the one to report, not this
-            from exactrl.distributed.launch import write_rank_error
+            from exactrl.distributed.heartbeat import write_rank_error
 
             said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             text = f"exactrl: rank {os.environ.get('RANK')} lost a peer at the end of the run: {said}"

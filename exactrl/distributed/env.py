@@ -166,7 +166,7 @@ def init_from_env(device: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
         device_id: dict[str, Any] = {"device_id": torch.device("cuda", local)} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **device_id)
     from exactrl.distributed import heartbeat
-    from exactrl.distributed.launch import note_rank_pid
+    from exactrl.distributed.heartbeat import note_rank_pid
 
     note_rank_pid()
     heartbeat.start(rank, world)  # a lost peer or launcher stops this rank in seconds, in one line

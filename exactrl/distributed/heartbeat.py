@@ -19,12 +19,17 @@ exit; an unreachable store within 2 * BEAT_S.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 BEAT_S = 1.0
 LOST_AFTER_S = float(os.environ.get("EXACTRL_LOST_AFTER_S", "15"))
@@ -45,7 +50,7 @@ class Watchdog(threading.Thread):
         launcher = os.environ.get(LAUNCHER_PID_ENV, "")
         self.launcher = int(launcher) if launcher.isdigit() else None
         self.stopped = threading.Event()
-        self.store = None
+        self.store: Any = None  # torch.distributed.TCPStore once connected (run)
 
     def _connect(self):
         import torch.distributed as dist
@@ -72,7 +77,13 @@ class Watchdog(threading.Thread):
                 return
             try:
                 self.store.add(beats[self.rank], 1)
-                counts = [self.store.add(k, 0) for k in beats]
+                # One round trip for every rank's count once all have beaten (a store.add per rank would be
+                # world_size round trips per rank per second, world_size**2 on the store); before, add(k, 0)
+                # reads a count without waiting for a rank that has not started.
+                if self.store.check(beats):
+                    counts = [int(v) for v in self.store.multi_get(beats)]
+                else:
+                    counts = [self.store.add(k, 0) for k in beats]
                 failed = self.store.add(f"{PREFIX}failures", 0)
             except Exception as e:
                 if self.stopped.is_set():
@@ -143,8 +154,6 @@ class Watchdog(threading.Thread):
     def _stop(self, what: str) -> None:
         import multiprocessing
 
-        from exactrl.distributed.launch import write_rank_error
-
         self.stopped.set()
         for (
             child
@@ -162,7 +171,7 @@ def start(rank: int, world_size: int) -> Watchdog | None:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if world_size < 2 or not addr or not (port or "").isdigit() or _watchdog is not None:
         return _watchdog
-    _watchdog = Watchdog(rank, world_size, addr, int(port))
+    _watchdog = Watchdog(rank, world_size, addr, int(port or 0))
     _watchdog.start()
     return _watchdog
 
@@ -205,3 +214,98 @@ def await_verdict() -> None:
     w = _watchdog
     if w is not None:
         w.join(LOST_AFTER_S + 3 * BEAT_S)
+
+
+# --- The rank's side of exactrl's launcher (exactrl.distributed.launch reads what these leave) ---------------
+def under_exactrl_launcher() -> bool:
+    """Whether exactrl's launcher started this rank (`--nproc`, `--nnodes`): a second Ctrl-C then aborts."""
+    return bool(os.environ.get(RANK_ERRORS_ENV))
+
+
+def note_rank_pid() -> None:
+    """Under exactrl's launcher: leave this rank's pid for it (a second Ctrl-C kills the ranks)."""
+    folder, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("LOCAL_RANK")
+    if folder and rank is not None:
+        try:
+            (Path(folder) / f"pid-{rank}").write_text(str(os.getpid()))
+        except OSError:
+            pass
+
+
+# --- One error, once -------------------------------------------------------------------------------------------
+# torchrun's agent reports a failed rank with two copies of a ChildFailedError traceback (40-50 lines) after the
+# rank's own message, and every rank that hits the same refusal prints it. Under `exactrl ... --nproc N` the ranks
+# write their error to a file of their own in RANK_ERRORS_ENV's folder instead of printing it; the agent runs in
+# `agent_main` below, which keeps torchrun's tracebacks and log lines to itself and prints the first failing rank's
+# error once, then exits with that rank's exit status. The ranks' stdout and stderr stream as before (inherited).
+RANK_ERRORS_ENV = "EXACTRL_RANK_ERRORS"
+
+
+@dataclass
+class RankError:
+    """What a rank wrote before it failed: `time` (seconds since the epoch) orders the ranks' failures; `status`
+    is the exit status the rank meant to exit with (None where it did not say)."""
+
+    rank: int
+    time: float
+    text: str
+    status: int | None = None
+    kind: str = "error"  # "lost": the rank stopped because it lost a peer (the cause is elsewhere)
+
+
+# A collective's error when a peer is gone (gloo, NCCL, the store): the rank that says it is not the cause.
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|DistNetworkError"
+)
+
+
+def write_rank_error(text: str, status: int, kind: str = "error") -> bool:
+    """Under exactrl's launcher: leave this rank's error (one line, or a traceback) and the exit status it is about
+    to exit with for the launcher to print once, and return True. False where no launcher asked for it (a plain
+    torchrun, one process): print it yourself. The status travels in the record because the process may not get
+    to exit with it: once a peer has crashed, torchrun stops the ranks still tearing down with SIGTERM.
+
+    kind "lost" (or an error that says a peer is gone, PEER_LOST) marks a rank that failed because another did: the
+    launcher names the cause before it. Such an error is kept to one line, and the rank first gives its watchdog
+    the time to find which peer is gone (below), whose line then replaces this one. An error
+    of the rank's own is announced to the other ranks, whose reports name it."""
+    if kind == "error" and PEER_LOST.search(text):
+        kind = "lost"
+        said = next((ln.strip() for ln in text.splitlines() if PEER_LOST.search(ln)), "")
+        text = f"exactrl: rank {os.environ.get('RANK')} ({socket.gethostname()}) lost a peer: {said[:200]}"
+    elif kind == "error":
+        announce(text)
+    folder, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        if kind == "lost" and running():
+            await_verdict()
+        return False
+    record = {"rank": int(rank), "time": time.time(), "text": text, "status": int(status), "kind": kind}
+    tmp = Path(folder) / f"rank-{rank}.json.tmp"
+    try:
+        tmp.write_text(json.dumps(record))
+        tmp.replace(tmp.with_suffix(""))  # whole or absent: the launcher may read it as this rank exits
+    except OSError:
+        return False
+    if kind == "lost" and running() and threading.current_thread() is threading.main_thread():
+        await_verdict()
+    return True
+
+
+def read_rank_errors(folder: str | Path) -> dict[int, RankError]:
+    """The errors the ranks left in `folder` (write_rank_error), by rank."""
+    out: dict[int, RankError] = {}
+    for p in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            d = json.loads(p.read_text())
+            status = d.get("status")
+            out[int(d["rank"])] = RankError(
+                int(d["rank"]),
+                float(d["time"]),
+                str(d["text"]),
+                None if status is None else int(status),
+                str(d.get("kind", "error")),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a file torn by a kill: the rank's exit status still speaks
+    return out

@@ -23,7 +23,7 @@ from exactrl.algorithms import KLController, advantage_metrics, compute_advantag
 from exactrl.algorithms.overlong import add_overlong_penalty, overlong_metrics
 from exactrl.config import RunConfig, episode_token_limit
 from exactrl.distributed.env import init_from_env, rank_device, under_torchrun
-from exactrl.distributed.launch import under_exactrl_launcher
+from exactrl.distributed.heartbeat import under_exactrl_launcher
 from exactrl.distributed.layout import Layout, split_layout
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
