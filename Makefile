@@ -29,9 +29,11 @@ test: setup
 test-all: setup
 	$(VPY) -m pytest -q -n 2 --dist loadfile -m "" tests
 
+# ruff (style, imports), then mypy (types: its settings are in pyproject.toml's [tool.mypy]) on exactrl/.
 lint: setup
 	$(VENV)/bin/ruff check exactrl tests benchmarks
 	$(VENV)/bin/ruff format --check exactrl tests benchmarks
+	$(VENV)/bin/mypy exactrl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -19,6 +19,7 @@ import json
 import time
 
 import torch
+from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
     set_exact_environment(True)
     model, _ = load_policy(preset_name=args.preset, device=args.device, dtype=args.dtype, exact=True)
     g = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from _script import parser
+from _script import cap_host_threads, parser
 
 
 def main() -> None:
@@ -40,6 +40,7 @@ def main() -> None:
         help="with several ranks: the split forms to time (the all-reduce form holds a second copy while it is made)",
     )
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
 
     import torch
     import torch.distributed as dist

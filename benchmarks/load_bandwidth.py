@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _script import parser
+from _script import cap_host_threads, parser
 
 CHUNK = 64 << 20
 
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="where the checkpoint is written (a new folder)")
     ap.add_argument("--keep", action="store_true", help="leave the checkpoint in --dir")
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
 
     import torch
 

@@ -1,8 +1,8 @@
-"""The price of exactness from one session's `bench rollout` / `bench train` JSON lines: a markdown table
+"""The price of exactness from one device call's `bench rollout` / `bench train` JSON lines: a markdown table
 (exact / fast per concurrency and per training shape) and a PNG of rollout tokens/s vs concurrency.
 
 Usage: python benchmarks/plot_price.py ROLLOUT.jsonl [TRAIN.jsonl] --png OUT.png
-(the files `bash benchmarks/gpu_session.sh price` writes under $OUT: price_rollout.jsonl, price_train.jsonl).
+(`bash benchmarks/gpu.sh price` writes the rollout file under $OUT: price-rollout.jsonl, and draws it).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import json
 import time
 
 import torch
+from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -123,6 +124,7 @@ def main() -> int:
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
 
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.engine.sampler import SamplingParams

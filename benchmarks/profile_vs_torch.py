@@ -19,6 +19,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
+from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 from train_vs_torch import _free, _time  # benchmarks/: the script's own folder is on sys.path
 
@@ -87,6 +88,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (operators' CPU time)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of up to 1,024)")
     args = ap.parse_args()
+    cap_host_threads(args.device)  # as `exactrl` caps them on CUDA
 
     from exactrl.bench import _bench_rollouts, _load
     from exactrl.bench_torch import GrpoBatch, TorchDecoder, TorchGrpoStep, stock_numerics

@@ -31,10 +31,24 @@ from pathlib import Path
 
 import torch
 
-from exactrl.bench_records import record_head, result_path, source_commit, source_hash
+from exactrl.bench_records import (
+    baseline_of,
+    read_baseline,
+    record_head,
+    result_path,
+    source_commit,
+    source_hash,
+)
 from exactrl.model.loading import load_policy, resolve_device
 
-__all__ = ["record_head", "result_path", "source_commit", "source_hash"]  # kept importable from here
+__all__ = [
+    "baseline_of",
+    "read_baseline",
+    "record_head",
+    "result_path",
+    "source_commit",
+    "source_hash",
+]  # kept importable from here
 
 
 def _sync(device) -> None:
@@ -108,32 +122,6 @@ def _reset_peak_memory(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def read_baseline(path: str, bench: str, expect: dict) -> dict:
-    """The JSON record of the same benchmark at another world size (`--baseline`), refused with the key that
-    differs if it measured something else."""
-    p = Path(path)
-    try:
-        rec = json.loads(p.read_text().strip().splitlines()[-1])
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--baseline {path}: no such file") from None
-    except (json.JSONDecodeError, IndexError) as e:
-        raise ValueError(f"--baseline {path}: not a benchmark JSON record ({e})") from None
-    if not isinstance(rec, dict) or rec.get("bench") != bench:
-        got = rec.get("bench") if isinstance(rec, dict) else type(rec).__name__
-        raise ValueError(
-            f"--baseline {path}: a {got!r} record; this benchmark compares with {bench!r} records"
-        )
-    for key in ("world_size", "aggregate_tokens_per_s"):
-        if key not in rec:
-            raise ValueError(f"--baseline {path}: no {key!r} (written before multi-rank benchmarks existed)")
-    for key, value in expect.items():
-        if rec.get(key) != value:
-            raise ValueError(
-                f"--baseline {path}: {key} = {rec.get(key)!r}, this run has {value!r}; compare like with like"
-            )
-    return rec
 
 
 def _scaling(rec: dict, baseline: dict | None) -> dict:
@@ -265,15 +253,8 @@ def bench_rollout(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench rollout --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
-        )
     check_ranks(args, ctx.world_size)
-    base_expect = {
-        k: getattr(args, k) for k in ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
-    }
-    baseline = read_baseline(args.baseline, "rollout", base_expect) if args.baseline else None
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     _reset_peak_memory(args.device)
     rec = _rollout_on_rank(args, ctx)
@@ -589,13 +570,8 @@ def bench_train_fsdp(args) -> dict:
     ctx = init_from_env(resolve_device(args.device))
     if ctx.world_size > 1 and args.vs:
         raise ValueError(f"bench train --fsdp --vs {args.vs} runs at world size 1; drop --vs or --nproc")
-    if args.vs == "torch":
-        raise ValueError(
-            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
-        )
-    expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
-    expect["tokens_per_rank"] = args.tokens_per_microbatch
-    baseline = read_baseline(args.baseline, "train-fsdp", expect) if args.baseline else None
+    check_ranks(args, ctx.world_size)
+    baseline = baseline_of(args)
     args.device = rank_device(ctx, resolve_device(args.device))
     today = bench_train(args) if ctx.world_size == 1 else None
     _reset_peak_memory(args.device)  # the FSDP run's own peak, without today's path's
@@ -685,8 +661,20 @@ def bench_train_fsdp(args) -> dict:
 
 
 def check_ranks(args, world_size: int) -> None:
-    """What the options ask of `world_size` ranks that the benchmark cannot give: said on each rank, and by the
-    `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    """What the options ask of `world_size` ranks, or of the benchmark at all, that it cannot give: said on each
+    rank, and by the `--nproc N` launcher before torchrun starts them (exactrl.cli.check_before_launch)."""
+    if args.what == "rl":
+        for flag, given in (("--vs", getattr(args, "vs", None)), ("--fsdp", getattr(args, "fsdp", False))):
+            if given:
+                raise ValueError(f"bench rl does not implement {flag}")
+    if args.what == "rollout" and args.vs == "torch":
+        raise ValueError(
+            "bench rollout --vs torch: the torch baseline is a training step (bench train --vs torch)"
+        )
+    if args.what == "train" and getattr(args, "fsdp", False) and args.vs == "torch":
+        raise ValueError(
+            "bench train --fsdp --vs torch: the torch baseline is the one-device step; drop --fsdp"
+        )
     if args.what == "rollout" and args.concurrency < world_size:
         raise ValueError(
             f"bench rollout: --concurrency {args.concurrency} requests for {world_size} ranks; every rank "
@@ -694,11 +682,18 @@ def check_ranks(args, world_size: int) -> None:
         )
 
 
-def main(args) -> int:
+def apply_defaults(args) -> None:
+    """The defaults that depend on the benchmark: --max-tokens, --steps, bench rl's reward."""
     if getattr(args, "max_tokens", None) is None:
         args.max_tokens = 2048 if args.what == "rl" else 256
     if getattr(args, "steps", None) is None:
         args.steps = 3 if args.what == "rl" else 5
+    if args.what == "rl" and getattr(args, "reward", None) is None:
+        args.reward = ["numeric_match"]
+
+
+def main(args) -> int:
+    apply_defaults(args)
     if getattr(args, "split_kv", "auto") == "off":
         from exactrl.ops.triton import attention as triton_attention
 
@@ -706,21 +701,15 @@ def main(args) -> int:
     if args.what == "rl":
         from exactrl import bench_rl
 
-        refused = (
-            ("--vs", getattr(args, "vs", None)),
-            ("--fsdp", getattr(args, "fsdp", False)),
-        )
-        for flag, given in refused:
-            if given:
-                raise ValueError(f"bench rl does not implement {flag}")
-        if getattr(args, "reward", None) is None:
-            args.reward = ["numeric_match"]
+        check_ranks(args, int(os.environ.get("WORLD_SIZE", "1")))
         return bench_rl.main(args)
     if args.what == "train" and getattr(args, "fsdp", False):
         from exactrl.distributed.env import under_torchrun
 
         if not under_torchrun():  # the FSDP path needs a process group: run this very command on one rank
             import sys as _sys
+
+            check_ranks(args, 1)  # before the launch
 
             from exactrl.distributed.launch import launch_torchrun
 

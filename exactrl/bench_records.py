@@ -1,9 +1,10 @@
-"""What every benchmark record carries (the commit, the source hash, the device, the date) and where its JSON goes;
-shared by `bench rollout` / `bench train` (exactrl/bench.py) and `bench rl` (exactrl/bench_rl.py), neither of which
+"""What every benchmark record carries (the commit, the source hash, the device, the date), where its JSON goes and
+the `--baseline` record it compares with; shared by `bench rollout` / `bench train` (exactrl/bench.py) and `bench rl` (exactrl/bench_rl.py), neither of which
 imports the other's module for it."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -69,3 +70,55 @@ def result_path(out_dir: str, bench: str, preset: str, mode: str, device: str) -
     """Where a benchmark's result JSON goes: <out_dir>/<bench>-<preset>-<mode>-<device or GPU name>.json."""
     dev = torch.cuda.get_device_name().replace(" ", "-") if device.startswith("cuda") else "cpu"
     return Path(out_dir) / f"{bench}-{preset}-{mode}-{dev}.json"
+
+
+def read_baseline(path: str, bench: str, expect: dict) -> dict:
+    """The JSON record of the same benchmark at another world size (`--baseline`), refused with the key that
+    differs if it measured something else."""
+    p = Path(path)
+    try:
+        rec = json.loads(p.read_text().strip().splitlines()[-1])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline {path}: no such file") from None
+    except (json.JSONDecodeError, IndexError) as e:
+        raise ValueError(f"--baseline {path}: not a benchmark JSON record ({e})") from None
+    if not isinstance(rec, dict) or rec.get("bench") != bench:
+        got = rec.get("bench") if isinstance(rec, dict) else type(rec).__name__
+        raise ValueError(
+            f"--baseline {path}: a {got!r} record; this benchmark compares with {bench!r} records"
+        )
+    for key in ("world_size", "aggregate_tokens_per_s"):
+        if key not in rec:
+            raise ValueError(f"--baseline {path}: no {key!r} (written before multi-rank benchmarks existed)")
+    for key, value in expect.items():
+        if rec.get(key) != value:
+            raise ValueError(
+                f"--baseline {path}: {key} = {rec.get(key)!r}, this run has {value!r}; compare like with like"
+            )
+    return rec
+
+
+def baseline_of(args) -> dict | None:
+    """The `--baseline` record this benchmark compares with (None without one), refused by the key that differs
+    when it measured something else: read on each rank, and by the `--nproc N` launcher before torchrun starts
+    them (exactrl.commands._bench_before_launch)."""
+    path = getattr(args, "baseline", None)
+    if not path:
+        return None
+    if args.what == "rollout":
+        keys = ("preset", "mode", "dtype", "concurrency", "prompt_len", "max_tokens")
+        return read_baseline(path, "rollout", {k: getattr(args, k) for k in keys})
+    if args.what == "train":
+        if not getattr(args, "fsdp", False):
+            raise ValueError("bench train --baseline compares world sizes of the FSDP2 step: add --fsdp")
+        expect = {k: getattr(args, k) for k in ("preset", "mode", "dtype")}
+        return read_baseline(path, "train-fsdp", {**expect, "tokens_per_rank": args.tokens_per_microbatch})
+    try:  # rl: another layout or world size of the same workload
+        rec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--baseline {path}: not a `bench rl` result ({e})") from None
+    if not isinstance(rec, dict) or rec.get("bench") != "rl":
+        raise ValueError(f"--baseline {path}: not a `bench rl` result")
+    return rec

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from exactrl.bench_records import record_head, result_path
+from exactrl.bench_records import baseline_of, record_head, result_path
 from exactrl.engine.engine import RolloutEngine
 
 # What each timed stage is called in the JSON, and the stage it wraps (on `run.stages`, or `run.parallel`).
@@ -353,19 +353,35 @@ def _config(args: Any, out_dir: str, steps: int):
     return cfg
 
 
+def check_options(args: Any) -> None:
+    """Refuse options the benchmark cannot run (its step counts, its workload's shape): on each rank, and by the
+    `--nproc N` launcher before torchrun starts them (exactrl.commands._bench_before_launch)."""
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    Workload.draw(  # the same checks, on one token of vocabulary: nothing here depends on the model
+        prompts=args.prompts,
+        samples=args.samples,
+        prompt_min=args.prompt_min,
+        prompt_max=args.prompt_max,
+        completion_median=args.completion_median,
+        completion_sigma=args.completion_sigma,
+        max_tokens=args.max_tokens,
+        vocab=1,
+        seed=args.seed,
+    )
+
+
 def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
     short (a timeout) still leaves its finished steps."""
     from exactrl.distributed.env import under_torchrun
     from exactrl.distributed.shared_engine import SharedEngine
-    from exactrl.engine.engine import EngineConfig
     from exactrl.tasks import Example
     from exactrl.train.loop import RLRun
     from exactrl.train.resolved import resolve_run
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    check_options(args)
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-rl-") as tmp:
         # Off-policy, every step samples the next step's batch during its update: one step more in the config
@@ -390,9 +406,7 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
             print(f"trainer and engine built: {_setup_note(device, t_build)}", file=sys.stderr)
             if not remote:  # this rank's engine (the policy on one device, the replica under torchrun)
                 sampler = run.behaviour.model if overlapped else run.engine.model
-                run.engine = PlannedLengthEngine(
-                    sampler, EngineConfig(**_asdict(cfg.engine)), tokenizer=run.tok, workload=wl
-                )
+                run.engine = PlannedLengthEngine(sampler, cfg.engine, tokenizer=run.tok, workload=wl)
                 if run.engine_group is not None:  # one engine split over a group (tensor / expert parallel):
                     # the group's ranks call it together, as the run's own engine is called
                     run.engine = SharedEngine(run.engine, run.engine_group)
@@ -516,7 +530,7 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
         "generator_ranks": layout.generators,
         "trainer_ranks": layout.trainers,
     }
-    med = min(timed, key=lambda r: abs(r["step_s"] - statistics.median(x["step_s"] for x in timed)))
+    med = median_step(timed)
     out["tokens_per_s_per_gpu"] = med["generated_tokens"] / med["step_s"] / world
     out["trainer_idle_s"] = med["idle_s"]
     gens = [p for p in parts if p["rounds"] is not None]
@@ -548,6 +562,7 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
         out["generator_generate_s"] = max(g["generate_s"] for g in per_gen)
         out["generator_weight_recv_s"] = max(g["weight_recv_s"] for g in per_gen)
         out["generator_idle_s"] = min(g["idle_s"] for g in per_gen)
+        out["generator_engine_steps"] = sum(g["engine_steps"] for g in per_gen)
         out["generator_preemptions"] = sum(g["preemptions"] for g in per_gen)
         out["generator_kv_cache_tokens"] = min(g["kv_cache_tokens"] for g in per_gen)
     return out
@@ -627,13 +642,17 @@ def _one_step(run: Any, timers: _StageTimers, device: str, timed: bool) -> dict[
     rec["prompt_tokens"] = int(run.dist.sum(sum(len(r.prompt_ids) for r in sr.rollouts)))
     rec["truncated"] = int(sum(sr.truncated))
     rec["lengths"] = [int(x) for x in sr.lengths]
-    rec["engine_steps"] = int(eng.stats["steps"])
-    rec["preemptions"] = int(eng.stats["preemptions"])
-    rec["kv_cache_tokens"] = eng.runner.num_blocks * eng.config.block_size if eng.runner is not None else 0
-    rec["cuda_graph_steps"] = int(eng.stats["cuda_graph_steps"])
-    rec["engine_graph_capture_s"] = (
-        eng.runner.capture_seconds if eng.runner is not None else 0.0
-    ) - engine_capture_before
+    # Disaggregated, a trainer has no engine: the generators' figures are `_roles`', not a row of zeros here.
+    if not isinstance(eng, _NoEngine):
+        rec["engine_steps"] = int(eng.stats["steps"])
+        rec["preemptions"] = int(eng.stats["preemptions"])
+        rec["kv_cache_tokens"] = (
+            eng.runner.num_blocks * eng.config.block_size if eng.runner is not None else 0
+        )
+        rec["cuda_graph_steps"] = int(eng.stats["cuda_graph_steps"])
+        rec["engine_graph_capture_s"] = (
+            eng.runner.capture_seconds if eng.runner is not None else 0.0
+        ) - engine_capture_before
     rec["train_graph_capture_s"] = _train_capture_s(run) - graph_capture_before
     for key in ("mismatch/num_tokens", "mismatch/num_mismatched_tokens"):
         if key in m:
@@ -669,14 +688,19 @@ def _train_capture_s(run: Any) -> float:
     return float(getattr(graphs, "capture_s", 0.0) or 0.0)
 
 
+def median_step(timed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record's median step: a step that ran (its stages add up to it), the lower middle of an even count. A
+    profiled step carries the profiler's overhead: the median is of the others when there are others. `step_s`,
+    `step_s_median` and the table's "step_s (median step)" are all this step's."""
+    pool = [r for r in timed if not r.get("profiled")] or timed
+    return sorted(pool, key=lambda r: r["step_s"])[(len(pool) - 1) // 2]
+
+
 def _record(
     args: Any, device: str, wl: Workload, run: Any, timed: list[dict], warm: list[dict]
 ) -> dict[str, Any]:
     profiled = [r for r in timed if r.get("profiled")]
-    # A profiled step carries the profiler's overhead: the median is of the others when there are others.
-    pool = [r for r in timed if not r.get("profiled")] or timed
-    order = sorted(range(len(pool)), key=lambda i: pool[i]["step_s"])
-    med = pool[order[(len(order) - 1) // 2]]
+    med = median_step(timed)
     lengths = np.array(med["lengths"])
     rec: dict[str, Any] = {
         **record_head("rl", args, device, args.preset if not args.model else Path(args.model).name),
@@ -703,7 +727,7 @@ def _record(
         "timed_steps": len(timed),
         "step_s": med["step_s"],
         "step_s_all": [r["step_s"] for r in timed],
-        "step_s_median": statistics.median(r["step_s"] for r in timed),
+        "step_s_median": med["step_s"],  # one median: the step whose stages the record holds
         "warmup_step_s": [r["step_s"] for r in warm],
     }
     for k, _ in STAGES:
@@ -858,6 +882,7 @@ def _table(rec: dict[str, Any]) -> str:
         ("generators: generate_s", rec.get("generator_generate_s")),
         ("generators: weight_recv_s", rec.get("generator_weight_recv_s")),
         ("generators: idle_s", rec.get("generator_idle_s")),
+        ("generators: engine_steps", rec.get("generator_engine_steps")),
         ("generators: preemptions", rec.get("generator_preemptions")),
         ("generators: kv_cache_tokens", rec.get("generator_kv_cache_tokens")),
         ("tokens_per_s_per_gpu", rec.get("tokens_per_s_per_gpu")),
@@ -867,6 +892,10 @@ def _table(rec: dict[str, Any]) -> str:
         ("  offpolicy_wait_s", rec.get("offpolicy_wait_s")),
         ("  offpolicy_guard_s", rec.get("offpolicy_guard_s")),
         ("offpolicy_versions_behind", rec.get("offpolicy_versions_behind")),
+        (
+            "offpolicy_versions_behind max",
+            rec.get("offpolicy_versions_behind_max"),
+        ),  # with or without partial
         ("  train_after_generate_s", rec.get("train_after_generate_s")),
         ("  overlap_wait_s", rec.get("overlap_wait_s")),
         ("overlap_share_during_generation", rec.get("overlap_share_during_generation")),
@@ -874,7 +903,6 @@ def _table(rec: dict[str, Any]) -> str:
         ("  partial: resumed samples", rec.get("offpolicy_partial_resumed_samples")),
         ("  partial: recomputed tokens", rec.get("offpolicy_partial_recomputed_tokens")),
         ("  partial: carried samples", rec.get("offpolicy_partial_carried_samples")),
-        ("  partial: versions behind max", rec.get("offpolicy_versions_behind_max")),
         ("generated_tokens", rec["generated_tokens"]),
         ("tokens_per_s (over the step)", rec["tokens_per_s"]),
         ("generate_tokens_per_s", rec["generate_tokens_per_s"]),
@@ -928,9 +956,7 @@ def main(args: Any) -> int:
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
     path = result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
-    baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
-    if baseline is not None and baseline.get("bench") != "rl":
-        raise ValueError(f"--baseline {args.baseline}: not a `bench rl` result")
+    baseline = baseline_of(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 (a trainer) writes the record
     if main_rank:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,10 @@ def cmd_parity(args) -> int:
         from exactrl.commands import cmd_parity_replay
 
         return cmd_parity_replay(args)
+    from exactrl.distributed.env import under_torchrun
+
+    # What the options and the model's shape refuse, before anything loads (as the --nproc launcher checks them).
+    _parity_before_launch(args, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     set_exact_environment(args.mode == "exact")
     # Under torchrun: this rank's GPU (or the CPU with gloo); its share of the prompts, an FSDP-sharded trainer.
     ctx = init_from_env(resolve_device(args.device))
@@ -355,10 +359,11 @@ def _generate_episodes(args, engine, tok, prompts: list[str], params) -> int:
     return _refusal_status(failed, len(prompts))
 
 
-def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
+def check_before_launch(args: argparse.Namespace, nproc: int):
     """Refuse, before torchrun starts anything, what the command cannot do on `nproc` ranks: its row of
     commands.NOT_ON_RANKS (N > 1), and its own checks of its options and config (`before_launch`, set by its
-    parser: the same validation the command runs on each rank). Raises ValueError."""
+    parser: the same validation the command runs on each rank). Raises ValueError. Returns what `before_launch`
+    returns: the ranks' roles (exactrl.distributed.roles.Roles), or None."""
     from exactrl.commands import NOT_ON_RANKS
 
     if nproc < 1:
@@ -368,27 +373,82 @@ def check_before_launch(args: argparse.Namespace, nproc: int) -> None:
             if command == args.command and applies(args):
                 raise ValueError(why(args) if callable(why) else why)
     before_launch = getattr(args, "before_launch", None)
-    if before_launch is not None:
-        before_launch(args, nproc)
+    return before_launch(args, nproc) if before_launch is not None else None
 
 
-def _parity_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    from exactrl.distributed.shared_engine import engine_group_size
+def _parity_before_launch(args: argparse.Namespace, nproc: int | None):
+    """parity's refusals that depend only on its options and the model's shape (its config: a preset, or the
+    checkpoint's config.json; nothing loads), before torchrun starts anything (`--nproc N`) and again on every rank
+    (`cmd_parity`: N = the world size under torchrun, None in one process). The engine split names the key that is
+    wrong; a split without ranks asks for --nproc. Returns the ranks' roles."""
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
+    from exactrl.distributed.shared_engine import check_engine_split, engine_group_size
 
     g = engine_group_size(args.tensor_parallel, args.expert_parallel)
-    if nproc % g:
-        flag, key = (
-            ("--tensor-parallel", "tensor_parallel")
-            if args.tensor_parallel == g
-            else ("--expert-parallel", "expert_parallel")
-        )
+    flag, key = (
+        ("--tensor-parallel", "tensor_parallel")
+        if args.tensor_parallel == g
+        else ("--expert-parallel", "expert_parallel")
+    )
+    if nproc is not None and nproc % g:
         raise ValueError(
             f"{flag} (engine.{key} = {g}) must divide --nproc ({nproc}): every engine needs {g} ranks of its own"
         )
-    engines = nproc // g
-    if args.num_prompts < engines:  # as run_parity says on each rank
-        what = f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
-        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
+    if g > 1:  # the model's shape: heads, widths and experts the split must divide
+        check_engine_split(_model_shape(args), args.tensor_parallel, args.expert_parallel)
+    if nproc is None:
+        if g > 1:
+            raise ValueError(
+                f"{flag} {g} (engine.{key}) splits one engine over {g} ranks: pass --nproc N, a multiple of {g} "
+                f"(e.g. --nproc {g}), to run it on ranks"
+            )
+    else:
+        engines = nproc // g
+        if args.num_prompts < engines:  # as run_parity says on each rank
+            what = (
+                f"ranks ({nproc})" if g == 1 else f"engines ({engines}: {nproc} ranks / {g} ranks an engine)"
+            )
+            raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least the number of {what}")
+    return Roles(
+        resolve_device(args.device),
+        tensor_parallel=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
+    )
+
+
+def _model_shape(args: argparse.Namespace):
+    """The ModelConfig `_load` would build, read without building the model: --model's config.json or the
+    preset's (tiny by default)."""
+    from exactrl.model.config import preset
+    from exactrl.model.hf import read_config
+
+    if args.model:
+        return read_config(args.model)
+    return preset(args.preset or "tiny")
+
+
+def cap_host_threads(args: argparse.Namespace) -> int:
+    """Cap the host's intra-op threads before a command that computes on CUDA does any work (the rule is
+    `limit_host_threads`': CUDA runs only, never over an OMP_NUM_THREADS the user or torchrun set). Every command
+    passes here, so train, sft, eval, generate, parity, twin and every bench kind are capped alike. The device is
+    the command's `device_of(args)` (set by its parser: a config's run.device) or its --device flag; a command with
+    neither (plan, report, init-model) computes on no GPU. Returns the thread count now."""
+    import torch
+
+    from exactrl.config import resolve_device
+    from exactrl.distributed.env import limit_host_threads
+
+    device_of = getattr(args, "device_of", None)
+    device = device_of(args) if device_of is not None else getattr(args, "device", None)
+    if device:
+        try:
+            device = resolve_device(device)
+            torch.device(device)
+        except (RuntimeError, ValueError):  # not a device: the command itself says so
+            return torch.get_num_threads()
+        return limit_host_threads(device)
+    return torch.get_num_threads()
 
 
 def _quiet_unless_rank0() -> None:
@@ -409,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     Under exactrl's own launcher (`--nproc N`) a rank's error goes to the launcher instead, which prints the first
     one once (`_say_error`)."""
     from exactrl.distributed.env import under_torchrun
-    from exactrl.distributed.launch import RANK_ERRORS_ENV
+    from exactrl.distributed.heartbeat import RANK_ERRORS_ENV
 
     if under_torchrun() and not os.environ.get(RANK_ERRORS_ENV):
         return int(record(_main)(argv) or 0)
@@ -419,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 def _say_error(text: str, status: int) -> None:
     """A command's error, ahead of exiting with `status`: to exactrl's launcher when it started this rank (it
     prints the first failing rank's error once), else on stderr."""
-    from exactrl.distributed.launch import write_rank_error
+    from exactrl.distributed.heartbeat import write_rank_error
 
     if not write_rank_error(text, status):
         print(text, file=sys.stderr)
@@ -557,11 +617,19 @@ def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "nproc", None) is not None:
-            check_before_launch(args, args.nproc)
+        from exactrl.distributed.nodes import nodes_from_args
+
+        nodes = nodes_from_args(args)
+        if nodes is not None:
+            roles = check_before_launch(args, nodes.world_size)
+            if roles is not None:  # what each rank will do, once, before the ranks' own output
+                from exactrl.distributed.roles import roles_line
+
+                print(roles_line(nodes.world_size, roles), file=sys.stderr, flush=True)
             from exactrl.distributed.launch import launch_torchrun
 
-            return launch_torchrun(args.nproc, argv)
+            return launch_torchrun(nodes, argv)
+        cap_host_threads(args)
         code = int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {e}", 2)
@@ -569,9 +637,12 @@ def _main(argv: list[str] | None = None) -> int:
     except OSError as e:  # no space, no permission, a read-only disk: one line that names the path
         _say_error(f"exactrl {args.command}{_rank_note()}: error: {os_error_text(e)}", 1)
         return 1
-    except Exception:
-        from exactrl.distributed.launch import write_rank_error
+    except Exception as e:
+        from exactrl.distributed.heartbeat import write_rank_error
 
+        # The guard's verdict reads the same on every rank (it names the ranks and the first token): one line.
+        if type(e).__name__ == "MismatchError" and write_rank_error(f"exactrl {args.command}: {e}", 1):
+            return 1
         # A crash (a bug): under exactrl's launcher its traceback is printed once, by the launcher; elsewhere it
         # propagates as ever (`record` files it for a plain torchrun).
         if write_rank_error(
@@ -579,8 +650,7 @@ def _main(argv: list[str] | None = None) -> int:
         ):
             return 1
         raise
-    _end_process_group()
-    return code
+    return _end_process_group() or code
 
 
 def _rank_note() -> str:
@@ -599,7 +669,7 @@ def os_error_text(e: OSError) -> str:
     return f"{where}: {e.strerror or e}"
 
 
-def _end_process_group() -> None:
+def _end_process_group() -> int:
     """Leave the process group a command under torchrun started (no-op otherwise).
 
     Then pause a moment, GIL released: the backend's worker threads can outlive the group (torch's own caches
@@ -626,9 +696,24 @@ def _end_process_group() -> None:
             # that captured NCCL collectives make destroy_process_group hang (`ModelRunner.release_graphs`).
             gc.collect()
             torch.cuda.empty_cache()
-        dist.barrier()
+        from exactrl.distributed import heartbeat
+
+        try:
+            dist.barrier()
+        except (
+            Exception
+        ) as e:  # a peer failed after this rank's work: its error is the one to report, not this
+            from exactrl.distributed.heartbeat import write_rank_error
+
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = f"exactrl: rank {os.environ.get('RANK')} lost a peer at the end of the run: {said}"
+            if not write_rank_error(text, 1, kind="lost"):
+                print(text, file=sys.stderr)
+            return 1
+        heartbeat.finish()
         dist.destroy_process_group()
         time.sleep(0.1)
+    return 0
 
 
 if __name__ == "__main__":

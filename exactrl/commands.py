@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from exactrl.distributed.nodes import add_nodes_args
+
 # What a command cannot do on several ranks (`--nproc N`, N > 1), refused by the launcher before torchrun starts
 # anything (exactrl.cli.check_before_launch): (command, when it applies to the parsed options, why: a text or a
 # function of the options). The ranks check again under a plain torchrun. A command that learns to run on ranks
@@ -78,9 +80,10 @@ def _run(cfg, args) -> int:
     return 143 if summary.get("stopped_by") == "SIGTERM" else 130
 
 
-def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
+def _train_before_launch(args: argparse.Namespace, nproc: int):
     """What `train --nproc N` checks before torchrun starts the ranks: the config (TOML + --set, validated), what
-    it cannot do under torchrun at this world size, and the run directory (checked, nothing written)."""
+    it cannot do under torchrun at this world size, and the run directory (checked, nothing written). Returns the
+    ranks' roles (exactrl.distributed.roles)."""
     from exactrl.config import load_config
     from exactrl.train.preflight import check_run_config
     from exactrl.train.rundir import check_run_dir
@@ -93,6 +96,16 @@ def _train_before_launch(args: argparse.Namespace, nproc: int) -> None:
         overwrite=args.overwrite,
         allow_config_change=args.allow_config_change,
     )
+    return _roles(cfg)
+
+
+def _roles(cfg):
+    """A run config's ranks' roles: generator ranks, the engine split, the device."""
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
+
+    e = cfg.engine
+    return Roles(resolve_device(cfg), cfg.distributed.generator_ranks, e.tensor_parallel, e.expert_parallel)
 
 
 def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
@@ -103,6 +116,51 @@ def _trainers(cfg, world_size: int, *, distributed: bool) -> int:
 
     g = cfg.distributed.generator_ranks
     return trainer_ranks(world_size, g, engine_group_ranks(cfg), distributed=distributed)
+
+
+def config_device(path: str | Path | None, overrides: list[str]) -> str:
+    """run.device of a config, read without building it: the TOML's, then the last `--set run.device=...`; "auto"
+    where neither says. The CLI caps the host's threads by it before the command starts
+    (exactrl.cli.cap_host_threads); the command reads and validates the whole config itself, and says what is
+    wrong with a file this cannot read."""
+    from exactrl.config import parse_override, tomllib  # the backport on Python 3.10
+
+    device: object = "auto"
+    if path is not None:
+        try:
+            run = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("run", {})
+            device = run.get("device", device) if isinstance(run, dict) else device
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            pass
+    for item in overrides:
+        key, _, _ = item.partition("=")
+        if key.strip() == "run.device":
+            try:
+                device = parse_override(item)[1]
+            except ValueError:
+                pass
+    return device if isinstance(device, str) else "auto"
+
+
+def _config_device(args: argparse.Namespace) -> str:
+    return config_device(args.config, args.set or [])
+
+
+def _eval_device(args: argparse.Namespace) -> str:
+    """eval's device as cmd_eval chooses it: --device, else the config's (--config, or the run's found from
+    --model), else auto."""
+    if args.device:
+        return args.device
+    config = args.config
+    if config is None and not args.no_run_config:
+        config = find_run_config(args.model)
+    return config_device(config, args.set or []) if config is not None else "auto"
+
+
+def _bench_device(args: argparse.Namespace) -> str:
+    """bench's --device, or the last `--set run.device=...` of bench rl's run config."""
+    runs = [o for o in getattr(args, "overrides", None) or [] if o.partition("=")[0].strip() == "run.device"]
+    return config_device(None, runs) if runs else args.device
 
 
 def cmd_train(args) -> int:
@@ -137,10 +195,9 @@ def find_run_config(model_dir: str | Path) -> Path | None:
 
 def cmd_eval(args) -> int:
     import sys
-    from dataclasses import asdict
 
     from exactrl.config import load_config
-    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.engine import RolloutEngine
     from exactrl.model.loading import load_policy
     from exactrl.tasks import RewardComputer
     from exactrl.train.loop import build_task, env_setup, evaluate, make_encoder
@@ -205,7 +262,7 @@ def cmd_eval(args) -> int:
         )
     # Relative reward files and modules: from the working directory, as every path (exactrl.config).
     rewards = RewardComputer.from_config(cfg.reward, device=device)
-    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+    engine = RolloutEngine(model, cfg.engine, tokenizer=tok)
     # A tool agent is scored with its tool, as train scores it: episodes through the run's environment.
     env = None
     if cfg.env.name:
@@ -291,13 +348,17 @@ def cmd_plan(args) -> int:
     # --nproc unset: one device without torchrun; an explicit --nproc N (1 included) is N FSDP2 ranks, as
     # `exactrl train --nproc N` runs them.
     sharded = args.world_size is not None
+    if not sharded:
+        _plan_needs_nproc(cfg)
     # A disaggregated run: the trainers' plan (FSDP2 over them alone), then the generator ranks' (the engine alone).
     job_size = world_size
     trainers = _trainers(cfg, world_size, distributed=sharded)
     if trainers != world_size:
+        g = cfg.distributed.generator_ranks
         print(
-            f"planned for the {trainers} trainer ranks of {world_size} and, below them, the "
-            f"distributed.generator_ranks = {cfg.distributed.generator_ranks} that hold the engine alone"
+            f"planned for the {_ranks(trainers, 'trainer')} of {world_size} and, below "
+            f"{'it' if trainers == 1 else 'them'}, the {_ranks(g, 'generator')} (distributed.generator_ranks = "
+            f"{g}) that hold{'s' if g == 1 else ''} the engine alone"
         )
         print(f"{trainer_role(world_size, trainers)}:")
     world_size = trainers
@@ -332,14 +393,51 @@ def cmd_plan(args) -> int:
     if trainers != job_size:
         plan.role = trainer_role(job_size, trainers)
         generator = make_generator_plan(cfg, world_size=job_size, gpu_memory=gpu, device=device)
-    print_plan(plan, generator=generator)
+    print_plan(plan, generator=generator, json_line=args.json)
     return 0 if plan.fits and (generator is None or generator.fits) else 1
 
 
-def _bench_before_launch(args: argparse.Namespace, nproc: int) -> None:
-    from exactrl.bench import check_ranks
+def _ranks(n: int, role: str) -> str:
+    return f"{n} {role} rank{'' if n == 1 else 's'}"
 
-    check_ranks(args, nproc)
+
+def _plan_needs_nproc(cfg) -> None:
+    """Refuse a plan without --nproc of a config that only runs on torchrun ranks (generator ranks, an engine split
+    over ranks), saying to pass --nproc to plan."""
+    e, g = cfg.engine, cfg.distributed.generator_ranks
+    keys = [f"distributed.generator_ranks = {g}"] if g else []
+    keys += [f"engine.{k} = {v}" for k, v in (("tensor_parallel", e.tensor_parallel), ("expert_parallel", e.expert_parallel)) if v > 1]  # fmt: skip
+    if keys:
+        raise ValueError(
+            f"{' and '.join(keys)} run{'' if len(keys) > 1 else 's'} on torchrun ranks: pass --nproc N to `exactrl plan` (the run's ranks, as "
+            "`exactrl train --nproc N` would start them) to plan each rank"
+        )
+
+
+def _bench_before_launch(args: argparse.Namespace, nproc: int):
+    """What `bench --nproc N` checks before torchrun starts the ranks: its options (`bench.check_ranks`), and for
+    bench rl the run config it builds, as `exactrl train --nproc N` checks its own (the layout of generator ranks,
+    the modes, the engine split on the model's shape). Returns the ranks' roles."""
+    import tempfile
+
+    from exactrl import bench
+
+    bench.apply_defaults(args)
+    bench.check_ranks(args, nproc)
+    bench.baseline_of(args)  # a --baseline of another benchmark or shape
+    if args.what == "rl" and not args.plot_from:
+        from exactrl.bench_rl import _config, check_options
+        from exactrl.train.preflight import check_run_config
+
+        check_options(args)
+        cfg = _config(args, tempfile.gettempdir(), args.warmup + args.steps)
+        check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
+        return _roles(cfg)
+    from exactrl.config import resolve_device
+    from exactrl.distributed.roles import Roles
+
+    # rollout: an engine on each rank; train --fsdp: the FSDP2 step on each rank
+    return Roles(resolve_device(args.device), trains=args.what == "train", generates=args.what == "rollout")
 
 
 def cmd_bench(args) -> int:
@@ -375,7 +473,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--resume with a config that differs from the run's config.toml in keys that change the run",
     )
     add_nproc_arg(p)
-    p.set_defaults(func=cmd_train, before_launch=_train_before_launch)
+    add_nodes_args(p)
+    p.set_defaults(func=cmd_train, before_launch=_train_before_launch, device_of=_config_device)
 
     p = sub.add_parser(
         "plan",
@@ -410,6 +509,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='host RAM in GiB that train.offload = "optimizer" pins its state in (default: this machine\'s when the '
         "plan is for this machine's GPU; not checked when --gpu-memory plans another machine)",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='also print the plan as one JSON line after the tables ({"memory_plan": ..., "generator_memory_plan": ...})',
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
@@ -421,7 +525,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume", action="store_true", help="continue an interrupted SFT from its last checkpoint"
     )
-    p.set_defaults(func=cmd_sft)
+    p.set_defaults(func=cmd_sft, device_of=_config_device)
 
     p = sub.add_parser(
         "eval", help="accuracy and pass@k of a checkpoint on held-out prompts", formatter_class=fmt
@@ -469,7 +573,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mode", default=None, choices=["exact", "fast"], help="default: run.exact of the config, else exact"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, device_of=_eval_device)
 
     p = sub.add_parser(
         "twin",
@@ -494,7 +598,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also run fast mode with this masking correction",
     )
     p.add_argument("--overwrite", action="store_true", help="start over in run folders that hold a run")
-    p.set_defaults(func=cmd_twin)
+    p.set_defaults(func=cmd_twin, device_of=_config_device)
 
     p = sub.add_parser(
         "report",
@@ -654,4 +758,4 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="directory the result JSON is written to",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, device_of=_bench_device)

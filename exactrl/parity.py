@@ -239,6 +239,7 @@ def run_parity(
         num_kv_blocks=kv_blocks,
         prefill_chunk_size=prefill_chunk,
         max_num_batched_tokens=max(prefill_chunk, 256),
+        max_model_len=4096,  # what `exactrl parity` always ran with (the engine's old default; the config's is 2048)
     )
     engine = RolloutEngine(model, cfg)
     rev = ids[::-1]

@@ -61,6 +61,10 @@ def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
         rec["mismatch_num_mismatched_tokens"] == 0 and rec["mismatch_num_tokens"] == rec["generated_tokens"]
     )
     out = capsys.readouterr().out
+    # One median, one definition: the table's "step_s (median step)", the JSON's step_s and step_s_median are the
+    # same step's (of 2 timed steps the lower, a step that ran: the mean of the two would be neither).
+    assert rec["step_s_median"] == rec["step_s"] == sorted(rec["step_s_all"])[0]
+    assert f"{'step_s (median step)':30} {rec['step_s_median']:.4g}" in out.splitlines()
     line = json.loads(out.strip().splitlines()[-1])  # the printed line leaves the trace out
     assert line["step_s"] == rec["step_s"] and "trace" not in line and line["trace_points"] == len(tr)
     # Earlier results (e.g. exact and fast) drawn on one plot without running anything.

@@ -187,7 +187,11 @@ TINY = ["--preset", "tiny"]
 # environment; extended: a heavier dry run, left out of `make test`). GPU-only probes are in GPU_ONLY below.
 DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str], bool]] = {
     "bench_check.py": (
-        [str(RESULTS / "train-qwen3-0.6b-fsdp-exact-NVIDIA-H100-80GB-HBM3.json"), "--results", str(RESULTS)],
+        [
+            str(RESULTS / "rollout-qwen3-0.6b-exact-sweep-NVIDIA-H100-80GB-HBM3.jsonl"),
+            "--results",
+            str(RESULTS),
+        ],
         {},
         False,
     ),
@@ -212,16 +216,11 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         False,
     ),  # fmt: skip
-    "bench_scheduler.py": (
-        ["--concurrency", "4", "--prompt-len", "8", "--max-tokens", "4", "--repeat", "1"],
-        {},
-        False,
-    ),
     "mismatch_vs_length.py": ([*TINY, "--prompts", "1", "--samples", "2", "--lengths", "4"], {}, False),
     "plot_price.py": (
         lambda tmp: [
-            str(RESULTS / "price-rollout-qwen3-0.6b-NVIDIA-H100-80GB-HBM3.jsonl"),
-            str(RESULTS / "price-train-NVIDIA-H100-80GB-HBM3.jsonl"),
+            str(RESULTS / "price-rollout-qwen3-0.6b-split-kv-NVIDIA-H100-80GB-HBM3.jsonl"),
+            str(RESULTS / "price-train-split-kv-NVIDIA-H100-80GB-HBM3.jsonl"),
             "--png",
             str(tmp / "price.png"),
         ],
@@ -233,7 +232,6 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {"TRITON_INTERPRET": "1"},
         True,  # seven launch shapes over the tiny preset's 0.85M parameters in the interpreter: about 20 s
     ),
-    "probe_chunked_gemm.py": (["--small"], {"TRITON_INTERPRET": "1"}, False),
     "profile_vs_torch.py": (
         ["--device", "cpu", *TINY, "--steps", "1", "--tokens", "64", "--modes", "exact"],
         {},
@@ -244,8 +242,6 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {"TRITON_INTERPRET": "1"},
         False,
     ),
-    "probe_train_gemm.py": (["--presets", "tiny", "--rows", "32"], {"TRITON_INTERPRET": "1"}, False),
-    "probe_qk_fuse.py": (["--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "probe_sampler.py": (["--vocab", "4096", "--rows", "1,3"], {"TRITON_INTERPRET": "1"}, False),
     "decode_split.py": (
         [
@@ -273,11 +269,6 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         True,  # one profiled training step
     ),
-    "probe_step_times.py": (
-        ["--device", "cpu", "--dtype", "float32", *TINY, "--steps", "2", "--tokens", "64", "--profile"],
-        {},
-        True,  # a model's train steps under the profiler: the heavier dry runs
-    ),
     "profile_steps.py": (
         [
             "--device",
@@ -299,7 +290,6 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         True,  # a model's train steps under the profiler: the heavier dry runs
     ),  # fmt: skip
-    "reward_overhead.py": (["--rollouts", "16", "--repeats", "1", "--workers", "1"], {}, False),
     "scaling_table.py": (_multirank_record, {}, True),  # two CPU ranks under torchrun first
     "step_split.py": (_metrics_run, {}, False),
     "trace_gaps.py": (_trace, {}, False),
@@ -328,7 +318,6 @@ GPU_ONLY = {
     "plan_check.py",
     "probe_decode_attn.py",
     "probe_decode_gemm.py",
-    "probe_fast_attn.py",
     "probe_l2_prefetch.py",
     "probe_moe.py",
     "probe_priority.py",
@@ -392,10 +381,10 @@ def test_a_gpu_only_probe_refuses_in_one_line_on_a_cpu(script, gpu_only_answers)
     )
 
 
-def test_the_gpu_sessions_name_only_scripts_that_exist():
-    for session in ("gpu_session.sh", "multi_gpu_session.sh"):
-        named = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / session).read_text()))
-        assert named <= set(SCRIPTS), f"{session} runs scripts that are gone: {sorted(named - set(SCRIPTS))}"
+def test_gpu_sh_names_only_scripts_that_exist():
+    named = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / "gpu.sh").read_text()))
+    assert named, "gpu.sh runs no script of benchmarks/: the pattern no longer matches how it names them"
+    assert named <= set(SCRIPTS), f"gpu.sh runs scripts that are gone: {sorted(named - set(SCRIPTS))}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU sees")
@@ -419,3 +408,89 @@ def test_decode_split_on_two_ranks_times_both_forms():
     recs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert {r["form"] for r in recs} == {"gathered (exact)", "all-reduce (row-parallel)"}
     assert all(r["tensor_parallel"] == 2 and r["output_tokens"] > 0 for r in recs)
+
+
+def test_gpu_sh_exactrl_commands_parse_with_todays_cli(tmp_path, monkeypatch):
+    """Every `exactrl` command line of every gpu.sh target, as bash expands it (python3, torchrun and nvidia-smi
+    replaced by stubs that record their arguments on a 2-GPU machine: nothing runs), names a command and flags the
+    CLI has (each command's function, and the torchrun launch of `--nproc`, replaced by one that records it), and
+    every script it runs exists."""
+    from exactrl import cli, commands
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    record = '#!/usr/bin/env bash\nprintf "%s\\037" "$(basename "$0")" "$@" >> "$STUB_LOG"; printf "\\036" >> "$STUB_LOG"\n'
+    for name in ("python3", "torchrun"):
+        (bin_dir / name).write_text(record)
+    (bin_dir / "nvidia-smi").write_text(record + 'echo "GPU 0: stub"; echo "GPU 1: stub"\n')
+    for p in bin_dir.iterdir():
+        p.chmod(0o755)
+    text = (BENCH / "gpu.sh").read_text()
+    targets = re.findall(r"^  ([a-z][a-z-]*)\)$", text, re.MULTILINE)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log)}
+    env.update(OUT=str(tmp_path / "out"), MULTI_30B="1")
+    res = subprocess.run(
+        ["bash", str(BENCH / "gpu.sh"), *targets], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    calls = [c.split("\x1f")[:-1] for c in log.read_text().split("\x1e") if c]
+    cli_calls = [c[3:] for c in calls if c[:3] == ["python3", "-m", "exactrl.cli"]]
+    scripts = {c[1] for c in calls if c[0] == "python3" and c[1].startswith("benchmarks/")}
+    scripts |= {a for c in calls if c[0] == "torchrun" for a in c if a.startswith("benchmarks/")}
+    assert len(cli_calls) >= 20 and scripts, (len(cli_calls), scripts)
+    assert {Path(s).name for s in scripts} <= set(SCRIPTS), sorted(scripts)
+    seen: list[str] = []
+    for mod, names in ((cli, ["cmd_parity"]), (commands, ["cmd_bench"])):
+        for name in names:
+            monkeypatch.setattr(mod, name, lambda args, _n=name: seen.append(_n) or 0)
+    # --nproc N: the checks before the launch run, the launch is recorded
+    monkeypatch.setattr(
+        "exactrl.distributed.launch.launch", lambda nproc, module, argv: seen.append(module) or 0
+    )
+    for argv in cli_calls:
+        assert cli.main(argv) == 0, argv
+    assert len(seen) == len(cli_calls)
+
+
+# A script computes on a GPU when it names the device (`cuda` as a word: "cuda_graphs" in a result's keys is not).
+CUDA_SCRIPTS = [s for s in SCRIPTS if re.search(r"\bcuda\b", (BENCH / s).read_text())]
+# What caps the host's threads as `exactrl` does on CUDA (benchmarks/_script.py): require_cuda and kernel_device
+# call cap_host_threads; probe_host_side.py and train_vs_torch.py call limit_host_threads by their own options.
+CAPS = {"require_cuda", "kernel_device", "cap_host_threads", "limit_host_threads"}
+
+
+@pytest.mark.parametrize("script", CUDA_SCRIPTS)
+def test_every_gpu_script_caps_the_host_threads_before_its_work(script):
+    """A figure that a script reads with every core as torch's thread (one busy core halves it) is not the
+    command's: each GPU script calls a capping function in its main, before it loads a model."""
+    tree = ast.parse((BENCH / script).read_text())
+    called = {
+        n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+    }
+    assert called & CAPS, (
+        f"{script} computes on CUDA but never caps the host threads (_script.cap_host_threads)"
+    )
+
+
+def test_the_script_helpers_cap_the_threads_on_cuda(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _script
+    finally:
+        sys.path.remove(str(BENCH))
+    from exactrl.distributed.env import HOST_THREADS_CUDA
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for start in (lambda: _script.require_cuda("x.py"), lambda: _script.kernel_device("x.py")):
+            torch.set_num_threads(HOST_THREADS_CUDA + 2)
+            start()
+            assert torch.get_num_threads() == HOST_THREADS_CUDA
+        torch.set_num_threads(HOST_THREADS_CUDA + 2)
+        assert _script.cap_host_threads("cpu") == HOST_THREADS_CUDA + 2  # a CPU dry run keeps its threads
+    finally:
+        torch.set_num_threads(before)

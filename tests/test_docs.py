@@ -96,3 +96,66 @@ def test_readme_multi_turn_example_runs_as_written(tmp_path, monkeypatch, capsys
     step = next(r for r in rows if r.get("step") == 1 and "env/turns_mean" in r)
     assert step["env/turns_max"] >= 2  # the hint came back and the model answered again
     assert step["mismatch/num_mismatched_tokens"] == 0
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+# A record's name as the docs write it: ends in a device or host mark and a record suffix, a `{a,b}` alternative
+# allowed anywhere (expanded to every combination).
+RECORD_NAME = re.compile(r"[\w.{},-]*(?:NVIDIA|H100|H200|-cpu)[\w.{},-]*\.(?:\{[a-z,]+\}|jsonl|json|txt|png)")
+
+
+def _expand(name: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in _expand(name[: m.start()] + alt + name[m.end() :])]
+
+
+def _cited_records() -> set[str]:
+    texts = [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))] + [(ROOT / "README.md").read_text()]
+    return {x for text in texts for name in RECORD_NAME.findall(text) for x in _expand(name.split("/")[-1])}
+
+
+def test_the_docs_cite_only_records_that_exist_and_every_record_is_cited():
+    """benchmarks/results/ holds the records the docs cite, no more (the tests may cite one too), and a record the
+    docs name exists under that name."""
+    cited = _cited_records()
+    have = {p.name for p in RESULTS.iterdir()}
+    assert cited - have == set(), (
+        f"the docs cite records that are not in benchmarks/results/: {sorted(cited - have)}"
+    )
+    tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    uncited = sorted(n for n in have - cited if n not in tests)
+    assert not uncited, f"records no doc or test cites (cite them or delete them): {uncited}"
+
+
+def test_no_work_session_in_docs_benchmarks_configs_or_result_names():
+    """The word "session" in the sense of a work session (the project's history) stays out of what users read
+    and run; the engine's "multi-turn session" is the one sense allowed."""
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "configs").iterdir())]
+    paths += [p for p in sorted((ROOT / "benchmarks").rglob("*")) if p.is_file()]
+    found = []
+    for p in paths:
+        if "session" in p.name.lower():
+            found.append(str(p.relative_to(ROOT)))
+        if p.suffix in (".md", ".toml", ".py", ".sh"):
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if re.search(r"session", re.sub(r"multi-turn sessions?", "", line), re.IGNORECASE):
+                    found.append(f"{p.relative_to(ROOT)}:{i}")
+    assert not found, f"the word session outside the engine's sense: {found}"
+
+
+def test_every_gpu_sh_target_is_documented():
+    """benchmarks/gpu.sh parses, and each of its targets is in its usage lines and in docs/benchmarks.md's table."""
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    targets = re.findall(r"^  ([a-z][a-z-]*)\)$", text, re.MULTILINE)
+    assert len(targets) >= 4, targets
+    usage = text.split("set -uo pipefail")[0]
+    table = _section((ROOT / "docs" / "benchmarks.md").read_text(), "## Running the GPU suites")
+    for t in targets:
+        assert f"#   {t} " in usage, f"gpu.sh's usage lines do not name its target {t}"
+        assert f"| `{t}` |" in table, f"docs/benchmarks.md's gpu.sh table does not name the target {t}"

@@ -26,11 +26,12 @@ Where a group's rewards are all equal, every group-relative estimator gives exac
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from exactrl.algorithms.metrics import masked_whiten
+from exactrl.config import AdvantageName
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -48,18 +49,9 @@ __all__ = [
     "weighted_whiten",
 ]
 
-# Every estimator `algorithm.advantage` can name; all but "gae" work on one reward per response.
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "gae",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "gpg",
-    "opo",
-)
+# Every estimator `algorithm.advantage` can name (the config's list, one definition); all but "gae" work on one
+# reward per response.
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageName)
 SEQUENCE_ESTIMATORS: tuple[str, ...] = tuple(a for a in ADVANTAGE_ESTIMATORS if a != "gae")
 # Whitening eps, as in `masked_whiten` (and verl's): (x - mean) * rsqrt(var + eps).
 _WHITEN_EPS = 1e-8

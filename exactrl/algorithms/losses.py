@@ -13,12 +13,13 @@ microbatch divides by its own count, which re-weights tokens across microbatches
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from exactrl.algorithms.kl import kl_estimate
 from exactrl.algorithms.metrics import masked_count, masked_mean, masked_sum, masked_var, scalars_to_floats
+from exactrl.config import Aggregation, PolicyLossName
 
 __all__ = [
     "AGGREGATIONS",
@@ -31,18 +32,12 @@ __all__ = [
     "value_loss",
 ]
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 PolicyLossKind = Literal["ppo_clip", "ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "gmpo"]
 Divisor = float | int | torch.Tensor
 
-AGGREGATIONS: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)  # the config's list (algorithm.aggregation)
 # Names as in verl's `actor.policy_loss.loss_mode` (verl calls GMPO "geo_mean" and PPO-clip "vanilla").
-POLICY_LOSS_KINDS: tuple[str, ...] = ("ppo_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "gmpo")
+POLICY_LOSS_KINDS: tuple[str, ...] = get_args(PolicyLossName)  # the config's list (algorithm.policy_loss)
 # "ppo" was the PPO-clip kind's name before the menu; the trainer and older callers still pass it.
 _KIND_ALIASES = {"ppo": "ppo_clip"}
 

@@ -12,6 +12,8 @@ Conventions shared by the whole `exactrl.algorithms` package:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 __all__ = [
@@ -84,7 +86,7 @@ def masked_whiten(
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def scalars_to_floats(scalars: dict[str, torch.Tensor | float]) -> dict[str, float]:
+def scalars_to_floats(scalars: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """Turn a dict of 0-d tensors into Python floats with a single device-to-host copy.
 
     One `.tolist()` on a stacked tensor instead of one `.item()` per metric: on a GPU each `.item()` is a separate

@@ -135,7 +135,9 @@ def limit_host_threads(device: str | torch.device) -> int:
     """On a CUDA run, cap torch's intra-op threads at HOST_THREADS_CUDA: the host's torch ops there are bookkeeping
     on kilobyte tensors (masks, advantages, packing), where a fork-join over every core costs more than it saves
     and one busy core stalls every region. Left alone: CPU runs (their math is the host's), and a process whose
-    OMP_NUM_THREADS was set (by the user, or by torchrun for several ranks). Returns the thread count now."""
+    OMP_NUM_THREADS was set (by the user, or by torchrun for several ranks). Returns the thread count now. Every
+    `exactrl` command passes it before its work (exactrl.cli.cap_host_threads), as do the benchmark scripts
+    (benchmarks/_script.py) and `init_from_env` for code that starts a run without the CLI."""
     if torch.device(device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, min(HOST_THREADS_CUDA, torch.get_num_threads())))
     return torch.get_num_threads()
@@ -161,11 +163,13 @@ def init_from_env(device: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> Di
     if backend == "nccl":
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **({"device_id": torch.device("cuda", local)} if backend == "nccl" else {}),
-        )
+        device_id: dict[str, Any] = {"device_id": torch.device("cuda", local)} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **device_id)
+    from exactrl.distributed import heartbeat
+    from exactrl.distributed.heartbeat import note_rank_pid
+
+    note_rank_pid()
+    heartbeat.start(rank, world)  # a lost peer or launcher stops this rank in seconds, in one line
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend)
 
 
@@ -178,4 +182,7 @@ def rank_device(ctx: DistContext, device: str) -> str:
 
 def shutdown(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
+        from exactrl.distributed import heartbeat
+
+        heartbeat.finish()
         dist.destroy_process_group()

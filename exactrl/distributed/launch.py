@@ -10,33 +10,65 @@ launcher's process group, reaches the launcher alone), and the launcher forwards
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from exactrl.distributed.heartbeat import (  # the rank's side of the reports this launcher reads
+    LAUNCHER_PID_ENV,
+    RANK_ERRORS_ENV,
+    RankError,
+    read_rank_errors,
+)
+from exactrl.distributed.nodes import Nodes
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
-def call_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def call_forwarding_signals(
+    cmd: list[str], env: dict[str, str] | None = None, pids: Path | None = None
+) -> int:
     """Run `cmd` (torchrun) to its end and return its exit status (128 + the signal after a forwarded stop, as
-    one process exits after it), handing it the first SIGINT and the first
-    SIGTERM this process receives. Without this, a SIGTERM to the launcher alone (Kubernetes signals a pod's
-    first process) killed it and left torchrun and its ranks running unaware, and a Ctrl-C made
-    `subprocess.call` SIGKILL torchrun's agent before any rank could checkpoint."""
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    one process exits after it), handing it the first SIGINT and the first SIGTERM this process receives. Without
+    this, a SIGTERM to the launcher alone (Kubernetes signals a pod's first process) killed it and left torchrun
+    and its ranks running unaware, and a Ctrl-C made `subprocess.call` SIGKILL torchrun's agent before any rank
+    could checkpoint.
+
+    A second signal (Ctrl-C again) aborts: the agent and every rank that left its pid in `pids` (`note_rank_pid`)
+    are killed at once, without a checkpoint. The ranks cannot tell a second Ctrl-C from the agent's copy of the
+    first, so the launcher does it."""
     sent: set[int] = set()
+    aborted: list[int] = []
+    early: list[int] = []  # a signal before the agent started: handed to it as soon as it has
+    proc: subprocess.Popen | None = None
 
     def forward(signum: int, frame: Any) -> None:
-        if signum not in sent and proc.poll() is None:
+        if proc is None:
+            early.append(signum)
+            return
+        if proc.poll() is not None:
+            return
+        if not sent:
             sent.add(signum)
             proc.send_signal(signum)
+            return
+        aborted.append(signum)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(
+            f"\nexactrl: {what} again: killing the ranks without a checkpoint (--resume continues from the last one)",
+            file=sys.stderr,
+            flush=True,
+        )
+        kill_ranks(pids)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     old = {}
     for sig in FORWARDED:
@@ -45,10 +77,15 @@ def call_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
         except ValueError:  # not the main thread: the signals stay with whoever owns them
             break
     try:
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        for signum in early:
+            forward(signum, None)
         rc = proc.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if aborted:
+        return 128 + int(aborted[-1])
     # The ranks stopped as asked (each checkpointed, exiting 128 + signal); torchrun reports the signal it got as a
     # failure of its own. Exit as one process stopped by that signal does.
     if sent and rc != 0:
@@ -56,57 +93,13 @@ def call_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
     return rc
 
 
-# --- One error, once -------------------------------------------------------------------------------------------
-# torchrun's agent reports a failed rank with two copies of a ChildFailedError traceback (40-50 lines) after the
-# rank's own message, and every rank that hits the same refusal prints it. Under `exactrl ... --nproc N` the ranks
-# write their error to a file of their own in RANK_ERRORS_ENV's folder instead of printing it; the agent runs in
-# `agent_main` below, which keeps torchrun's tracebacks and log lines to itself and prints the first failing rank's
-# error once, then exits with that rank's exit status. The ranks' stdout and stderr stream as before (inherited).
-RANK_ERRORS_ENV = "EXACTRL_RANK_ERRORS"
-
-
-@dataclass
-class RankError:
-    """What a rank wrote before it failed: `time` (seconds since the epoch) orders the ranks' failures; `status`
-    is the exit status the rank meant to exit with (None where it did not say)."""
-
-    rank: int
-    time: float
-    text: str
-    status: int | None = None
-
-
-def write_rank_error(text: str, status: int) -> bool:
-    """Under exactrl's launcher: leave this rank's error (one line, or a traceback) and the exit status it is about
-    to exit with for the launcher to print once, and return True. False where no launcher asked for it (a plain
-    torchrun, one process): print it yourself. The status travels in the record because the process may not get
-    to exit with it: once a peer has crashed, torchrun stops the ranks still tearing down with SIGTERM."""
-    folder, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("RANK")
-    if not folder or rank is None:
-        return False
-    record = {"rank": int(rank), "time": time.time(), "text": text, "status": int(status)}
-    tmp = Path(folder) / f"rank-{rank}.json.tmp"
-    try:
-        tmp.write_text(json.dumps(record))
-        tmp.replace(tmp.with_suffix(""))  # whole or absent: the launcher may read it as this rank exits
-    except OSError:
-        return False
-    return True
-
-
-def read_rank_errors(folder: str | Path) -> dict[int, RankError]:
-    """The errors the ranks left in `folder` (write_rank_error), by rank."""
-    out: dict[int, RankError] = {}
-    for p in sorted(Path(folder).glob("rank-*.json")):
+def kill_ranks(folder: Path | None) -> None:
+    """SIGKILL every rank whose pid is in `folder` (note_rank_pid)."""
+    for p in sorted(folder.glob("pid-*")) if folder is not None else []:
         try:
-            d = json.loads(p.read_text())
-            status = d.get("status")
-            out[int(d["rank"])] = RankError(
-                int(d["rank"]), float(d["time"]), str(d["text"]), None if status is None else int(status)
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a file torn by a kill: the rank's exit status still speaks
-    return out
+            os.kill(int(p.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def shell_status(exitcode: int) -> int:
@@ -118,22 +111,32 @@ def first_failure(exitcodes: dict[int, int], errors: dict[int, RankError]) -> tu
     """(rank, exit status, its error or None) of the failure to report, from the failed ranks' exit codes
     (torchrun's: -N for signal N) and the errors they wrote.
 
-    A rank that wrote an error is the cause before one that did not (a rank that fails while its peers wait in a
-    collective writes first; the peers' own errors, "connection closed by peer", come later): the earliest error
-    wins, with the status it wrote (torchrun may have stopped it with SIGTERM while it tore down). Without any, a rank that exited on its own (a verdict such as parity's exit 1, a crash by SIGSEGV) before
-    one that torchrun stopped with SIGTERM because a peer had failed; then the lowest rank."""
-    written = [r for r in exitcodes if r in errors]
-    if written:
-        rank = min(written, key=lambda r: (errors[r].time, r))
-        said = errors[rank].status
-        return rank, shell_status(exitcodes[rank]) if said is None else said, errors[rank].text
-    rank = min(exitcodes, key=lambda r: (exitcodes[r] == -signal.SIGTERM, r))
+    The cause, in this order: a rank that wrote an error of its own (the earliest, with the status it wrote:
+    torchrun may have stopped it with SIGTERM while it tore down); a rank that died without a word (killed by a
+    signal other than torchrun's SIGTERM, or an exit of its own such as parity's verdict), the lowest first; a rank
+    that wrote that it lost a peer (the earliest: its watchdog's line names the peer); then the lowest rank."""
+
+    def order(r: int) -> tuple[int, float, int]:
+        e = errors.get(r)
+        if e is not None and e.kind == "error":
+            return (0, e.time, r)
+        if e is None and exitcodes[r] != -signal.SIGTERM:
+            return (1, 0.0, r)
+        if e is not None:
+            return (2, e.time, r)
+        return (3, 0.0, r)
+
+    rank = min(exitcodes, key=order)
+    e = errors.get(rank)
+    if e is not None:
+        return rank, shell_status(exitcodes[rank]) if e.status is None else e.status, e.text
     return rank, shell_status(exitcodes[rank]), None
 
 
-def failure_report(rank: int, status: int, text: str | None) -> str | None:
+def failure_report(rank: int, status: int, text: str | None, host: str | None = None) -> str | None:
     """The launcher's one report of a failed launch, or None where the ranks have said everything themselves (a
-    rank that exited with a status of its own and no error: parity's verdict, train's exit 3)."""
+    rank that exited with a status of its own and no error: parity's verdict, train's exit 3). `host`: the node of
+    the failed rank (the launcher's own)."""
     if text is not None:
         return text
     if status > 128:
@@ -141,9 +144,8 @@ def failure_report(rank: int, status: int, text: str | None) -> str | None:
             name = signal.Signals(status - 128).name
         except ValueError:
             name = f"signal {status - 128}"
-        return (
-            f"exactrl: rank {rank} was killed by {name} (exit status {status}); the other ranks were stopped"
-        )
+        where = f"rank {rank}" + (f" ({host})" if host else "")
+        return f"exactrl: {where} was killed by {name} (exit status {status}); the other ranks were stopped"
     return None
 
 
@@ -174,7 +176,7 @@ def agent_main(argv: list[str]) -> int:
         errors = read_rank_errors(folder) if folder else {}
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         rank, status, text = first_failure(codes, errors)
-        report = failure_report(rank, status, text)
+        report = failure_report(rank, status, text, socket.gethostname())
         if report is not None:
             print(report, file=sys.stderr, flush=True)
         return status or 1
@@ -183,48 +185,41 @@ def agent_main(argv: list[str]) -> int:
     return 0
 
 
-def launch(nproc: int, module: str, argv: list[str]) -> int:
-    """Run `python -m module argv` on `nproc` local ranks under torchrun (standalone: one node, a free port) and
-    return the exit status to exit with: 0, or the first failing rank's, whose error is printed once."""
-    cmd = [sys.executable, "-m", "exactrl.distributed.launch", "--standalone", f"--nproc-per-node={nproc}"]
+def launch(nodes: Nodes, module: str, argv: list[str]) -> int:
+    """Run `python -m module argv` on this node's ranks of `nodes` under torchrun (one node: standalone, a free port;
+    several: static rendezvous, exactrl.distributed.nodes) and return the exit status to exit with: 0, or the first
+    failing rank's, whose error is printed once."""
+    cmd = [sys.executable, "-m", "exactrl.distributed.launch", *nodes.torchrun_args()]
     cmd += ["-m", module, *argv]
     threads = ""
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:  # torchrun's banner about it is kept quiet
+    if (
+        nodes.world_size > 1 and "OMP_NUM_THREADS" not in os.environ
+    ):  # torchrun's banner about it is kept quiet
         threads = " (OMP_NUM_THREADS=1 on each rank, torchrun's default: set it to change that)"
     shown = " ".join(["torchrun", *cmd[3:]])
-    print(f"exactrl: launching {nproc} ranks: {shown}{threads}", file=sys.stderr, flush=True)
+    print(f"exactrl: launching {nodes.describe()}: {shown}{threads}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="exactrl-ranks-") as folder:
-        env = {**os.environ, RANK_ERRORS_ENV: folder}
-        return call_forwarding_signals(
-            cmd, env=env
-        )  # SIGTERM / Ctrl-C reach the ranks, which checkpoint and stop
+        env = {**os.environ, RANK_ERRORS_ENV: folder, LAUNCHER_PID_ENV: str(os.getpid())}
+        # SIGTERM / Ctrl-C reach the ranks, which checkpoint and stop; a second one kills them
+        return call_forwarding_signals(cmd, env=env, pids=Path(folder))
+
+
+def launch_torchrun(nodes: Nodes | int, argv: list[str]) -> int:
+    """Run `exactrl <argv>` on this node's ranks of `nodes` (Nodes, or N: N local ranks) under torchrun and return
+    the status to exit with: torchrun's agent stops every rank as soon as one fails, and the first failing rank's
+    error is printed once (`launch`). Check the command first (`exactrl.cli.check_before_launch`): what fails there
+    starts nothing."""
+    from exactrl.distributed.env import under_torchrun  # torch, imported only by a command that launches
+    from exactrl.distributed.nodes import without_launch_flags
+
+    if isinstance(nodes, int):  # --nproc N: one node
+        nodes = Nodes(1, nodes)
+    if under_torchrun():
+        raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
+    if nodes.nproc_per_node < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nodes.nproc_per_node}")
+    return launch(nodes, "exactrl.cli", without_launch_flags(argv))
 
 
 if __name__ == "__main__":
     sys.exit(agent_main(sys.argv[1:]))
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    """argv less its `--nproc N` / `--nproc=N` (the re-launched command must not launch again)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `exactrl <argv>` on `nproc` local ranks under torchrun and return the status to exit with: torchrun's
-    agent stops every rank as soon as one fails, and the first failing rank's error is printed once
-    (`launch`). Check the command first (`exactrl.cli.check_before_launch`): what fails there starts nothing."""
-    from exactrl.distributed.env import under_torchrun  # torch, imported only by a command that launches
-
-    if under_torchrun():
-        raise ValueError("--nproc under torchrun: torchrun has started the ranks already; drop --nproc")
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    return launch(nproc, "exactrl.cli", _without_nproc(argv))

@@ -48,8 +48,9 @@ from exactrl.tasks.base import Example
 def engine_group_size(tensor_parallel: int, expert_parallel: int) -> int:
     """G: the ranks that share one engine. Tensor and expert parallel split the same group when both are on."""
     t, e = tensor_parallel, expert_parallel
-    if t < 1 or e < 1:
-        raise ValueError(f"engine.tensor_parallel = {t} and engine.expert_parallel = {e} must be at least 1")
+    for key, size in (("engine.tensor_parallel", t), ("engine.expert_parallel", e)):
+        if size < 1:  # the key that is wrong, alone
+            raise ValueError(f"{key} = {size} must be at least 1")
     if t > 1 and e > 1 and t != e:
         raise ValueError(
             f"engine.tensor_parallel = {t} and engine.expert_parallel = {e}: both split one engine over the same "

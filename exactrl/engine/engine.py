@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from exactrl.config import EngineConfig
 from exactrl.engine.block_manager import BlockManager
 from exactrl.engine.runner import DecodeRow, ModelRunner, StepEntry, StepOutput, auto_num_blocks
 from exactrl.engine.sampler import SamplingParams, find_stop_string, noise_keys, sample
@@ -32,29 +33,6 @@ from exactrl.model.qwen import CausalLM
 from exactrl.ops import torch_determinism_off
 from exactrl.ops.batch import upload_int64
 from exactrl.ops.triton.common import pdl_launches
-
-
-@dataclass
-class EngineConfig:
-    """Engine sizing. block_size must be a multiple of the attention tile (16)."""
-
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from free memory (CUDA) or a CPU budget
-    kv_memory_fraction: float = 0.45
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    prefill_chunk_size: int = 2048
-    cuda_graphs: bool = True
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    # Read by the RL loop's memory phases (exactrl/train/phases.py), which call `release_kv` while the trainer
-    # runs; a call to `generate` allocates a released cache again whatever this says.
-    release_memory: bool = True
-    # Ranks that share this engine (exactrl/distributed/tensor_parallel.py and expert_parallel.py split its model
-    # before the engine is built; the engine itself runs the split model unchanged). Carried for the config's round
-    # trip.
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
 
 
 @dataclass
@@ -89,7 +67,9 @@ class RolloutEngine:
 
     def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model = model
-        self.config = config or EngineConfig()
+        # The engine's own copy: sizing its cache (exactrl/train/phases.py sets num_kv_blocks) never writes into the
+        # config it was given, often the run's `cfg.engine`.
+        self.config = replace(config) if config is not None else EngineConfig()
         self.tokenizer = tokenizer
         self.runner: ModelRunner | None = None
         # How pure decode steps run (runner.DECODE_MODES); None: "graph" on CUDA when config.cuda_graphs, else
@@ -221,21 +201,6 @@ class RolloutEngine:
         call.fold_stats()
         call.collect(outputs)
         return outputs
-
-    def generate_until_cut(
-        self,
-        prompts: list[list[int]],
-        request_ids: list[int],
-        params: SamplingParams,
-        resumed: list,
-        rule: object,
-    ) -> object:
-        """Partial rollouts' generation: new prompts and resumed samples, stopped by a count of complete requests
-        (`exactrl.engine.partial.generate_until_cut`; a disaggregated trainer's `RemoteEngine` has the same verb,
-        run on its generator). Returns a `CutResult`."""
-        from exactrl.engine.partial import generate_until_cut  # engine/partial.py builds on this module
-
-        return generate_until_cut(self, prompts, request_ids, params, resumed, rule)  # type: ignore[arg-type]
 
     # -- the stages of a call ----------------------------------------------------------------------------
     @staticmethod
@@ -389,7 +354,10 @@ class _Generation:
         out = self.launch(batch, rows, static, fused, ahead)
         self.stats["steps"] += 1
         self.stats["ahead_steps"] += ahead
-        output = self.runner.fetch(out) if rows else None
+        output = None
+        if rows:
+            assert out is not None  # `launch` returns None only when no row is sampled
+            output = self.runner.fetch(out)
         if self.pending is not None:  # ran ahead: read the previous step back while this one runs
             self.settle(self.pending)
             self.pending = None
@@ -409,6 +377,7 @@ class _Generation:
         if static:
             prev_row = {}
             if ahead:
+                assert self.pending is not None  # ahead: the previous step is still in flight
                 prev_row = {id(seq): k for k, seq in enumerate(self.pending.receivers) if seq is not None}
             drows = [
                 DecodeRow(

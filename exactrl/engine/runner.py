@@ -432,8 +432,9 @@ class _StaticDecode:
         """Write the step's metadata (padded to bucket b with dummy rows) and copy it to the device."""
         turn = self.turn
         self.turn ^= 1
-        if self.staged[turn] is not None:
-            self.staged[turn].synchronize()
+        staged = self.staged[turn]
+        if staged is not None:
+            staged.synchronize()
         host = self.staging[turn]
         h, s, bs, r, tw = host.numpy(), self.sec, self.runner.block_size, len(rows), self.tw
         scratch = self.runner.scratch_block
@@ -477,8 +478,9 @@ class _StaticDecode:
         # staging buffer may be rewritten.
         self.dev_buf[:n].copy_(host[:n], non_blocking=True)
         if host.is_pinned():
-            self.staged[turn] = torch.cuda.Event()
-            self.staged[turn].record()
+            event = torch.cuda.Event()
+            event.record()
+            self.staged[turn] = event
 
     def _sample_body(self, b: int, temperature: float, greedy: bool) -> torch.Tensor:
         """The step plus what the engine does after it on the fused-sampler path: LM head, temperature, Gumbel-max

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -149,6 +149,10 @@ def _exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------------------------
+@overload
+def _row_param(t: torch.Tensor, name: str, rows: int, device: torch.device) -> torch.Tensor: ...
+@overload
+def _row_param(t: torch.Tensor | None, name: str, rows: int, device: torch.device) -> torch.Tensor | None: ...
 def _row_param(t: torch.Tensor | None, name: str, rows: int, device: torch.device) -> torch.Tensor | None:
     if t is None:
         return None

@@ -412,9 +412,9 @@ class Scheduler:
                 running.extend(children.get(seq.seq_id, ()))
             self.running = running
         any_finished = False
-        for seq in receivers:
-            if seq is not None and seq.num_turn_tokens >= seq.max_tokens:
-                self._finish(seq, "length")
+        for receiver in receivers:
+            if receiver is not None and receiver.num_turn_tokens >= receiver.max_tokens:
+                self._finish(receiver, "length")
                 any_finished = True
         if any_finished:
             self.running = [s for s in self.running if not s.turn_ended]

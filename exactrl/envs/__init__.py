@@ -12,9 +12,8 @@ from exactrl.envs.base import (
     Environment,
     StepResult,
     Turn,
-    env_factory,
-    resolve_env,
 )
+from exactrl.envs.registry import env_factory, resolve_env
 
 _DRIVER = ("EnvSetup", "Episode", "EpisodeBatch", "EpisodeSettings", "episode_metrics", "run_episodes")
 

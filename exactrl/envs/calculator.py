@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from exactrl.envs.base import Demonstration, Environment, StepResult, Turn
 from exactrl.tasks.base import Example
-from exactrl.tasks.rewards import format_reward, numeric_match
+from exactrl.tasks.reward_fns import format_reward, numeric_match
 
 _CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _MAX_EXPR_CHARS = 200

@@ -73,12 +73,12 @@ from exactrl.envs.base import (
     Environment,
     StepResult,
     Turn,
-    builtin_envs,
     check_step_result,
     describe_error,
     env_class,
     source_file,
 )
+from exactrl.envs.registry import builtin_envs
 from exactrl.envs.workers import EnvCallError, EnvCallTimeout, EnvWorkerPool
 from exactrl.tasks.base import Example
 
@@ -375,21 +375,23 @@ def run_episodes(
             run.call = pool.call(key, turn, limit, example=run.example, first=first)
             run.deadline = math.inf
             return
-        env = run.env
+        env, example = run.env, run.example
         assert env is not None
         if isinstance(env, AsyncEnvironment):
 
-            async def job() -> StepResult:
+            async def async_job() -> StepResult:
                 if first:
-                    await asyncio.wait_for(env.reset(run.example), timeout)
+                    assert example is not None  # an episode's first call carries its example
+                    await asyncio.wait_for(env.reset(example), timeout)
                 return await asyncio.wait_for(env.step(turn), timeout)
 
-            run.call = caller.coroutine(job, limit)
+            run.call = caller.coroutine(async_job, limit)
         else:
 
             def job() -> StepResult:
                 if first:
-                    env.reset(run.example)
+                    assert example is not None  # an episode's first call carries its example
+                    env.reset(example)
                 return env.step(turn)
 
             run.call = caller.thread(job)
@@ -496,7 +498,10 @@ def run_episodes(
             now = time.perf_counter()
             answered = answered_calls(now)
             if not answered:
-                caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
+                caller.wait(
+                    [r.call for r in waiting if r.call is not None],
+                    max(0.0, min(r.deadline for r in waiting) - now),
+                )
             for k, r in answered:
                 decided[k] = on_answer(k, r)
         ours = dict(decided)
@@ -531,7 +536,10 @@ def run_episodes(
             if not waiting:
                 break  # nothing runs, nothing is asked: every episode has ended
             # Every episode waits for its environment: sleep until the first answer or deadline.
-            caller.wait([r.call for r in waiting], max(0.0, min(r.deadline for r in waiting) - now))
+            caller.wait(
+                [r.call for r in waiting if r.call is not None],
+                max(0.0, min(r.deadline for r in waiting) - now),
+            )
     finally:
         caller.close()
         session.close()
@@ -620,6 +628,52 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     for r, c in sorted(reasons.items()):
         m[f"env/finish_{r}"] = float(c)
     return m
+
+
+# How `episode_metrics` of several ranks' episodes combine into the step's (`combine_episode_metrics`): counts add,
+# maxima take the largest, means are per episode (weighted by each rank's env/episodes) and shares are recomputed.
+_EPISODE_MAXIMA = ("env/turns_max", "env/episode_tokens_max")
+# Means of whole numbers per episode: each rank's sum is mean * episodes, a whole number, recovered exactly.
+_EPISODE_COUNT_MEANS = (
+    "env/turns_mean",
+    "env/tool_calls_mean",
+    "env/tool_errors_mean",
+    "env/observation_tokens_mean",
+    "env/model_tokens_mean",
+    "env/episode_tokens_mean",
+)
+
+
+def combine_episode_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The step's `episode_metrics` from every rank's (each over its own episodes; an empty dict for a rank without
+    any): what one process running every episode would log. A rank's non-environment keys (e.g. dynamic_sampling/*,
+    the same on every rank) are taken from the first rank that has them."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    if len(parts) == 1:
+        return dict(parts[0])
+    n = sum(p["env/episodes"] for p in parts)
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        present = [p for p in parts if key in p]
+        if not key.startswith("env/"):
+            out[key] = present[0][key]
+        elif key in _EPISODE_MAXIMA:
+            out[key] = max(p[key] for p in present)
+        elif key in _EPISODE_COUNT_MEANS:
+            out[key] = sum(round(p[key] * p["env/episodes"]) for p in present) / n
+        elif key == "env/time_s_mean":
+            out[key] = sum(p["env/time_s"] for p in present) / n
+        elif key == "env/error_share":
+            continue  # below, from the summed failures and calls
+        else:  # counts: episodes, calls, tool calls, errors, timeouts, finish reasons, seconds, stopped workers
+            out[key] = float(sum(p[key] for p in present))
+    if "env/error_share" in out or any("env/error_share" in p for p in parts):
+        calls = out.get("env/calls", 0.0)
+        failed = out.get("env/errors", 0.0) + out.get("env/timeouts", 0.0)
+        out["env/error_share"] = failed / calls if calls else 0.0
+    return out
 
 
 def env_report(batch: EpisodeBatch, settings: EpisodeSettings) -> list[str]:

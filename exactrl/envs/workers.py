@@ -49,6 +49,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from exactrl.envs.base import EnvFactory, check_step_result, describe_error, source_file
+from exactrl.tasks.worker_loop import NO_REPLY, enter_worker, serve
 
 # How long a worker may take to start and import the environment's module (it may import heavy packages).
 START_TIMEOUT_S = 120.0
@@ -103,9 +104,7 @@ def worker_main(fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     factory, sys_path = conn.recv()
-    for p in reversed(sys_path):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    enter_worker(sys_path, ignore=())  # the signals above: ignored from the worker's first line
     try:
         make = pickle.loads(factory)  # bytes our own parent produced, never a file
     except BaseException as e:  # noqa: BLE001 - said to the parent, which raises
@@ -115,17 +114,13 @@ def worker_main(fd: int, parent_pid: int) -> None:
     loop = asyncio.new_event_loop()
     envs: dict[Hashable, Any] = {}
     user_file = source_file(make)
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
+
+    def handle(msg: tuple[str, Hashable, Any]) -> Any:
+        nonlocal user_file
         op, key, payload = msg
         if op == "drop":
             envs.pop(key, None)
-            continue
+            return NO_REPLY
         try:
             if op == "start":
                 example, turn = payload
@@ -144,12 +139,13 @@ def worker_main(fd: int, parent_pid: int) -> None:
             reply = ("error", str(e))
         except BaseException as e:  # noqa: BLE001 - a plug-in's SystemExit must not end the worker either
             reply = ("error", describe_error(e, user_file))
-        try:
-            conn.send((key, reply))
-        except Exception as e:  # noqa: BLE001 - e.g. an observation that does not pickle
-            conn.send(
-                (key, ("error", f"the result could not be sent back from the worker: {describe_error(e)}"))
-            )
+        return (key, reply)
+
+    def unsendable(msg: tuple[str, Hashable, Any], e: Exception) -> Any:
+        # e.g. an observation that does not pickle
+        return (msg[1], ("error", f"the result could not be sent back from the worker: {describe_error(e)}"))
+
+    serve(conn, handle, unsendable)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,11 +226,12 @@ class EnvWorkerPool:
             worker = self._assign(key)
             msg: tuple[str, Hashable, Any] = ("start", key, (example, turn))
         else:
-            worker = self._home.get(key)
-            if worker is None:
+            home = self._home.get(key)
+            if home is None:
                 raise KeyError(
                     f"episode {key!r} has no environment in a worker (its first call was not made)"
                 )
+            worker = home
             msg = ("step", key, turn)
         worker.queue.append(_Call(key, msg, float(limit_s), fut))
         self._dispatch(worker)

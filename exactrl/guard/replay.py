@@ -109,7 +109,7 @@ def replay_report(
     """Recompute every recorded sequence of a mismatch report (see the module docstring). device: None = the
     run's run.device; exact: the kernels to replay with (the guard runs in exact mode)."""
     from exactrl.config import load_config
-    from exactrl.engine.engine import EngineConfig, RolloutEngine
+    from exactrl.engine.engine import RolloutEngine
     from exactrl.engine.sampler import SamplingParams
     from exactrl.model.loading import load_policy
     from exactrl.ops import set_exact_environment
@@ -132,7 +132,7 @@ def replay_report(
     model.requires_grad_(False)
     params = SamplingParams(**rep["sampling"]).validate()
     # The engine as the run configured it, but sized for this replay (on the CPU no graphs are captured anyway).
-    engine = RolloutEngine(model, EngineConfig(**asdict(cfg.engine)), tokenizer=tok)
+    engine = RolloutEngine(model, cfg.engine, tokenizer=tok)
     temperature = params.temperature if params.temperature > 0 else 1.0
 
     # 1. Re-generate each request once, with enough samples to reach every recorded sample index.

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from exactrl.config import RunConfig, apply_overrides, load_config
-from exactrl.train.run_report import accuracy_label, read_metrics
+from exactrl.train.logging import accuracy_label, read_metrics
 
 TIS_MODES = ("token-tis", "seq-tis")
 MIS_MODES = ("token-mis", "seq-mis", "icepop")

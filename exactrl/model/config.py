@@ -453,10 +453,14 @@ def _rope_from_hf(d: dict[str, Any], where: str, max_pos: int) -> tuple[RopeScal
     return out, theta
 
 
-_Q = dict(architecture="qwen3", vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=40960)
-_Q2 = dict(architecture="qwen2", vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=32768)
+_Q: dict[str, Any] = dict(
+    architecture="qwen3", vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=40960
+)
+_Q2: dict[str, Any] = dict(
+    architecture="qwen2", vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=32768
+)
 # Llama 3.x: 128k context through the llama3 RoPE scaling of an 8k-trained model.
-_L = dict(
+_L: dict[str, Any] = dict(
     architecture="llama",
     vocab_size=128256,
     rope_theta=500_000.0,

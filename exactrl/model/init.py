@@ -92,13 +92,15 @@ def _normal_into_cuda(
     copied: list[torch.cuda.Event | None] = [None] * len(bufs)  # each buffer's copy out of it has finished
     for i, (start, end) in enumerate(bounds):
         k = i % len(bufs)
-        if copied[k] is not None:
-            copied[k].synchronize()  # the buffer's last chunk is on the device: it may be drawn into again
+        last = copied[k]
+        if last is not None:
+            last.synchronize()  # the buffer's last chunk is on the device: it may be drawn into again
         out = bufs[k][: end - start]
         out.normal_(0.0, 1.0, generator=generator)  # what randn draws
         on_device = out.to(flat.device, non_blocking=True)
-        copied[k] = torch.cuda.Event()
-        copied[k].record()
+        event = torch.cuda.Event()
+        event.record()
+        copied[k] = event
         flat[start:end].copy_(on_device.mul_(std))
         if done is not None:
             done(end - start)

@@ -53,6 +53,7 @@ def load_policy(
         model = load_model(path, device=device, dtype=torch_dtype, exact=exact, fp32_lm_head=fp32_lm_head)
         tok = Tokenizer.load(tokenizer_path or path)
     else:
+        assert preset_name is not None  # `_one_source`: exactly one of the two is set
         cfg, tok = preset_and_tokenizer(preset_name, tokenizer_path, preset_overrides)
         model = build_model(
             cfg,
@@ -105,6 +106,7 @@ def policy_structure(
         cfg, tok = read_config(path), Tokenizer.load(tokenizer_path or path)
         check_vocab(tok, cfg.vocab_size, tokenizer_path or path, path)
     else:
+        assert preset_name is not None  # `_one_source`: exactly one of the two is set
         cfg, tok = preset_and_tokenizer(preset_name, tokenizer_path)
     with torch.device("meta"):
         model = CausalLM(cfg, ops=get_ops(device, exact), fp32_lm_head=fp32_lm_head)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -332,7 +333,7 @@ def save_adapter(model: CausalLM, out_dir: str | Path, base_model_name_or_path: 
     with writing(out, "the LoRA adapter"):
         out.mkdir(parents=True, exist_ok=True)
         save_file(adapter_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    doc = {
+    doc: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,

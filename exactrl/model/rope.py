@@ -105,10 +105,13 @@ def inv_freq_and_scale(
     if kind in ("default", "dynamic"):  # dynamic == default below max_position_embeddings (see RopeScaling)
         return inv_freq, 1.0
     if kind == "linear":  # positions divided by factor, i.e. frequencies divided by it
+        assert rope.factor is not None  # RopeScaling.validate: "linear" needs its factor
         return inv_freq / rope.factor, 1.0
     if kind == "llama3":
         factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
         old_len = rope.original_max_position_embeddings
+        # RopeScaling.validate: "llama3" needs all four
+        assert factor is not None and low is not None and high is not None and old_len is not None
         wavelen = 2 * math.pi / inv_freq
         # Long wavelengths (low frequencies) are interpolated by `factor`, short ones kept, the middle band
         # blends the two linearly in old_len / wavelen.
@@ -119,6 +122,7 @@ def inv_freq_and_scale(
         return torch.where(medium, blended, scaled), 1.0
     if kind == "yarn":
         orig = rope.original_max_position_embeddings
+        assert orig is not None  # RopeScaling.validate: "yarn" needs it
         factor = rope.factor if rope.factor is not None else max_position_embeddings / orig
 
         def get_mscale(scale: float, m: float = 1.0) -> float:

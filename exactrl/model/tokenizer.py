@@ -56,7 +56,9 @@ class Tokenizer:
             # No checkpoint said which ids end generation: Qwen chat models end a turn with <|im_end|>.
             names = (eos_token, "<|im_end|>", "<|endoftext|>")
             stop_token_ids = [i for i in (tok.token_to_id(t) for t in names if t) if i is not None]
-        self.stop_token_ids = sorted(set(stop_token_ids) | ({self.eos_token_id} - {None}))
+        self.stop_token_ids = sorted(
+            set(stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        )
 
     @property
     def vocab_size(self) -> int:

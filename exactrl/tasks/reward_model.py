@@ -109,7 +109,7 @@ class RewardModel:
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             messages = [*messages, {"role": "assistant", "content": completion}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False))  # tokenize=False: a str
         if not isinstance(prompt, str):
             prompt = "\n".join(m["content"] for m in prompt)
         return prompt + completion

@@ -29,7 +29,6 @@ import numbers
 import os
 import pickle
 import signal
-import sys
 import time
 import traceback
 from collections import deque
@@ -39,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from exactrl.tasks import verl_score
+from exactrl.tasks.worker_loop import enter_worker, serve
 
 # How long a worker may take to start and import the reward functions (a reward file may import heavy packages).
 START_TIMEOUT_S = 120.0
@@ -147,7 +147,7 @@ def _resolve(ref: FunctionRef) -> Any:
     kind, what, base_dir = ref
     if kind == "pickled":
         return verl_score.adapt(pickle.loads(what))  # bytes our own parent process produced, never a file
-    from exactrl.tasks.rewards import resolve_reward
+    from exactrl.tasks.reward_fns import resolve_reward
 
     return resolve_reward(what, base_dir=base_dir)
 
@@ -186,10 +186,7 @@ def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], 
     is when the current call started (`time.monotonic`, one clock for all processes of the machine)."""
     # Ctrl-C reaches the whole process group; the parent decides when its workers end. (SIGTERM is not ignored:
     # multiprocessing ends daemonic workers with it at interpreter exit and then waits for them.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for p in reversed(sys_path):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    enter_worker(sys_path, ignore=(signal.SIGINT,))
     fns: list[Any] = []
     status: list[Any] = []
     for ref in refs:
@@ -200,14 +197,16 @@ def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], 
         except BaseException as e:  # noqa: BLE001
             fns.append(None)
             status.append(("error", f"{type(e).__name__}: {e}"))
+    try:
+        _serve(conn, fns, status, progress)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the rank that started this worker is gone (killed): its launcher reports that, not this worker
+
+
+def _serve(conn: Connection, fns: list[Any], status: list[Any], progress: Any) -> None:
     conn.send(("ready", status))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
+
+    def handle(msg: tuple[str, int, Any]) -> tuple[str, list[tuple[float, str | None]]]:
         kind, index, payload = msg
         fn = fns[index]
         if kind == "calls":
@@ -216,19 +215,20 @@ def worker_main(conn: Connection, refs: list[FunctionRef], sys_path: list[str], 
                 progress[1] = time.monotonic()
                 out.append(as_score(*_call(fn, args), fn))
                 progress[0] += 1
-            conn.send(("ok", out))
-        elif kind == "batch":
+            return ("ok", out)
+        if kind == "batch":
             value, error = _call(fn, payload)
             n = len(payload[0])
-            conn.send(("ok", [as_score(None, error, fn)] * n if error is not None else as_scores(value, n)))
-        elif kind == "gather":
+            return ("ok", [as_score(None, error, fn)] * n if error is not None else as_scores(value, n))
+        if kind == "gather":
             samples, timeout_s = payload
             try:
-                conn.send(("ok", asyncio.run(_gather(fn, samples, timeout_s))))
+                return ("ok", asyncio.run(_gather(fn, samples, timeout_s)))
             except BaseException as e:  # noqa: BLE001
-                conn.send(("ok", [as_score(None, e, fn)] * len(samples)))
-        else:
-            conn.send(("ok", [(0.0, f"unknown request {kind!r}")]))
+                return ("ok", [as_score(None, e, fn)] * len(samples))
+        return ("ok", [(0.0, f"unknown request {kind!r}")])
+
+    serve(conn, handle)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,7 +254,8 @@ class Job:
             at, failed, rest = self.split
             others = rest.scores() if rest.num_samples else []
             return others[:at] + [failed] + others[at:]
-        status, payload = self.result if self.result is not None else ("died", "no result")
+        result: tuple[str, Any] = self.result if self.result is not None else ("died", "no result")
+        status, payload = result
         if status == "ok":
             return [(float(score), problem) for score, problem in payload]
         failed = (0.0, "timeout") if status == "timeout" else (0.0, str(payload))

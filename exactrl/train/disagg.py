@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from exactrl.config import RunConfig, resolve_device
 from exactrl.distributed.env import rank_device
 from exactrl.distributed.layout import Layout, recv_weights, send_weights
 from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
-from exactrl.engine.partial import CutResult, CutRule, PartialSample
+from exactrl.engine.partial import CutResult, CutRule, PartialSample, generate_until_cut
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, EpisodeBatch
 
@@ -91,7 +91,7 @@ class RemoteEngine:
         rule: CutRule,
     ) -> CutResult:
         """Partial rollouts: this trainer's generation, cut by its own count, run on its generator as this rank's
-        colocated engine would run it (`RolloutEngine.generate_until_cut`)."""
+        colocated engine would run it (`exactrl.engine.partial.generate_until_cut`)."""
         return self._ask(
             Command(
                 "partial", [list(p) for p in prompts], params, list(request_ids), resumed=resumed, rule=rule
@@ -254,11 +254,11 @@ def generator_engine(
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     model = model.to_empty(device=device).requires_grad_(False)
-    engine_cfg = asdict(cfg.engine) | {"kv_memory_fraction": cfg.distributed.generator_kv_memory_fraction}
+    engine_cfg = replace(cfg.engine, kv_memory_fraction=cfg.distributed.generator_kv_memory_fraction)
     if kv_blocks is not None and not cfg.engine.num_kv_blocks:
         # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
-        engine_cfg["num_kv_blocks"] = kv_blocks if group is None else group.min(kv_blocks)
-    engine = make(model, EngineConfig(**engine_cfg), tokenizer=tok)
+        engine_cfg.num_kv_blocks = kv_blocks if group is None else group.min(kv_blocks)
+    engine = make(model, engine_cfg, tokenizer=tok)
     if group is not None:
         # Each rank sizes an unset KV cache from its own free memory: the group takes the least.
         engine.agree_blocks = group.min
@@ -396,7 +396,7 @@ class GeneratorLoop:
         tokens = 0
         for r, c in asks:
             assert c.params is not None and c.rule is not None and c.request_ids is not None
-            out = self.engine.generate_until_cut(c.prompts, c.request_ids, c.params, c.resumed, c.rule)
+            out = generate_until_cut(self.engine, c.prompts, c.request_ids, c.params, c.resumed, c.rule)
             tokens += sum(len(s.completion_ids) for s in out.samples)
             tokens -= sum(len(s.completion_ids) for s in c.resumed)
             self._answer(out, r)

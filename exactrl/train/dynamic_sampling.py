@@ -207,7 +207,8 @@ class DynamicSampler:
             first_error=first_error,
             correct=None if base.rewards.correct is None else [c for g in kept for c in g.correct or []],
         )
-        result = dataclasses.replace(
+        # A Share is the loop's RankScores, a dataclass; a Protocol cannot say so.
+        result = dataclasses.replace(  # type: ignore[type-var]
             base,
             rollouts=[ro for g in kept for ro in g.rollouts],
             rewards=rewards,

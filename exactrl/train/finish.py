@@ -8,12 +8,28 @@ from typing import Any
 
 from exactrl.model.files import writing
 from exactrl.train.logging import summary_text
+from exactrl.train.run_summary import algorithm_label, summary_totals
 
 
 class Finish:
     """`RLRun`'s last stage (mixed into it)."""
 
     cfg: Any
+    # What `RLRun.__init__` sets (and its methods these call): declared for the type checker.
+    clock: Any
+    dist: Any
+    evaluate: Any
+    exact: Any
+    logger: Any
+    out: Any
+    out_dir: Any
+    rewards: Any
+    step: Any
+    stopped_early: Any
+    stopped_in_sft: Any
+    summary: Any
+    task: Any
+    totals: Any
 
     def finish(self) -> dict[str, Any]:
         """The held-out accuracy after RL, summary.json, report.png and the summary lines."""
@@ -36,7 +52,8 @@ class Finish:
                 "nan_steps_total": t["nan_steps"],
                 "mismatch_skipped_steps_total": t.get("mismatch_skipped_steps", 0),
                 "exact": self.exact,
-                "algorithm": self.cfg.algorithm.name,
+                "algorithm": algorithm_label(self.cfg),
+                **summary_totals(t),
                 "advantage": self.cfg.algorithm.resolved_advantage,
                 "policy_loss": self.cfg.algorithm.resolved_policy_loss,
                 "stopped_early": self.stopped_early or self.stopped_in_sft,

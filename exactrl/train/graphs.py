@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -97,7 +98,7 @@ class MicrobatchGraphs:
         self.max_graphs = max_graphs
         self.eager_runs = 0  # microbatches of buckets past max_graphs
         self._graphs: dict[Hashable, _Entry] = {}
-        self._pool = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle() once a graph is captured
         self._addresses: tuple[int, ...] = ()
         self.captures = 0
         self.replays = 0

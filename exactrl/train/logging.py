@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from exactrl.model.files import writing
+from exactrl.train.rundir import run_outputs
 
 
 def _warn(msg: str) -> None:
@@ -269,6 +270,16 @@ def step_line(m: dict[str, Any]) -> str:
         extra += f" | moe load {f('moe/load_max_over_mean', '.2f')}x"
         if "moe/aux_loss" in m:
             extra += f" aux {f('moe/aux_loss', '.4f')}"
+    if (
+        "dynamic_sampling/groups_kept" in m
+    ):  # DAPO's dynamic sampling: groups with signal kept, dropped, rounds
+        extra += (
+            f" | groups kept {int(m['dynamic_sampling/groups_kept'])} "
+            f"dropped {int(m.get('dynamic_sampling/groups_dropped', 0))} "
+            f"(+{int(m.get('dynamic_sampling/extra_rounds', 0))} rounds)"
+        )
+        if m.get("dynamic_sampling/groups_missing"):
+            extra += f" {int(m['dynamic_sampling/groups_missing'])} missing"
     if "offpolicy/versions_behind/token_mean" in m:  # off-policy: staleness and the importance weights
         extra += (
             f" | behind {f('offpolicy/versions_behind/token_mean', '.2f')} "
@@ -312,7 +323,7 @@ def summary_text(s: dict[str, Any], out_dir: Path) -> str:
         f"   held-out accuracy {pct(s.get('accuracy_before_rl'))} -> {pct(s.get('accuracy_after_rl'))}"
         f"{_accuracy_source(s)}\n"
         f"   rollout vs trainer logprobs: {s['mismatched_tokens_total']} of {s['compared_tokens_total']} tokens differ\n"
-        f"   outputs in {out_dir}/ (metrics.jsonl, report.png, checkpoints/, summary.json)"
+        f"   outputs in {out_dir}/ ({run_outputs(out_dir)})"
         + (
             f"\n   !! {s['reward_failure']}. "
             + (
@@ -337,3 +348,38 @@ def _accuracy_source(s: dict[str, Any]) -> str:
     if fn == "environment":
         return " (episode reward > 0.5)"
     return f" ({fn} > 0.5)"
+
+
+# Reading a run's files back (`exactrl report`, the guard's twin runs).
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, one dict per logged step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+    return rows
+
+
+def accuracy_label(run_dir: str | Path) -> str:
+    """What the run's accuracy counts, from its summary.json (`accuracy_function`), for the plot titles: "" when
+    the summary does not say (a run still going, or one from before the field)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if "accuracy_function" not in summary:
+        return ""
+    fn = summary["accuracy_function"]
+    if fn is None:
+        return "not reported: no correctness function (reward.accuracy)"
+    return "episode reward > 0.5" if fn == "environment" else f"{fn} > 0.5"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,6 @@ import torch
 
 from exactrl.algorithms import KLController
 from exactrl.config import RunConfig
-from exactrl.distributed.checkpoint import (
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
 from exactrl.distributed.env import rank_device
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.distributed.shared_engine import (
@@ -29,8 +24,14 @@ from exactrl.distributed.shared_engine import (
     engine_group,
     split_engine_model,
 )
+from exactrl.distributed.shared_fs import (
+    agree,
+    agreed_checkpoint,
+    check_every_rank_sees,
+    check_shared_run_dir,
+)
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
-from exactrl.engine.engine import EngineConfig, RolloutEngine
+from exactrl.engine.engine import RolloutEngine
 from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
@@ -63,6 +64,11 @@ from exactrl.train.sft import (
     sft_resume_point,
     truncate_sft_log,
 )
+from exactrl.train.sharded_checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from exactrl.train.signals import StopFlag as _StopFlag
 from exactrl.train.stages import RunStages, StepState, room_for_a_turn
 from exactrl.train.stages import StepRollouts as StepRollouts  # importable from here as before
@@ -92,6 +98,9 @@ def train(
     layout = resolved.layout
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
+    # Every trainer rank sees rank 0's run directory, or every one refuses (a run's own checkpoints need it; `bench
+    # rl` builds an RLRun in a private folder per rank and writes none).
+    check_shared_run_dir(layout.local, Path(cfg.run.output_dir))
     run = RLRun(
         resolved,
         resume=resume,
@@ -227,19 +236,22 @@ class RLRun(WarmStart, Finish):
         # disaggregated trainer's engine is its generator (`generate` there, the weight replica here).
         self.remote: RemoteEngine | None = None
         if layout.disaggregated:
-            self.remote = RemoteEngine(layout, EngineConfig(**asdict(cfg.engine)))
+            self.remote = RemoteEngine(layout, replace(cfg.engine))
             self.engine: Any = self.remote
         else:
-            self.engine = RolloutEngine(self.model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+            self.engine = RolloutEngine(self.model, cfg.engine, tokenizer=self.tok)
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
-        self.resume_from = latest_checkpoint(self.ckpt_root) if resume else None
+        # Rank 0 chooses the checkpoint; every rank checks it sees it whole (exactrl/distributed/shared_fs.py).
+        self.resume_from = (
+            agreed_checkpoint(self.dist, lambda: latest_checkpoint(self.ckpt_root)) if resume else None
+        )
         # Without an RL checkpoint, SFT's own resume point: an unfinished SFT continues from its last checkpoint,
         # a finished one is not run again (its weights are sft/).
         self.sft_point = SFTResumePoint()
         if resume and self.resume_from is None and cfg.sft.steps > 0 and not cfg.sft.checkpoint:
-            self.sft_point = sft_resume_point(self.out_dir)
+            self.sft_point = agree(self.dist, lambda: sft_resume_point(self.out_dir))
         self.check_resume_point()
         sft_resuming = self.sft_point.finished is not None or self.sft_point.checkpoint is not None
         if resume and self.resume_from is None and not sft_resuming:
@@ -351,6 +363,8 @@ class RLRun(WarmStart, Finish):
         if self.resume_from is not None:
             check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
             sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
+            if cfg.algorithm.kl_coef > 0 and sft_src:
+                check_every_rank_sees(self.dist, Path(sft_src), "the KL reference")
             if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
                 raise ValueError(
                     f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "
@@ -468,7 +482,7 @@ class RLRun(WarmStart, Finish):
             if old is not None:
                 old.release_graphs()
                 old.release_kv()
-            self.engine = RolloutEngine(engine_model, EngineConfig(**asdict(cfg.engine)), tokenizer=self.tok)
+            self.engine = RolloutEngine(engine_model, cfg.engine, tokenizer=self.tok)
             if self.engine_group is not None:
                 self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)

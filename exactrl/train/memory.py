@@ -478,7 +478,12 @@ def engine_shard_sizes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
         policy = CausalLM(mcfg)
     dh, nh, nkv = mcfg.head_dim, mcfg.num_heads, mcfg.num_kv_heads
     qkv_rows, qkv_rank_rows = (nh + 2 * nkv) * dh, (nh // t + 2 * kv_heads_per_rank(nkv, t)) * dh
-    by_features = (".o_proj.", ".mlp.gate_up_proj.", ".mlp.down_proj.", ".shared_expert.gate_up_proj.")
+    by_features: tuple[str, ...] = (
+        ".o_proj.",
+        ".mlp.gate_up_proj.",
+        ".mlp.down_proj.",
+        ".shared_expert.gate_up_proj.",
+    )
     by_features += (".shared_expert.down_proj.",)
     sizes = {}
     for name, p in policy.named_parameters():
@@ -748,7 +753,9 @@ def plan_memory(
         resident["decode_graph_pool"] = decode
         decode = 0
     held = {**resident, **({} if offload else opt_state)}
-    gen_other = {**held, **engine_held, "engine_working_set": prefill_working_set(cfg, mcfg, b) + decode}
+    gen_other = {**held, **engine_held}
+    if not trainer_only:  # a trainer of a disaggregated run holds no engine: nothing to prefill, no cache
+        gen_other["engine_working_set"] = prefill_working_set(cfg, mcfg, b) + decode
     if group > 1:
         gen_other["engine_gathers"] = engine_gather_bytes(cfg, mcfg, b)
     train_other = {**held, **({} if release else engine_held), **grads, **train_extra, **act}
@@ -787,10 +794,11 @@ def plan_memory(
         free = available - max(sum(t.values()) for t in holding)
     blocks = kv_cache_blocks(cfg, mcfg, b, n, free)
     kv = kv_cache_bytes(cfg, mcfg, b, blocks) if not trainer_only else 0
+    cache = {} if trainer_only else {"kv_cache": kv}
 
-    gen = Phase("generation", {**gen_other, "kv_cache": kv})
-    train = Phase("training", {**train_other, **({} if release else {"kv_cache": kv})})
-    step = Phase("optimizer", {**step_other, **({} if release else {"kv_cache": kv})})
+    gen = Phase("generation", {**gen_other, **cache})
+    train = Phase("training", {**train_other, **({} if release else cache)})
+    step = Phase("optimizer", {**step_other, **({} if release else cache)})
     phases = [gen, train, step]
     if sharded:
         # Before FSDP2 shards anything each rank holds the policy whole in the model dtype (built or loaded on its
@@ -808,7 +816,7 @@ def plan_memory(
             setup["critic_whole"] = c["critic_params"] * b + c["critic_head_fp32"] * 4
         phases.insert(0, Phase("setup", setup))
     for other in ckpt_other:
-        phases.append(Phase("checkpoint", {**other, **({} if release else {"kv_cache": kv})}))
+        phases.append(Phase("checkpoint", {**other, **({} if release else cache)}))
     counts_out = {
         **c,
         "dtype_bytes": b,

@@ -160,7 +160,7 @@ def _together(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int], world_si
     from exactrl.train.phases import phases_overlap
 
     same = world_size == plan.world_size
-    kw = dict(
+    kw: dict[str, Any] = dict(
         world_size=world_size, gpu_memory=plan.gpu_memory, device=plan.device, counts=counts,
         host_memory=plan.host_memory, host_ranks=plan.host_ranks if same else None,
         sharded=plan.sharded if same else None,
@@ -272,7 +272,7 @@ def check_before_loading(
     host = host_memory_bytes()
     # The ranks of this node share its host memory (torchrun's LOCAL_WORLD_SIZE; one node when it is unset).
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    kw = dict(
+    kw: dict[str, Any] = dict(
         world_size=world_size,
         gpu_memory=total,
         device="cuda",
@@ -296,9 +296,11 @@ def check_before_loading(
     return plan
 
 
-def print_plan(plan: MemoryPlan, out=print, generator: MemoryPlan | None = None) -> None:
-    """The table, the verdict with the knobs, and one JSON line; a disaggregated run's generator plan (`generator`)
-    after the trainers', each under its ranks, and in the same JSON line."""
+def print_plan(
+    plan: MemoryPlan, out=print, generator: MemoryPlan | None = None, json_line: bool = True
+) -> None:
+    """The table, the verdict with the knobs, and (json_line) one JSON line; a disaggregated run's generator plan
+    (`generator`) after the trainers', each under its ranks, and in the same JSON line."""
     out(plan.table())
     if not plan.fits:
         out(plan.refusal())
@@ -310,4 +312,5 @@ def print_plan(plan: MemoryPlan, out=print, generator: MemoryPlan | None = None)
         if not generator.fits:
             out(generator.refusal())
         line["generator_memory_plan"] = generator.to_json()
-    out(json.dumps(line, separators=(",", ":")))
+    if json_line:
+        out(json.dumps(line, separators=(",", ":")))

@@ -43,7 +43,8 @@ class MismatchSequence:
 
     request_id, sample_index: with the sampling seed, the key of the sampling noise (the engine re-draws the same
     tokens from them); prompt_ids, completion_ids: token ids; rollout_logprobs, trainer_logprobs:
-    [len(completion_ids)] fp32, what the engine recorded and what the trainer computed at the sampling weights."""
+    [len(completion_ids)] fp32, what the engine recorded and what the trainer computed at the sampling weights;
+    rank: the trainer rank that found it (None on one process)."""
 
     request_id: int
     sample_index: int
@@ -51,6 +52,7 @@ class MismatchSequence:
     completion_ids: list[int]
     rollout_logprobs: torch.Tensor
     trainer_logprobs: torch.Tensor
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -99,6 +101,8 @@ def format_mismatch_error(step: int, seq: MismatchSequence, layer: int | None = 
     both logprobs as hex floats (and decimals); with `layer`, the first decoder layer whose output differs."""
     pos = seq.first_difference()
     head = f"step {step}: request {seq.request_id} sample {seq.sample_index}"
+    if seq.rank is not None:
+        head += f" (rank {seq.rank})"
     if pos is None:
         return f"{head}: rollout and trainer logprobs are bitwise equal"
     r = float(seq.rollout_logprobs[pos])
@@ -130,6 +134,7 @@ def _sequence_record(seq: MismatchSequence) -> dict[str, Any]:
     return {
         "request_id": int(seq.request_id),
         "sample_index": int(seq.sample_index),
+        "rank": seq.rank,
         "prompt_ids": [int(x) for x in seq.prompt_ids],
         "completion_ids": [int(x) for x in seq.completion_ids],
         "rollout_logprobs_hex": hex_floats(seq.rollout_logprobs),
@@ -239,6 +244,7 @@ def read_mismatch_report(report_dir: str | Path) -> tuple[dict[str, Any], list[R
                     trainer_logprobs=floats_from_hex(
                         s["trainer_logprobs_hex"], f"{where}.trainer_logprobs_hex"
                     ),
+                    rank=s.get("rank"),
                     first_differing_layer=s.get("first_differing_layer"),
                 )
             )

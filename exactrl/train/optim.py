@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
 from exactrl.train import pinned
+
+if TYPE_CHECKING:  # imported where used: it imports triton
+    from exactrl.ops.triton.adamw import AdamWTables
 
 OFFLOAD_MODES = ("none", "optimizer")
 # With offload the step streams the state through the device in groups of parameters of at most this many bytes of
@@ -101,7 +105,7 @@ class MasterAdamW:
         # The step's device: the weights' (the masters may start on the host, see above).
         self.device = (self.params if self.has_master else self.master)[0].device if self.params else None
         self.on_cuda = self.device is not None and self.device.type == "cuda"
-        self._tables = None  # exactrl.ops.triton.adamw.AdamWTables, built on the first Triton step
+        self._tables: AdamWTables | None = None  # built on the first Triton step
         kw = {"fused": True} if self.on_cuda else {"foreach": False}
         self.opt = torch.optim.AdamW(
             self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, **kw
@@ -110,7 +114,7 @@ class MasterAdamW:
         # pinned allocations cost more than the copies). Keyed by (master index, "master" | moment name).
         self.offload = offload
         self._chunks = offload_chunks([m.numel() for m in self.master], 12, offload_chunk_bytes)
-        self._chunk_tables: dict[int, object] = {}  # AdamWTables per chunk (the streamed Triton step)
+        self._chunk_tables: dict[int, AdamWTables] = {}  # per chunk (the streamed Triton step)
         self._host: dict[tuple[int, str], torch.Tensor] = {}
         self.on_host = False  # the offloaded tensors are in their host buffers now
         # CUDA events around each queued step (offload's copies included), read by `take_step_seconds`: the
@@ -508,7 +512,7 @@ class MasterAdamW:
     def init_state(self) -> None:
         """Zero AdamW state for every master that has none yet (torch makes it at the first step), where the state
         waits between steps: the host buffers with offload, else the master's device. A checkpoint loads into
-        these tensors in place (exactrl/distributed/checkpoint.py); with offload no moment of a resumed run passes
+        these tensors in place (exactrl/train/sharded_checkpoint.py); with offload no moment of a resumed run passes
         through the device outside a step."""
         for i, m in enumerate(self.master):
             st = self.opt.state[m]

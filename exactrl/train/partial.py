@@ -35,17 +35,18 @@ for). At most E groups are carried at any cut and E <= prompts_per_step, so the 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from exactrl.distributed.env import DistContext
-from exactrl.engine.engine import RequestOutput, Sample
-from exactrl.engine.partial import CutRule, PartialSample
+from exactrl.engine.engine import RequestOutput, RolloutEngine, Sample
+from exactrl.engine.partial import CutRule, PartialSample, generate_until_cut
 from exactrl.tasks import Example
 from exactrl.train.checkpoint import PARTIAL_FILE
 from exactrl.train.offpolicy import BehaviourBatch, BehaviourPolicy, check_batch
@@ -263,7 +264,9 @@ class PartialRollouts:
         guard's verdict and the generation's counts over every rank; then the next generation's top-ups."""
         sr = ctx.stages.step_scores(share.scores, None)
         versions = [
-            torch.tensor(share.versions[(ro.request_id, ro.sample_index)], dtype=torch.int64)
+            torch.tensor(
+                share.versions[(cast(int, ro.request_id), cast(int, ro.sample_index))], dtype=torch.int64
+            )
             for ro in sr.rollouts
         ]
         batch = BehaviourBatch(sr, share.version, versions, share.generate_s, ctx.state.model_tokens)
@@ -292,7 +295,13 @@ class PartialRollouts:
         self.pool += new
         # Samples still to finish per group (a group not yet run: all n): the cut's count without a scan.
         left = {g.request_id: self.n - sum(s.finished for s in g.samples.values()) for g in self.pool}
-        cut = ctx.engine.generate_until_cut(
+        # A local engine's cut runs here (engine/partial.py); a disaggregated trainer's RemoteEngine sends it to its
+        # generator, which runs the same function.
+        local = isinstance(ctx.engine, RolloutEngine)
+        until_cut = (
+            functools.partial(generate_until_cut, ctx.engine) if local else ctx.engine.generate_until_cut
+        )
+        cut = until_cut(
             [g.prompt_ids for g in new],
             [g.request_id for g in new],
             ctx.stages.sampling_params(),

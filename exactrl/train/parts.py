@@ -3,6 +3,8 @@ environment, and the held-out evaluation over them (`RLRun` and `exactrl eval` b
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from exactrl.config import RunConfig, episode_token_limit
@@ -52,7 +54,7 @@ def env_setup(cfg: RunConfig, search_dirs: list[str] | None = None) -> EnvSetup:
     """The [env] section as the episode driver takes it (the environment resolved, its options checked)."""
     from exactrl.envs import EpisodeSettings, env_factory
 
-    cls, make = env_factory(cfg.env.name, cfg.env.options, search_dirs)
+    cls, make = env_factory(cast(str, cfg.env.name), cfg.env.options, search_dirs)  # set: an [env] run
     settings = EpisodeSettings(
         max_turns=cfg.env.max_turns,
         max_tokens_per_turn=cfg.sampling.max_tokens,
@@ -116,8 +118,8 @@ def evaluate(
     else:
         outs = engine.generate(ids, params, request_ids=list(range(len(ids))))
         completions, answers, exs = [], [], []
-        for ex, out in zip(examples, outs):
-            for s in out.samples:
+        for ex, req in zip(examples, outs):
+            for s in req.samples:
                 completions.append(tok.decode(s.token_ids))
                 answers.append(ex.answer)
                 exs.append(ex)

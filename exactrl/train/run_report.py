@@ -5,9 +5,10 @@ staleness and importance weights when the run logged them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from exactrl.train.logging import accuracy_label, read_metrics
 
 # The multi-turn metrics the loop logs per step (exactrl.envs.rollout.episode_metrics), with their labels.
 EPISODE_METRICS = {
@@ -34,21 +35,6 @@ MODE_PANELS = {
         "offpolicy/is_weight/capped_frac": "importance weight capped (fraction)",
     },
 }
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not JSON ({e})") from e
-    return rows
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[Any], list[float]]:
@@ -90,22 +76,6 @@ def episode_summary(rows: list[dict]) -> list[str]:
             f"{last['eval/env/turns_mean']:.3f}"
         )
     return lines
-
-
-def accuracy_label(run_dir: str | Path) -> str:
-    """What the run's accuracy counts, from its summary.json (`accuracy_function`), for the plot titles: "" when
-    the summary does not say (a run still going, or one from before the field)."""
-    path = Path(run_dir) / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return ""
-    if "accuracy_function" not in summary:
-        return ""
-    fn = summary["accuracy_function"]
-    if fn is None:
-        return "not reported: no correctness function (reward.accuracy)"
-    return "episode reward > 0.5" if fn == "environment" else f"{fn} > 0.5"
 
 
 def report_figure(rows: list[dict], accuracy: str = ""):

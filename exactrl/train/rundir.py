@@ -252,6 +252,17 @@ class RunClock:
         summary[self.KEY] = self.total_s()
 
 
+# The outputs a finished or stopped run names in its summary lines, in this order, when they are there.
+SHOWN_OUTPUTS = ("metrics.jsonl", "report.png", "checkpoints", "sft", "sft-checkpoints", "summary.json")
+
+
+def run_outputs(out_dir: Path) -> str:
+    """The run's outputs that exist in out_dir (folders with a trailing slash): a run stopped during SFT has no
+    checkpoints/ yet, and the summary line must not send the user looking for it."""
+    there = [n + "/" if (out_dir / n).is_dir() else n for n in SHOWN_OUTPUTS if (out_dir / n).exists()]
+    return ", ".join(there)
+
+
 __all__ = [
     "RunClock",
     "HARMLESS_KEYS",
@@ -262,4 +273,5 @@ __all__ = [
     "check_run_dir",
     "config_changes",
     "load_saved_config",
+    "run_outputs",
 ]

@@ -153,6 +153,7 @@ def sft_batches(
         except ChatTemplateError as e:  # names the record already
             prompt_filter.reject(ex, str(e).split(": ", 1)[-1])
             ids = None
+        mask: list[bool]
         if demonstrate is None:
             completion, mask = sft_tokens(tokenizer, "", ex.answer)[1], []
         else:

@@ -6,6 +6,7 @@ import signal
 from typing import Any
 
 from exactrl.distributed.env import under_torchrun
+from exactrl.distributed.heartbeat import under_exactrl_launcher
 
 
 class StopFlag:
@@ -36,10 +37,11 @@ class StopFlag:
             self.signum = signum
             self.signal_name = signal.Signals(signum).name
             what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
-            print(
-                f"\n{what}: finishing this step, then writing a checkpoint ({what} again to abort)",
-                flush=True,
-            )
+            # Under a plain torchrun a second one changes nothing; exactrl's launcher kills the ranks on it.
+            again = f"{what} again to abort"
+            if not (repeats_abort or under_exactrl_launcher()):
+                again = "torchrun's agent kills the ranks after its shutdown timeout"
+            print(f"\n{what}: finishing this step, then writing a checkpoint ({again})", flush=True)
 
         for sig in self.SIGNALS:
             try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from exactrl.distributed.shared_engine import SharedEngine
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import RequestOutput
 from exactrl.engine.sampler import SamplingParams
-from exactrl.envs.rollout import EnvSetup
+from exactrl.envs.rollout import EnvSetup, combine_episode_metrics
 from exactrl.tasks import Example, RewardComputer, RewardResult
 from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
@@ -35,6 +35,7 @@ from exactrl.train.disagg import RemoteEngine
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
 from exactrl.train.logging import progress_bar
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
+from exactrl.train.run_summary import add_step_totals
 from exactrl.train.trainer import MismatchError, PolicyTrainer, Rollout
 
 
@@ -197,7 +198,8 @@ class RunStages:
         count = cfg.algorithm.prompts_per_step if count is None else count
         # Two passes over a finite training set with no prompt that fits means none ever will.
         max_skips_in_a_row = 2 * getattr(self.task, "num_train", 5_000) + 1
-        examples, prompt_ids = [], []
+        examples: list[Example] = []
+        prompt_ids: list[list[int]] = []
         skipped_in_a_row = 0
         while len(examples) < count:
             ex = next(self.stream)
@@ -320,7 +322,8 @@ class RunStages:
                 return self.rank_episodes(step, *d, round_=round_)
             return self.rank_scores(step, d[0], d[1], self.rollout(step, d[1], d[2], round_))
 
-        rs, metrics = self.dynamic.collect(step, (examples, prompt_ids, index), self.prompts, sample)
+        share, metrics = self.dynamic.collect(step, (examples, prompt_ids, index), self.prompts, sample)
+        rs = cast(RankScores, share)  # the shares `sample` returns
         rs.metrics.update(metrics)
         return rs
 
@@ -344,7 +347,7 @@ class RunStages:
                 for name, n in counts.items():
                     key = f"{name}/{kind}"
                     sr.reward_failures[key] = sr.reward_failures.get(key, 0) + n
-        sr.advantage_metrics.update(rs.metrics)
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
 
     def episodes(
@@ -364,8 +367,13 @@ class RunStages:
         sr = self.with_advantages(
             rs.rollouts, res.rewards, {}, errors, rs.completions, rs.answers, None, refused=rs.refused
         )
-        sr.advantage_metrics.update(rs.metrics)  # turns, tool calls, environment errors and timeouts
+        # turns, tool calls, environment errors and timeouts, over every rank's episodes
+        sr.advantage_metrics.update(self.sampling_metrics(rs.metrics))
         return sr
+
+    def sampling_metrics(self, mine: dict[str, float]) -> dict[str, float]:
+        """The step's view of each rank's sampling metrics (a collective): env/* over every rank's episodes."""
+        return combine_episode_metrics(self.dist.all_gather_object(mine))
 
     def rank_episodes(
         self,
@@ -529,12 +537,13 @@ class RunStages:
 
         seqs = [
             MismatchSequence(
-                request_id=rollouts[i].request_id,
-                sample_index=rollouts[i].sample_index,
+                request_id=cast(int, rollouts[i].request_id),  # every sampled rollout carries its request
+                sample_index=cast(int, rollouts[i].sample_index),
                 prompt_ids=rollouts[i].prompt_ids,
                 completion_ids=rollouts[i].completion_ids,
                 rollout_logprobs=r_lp,
                 trainer_logprobs=t_lp,
+                rank=self.dist.rank if self.dist.distributed else None,
             )
             for i, _, r_lp, t_lp in err.sequences
         ]
@@ -640,6 +649,7 @@ class RunStages:
             self.totals["mismatched"] += int(m["mismatch/num_mismatched_tokens"])
         # Exact mode compares every completion token of the step (fast mode recomputes them all as well).
         m["mismatch/completion_tokens"] = float(self.step_model_tokens)
+        add_step_totals(self.totals, sr.advantage_metrics)  # dynamic sampling's prompts and groups
         if m.get("mismatch/step_skipped"):
             self.totals["mismatch_skipped_steps"] = self.totals.get("mismatch_skipped_steps", 0) + 1
             self.out(

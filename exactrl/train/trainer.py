@@ -397,16 +397,26 @@ class PolicyTrainer:
             f"step {self.steps_done}: {n_bad} of {n_all} rollout logprobs differ from the trainer's at the sampling "
             f"weights (run.on_mismatch = '{self.s.on_mismatch}'); no optimizer step was applied"
         )
+        first = None
         if seqs:
             i, p, r_lp, t_lp = seqs[0]
             ro = rollouts[i]
             who = f"rollout {i}" + (
                 f" (request {ro.request_id}, sample {ro.sample_index})" if ro.request_id is not None else ""
             )
-            head += (
-                f"; first on this rank: {who}, completion position {p}, token id {ro.completion_ids[p]}: engine "
+            first = (
+                f"{who}, completion position {p}, token id {ro.completion_ids[p]}: engine "
                 f"{float(r_lp[p]).hex()} ({float(r_lp[p]):.9g}), trainer {float(t_lp[p]).hex()} ({float(t_lp[p]):.9g})"
             )
+        # The same line on every rank, whichever fails first (a collective: the mismatch count is global, so every
+        # rank is here): the first rank with a differing token names it.
+        firsts = self.dist.all_gather_object(first)
+        bad = [r for r, f in enumerate(firsts) if f is not None]
+        if bad and self.dist.distributed:
+            ranks = ", ".join(str(r) for r in bad)
+            head += f"; first on rank {bad[0]} (ranks with a differing token: {ranks}): {firsts[bad[0]]}"
+        elif bad:
+            head += f"; first: {firsts[bad[0]]}"
         if self.s.on_mismatch == "skip_step":
             self.skipped_mismatch = MismatchError(head, seqs)
             return out

@@ -17,6 +17,26 @@ class WarmStart:
 
     cfg: Any
     model: Any
+    # What `RLRun.__init__` sets (and its methods these call): declared for the type checker.
+    clock: Any
+    device: Any
+    dist: Any
+    encode: Any
+    env: Any
+    eval_examples: Any
+    evaluate: Any
+    exact: Any
+    logger: Any
+    out: Any
+    out_dir: Any
+    resume_from: Any
+    rewards: Any
+    sft_point: Any
+    stop_requested: Any
+    summary: Any
+    task: Any
+    tok: Any
+    weights: Any
 
     def warm_start(self) -> None:
         """SFT warm start and the held-out accuracy before RL (skipped on resume: the checkpoint holds the
@@ -97,7 +117,8 @@ class WarmStart:
             demonstrate=self.demonstrations(),
             checkpoints=ck,
         )
-        self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
+        if not sft.stopped:  # a stopped SFT says so below
+            self.out(f"SFT done: loss {sft.last.get('sft/loss', float('nan')):.4f}")
         # The run's time so far (earlier invocations of a resumed SFT included) is SFT's: RL's minutes start here.
         sft_s = self.clock.total_s()
         self.summary["sft_elapsed_s"] = sft_s  # ends in _s: the tools that compare runs skip timings

@@ -14,6 +14,13 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
   {"kind": "cli", "argv": [...], "plant_cut": true} the same, but the first partial-rollout cut of a process that
                                                    cuts a sample mid-completion records that sample's first logprob
                                                    one ulp off (a negative control for the guard)
+  {"kind": "cli", "argv": [...], "plant_generated": N, "guard_log": "FILE.json"}
+                                                   the same, but a disaggregated generator's N-th generate answer to
+                                                   trainer 0 records its first sample's first logprob one ulp off
+                                                   (the fault the guard must refuse before any update uses it); and
+                                                   each trainer rank writes FILE-rank<r>.json: for every one-step-off
+                                                   step, whether the guard refused it (skipped, or raised) and
+                                                   whether the rank's weights were equal after the step to before it
   {"kind": "weights", "out": "FILE.json", "skip_sync": bool, "preset": "tiny"}
                                                    trains a bf16 model of the preset (default tiny) a step under FSDP2
                                                    and compares, for every parameter, the engine replica's tensor with
@@ -27,6 +34,10 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    negative control of engine.tensor_parallel in exactrl train;
                                                    or its experts' combine split over the ranks; or its o_proj /
                                                    down_proj run without their LoRA adapters
+  {"kind": "cli", "argv": [...], "cwd_rank": {"R": DIR}, "expect_code": C}
+                                                   the same, rank R working in DIR (a relative run.output_dir
+                                                   is then another folder there: a node that does not share
+                                                   the run directory); exit code C is this job's expected end
   {"kind": "crashed", "src": DIR, "dst": DIR, "step": S}
                                                    rank 0 copies run DIR as a crash after step S's checkpoint leaves it
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
@@ -128,13 +139,25 @@ def cli_job(job: dict) -> None:
         undo.append(lambda: setattr(loop.RLRun, "stop_requested", real_stop))
     if job.get("plant_cut"):
         undo.append(_plant_first_cut())
+    private = job.get("cwd_rank", {}).get(os.environ["RANK"])
+    if private is not None:
+        here = os.getcwd()
+        Path(private).mkdir(parents=True, exist_ok=True)
+        os.chdir(private)
+        undo.append(lambda: os.chdir(here))
+    if job.get("plant_generated"):
+        undo.append(_plant_generated(int(job["plant_generated"])))
+    if job.get("guard_log"):
+        undo.append(_log_refused_steps(job["guard_log"]))
     try:
         code = main(job["argv"])
     finally:
         for u in undo:
             u()
-    if code and not (code == 130 and job.get("stop_at") is not None):
+    if code and not (code == 130 and job.get("stop_at") is not None) and code != job.get("expect_code"):
         sys.exit(code)
+    if job.get("expect_code") not in (None, code):
+        sys.exit(f"expected exit code {job['expect_code']}, got {code}")
 
 
 def _plant_first_cut():
@@ -159,6 +182,72 @@ def _plant_first_cut():
 
     engine_partial.PartialGeneration.cut = cut
     return lambda: setattr(engine_partial.PartialGeneration, "cut", original)
+
+
+def _plant_generated(n: int):
+    """A disaggregated generator's n-th generate answer to trainer 0: its first sample's first logprob one ulp
+    toward 0, as a fault between the generator's engine and the trainer would. Returns the undo."""
+    from exactrl.train import disagg
+
+    original = disagg.GeneratorLoop._answer
+    seen = [0]
+
+    def answer(self, obj, trainer):
+        if trainer == 0 and isinstance(obj, list) and obj and hasattr(obj[0], "samples"):
+            seen[0] += 1
+            if seen[0] == n:
+                lp = obj[0].samples[0].rollout_logprobs
+                lp[0] = torch.nextafter(lp[0], torch.tensor(0.0))
+        return original(self, obj, trainer)
+
+    disagg.GeneratorLoop._answer = answer
+    return lambda: setattr(disagg.GeneratorLoop, "_answer", original)
+
+
+def _log_refused_steps(path: str):
+    """Each trainer rank writes, for every one-step-off step, whether the guard refused the batch (the step skipped,
+    or MismatchError) and whether the rank's weights (its FSDP2 shards) after the step equal those before it.
+    Returns the undo."""
+    from exactrl.train.drivers.offpolicy import OneStepOffDriver
+    from exactrl.train.trainer import MismatchError
+
+    original = OneStepOffDriver.step
+    rows: list[dict] = []
+
+    def local(model) -> list[torch.Tensor]:
+        return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
+
+    def write() -> None:
+        stem = path[: -len(".json")] if path.endswith(".json") else path
+        with open(f"{stem}-rank{os.environ['RANK']}.json", "w") as f:
+            json.dump(rows, f)
+
+    def step(self):
+        step_no = self.ctx.state.step + 1
+        before = local(self.ctx.trainer.model)
+        try:
+            m = original(self)
+        except MismatchError:
+            after = local(self.ctx.trainer.model)
+            rows.append(
+                {"step": step_no, "refused": True, "raised": True, "unchanged": _equal(before, after)}
+            )
+            write()
+            raise
+        after = local(self.ctx.trainer.model)
+        refused = bool(m.get("mismatch/step_skipped", 0.0))
+        rows.append(
+            {"step": step_no, "refused": refused, "raised": False, "unchanged": _equal(before, after)}
+        )
+        write()
+        return m
+
+    OneStepOffDriver.step = step
+    return lambda: setattr(OneStepOffDriver, "step", original)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _forward_weights(model: torch.nn.Module, run_forward) -> dict[str, torch.Tensor]:

@@ -24,12 +24,14 @@ TINY = (
 ).split()
 
 
-def _bench(tmp: Path, *extra: str) -> dict:
+def _bench(tmp: Path, *extra: str, printed: list[str] | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     argv = [sys.executable, "-m", "exactrl.cli", *TINY, "--out-dir", str(tmp), *extra]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    if printed is not None:
+        printed += p.stdout.splitlines()
     return json.loads(p.stdout.strip().splitlines()[-1])  # the printed line: the record less its trace
 
 
@@ -39,7 +41,26 @@ def test_bench_rl_on_two_ranks_colocated_and_disaggregated(tmp_path: Path) -> No
     assert co["weight_sync_full_gb_per_s"] > 0 and co["tokens_per_s_per_gpu"] > 0
     base = tmp_path / "rl-tiny-nproc2-exact-cpu.json"
     assert json.loads(base.read_text())["step_s_median"] == co["step_s_median"]
-    dis = _bench(tmp_path, "--generator-ranks", "1", "--max-off-policy-steps", "1", "--baseline", str(base))
+    table: list[str] = []
+    dis = _bench(
+        tmp_path,
+        "--generator-ranks",
+        "1",
+        "--max-off-policy-steps",
+        "1",
+        "--baseline",
+        str(base),
+        printed=table,
+    )
+    # Only what applies: no partial rollouts here (no "partial:" row), and a trainer without an engine has no
+    # engine figures (the generators' are theirs: no "engine_steps 0" of the trainer).
+    table = [row for row in table if not row.startswith("{")]  # the rows, not the JSON line
+    assert not any("partial:" in row for row in table) and "engine_steps" not in dis, table
+    assert not any(row.split()[:1] == ["engine_steps"] for row in table), table
+    assert any(
+        row.split()[:3] == ["generators:", "engine_steps", str(dis["generator_engine_steps"])]
+        for row in table
+    )
     assert (dis["world_size"], dis["generator_ranks"], dis["trainer_ranks"]) == (2, 1, 1)
     assert (
         dis["mismatch_num_mismatched_tokens"] == 0 and dis["mismatch_num_tokens"] == dis["generated_tokens"]

@@ -3,10 +3,13 @@ generated, never the bits. A run of 3 ranks with distributed.generator_ranks = 1
 run of 2 ranks step for step (every metric but timings) and in its final weights; a run whose trainers stop sending
 weights after the first (the generators sample from stale weights) differs and its guard counts mismatches. A
 disaggregated run resumed from its sharded checkpoint (the trainers' DCP) equals the uninterrupted one. The same
-holds one step off (algorithm.max_off_policy_steps = 1), resume with its pending batch included."""
+holds one step off (algorithm.max_off_policy_steps = 1), resume with its pending batch included. One step off, a
+one-ulp fault in a generator's recorded logprobs is refused before any update uses the batch, under skip_step and
+abort alike, though its guard verdict comes a step late (after the generators were asked for the next batch)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,10 +55,34 @@ def runs(tmp_path_factory) -> Path:
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
             "skip_push": True,
         },
+        # One step off with a fault in the generator's answer for step 2 (its guard deferred into step 2): skipped.
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "fault-skip", 2, *disagg, K1, "run.on_mismatch=skip_step"),
+            "plant_generated": 2,
+            "guard_log": str(tmp / "fault-skip.json"),
+        },
     ]
     code, out, _ = launch(DRIVER, tmp, 3, jobs, "dis", 600)
     assert code == 0, out[-3000:]
     return tmp
+
+
+@pytest.fixture(scope="module")
+def aborted(tmp_path_factory) -> tuple[int, str, Path]:
+    """The same fault under run.on_mismatch = "abort": the run stops at step 2 (a launch of its own: the job fails)."""
+    tmp = tmp_path_factory.mktemp("disagg-abort")
+    (tmp / "reward.py").write_text(REWARD)
+    job = {
+        "kind": "cli",
+        "argv": small_argv(
+            tmp, "fault-abort", 2, "distributed.generator_ranks=1", K1, "run.on_mismatch=abort"
+        ),
+        "plant_generated": 2,
+        "guard_log": str(tmp / "fault-abort.json"),
+    }
+    code, out, _ = launch(DRIVER, tmp, 3, [job], "abort", 400)
+    return code, out, tmp
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +195,32 @@ def test_multi_turn_disaggregated_equals_colocated(variants: Path) -> None:
 def test_stale_generator_weights_differ_and_the_guard_sees_it(runs: Path) -> None:
     assert mismatched(runs / "stale") > 0
     assert not same(runs / "colocated", runs / "stale")
+
+
+def _guard_log(tmp: Path, name: str) -> list[list[dict]]:
+    """Each trainer rank's one-step-off steps: refused by the guard?, weights equal after the step to before?"""
+    return [json.loads((tmp / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _refused_untouched(ranks: list[list[dict]]) -> None:
+    for rows in ranks:
+        assert [(r["step"], r["refused"]) for r in rows] == [(1, False), (2, True)], rows
+        # Step 1 trained (its weights moved: the comparison can fail); the refused step 2 left them as they were.
+        assert not rows[0]["unchanged"] and rows[1]["unchanged"], rows
+
+
+def test_a_refused_one_step_off_batch_is_never_trained_on_disaggregated(runs: Path) -> None:
+    """A one-ulp fault in the generator's recorded logprobs of step 2's batch, whose guard is deferred into step 2
+    (the generator already samples the next batch), under skip_step: the step is skipped and on every trainer rank
+    the weights after it equal those before it (torch.equal)."""
+    _refused_untouched(_guard_log(runs, "fault-skip"))
+    skipped = [r for r in records(runs / "fault-skip") if "mismatch/num_mismatched_tokens" in r]  # the steps
+    assert [r.get("mismatch/step_skipped", 0.0) for r in skipped] == [0.0, 1.0]
+    assert skipped[1]["mismatch/num_mismatched_tokens"] >= 1
+
+
+@pytest.mark.extended  # make test-all: the same refusal as skip_step's (a launch of its own: the job fails)
+def test_a_refused_one_step_off_batch_aborts_before_any_update_disaggregated(aborted) -> None:
+    code, out, tmp = aborted
+    assert code != 0 and "no optimizer step was applied" in out, out[-3000:]
+    _refused_untouched(_guard_log(tmp, "fault-abort"))

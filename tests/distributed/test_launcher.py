@@ -4,11 +4,13 @@ launch is a subprocess on CPU ranks (gloo) with the tiny preset."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,7 @@ def test_a_failing_parity_reads_as_one_verdict_and_exits_1():
 
 
 PLANT = """
+import json
 import os
 if os.environ.get("RANK") == "1":
     import exactrl.parity as parity
@@ -146,3 +149,86 @@ def test_the_first_failure_is_the_earliest_rank_error_else_a_rank_that_was_not_s
     assert failure_report(rank, status, text) == (
         "exactrl: rank 1 was killed by SIGKILL (exit status 137); the other ranks were stopped"
     )
+
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+SECOND_CTRL_C = """
+import subprocess, sys, pathlib
+from exactrl.distributed.launch import call_forwarding_signals
+folder = pathlib.Path(sys.argv[1])
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[2]], start_new_session=True)  # a rank: its own session
+(folder / "pid-0").write_text(str(rank.pid))
+sys.exit(call_forwarding_signals([sys.executable, "-c", sys.argv[2]], pids=folder))
+"""
+
+
+def test_a_second_ctrl_c_kills_the_agent_and_the_ranks(tmp_path):
+    """The first Ctrl-C goes to torchrun's agent (the ranks checkpoint); a second one kills the agent and every rank
+    that left its pid, at once: here both ignore SIGINT, as a rank finishing its step does."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen(
+        [sys.executable, "-c", SECOND_CTRL_C, str(tmp_path), STUBBORN],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for _ in range(2):  # the agent and the rank are up (each says so once)
+        assert p.stdout.readline().strip() == "up"
+    rank = int((tmp_path / "pid-0").read_text())
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert p.poll() is None  # the first Ctrl-C stops nothing at once
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=20) == 128 + signal.SIGINT
+    assert "Ctrl-C again: killing the ranks without a checkpoint" in p.stderr.read()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank}").exists() and Path(f"/proc/{rank}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the rank survived the second Ctrl-C"
+        time.sleep(0.1)
+
+
+ULP = """
+import json
+import os
+if os.environ.get("RANK") == "2":  # the generator: its first batch's last sequence one ulp off (a trainer's share)
+    import torch
+    import exactrl.engine.engine as engine_mod
+
+    collect = engine_mod._Generation.collect
+    calls = {"n": 0}
+
+    def planted(self, outputs):
+        collect(self, outputs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            lp = [s for o in outputs for s in o.samples][-1].rollout_logprobs
+            lp[0] = torch.nextafter(lp[0], torch.tensor(0.0))
+
+    engine_mod._Generation.collect = planted
+"""
+
+
+@pytest.mark.extended  # a 3-rank launch; the fault is caught before the update by default in test_offpolicy_dist
+def test_a_disaggregated_guard_abort_at_k0_reads_as_one_verdict_naming_the_rank_and_token(tmp_path):
+    """One generator (rank 2) and two trainers, max_off_policy_steps = 0, a one-ulp fault in a sequence a trainer
+    other than rank 0 trains on: whichever trainer fails first, the one line names the rank and the first token,
+    no traceback (the generator's end-of-run barrier included), and the replay report names the rank."""
+    (tmp_path / "sitecustomize.py").write_text(ULP)
+    out = tmp_path / "run"
+    sets = ["sft.steps=0", "algorithm.rollouts_per_step=8", "algorithm.group_size=2", "task.num_eval=0",
+            "task.eval_every=0", "sampling.max_tokens=4", "run.progress=false", "run.tensorboard=false",
+            "train.steps=2", "distributed.generator_ranks=1", f"run.output_dir={out}"]  # fmt: skip
+    res = _exactrl(
+        ["train", "configs/quickstart.toml", *[x for s in sets for x in ("--set", s)], "--nproc", "3"],
+        extra_path=tmp_path,
+        timeout=400,
+    )
+    assert res.returncode == 1, res.stderr[-4000:]
+    assert "Traceback" not in res.stderr and "Connection closed" not in res.stderr, res.stderr[-4000:]
+    verdict = [ln for ln in res.stderr.splitlines() if ln.startswith("exactrl train: ")]
+    assert len(verdict) == 1, res.stderr[-4000:]
+    assert "; first on rank 1 (ranks with a differing token: 1): rollout " in verdict[0], verdict
+    assert ", token id " in verdict[0] and "no optimizer step was applied" in verdict[0]
+    (report,) = out.glob("mismatch-*/report.json")
+    assert {s["rank"] for s in json.loads(report.read_text())["sequences"]} == {1}

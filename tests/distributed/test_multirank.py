@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._runs import REWARD, launch
+from ._runs import REWARD, _timing, launch
 from ._runs import crashed_after as _crashed_after
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,14 @@ SMALL = [
     "train.keep_checkpoints=4",
 ]
 STEPS = 4  # the runs that are compared step by step; the others run 2
+# Two model turns around an observation, a reward that varies within a group (tests/envs/sample_envs.py, importable
+# by the ranks as _mt_env): the env/* metrics.
+MULTI_TURN = (
+    "env.name=_mt_env:VaryingReward",
+    "env.isolation=thread",
+    "env.max_turns=2",
+    "env.max_episode_tokens=64",
+)
 
 
 def _argv(
@@ -91,6 +100,7 @@ def runs(tmp_path_factory):
         code, out, secs = _launch(tmp, nproc, jobs, tag)
         times[tag] = secs
         assert code == 0, f"launch {tag} ({nproc} ranks) failed:\n{out[-6000:]}"
+        (tmp / f"{tag}.log").write_text(out)
         return out
 
     def cli(name, algo="grpo", steps=2, *extra, resume=False):
@@ -98,12 +108,25 @@ def runs(tmp_path_factory):
 
     ckpt = "train.save_every=1"
     # GRPO runs the steps that are compared; one step each shows the other algorithms exact.
+    # Multi-turn episodes (the env/* metrics), one process and two ranks: test_every_metric_is_global.
+    mt = ("sft.steps=0", *MULTI_TURN)
     launch(
-        1, [cli("t1-grpo", "grpo", STEPS, ckpt), cli("t1-gspo", "gspo", 1), cli("t1-ppo", "ppo", 1)], "ws1"
+        1,
+        [cli("t1-grpo", "grpo", STEPS, ckpt), cli("t1-gspo", "gspo", 1), cli("t1-ppo", "ppo", 1)]
+        + [cli("t1-mt", "grpo", 2, *mt)],
+        "ws1",
     )
     _crashed_after(tmp / "t1-grpo", tmp / "r12", 2)
     jobs = [cli("t2-grpo", "grpo", STEPS, ckpt), cli("t2-gspo", "gspo", 1), cli("t2-ppo", "ppo", 1)]
     jobs += [cli("t2-fast", "grpo", 1, "run.exact=false"), cli("r12", "grpo", STEPS, ckpt, resume=True)]
+    jobs += [cli("t2-mt", "grpo", 2, *mt)]
+    # A node that does not share the run directory: rank 1 works in node1/, where the relative run.output_dir is
+    # another folder (test_a_rank_that_cannot_see_the_run_directory_is_refused). Every rank refuses (exit 2).
+    private = cli("unshared")
+    private["argv"] = [
+        a.replace(f"run.output_dir={tmp / 'unshared'}", "run.output_dir=unshared") for a in private["argv"]
+    ]
+    jobs += [{**private, "cwd_rank": {"1": str(tmp / "node1")}, "expect_code": 2}]
     # A full fine-tune with a KL reference (a frozen copy, sharded in bf16), one step; its FSDP2 microbatch budget
     # set apart from max_tokens_per_microbatch (40 tokens: a rank's 8 rollouts need more than one microbatch; 2
     # when the setting was planted away).
@@ -134,6 +157,15 @@ def runs(tmp_path_factory):
         )
         times[f"plain-{k}"] = time.perf_counter() - t
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # A 2-rank checkpoint with rank 1's shard removed, resumed on one process: refused by name, nothing changed
+    # (test_a_checkpoint_with_a_shard_removed_is_refused_by_name).
+    _crashed_after(tmp / "t2-grpo", tmp / "torn", 2)
+    (tmp / "torn" / "checkpoints" / "step-000002" / "dcp" / "__1_0.distcp").unlink()
+    torn = _argv(tmp, "torn", "grpo", STEPS, ckpt, resume=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "exactrl.cli", *torn], capture_output=True, text=True, env=env, cwd=tmp
+    )
+    (tmp / "torn.log").write_text(f"exit {p.returncode}\n{p.stdout}{p.stderr}")
     print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
     return tmp
 
@@ -251,6 +283,77 @@ def _agree(ref: Path, other: Path, steps: list[int], rtol: float) -> dict[str, f
     assert worst["grad_norm"] <= rtol and worst["loss"] <= rtol and worst["entropy"] <= rtol, worst
     assert all(a[s]["grad_norm"] > 0 for s in steps)  # the updates are not trivially zero
     return worst
+
+
+# What two runs of the same global batch may log differently: timings (`_runs._timing`), a rank's own figures
+# (`per_rank_metric`'s name/rank<r>, logged under several ranks only) and, in summary.json, the world size.
+PER_PROCESS_SUMMARY = ("world_size",)
+
+
+def _per_process(key: str) -> bool:
+    return _timing(key) or re.search(r"/rank\d+$", key) is not None
+
+
+def _differences(a: dict, b: dict, rtol: float = 1e-5) -> list[str]:
+    """Keys whose values differ beyond rounding (fp32 sums over other shardings), or that one side lacks."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if _per_process(k):
+            continue
+        if k not in a or k not in b:
+            out.append(f"{k}: only in {'the first' if k in a else 'the second'}")
+        elif isinstance(a[k], (int, float)) and isinstance(b[k], (int, float)) and not isinstance(a[k], bool):
+            if not math.isclose(a[k], b[k], rel_tol=rtol, abs_tol=1e-7):
+                out.append(f"{k}: {a[k]} vs {b[k]}")
+        elif a[k] != b[k]:
+            out.append(f"{k}: {a[k]!r} vs {b[k]!r}")
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "mt"])
+def test_every_metric_is_global(runs, name):
+    """Every logged key of a 2-rank run equals the one-process run's of the same global batch (single-turn GRPO, 4
+    steps; multi-turn episodes, 2 steps): counts over every rank's samples and episodes (env/episodes is 16, not
+    rank 0's 8), means and maxima over all of them. Only timings and a rank's own figures differ (listed above)."""
+    one, two = runs / f"t1-{name}", runs / f"t2-{name}"
+    a = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) > 2
+    if name == "mt":
+        steps = [r for r in a if "loss" in r]
+        assert steps and all(r["env/episodes"] == r["num_seqs"] == 16 for r in steps)
+    bad = {i: d for i, (x, y) in enumerate(zip(a, b)) if (d := _differences(x, y))}
+    assert not bad, bad
+    sa, sb = (json.loads((r / "summary.json").read_text()) for r in (one, two))
+    bad_summary = _differences(
+        *({k: v for k, v in s.items() if k not in PER_PROCESS_SUMMARY} for s in (sa, sb))
+    )
+    assert not bad_summary, bad_summary
+
+
+def test_a_rank_that_cannot_see_the_run_directory_is_refused(runs):
+    """Rank 1 works where run.output_dir (relative) is a folder of its own, as on a node without the shared
+    filesystem: at start-up rank 0's token is not there for it, and both ranks refuse with one line naming the path
+    and rank 1, before anything is written (the folder the check made is gone again)."""
+    out = (runs / "ws2.log").read_text()
+    for rank in (0, 1):
+        (line,) = [
+            x for x in out.splitlines() if x.startswith(f"exactrl train (rank {rank}): error: rank(s) 1 (")
+        ]
+        assert "cannot see the run directory unshared of rank 0" in line and "run.output_dir" in line, line
+    assert not (runs / "unshared").exists() and not (runs / "node1" / "unshared").exists()
+
+
+def test_a_checkpoint_with_a_shard_removed_is_refused_by_name(runs):
+    """A 2-rank checkpoint missing rank 1's shard (left on another node's disk): the resume is refused in one
+    line naming the checkpoint and the shard, exit 2, before the run folder changes (no traceback)."""
+    out = (runs / "torn.log").read_text()
+    assert out.startswith("exit 2\n"), out[-3000:]
+    ckpt = runs / "torn" / "checkpoints" / "step-000002"
+    assert f"cannot resume from {ckpt}: shard dcp/__1_0.distcp is missing" in out
+    assert "Traceback" not in out and "CheckpointException" not in out
+    assert (runs / "torn" / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert not (runs / "torn" / "summary.json").exists()  # _crashed_after removed it; the refusal wrote none
 
 
 def test_world_size_1_and_2_optimise_the_same_objective(runs):

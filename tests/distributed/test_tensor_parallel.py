@@ -3,14 +3,16 @@ samples the tokens and records the logprobs of the one-device engine, `torch.equ
 
 - the exact CPU `linear` gives a column slice of the weight the bits of the full weight's columns (what the
   column splits rest on), where a K split with a sum of partials does not (the control);
-- on 2 gloo ranks (tests/distributed/_tp_driver.py): a dense fp32 Qwen3 (KV heads split), a bf16 Qwen2-MoE (q/k/v
+- on 2 gloo ranks (tests/distributed/_tp_driver.py): a dense fp32 Qwen3 (KV heads split), an fp32 Qwen2-MoE routing top-4 (q/k/v
   biases, shared expert split, routed experts replicated) and an fp32 Llama with fewer KV heads than ranks and a
   vocabulary T does not divide, with trained-looking weights, ragged prompts, T = 0.8, preemption, eager and
   static decode; the ranks agree; a shard loaded from full weights (the weight sync) samples the same, a stale
   one does not; and the negative control, o_proj / down_proj as row-parallel layers with all-reduced partial
   sums, records other logprobs on the same inputs;
-- expert parallel (exactrl/distributed/expert_parallel.py) on the bf16 Qwen2-MoE, alone and with tensor parallel:
-  the same bits, and its control (each rank's partial combine rounded to bf16, then all-reduced) differs;
+- expert parallel (exactrl/distributed/expert_parallel.py) on that Qwen2-MoE, alone and with tensor parallel: the
+  same bits, and its control (each rank's partial combine rounded to the model dtype, then all-reduced) differs;
+  top-4 in fp32, so that a combine in another order than the one-device order shows (at top-2 two terms add alike
+  in either order; in bf16 the final rounding hid a reversed combine here);
 - what is not done is refused by key.
 """
 
@@ -94,8 +96,16 @@ def test_a_world_size_tensor_parallel_does_not_divide_is_refused() -> None:
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 JOBS = [
     {"preset": "tiny", "dtype": "float32"},
-    # LoRA on the attention projections (a MoE model's only targets): replicated under expert parallel.
-    {"preset": "tiny-qwen2-moe", "dtype": "bfloat16", "expert_parallel": True, "lora": ATTENTION},
+    # LoRA on the attention projections (a MoE model's only targets): replicated under expert parallel. Top-4
+    # routing in fp32: at the presets' top-2 a combine in another order than the one-device order adds alike, and
+    # in bf16 the final rounding hid a combine in reverse order here (planted, 2026-11-29).
+    {
+        "preset": "tiny-qwen2-moe",
+        "dtype": "float32",
+        "overrides": {"num_experts_per_tok": 4},
+        "expert_parallel": True,
+        "lora": ATTENTION,
+    },
     # LoRA on every projection: B split with its projection's rows (q/k/v, gate/up packed; o/down gathered).
     {
         "preset": "tiny-llama",

@@ -128,3 +128,16 @@ class VaryingReward(Environment):
         if turn.index == 0:
             return StepResult(observation=[80, 81, 82, 83, 84])
         return StepResult(done=True, reward=(sum(self.written) % 7) / 6)
+
+
+class EndsOnEvenToken(Environment):
+    """Ends the episode ("done") after the first turn when the model's first token is even; otherwise answers every
+    turn with an observation, so the episode runs until env.max_turns cuts it."""
+
+    def reset(self, example):
+        pass
+
+    def step(self, turn):
+        if turn.index == 0 and turn.token_ids and turn.token_ids[0] % 2 == 0:
+            return StepResult(done=True, reward=1.0)
+        return StepResult(observation=[90, 91], reward=0.5)

@@ -410,6 +410,13 @@ def test_resume_after_resampled_steps_is_bitwise(tmp_path, one_thread):
     assert any("resumed from" in x and "at step 2" in x for x in lines)
     whole, resumed = _steps(tmp_path / "whole"), _steps(tmp_path / "resumed")
     assert _untimed(whole) == _untimed(resumed)
+    # The summary's dynamic-sampling totals are the whole run's after a resume (kept in the checkpoint's totals).
+    sw, sr = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("whole", "resumed"))
+    totals = {k: v for k, v in sw.items() if k.startswith("dynamic_sampling_")}
+    assert totals["dynamic_sampling_prompts_drawn_total"] == sum(
+        r["dynamic_sampling/prompts_drawn"] for r in whole
+    )
+    assert totals == {k: v for k, v in sr.items() if k.startswith("dynamic_sampling_")}
     assert all(
         r["dynamic_sampling/extra_rounds"] > 0 for r in whole[:2]
     )  # the resume point follows resampled steps
@@ -452,8 +459,25 @@ def test_dapo_recipe(tmp_path, one_thread):
     a, r = cfg.algorithm, cfg.reward
     assert (a.eps_low, a.eps_high, a.aggregation) == (0.2, 0.28, "token-mean")
     assert (a.dynamic_sampling, r.overlong_buffer_tokens, cfg.sampling.max_tokens) == ("accuracy", 2, 6)
-    summary = train(cfg, out=lambda *_: None)
+    lines: list[str] = []
+    summary = train(cfg, out=lines.append)
     rows = _steps(tmp_path / "run")
     assert summary["mismatched_tokens_total"] == 0 and len(rows) == 2
     assert sum(x["dynamic_sampling/groups_dropped"] for x in rows) > 0
+    # The algorithm as configured, the run's dynamic-sampling totals, and each step line's groups and rounds.
+    assert summary["algorithm"] == (
+        "grpo + clip-higher (0.28), dynamic sampling (accuracy), overlong penalty (2 tokens)"
+    )
+    for key in ("prompts_drawn", "extra_rounds", "groups_dropped", "groups_kept", "groups_missing"):
+        assert summary[f"dynamic_sampling_{key}_total"] == sum(x[f"dynamic_sampling/{key}"] for x in rows), (
+            key
+        )
+    step_lines = [x for x in lines if x.startswith("step ")]
+    assert len(step_lines) == 2, lines
+    for x, row in zip(step_lines, rows):
+        kept, dropped = int(row["dynamic_sampling/groups_kept"]), int(row["dynamic_sampling/groups_dropped"])
+        assert (
+            f"| groups kept {kept} dropped {dropped} (+{int(row['dynamic_sampling/extra_rounds'])} rounds)"
+            in x
+        )
     assert all(x["overlong/penalized_samples"] > 0 for x in rows)  # a random model runs to the limit

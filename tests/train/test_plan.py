@@ -534,24 +534,17 @@ def test_qwen3_30b_a3b_on_8_x_80gb_fits_with_the_moment_shards_offloaded():
     assert "host memory per rank" in plan.table() and "8 ranks on one host" in plan.table()
 
 
-def test_plan_command_prints_a_table_and_one_json_line(capsys):
+def test_plan_command_prints_a_table_and_with_json_one_json_line(capsys):
     from exactrl.cli import main
 
-    rc = main(
-        [
-            "plan",
-            str(ROOT / "configs" / "quickstart.toml"),
-            "--set",
-            "model.preset=qwen3-30b-a3b",
-            "--set",
-            "model.dtype=bfloat16",
-            "--nproc",
-            "8",
-            "--gpu-memory",
-            "80",
-        ]
-    )
+    argv = ["plan", str(ROOT / "configs" / "quickstart.toml"), "--set", "model.preset=qwen3-30b-a3b", "--set",
+            "model.dtype=bfloat16", "--nproc", "8", "--gpu-memory", "80"]  # fmt: skip
+    assert main(argv) == 1
+    human = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("{") for line in human)  # the JSON line only with --json
+    rc = main([*argv, "--json"])
     out = capsys.readouterr().out.splitlines()
+    assert out[:-1] == human
     assert rc == 1  # does not fit: the exit code says so
     # The quickstart is a CPU config: --gpu-memory plans it on a CUDA device, and says so first.
     assert out[0].startswith('run.device = "cpu" in the config: planned for a CUDA device of 80 GiB')
@@ -567,7 +560,7 @@ def test_plan_command_nproc_1_is_one_fsdp2_rank(capsys):
     from exactrl.cli import main
 
     base = ["plan", str(ROOT / "configs" / "quickstart.toml"), "--set", "model.preset=qwen3-0.6b"]
-    base += ["--set", "model.dtype=bfloat16", "--gpu-memory", "80"]
+    base += ["--set", "model.dtype=bfloat16", "--gpu-memory", "80", "--json"]
     plans = {}
     for extra in ([], ["--nproc", "1"]):
         assert main(base + extra) == 0

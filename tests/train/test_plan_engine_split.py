@@ -155,13 +155,13 @@ def test_plan_refuses_what_train_refuses(capsys):
         c = capsys.readouterr()
         return c.out + c.err
 
-    assert "engine.tensor_parallel = 2 needs torchrun ranks" in refused()  # no --nproc: no torchrun
+    assert "engine.tensor_parallel = 2 runs on torchrun ranks: pass --nproc N to `exactrl plan`" in refused()
     assert "does not divide the world size 3" in refused("--nproc", "3")
     assert "so it must divide the generator ranks" in refused(
         "--nproc", "3", "--set", "distributed.generator_ranks=1"
     )
     assert "the model has no sparse" in refused("--nproc", "2", "--set", "engine.expert_parallel=2")
-    assert main([*base, "--nproc", "2"]) == 0
+    assert main([*base, "--nproc", "2", "--json"]) == 0
     assert '"engine_ranks":2' in capsys.readouterr().out
     # Multi-turn episodes run in lockstep on the group's ranks (exactrl/envs/rollout.py): no longer refused.
     assert main([*base, "--nproc", "2", "--set", "env.name=guess"]) == 0, capsys.readouterr()

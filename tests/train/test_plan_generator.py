@@ -149,7 +149,7 @@ def test_lora_holds_the_base_and_the_adapters_and_a_step_syncs_the_adapters():
 
 
 def plan_cli(capsys, *args: str) -> tuple[int, list[str]]:
-    rc = main(["plan", str(ROOT / "configs" / "quickstart.toml"), *args])
+    rc = main(["plan", str(ROOT / "configs" / "quickstart.toml"), *args, "--json"])
     return rc, capsys.readouterr().out.splitlines()
 
 

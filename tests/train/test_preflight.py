@@ -28,7 +28,7 @@ BIG_8B = [
 
 
 def plan_cli(capsys, *args: str) -> tuple[int, list[str], str]:
-    rc = main(["plan", QUICKSTART, *args])
+    rc = main(["plan", QUICKSTART, *args, "--json"])
     cap = capsys.readouterr()
     return rc, cap.out.splitlines(), cap.err
 

@@ -126,7 +126,16 @@ def test_ctrl_c_in_sft_saves_and_exits_130(config, tmp_path, monkeypatch, capsys
     assert (run / "sft" / "model.safetensors").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_early"] is True and summary["sft_steps_done"] == 2 and summary["rl_steps"] == 0
-    assert "stopped during SFT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stopped during SFT" in out
+    # A stopped SFT is not "done", and the outputs listed are the ones there (no checkpoints/ yet).
+    assert "SFT done" not in out
+    assert not (run / "checkpoints").exists()
+    (listed,) = [
+        x.split(f"outputs in {run}/ (")[1].rstrip(")") for x in out.splitlines() if "outputs in" in x
+    ]
+    assert {"metrics.jsonl", "sft/", "sft-checkpoints/", "summary.json"} <= set(listed.split(", "))
+    assert "checkpoints/" not in listed.split(", ")
 
 
 @needs_loop
