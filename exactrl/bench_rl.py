@@ -313,7 +313,11 @@ def _config(args: Any, out_dir: str, steps: int):
             "tensorboard": False,
             "progress": False,
         },
-        "model": {"dtype": args.dtype, **({"path": args.model} if args.model else {"preset": args.preset})},
+        "model": {
+            "dtype": args.dtype,
+            "precision": getattr(args, "precision", "dtype"),
+            **({"path": args.model} if args.model else {"preset": args.preset}),
+        },
         "engine": {
             "max_model_len": seq_len,
             "max_num_seqs": args.max_num_seqs,
@@ -928,6 +932,8 @@ def main(args: Any) -> int:
         name += f"-overlap-{args.overlap}"
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
+    if getattr(args, "precision", "dtype") != "dtype":
+        name += f"-{args.precision}"
     path = _result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     baseline = json.loads(Path(args.baseline).read_text()) if getattr(args, "baseline", None) else None
     if baseline is not None and baseline.get("bench") != "rl":

@@ -111,14 +111,15 @@ def fp8_gemm_cpu(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """a: [M, KB * 128] e4m3, a_scale: [M, KB], w: [N, KB * 128] e4m3, w_scale: [N, KB] -> [M, N] out_dtype.
+    """a: [M, KB * 128] e4m3, a_scale: [M, KB], w: [N, KB * 128] e4m3 (or its exact float64 copy, as `Fp8Weight`
+    keeps it on the CPU), w_scale: [N, KB] -> [M, N] out_dtype.
 
     Each K-block's dot exactly in float64, rounded once to fp32; then the fixed-order fp32 chain
     acc = acc + (dot * a_scale) * w_scale over kb = 0, 1, ...; the bias added in fp32; one rounding to out_dtype."""
     m, kb = a_scale.shape
     n = w_scale.shape[0]
     a64 = a.to(torch.float64).view(m, kb, BLOCK).transpose(0, 1)  # [KB, M, 128]
-    w64 = w.to(torch.float64).view(n, kb, BLOCK).permute(1, 2, 0)  # [KB, 128, N]
+    w64 = w.to(torch.float64).view(n, kb, BLOCK).permute(1, 2, 0)  # [KB, 128, N] (no copy when float64)
     dots = torch.bmm(a64, w64).float()  # [KB, M, N]: exact sums, one rounding each
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for b in range(kb):
@@ -138,7 +139,8 @@ def fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: straight-through."""
+    """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: straight-through.
+    q_w may be the fp8 values' exact float64 copy (the CPU's operand: the fp8 -> float64 conversion is slow)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, q_w, s_w):  # type: ignore[override]
@@ -182,6 +184,9 @@ class Fp8Weight:
         self.q = torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=param.device)
         self.scale = torch.empty(*lead, n, kb, dtype=torch.float32, device=param.device)
         self.version = -1
+        # The GEMM's weight operand: the fp8 values themselves on CUDA; on the CPU their exact float64 copy, made
+        # once per quantization (the CPU's fp8 -> float64 conversion costs more than the GEMM).
+        self.operand = self.q
 
     @torch.no_grad()
     def quantize(self, source: torch.Tensor | None = None) -> None:
@@ -192,6 +197,8 @@ class Fp8Weight:
         else:
             for e in range(src.shape[0]):
                 quantize_weight(src[e], self.parts, (self.q[e], self.scale[e]))
+        if self.q.device.type != "cuda":
+            self.operand = self.q.to(torch.float64)
         self.version = self.param._version
 
     def current(self) -> Fp8Weight:
@@ -211,7 +218,19 @@ class Fp8Ops:
         self._weights: dict[int, Fp8Weight] = {}
 
     def __getattr__(self, name: str):  # every op this class does not define: the wrapped backend's
-        return getattr(self.__dict__["inner"], name)
+        if name == "inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo: dict) -> Fp8Ops:
+        """A deep copy of the model (the reference policy) gets its own fp8 weights, keyed by its own parameters."""
+        import copy
+
+        new = Fp8Ops(copy.deepcopy(self.inner, memo))
+        for entry in self._weights.values():
+            e = copy.deepcopy(entry, memo)
+            new._weights[id(e.param)] = e
+        return new
 
     # -- the registered weights --------------------------------------------------------------------------
     def register(self, param: torch.Tensor, parts: list[int] | None = None) -> None:
@@ -239,7 +258,7 @@ class Fp8Ops:
         entry = self._entry(weight)
         if entry is None:  # the LM head, the router: the wrapped backend's
             return self.inner.linear(x, weight, bias)
-        return fp8_linear(x, weight, bias, entry.q, entry.scale)
+        return fp8_linear(x, weight, bias, entry.operand, entry.scale)
 
     def packed_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
@@ -251,26 +270,58 @@ class Fp8Ops:
             raise ValueError(
                 f"fp8 packed_linear: the weight was registered with parts {entry.parts}, got {sizes}"
             )
-        return fp8_linear(x, weight, bias, entry.q, entry.scale).split(list(sizes), dim=-1)
+        return fp8_linear(x, weight, bias, entry.operand, entry.scale).split(list(sizes), dim=-1)
 
     def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
-        """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks. Every expert runs
-        over every (token, rank) slot and keeps the slots routed to it (`torch.where`, no arithmetic): no
-        data-dependent shape (CUDA graphs), a slot's bits those of the row-local fp8 GEMM. E times the FLOPs of
-        a grouped GEMM: right, not fast (a grouped fp8 kernel is still to be written)."""
-        from exactrl.ops.moe_torch import check_experts_args, combine_rank_order
+        """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks, combined in rank
+        order in fp32 (`experts_exact`'s arithmetic with the fp8 GEMM). The GEMM is row-local, so a slot's bits
+        do not depend on which other slots share its expert's call. On the CPU each expert takes its routed slots
+        (counts read on the host); on CUDA every expert runs over every slot and keeps those routed to it
+        (`torch.where`, no arithmetic): no data-dependent shape (CUDA graphs), E times a grouped GEMM's FLOPs:
+        right, not fast (a grouped fp8 kernel is still to be written)."""
+        from exactrl.ops.moe_torch import check_experts_args
 
         e_gu, e_down = self._entry(gate_up), self._entry(down)
         if e_gu is None or e_down is None:
             return self.inner.moe_experts(x, gate_up, down, weights, ids)
         check_experts_args(x, gate_up, down, weights, ids)
-        t, k = ids.shape
+        if x.device.type == "cuda":
+            return self.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
+        return self.experts_grouped(x, gate_up, down, weights, ids, e_gu, e_down)
+
+    def _expert(self, rows, e, gate_up, down, e_gu: Fp8Weight, e_down: Fp8Weight) -> torch.Tensor:
+        """rows [R, D] through expert e: fp8 gate|up, silu_mul, fp8 down -> [R, D]."""
         inter = gate_up.shape[1] // 2
+        gu = fp8_linear(rows, gate_up[e], None, e_gu.operand[e], e_gu.scale[e])
+        h = self.inner.silu_mul(gu[:, :inter], gu[:, inter:])
+        return fp8_linear(h, down[e], None, e_down.operand[e], e_down.scale[e])
+
+    def experts_grouped(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
+        """Each expert on the slots routed to it (the counts read on the host), scattered back, rank-order combine."""
+        from exactrl.ops.moe_torch import _groups, combine_rank_order
+
+        t, k = ids.shape
+        order, counts = _groups(ids, gate_up.shape[0])
+        sorted_out = x.new_zeros(order.numel(), x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                slots = order[start : start + n]
+                sorted_out[start : start + n] = self._expert(x[slots // k], e, gate_up, down, e_gu, e_down)
+                start += n
+        outs = torch.empty_like(sorted_out)
+        outs[order] = sorted_out
+        return combine_rank_order(outs.view(t, k, x.shape[1]), weights, x.dtype)
+
+    def experts_all_slots(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
+        """Every expert over every token, each keeping the slots routed to it (`torch.where`: a selection, no
+        arithmetic): no data-dependent shape, so CUDA graphs capture it."""
+        from exactrl.ops.moe_torch import combine_rank_order
+
+        t, k = ids.shape
         outs = x.new_zeros(t, k, x.shape[1])
         for e in range(gate_up.shape[0]):
-            gu = fp8_linear(x, gate_up[e], None, e_gu.q[e], e_gu.scale[e])
-            h = self.inner.silu_mul(gu[:, :inter], gu[:, inter:])
-            o = fp8_linear(h, down[e], None, e_down.q[e], e_down.scale[e])
+            o = self._expert(x, e, gate_up, down, e_gu, e_down)
             outs = torch.where((ids == e)[..., None], o[:, None, :], outs)
         return combine_rank_order(outs, weights, x.dtype)
 

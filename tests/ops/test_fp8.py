@@ -157,3 +157,28 @@ def test_fp8_ops_requantizes_a_changed_weight():
     assert torch.equal(after, 2 * before)  # scales double, the fp8 values stay: exactly twice
     other = torch.nn.Linear(128, 64, bias=False)
     assert torch.equal(ops.linear(x, other.weight), ExactTorchOps().linear(x, other.weight))  # not registered
+
+
+def test_fp8_experts_grouped_equal_all_slots():
+    """The CPU's grouped experts (each expert on its routed slots) and CUDA's all-slots form (every expert on
+    every token, the routed slots kept) give every token the same bits: the fp8 GEMM is row-local."""
+    from exactrl.ops.moe_torch import route_topk
+
+    g = torch.Generator().manual_seed(11)
+    e, d, inter, t = 5, 136, 40, 23
+    gate_up = torch.nn.Parameter(0.1 * torch.randn(e, 2 * inter, d, generator=g))
+    down = torch.nn.Parameter(0.1 * torch.randn(e, d, inter, generator=g))
+    ops = Fp8Ops(ExactTorchOps())
+    ops.register(gate_up, [inter, inter])
+    ops.register(down)
+    x = torch.randn(t, d, generator=g)
+    weights, ids = route_topk(torch.randn(t, e, generator=g), 2, True)
+    entries = ops._entry(gate_up), ops._entry(down)
+    grouped = ops.experts_grouped(x, gate_up, down, weights, ids, *entries)
+    every = ops.experts_all_slots(x, gate_up, down, weights, ids, *entries)
+    assert torch.equal(grouped, every)
+    assert torch.equal(ops.moe_experts(x, gate_up, down, weights, ids), grouped)
+    # a token alone gets its bits from the full call
+    assert torch.equal(ops.moe_experts(x[4:5], gate_up, down, weights[4:5], ids[4:5]), grouped[4:5])
+    # negative control: the experts in the model dtype (the wrapped backend) are other numbers
+    assert not torch.equal(ExactTorchOps().moe_experts(x, gate_up, down, weights, ids), grouped)
