@@ -13,9 +13,8 @@ The recipe (DeepSeek-V3's block scaling):
 CPU emulation (`fp8_gemm_cpu`): the dot of two 128-long fp8 vectors is computed in float64, where it is exact
 (every product of two e4m3 values is a multiple of 2^-18 below 2^18, so 128 of them add up within 43 bits of a
 53-bit significand), then rounded once to fp32: the correctly rounded dot, whatever order or blocking the BLAS
-picks, so the row's bits cannot depend on M. The GPU kernel (`exactrl/ops/triton/fp8_matmul.py`, one launch that
-also quantizes the activations, with the same division, clamp and nearest-even rounding) takes the tensor core's
-fp8 dot instead, which does not keep fp32's bits inside a block: CPU and GPU are each exact with themselves.
+picks, so the row's bits cannot depend on M. The GPU kernel (`exactrl/ops/triton/fp8_matmul.py`) takes the
+tensor core's fp32 dot instead, which need not round the same way: CPU and GPU are each exact with themselves.
 
 Backward (the trainer): straight-through. dX = dY @ W_deq and dW = dY^T @ X in fp32 (rounded to the parameter's
 dtype), W_deq the dequantized fp8 weight: the gradient of the function the forward computed with the quantizers
@@ -130,19 +129,23 @@ def fp8_gemm_cpu(
     return acc.to(out_dtype)
 
 
+def fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
+    """The fp8 GEMM of the device: the Triton kernel on CUDA, the float64-exact emulation elsewhere."""
+    if a.device.type == "cuda":
+        from exactrl.ops.triton.fp8_matmul import fp8_gemm_triton
+
+        return fp8_gemm_triton(a, a_scale, w, w_scale, bias, out_dtype)
+    return fp8_gemm_cpu(a, a_scale, w, w_scale, bias, out_dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: straight-through.
     q_w may be the fp8 values' exact float64 copy (the CPU's operand: the fp8 -> float64 conversion is slow)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, q_w, s_w):  # type: ignore[override]
-        if x.device.type == "cuda":  # one launch: x quantized inside the GEMM (the same recipe)
-            from exactrl.ops.triton.fp8_matmul import fp8_linear_triton
-
-            out = fp8_linear_triton(x, q_w, s_w, bias)
-        else:
-            q_x, s_x = quantize_activations(x)
-            out = fp8_gemm_cpu(q_x, s_x, q_w, s_w, bias, x.dtype)
+        q_x, s_x = quantize_activations(x)
+        out = fp8_gemm(q_x, s_x, q_w, s_w, bias, x.dtype)
         ctx.save_for_backward(x, q_w, s_w)
         ctx.meta = (weight.dtype, bias is not None)
         return out

@@ -1,16 +1,12 @@
-"""The block-scaled fp8 linear on CUDA (`exactrl.ops.fp8`'s recipe), one launch: out[m, n] = sum over K-blocks in
-order of dot(a_q[m, kb], w_q[n, kb]) * a_scale[m, kb] * w_scale[n, kb], accumulated in fp32, where the activation's
-fp8 values and scales are made inside the kernel from the model-dtype x: each program loads a row's 128-channel
-group, takes its amax (exact in any order), scale = amax / 448 (1 for an all-zero group) and rounds x / scale to
-e4m3 (saturating). A decode step would otherwise spend more launches quantizing than multiplying.
+"""The block-scaled fp8 GEMM on CUDA (`exactrl.ops.fp8`'s recipe): out[m, n] = sum over K-blocks in order of
+dot(a_q[m, kb], w_q[n, kb]) * a_scale[m, kb] * w_scale[n, kb], accumulated in fp32.
 
 Why a row's result cannot depend on M or on the other rows of the call (the project's batch-invariance rule):
 - ONE tile configuration for every call (`FP8_TILE`), so no shape ever picks another MMA shape or K step. Every
   output element is the same chain: for kb = 0, 1, ... one tensor-core dot over the block's 128 values into a
   fresh fp32 accumulator, scaled by the row's and the column's block scales, added to the running fp32 sum.
 - No split-K, no atomics; M is not specialised (`do_not_specialize`); rows past M are masked and never stored.
-- A row's activation scales and fp8 values come from that row's own group alone, the same instructions in every
-  program: the same bits whatever else the tile holds. Channels past K load as zeros (adding exactly 0).
+- K is padded to whole 128-blocks with zeros by the quantizers (zeros add exactly 0 to a dot).
 """
 
 from __future__ import annotations
@@ -24,17 +20,18 @@ BLOCK_K = 128
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_linear_kernel(
-    x_ptr,
+def _fp8_gemm_kernel(
+    a_ptr,
+    as_ptr,
     w_ptr,
     ws_ptr,
     bias_ptr,
     out_ptr,
     M,
     N,
-    K,
     KB,
-    stride_xm,
+    stride_am,
+    stride_asm,
     stride_wn,
     stride_wsn,
     stride_om,
@@ -53,15 +50,10 @@ def _fp8_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(KB):
         k = kb * BLOCK_K + offs_k
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0
-        ).to(tl.float32)
-        # the row's group: scale from its own amax, values rounded to e4m3 (IEEE division, clamp, nearest-even)
-        amax = tl.max(tl.abs(x), axis=1)
-        sa = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-        a = tl.clamp(tl.math.div_rn(x, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None], other=0.0)
         d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
+        sa = tl.load(as_ptr + offs_m * stride_asm + kb, mask=m_ok, other=0.0)
         sw = tl.load(ws_ptr + offs_n * stride_wsn + kb, mask=n_ok, other=0.0)
         acc = acc + (d * sa[:, None]) * sw[None, :]
     if HAS_BIAS:
@@ -70,39 +62,42 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fp8_linear_triton(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+def fp8_gemm_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """x: [M, K] model dtype, w: [N, KB * 128] e4m3 (`quantize_weight`), w_scale: [N, KB] fp32 -> [M, N] in
-    x.dtype: x quantized per row and 128-channel group inside the kernel."""
-    m, k = x.shape
+    """a: [M, KB * 128] e4m3, a_scale: [M, KB] fp32, w: [N, KB * 128] e4m3, w_scale: [N, KB] fp32 -> [M, N]."""
+    m, kp = a.shape
     n = w.shape[0]
-    kb = w_scale.shape[1]
-    if w.shape[1] != kb * BLOCK_K or -(-k // BLOCK_K) != kb or w_scale.shape != (n, kb):
+    kb = a_scale.shape[1]
+    if w.shape[1] != kp or kp != kb * BLOCK_K or w_scale.shape != (n, kb):
         raise ValueError(
-            f"fp8 linear shapes disagree: x {tuple(x.shape)}, w {tuple(w.shape)}, w_scale {tuple(w_scale.shape)} "
-            f"(the weight's K padded to whole {BLOCK_K}-blocks)"
+            f"fp8 GEMM shapes disagree: a {tuple(a.shape)}, a_scale {tuple(a_scale.shape)}, w {tuple(w.shape)}, "
+            f"w_scale {tuple(w_scale.shape)} (K padded to whole {BLOCK_K}-blocks)"
         )
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if w.stride(1) != 1 or w_scale.stride(1) != 1:
-        raise ValueError("fp8 linear: the weight and its scales need a contiguous last dimension")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if a.stride(1) != 1 or w.stride(1) != 1 or a_scale.stride(1) != 1 or w_scale.stride(1) != 1:
+        raise ValueError("fp8 GEMM operands need a contiguous last dimension")
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
     tile = FP8_TILE
     grid = (triton.cdiv(m, tile["BLOCK_M"]), triton.cdiv(n, tile["BLOCK_N"]))
-    _fp8_linear_kernel[grid](
-        x,
+    _fp8_gemm_kernel[grid](
+        a,
+        a_scale,
         w,
         w_scale,
         bias if bias is not None else out,
         out,
         m,
         n,
-        k,
         kb,
-        x.stride(0),
+        a.stride(0),
+        a_scale.stride(0),
         w.stride(0),
         w_scale.stride(0),
         out.stride(0),
