@@ -3,8 +3,8 @@ and the trainer alike, so their logprobs stay bitwise equal.
 
 The recipe (DeepSeek-V3's block scaling):
 - Weights: e4m3 with one fp32 scale per 128 x 128 block, scale = amax(|block|) / 448, quantized from the fp32
-  master (`Fp8Ops.requantize`, after every optimizer step and at load). A packed projection (q/k/v, gate/up) is
-  blocked part by part, so every part's bits are those of its own projection.
+  master (`requantize_after_step`, after every optimizer step; at load from the loaded weights). A packed
+  projection (q/k/v, gate/up) is blocked part by part, so every part's bits are those of its own projection.
 - Activations: e4m3 per token and 128-channel group, the scale from that row's group alone (amax is exact in any
   order, and the division is IEEE), so a row's fp8 bits never depend on the other rows of the call.
 - GEMM: out[m, n] = sum over K-blocks kb = 0, 1, ... in order of (dot(a_q[m, kb], w_q[n, kb]) in fp32)
@@ -242,13 +242,6 @@ class Fp8Ops:
         entry = self._weights.get(id(weight))
         return entry.current() if entry is not None and entry.param is weight else None
 
-    def requantize(self, masters: dict[int, torch.Tensor] | None = None) -> None:
-        """Re-quantize every registered weight, from its fp32 master where `masters` (id(param) -> master) has
-        one, else from the parameter: after an optimizer step and at load."""
-        masters = masters or {}
-        for key, entry in self._weights.items():
-            entry.quantize(masters.get(key))
-
     @property
     def num_weights(self) -> int:
         return len(self._weights)
@@ -375,7 +368,11 @@ def apply_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
 
 def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], masters: list[torch.Tensor]):
-    """After an optimizer step: re-quantize a fp8 model's registered weights from their fp32 masters."""
+    """After an optimizer step: re-quantize the fp8 weights among the optimizer's `params` from their fp32
+    `masters` (empty: from the parameters). Frozen weights (a LoRA base) are left as they are."""
     ops = getattr(model, "ops", None)
     if isinstance(ops, Fp8Ops):
-        ops.requantize({id(p): m for p, m in zip(params, masters)})
+        for p, m in zip(params, masters or [None] * len(params)):
+            entry = ops._weights.get(id(p))
+            if entry is not None and entry.param is p:
+                entry.quantize(m)

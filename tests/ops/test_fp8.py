@@ -182,3 +182,17 @@ def test_fp8_experts_grouped_equal_all_slots():
     assert torch.equal(ops.moe_experts(x[4:5], gate_up, down, weights[4:5], ids[4:5]), grouped[4:5])
     # negative control: the experts in the model dtype (the wrapped backend) are other numbers
     assert not torch.equal(ExactTorchOps().moe_experts(x, gate_up, down, weights, ids), grouped)
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
+    import pytest
+
+    from exactrl.ops.fp8 import check_fp8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"A100-SXM4-80GB is 8\.0.*model\.precision"):
+        check_fp8_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    check_fp8_device("cuda:0")  # Ada and newer pass
+    check_fp8_device("cpu")  # the CPU emulates it
