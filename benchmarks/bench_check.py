@@ -57,7 +57,12 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def identity(rec: dict[str, Any]) -> tuple[Any, ...]:
     keys, _, _ = IDENTITY[rec["bench"]]
-    return tuple(rec.get(k) for k in COMMON) + tuple(rec.get(k, DEFAULTS.get(k)) for k in keys)
+    # model.precision: "fp8" records are compared with fp8 ones; records from before the key are "dtype"
+    return (
+        tuple(rec.get(k) for k in COMMON)
+        + tuple(rec.get(k, DEFAULTS.get(k)) for k in keys)
+        + (rec.get("precision", "dtype"),)
+    )
 
 
 def compare(new: dict[str, Any], recorded: list[dict[str, Any]]) -> dict[str, Any]:

@@ -221,6 +221,8 @@ def _emit(args, record: dict) -> None:
         name += "-fsdp"
     if record.get("world_size", 1) > 1:
         name += f"-ws{record['world_size']}"
+    if getattr(args, "precision", "dtype") != "dtype":
+        name += f"-{args.precision}"
     path = result_path(args.out_dir, args.what, name, args.mode, record["device"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")
@@ -240,6 +242,7 @@ def _load(args):
         dtype=args.dtype,
         exact=args.mode == "exact",
         seed=0,
+        precision=getattr(args, "precision", "dtype"),
     )
     return device, model, tok
 
@@ -286,13 +289,14 @@ def bench_rollout(args) -> dict:
     return rec
 
 
-def _rollout_on_rank(args, ctx) -> dict:
-    """This rank's share of the benchmark's requests through an engine of its own; its record."""
+def _rollout_on_rank(args, ctx, loaded: tuple | None = None) -> dict:
+    """This rank's share of the benchmark's requests through an engine of its own; its record. loaded: (device,
+    model, tokenizer) already built (benchmarks/fp8_decode.py alternates precisions on one model), else `_load`."""
     from exactrl.engine.engine import EngineConfig, RolloutEngine
     from exactrl.engine.runner import kv_bytes_per_token
     from exactrl.engine.sampler import SamplingParams
 
-    device, model, tok = _load(args)
+    device, model, tok = loaded or _load(args)
     g = torch.Generator().manual_seed(0)
     P, N = args.prompt_len, args.max_tokens
     every = torch.randint(0, min(tok.vocab_size, model.config.vocab_size), (args.concurrency, P), generator=g)
@@ -355,10 +359,11 @@ def _rollout_on_rank(args, ctx) -> dict:
         "peak_memory_gb": peak_gb,
         "peak_memory_kind": peak_kind,
     }
-    if decode_s > 0:
+    if decode_s > 0 and getattr(args, "precision", "dtype") == "dtype":
+        # (fp8: decode_weight_bytes counts the model dtype's bytes, not the fp8 copy's, so no bandwidth figure)
         rec["decode_bandwidth_GBps"] = decode_bytes / decode_s / 1e9
     copy_bw = measure_copy_bandwidth(device)
-    if copy_bw:
+    if copy_bw and "decode_bandwidth_GBps" in rec:
         rec["copy_bandwidth_GBps"] = copy_bw / 1e9
         if decode_s > 0:
             rec["decode_roofline_fraction"] = rec["decode_bandwidth_GBps"] / rec["copy_bandwidth_GBps"]

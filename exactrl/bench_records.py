@@ -62,6 +62,7 @@ def record_head(bench: str, args, device: str, preset: str | None = None) -> dic
         "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "dtype": args.dtype,
+        "precision": getattr(args, "precision", "dtype"),
         "split_kv": getattr(args, "split_kv", "auto"),
     }
 

@@ -314,7 +314,11 @@ def _config(args: Any, out_dir: str, steps: int):
             "tensorboard": False,
             "progress": False,
         },
-        "model": {"dtype": args.dtype, **({"path": args.model} if args.model else {"preset": args.preset})},
+        "model": {
+            "dtype": args.dtype,
+            "precision": getattr(args, "precision", "dtype"),
+            **({"path": args.model} if args.model else {"preset": args.preset}),
+        },
         "engine": {
             "max_model_len": seq_len,
             "max_num_seqs": args.max_num_seqs,
@@ -955,6 +959,8 @@ def main(args: Any) -> int:
         name += f"-overlap-{args.overlap}"
     if getattr(args, "partial_rollouts", False):
         name += "-partial"
+    if getattr(args, "precision", "dtype") != "dtype":
+        name += f"-{args.precision}"
     path = result_path(args.out_dir, "rl", name, args.mode, resolve_device(args.device))
     baseline = baseline_of(args)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 (a trainer) writes the record

@@ -24,6 +24,12 @@ def _model_args(p: argparse.ArgumentParser, dtype_default: str = "float32") -> N
         help="exact: batch-invariant kernels; fast: PyTorch defaults",
     )
     p.add_argument("--fp32-lm-head", action="store_true", help="LM head and softmax in fp32")
+    p.add_argument(
+        "--precision",
+        default="dtype",
+        choices=["dtype", "fp8"],
+        help="dtype: projections in the model dtype; fp8: e4m3 weights (128 x 128 block scales) and activations (per token and 128 channels), LM head and attention in dtype (docs/fp8.md)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random init and sampling seed")
 
 
@@ -45,6 +51,7 @@ def _load(args):
         exact=args.mode == "exact",
         fp32_lm_head=args.fp32_lm_head,
         seed=args.seed,
+        precision=getattr(args, "precision", "dtype"),
     )
 
 

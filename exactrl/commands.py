@@ -621,6 +621,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="model dtype")
     p.add_argument(
+        "--precision",
+        default="dtype",
+        choices=["dtype", "fp8"],
+        help="dtype: projections in the model dtype; fp8: e4m3 weights (128 x 128 block scales) and activations (per token and 128 channels), LM head and attention in dtype (docs/fp8.md)",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=256,

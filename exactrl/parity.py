@@ -33,6 +33,7 @@ from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.qwen import CausalLM
+from exactrl.ops.fp8 import Fp8Ops
 from exactrl.train.packing import PackedBatch, packed_microbatches, response_logprobs
 
 _BLOCK_STATS = ("prefix_hit_blocks", "fork_shared_blocks", "cow_copies")
@@ -78,6 +79,8 @@ class ParityResult:
     """Ranks that shared one engine (each holding 1/T of its weights and KV cache)."""
     expert_parallel: int = 1
     """Ranks that shared one engine's routed experts (each holding 1/E of every sparse layer's)."""
+    precision: str = "dtype"
+    """The projections' arithmetic (model.precision): "dtype" or "fp8"."""
 
     @property
     def ok(self) -> bool:
@@ -312,6 +315,7 @@ def run_parity(
     sum_diff, max_diff = ctx.sum(sum_diff), ctx.max(max_diff)
     return ParityResult(
         mode="exact" if model.ops.exact else "fast",
+        precision="fp8" if isinstance(model.ops, Fp8Ops) else "dtype",
         device=str(model.device),
         dtype=str(model.dtype).replace("torch.", ""),
         temperature=temperature,

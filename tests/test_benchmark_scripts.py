@@ -216,6 +216,24 @@ DRY_RUNS: dict[str, tuple[list[str] | Callable[[Path], list[str]], dict[str, str
         {},
         False,
     ),  # fmt: skip
+    "fp8_decode.py": (
+        [
+            "--device",
+            "cpu",
+            "--presets",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--concurrency",
+            "1",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+        ],
+        {},
+        True,  # two engines (dtype, fp8) on the CPU, each with its warm-up call: about 10 s on 2 idle cores
+    ),  # fmt: skip
     "mismatch_vs_length.py": ([*TINY, "--prompts", "1", "--samples", "2", "--lengths", "4"], {}, False),
     "plot_price.py": (
         lambda tmp: [

@@ -71,12 +71,16 @@ class ModelConfig:
     """Parameter and activation dtype: "float32" or "bfloat16"."""
     fp32_lm_head: bool = False
     """Keep the LM head (final projection to vocabulary logits) in float32 even when dtype is bfloat16."""
+    precision: Literal["dtype", "fp8"] = "dtype"
+    """The projections' arithmetic: "dtype" (in the model dtype) or "fp8" (attention, MLP and expert weights in e4m3 with a scale per 128 x 128 block, activations per token and 128-channel group; the LM head, norms and attention stay in dtype; engine and trainer share it bitwise; docs/fp8.md). fp8 on CUDA needs compute capability 8.9+."""
     tokenizer: str | None = None
     """Path to a tokenizer.json; defaults to the one inside path."""
     init_draws: Literal["stream", "keyed"] = "stream"
     """A preset's random weights: "stream" (one generator draws every matrix in order on one core: the presets' values as they have always been) or "keyed" (each matrix from its own generator seeded by the run's seed and its name, drawn on several threads: other values, the same on every device, dtype and thread count; a 30B preset's one-core draws take minutes). Not used with model.path."""
 
     def validate(self) -> None:
+        if self.precision not in ("dtype", "fp8"):
+            _fail("model.precision", f'must be "dtype" or "fp8", got {self.precision!r}')
         if self.init_draws not in ("stream", "keyed"):
             _fail("model.init_draws", f'must be "stream" or "keyed", got {self.init_draws!r}')
         if self.preset is not None and self.path is not None:

@@ -9,6 +9,7 @@ import torch
 
 from exactrl.model.config import ModelConfig, preset
 from exactrl.model.hf import dtype_from_name, load_model, read_config
+from exactrl.model.precision import apply_precision
 from exactrl.model.qwen import CausalLM, build_model
 from exactrl.model.tokenizer import Tokenizer, byte_tokenizer
 from exactrl.ops import get_ops
@@ -41,10 +42,12 @@ def load_policy(
     tokenizer_path: str | Path | None = None,
     preset_overrides: dict[str, Any] | None = None,
     init_draws: str = "stream",
+    precision: str = "dtype",
 ) -> tuple[CausalLM, Tokenizer]:
     """Build or load the policy and its tokenizer on `device` in `dtype`. preset_overrides: fields of the preset's
     ModelConfig to replace (e.g. {"num_layers": 4}: a large shape with fewer layers). init_draws: how a preset's
-    random weights are drawn (`CausalLM.init_weights`)."""
+    random weights are drawn (`CausalLM.init_weights`). precision: the projections' arithmetic, "dtype" or "fp8"
+    (`exactrl.model.precision.apply_precision`: the fp8 weights quantized from the loaded ones)."""
     _one_source(preset_name, path)
     device = resolve_device(device)
     torch_dtype = dtype_from_name(dtype)
@@ -66,7 +69,7 @@ def load_policy(
             init_draws=init_draws,
         )
     check_vocab(tok, model.config.vocab_size, tokenizer_path or path, path or f"preset {preset_name}")
-    return model, tok
+    return apply_precision(model, precision), tok
 
 
 def _one_source(preset_name: str | None, path: str | Path | None) -> None:

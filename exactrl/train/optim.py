@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
+from exactrl.ops.fp8 import Fp8Ops, requantize_after_step
 from exactrl.train import pinned
 
 if TYPE_CHECKING:  # imported where used: it imports triton
@@ -75,6 +76,7 @@ class MasterAdamW:
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"MasterAdamW offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._fp8_model = model if isinstance(getattr(model, "ops", None), Fp8Ops) else None
         self.dist = dist or DistContext.single()
         # FSDP2: the parameters are fp32 DTensor shards, the masters themselves. The update runs on the local
         # shards as plain tensors (the same kernels as on one device), and only the gradient norm and the skip
@@ -185,14 +187,24 @@ class MasterAdamW:
         moments and step count alone on a skip, so no value is read back before the update is queued. On the CPU,
         where reading is free, the norm is read and the update is skipped or made by the host."""
         if not self.on_cuda:
-            return self._clip_and_step_async(max_norm, skip)
+            norm = self._clip_and_step_async(max_norm, skip)
+            self._requantize()
+            return norm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         try:
-            return self._clip_and_step_async(max_norm, skip)
+            norm = self._clip_and_step_async(max_norm, skip)
+            self._requantize()
+            return norm
         finally:
             end.record()
             self._timings.append((start, end))
+
+    def _requantize(self) -> None:
+        """A model with fp8 projections (`model.precision = "fp8"`) takes its fp8 weights from the new fp32 masters
+        (from the weights themselves while offloaded masters wait on the host)."""
+        if self._fp8_model is not None:
+            requantize_after_step(self._fp8_model, self.params, [] if self.on_host else self.master)
 
     def take_step_seconds(self) -> float:
         """Device seconds of the steps queued since the last call (waits for the last of them); 0 on the CPU."""

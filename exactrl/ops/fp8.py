@@ -1,0 +1,345 @@
+"""FP8 projections (`model.precision = "fp8"`): the W8A8 block recipe, one quantizer and one GEMM for the engine
+and the trainer alike, so their logprobs stay bitwise equal.
+
+The recipe (DeepSeek-V3's block scaling):
+- Weights: e4m3 with one fp32 scale per 128 x 128 block, scale = amax(|block|) / 448, quantized from the fp32
+  master (`requantize_after_step`, after every optimizer step; at load from the loaded weights). A packed
+  projection (q/k/v, gate/up) is blocked part by part, so every part's bits are those of its own projection.
+- Activations: e4m3 per token and 128-channel group, the scale from that row's group alone (amax is exact in any
+  order, and the division is IEEE), so a row's fp8 bits never depend on the other rows of the call.
+- GEMM: out[m, n] = sum over K-blocks kb = 0, 1, ... in order of (dot(a_q[m, kb], w_q[n, kb]) in fp32)
+  * a_scale[m, kb] * w_scale[n, kb], accumulated in fp32, plus the bias, rounded once to the model dtype.
+
+CPU emulation (`fp8_gemm_cpu`): the dot of two 128-long fp8 vectors is computed in float64, where it is exact
+(every product of two e4m3 values is a multiple of 2^-18 below 2^18, so 128 of them add up within 43 bits of a
+53-bit significand), then rounded once to fp32: the correctly rounded dot, whatever order or blocking the BLAS
+picks, so the row's bits cannot depend on M. The GPU kernel (`exactrl/ops/triton/fp8_matmul.py`) takes the
+tensor core's fp32 dot instead, which need not round the same way: CPU and GPU are each exact with themselves.
+
+Backward (the trainer): straight-through. dX = dY @ W_deq and dW = dY^T @ X in fp32 (rounded to the parameter's
+dtype), W_deq the dequantized fp8 weight: the gradient of the function the forward computed with the quantizers
+taken as the identity. The fp32 master takes dW; the next forward uses its re-quantized blocks.
+
+`Fp8Ops` wraps any backend: the model's projections registered with it (`exactrl.model.precision.use_fp8`) run this recipe; every other
+op, and every weight not registered (the LM head, the MoE router), is the wrapped backend's unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exactrl.ops.base import Ops
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+BLOCK = 128  # channels per activation group; weight blocks are BLOCK x BLOCK
+PRECISIONS = ("dtype", "fp8")
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+
+
+def _blocks(k: int) -> int:
+    return -(-k // BLOCK)
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way)."""
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # x / scale is at most 448 up to one rounding: clamp so the cast never meets a value past the format's range.
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K] (any float dtype) -> (q [T, KB * 128] e4m3, zero past K; scale [T, KB] fp32), KB = ceil(K / 128).
+
+    Each row's 128-channel group is scaled by its own amax / 448 (from the value converted to fp32): row-local."""
+    t, k = x.shape
+    kb = _blocks(k)
+    xf = torch.zeros(t, kb * BLOCK, dtype=torch.float32, device=x.device)
+    xf[:, :k] = x
+    groups = xf.view(t, kb, BLOCK)
+    scale = _scale_of(groups.abs().amax(-1))  # [T, KB]
+    q = _to_fp8(groups, scale[..., None]).view(t, kb * BLOCK)
+    return q, scale
+
+
+def quantize_weight(
+    w: torch.Tensor, parts: list[int] | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] (the fp32 master, or any float dtype, converted to fp32) -> (q [N, KB * 128] e4m3, zero past K;
+    row_scale [N, KB] fp32: every row holds its 128 x 128 block's scale).
+
+    parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's first
+    row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the engine's
+    CUDA graphs read those addresses)."""
+    n, k = w.shape
+    parts = [n] if parts is None else list(parts)
+    if sum(parts) != n:
+        raise ValueError(f"quantize_weight: parts {parts} do not add up to the weight's {n} rows")
+    kb = _blocks(k)
+    q, row_scale = out if out is not None else (
+        torch.empty(n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
+        torch.empty(n, kb, dtype=torch.float32, device=w.device),
+    )  # fmt: skip
+    start = 0
+    for rows in parts:  # a part's blocks at once: rows padded with zeros to whole blocks (amax unchanged)
+        nb = _blocks(rows)
+        blk = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+        blk[:rows, :k] = w[start : start + rows]
+        groups = blk.view(nb, BLOCK, kb, BLOCK)
+        scale = _scale_of(groups.abs().amax(dim=(1, 3)))  # [NB, KB]: one per 128 x 128 block
+        qp = _to_fp8(groups, scale[:, None, :, None]).view(nb * BLOCK, kb * BLOCK)
+        q[start : start + rows] = qp[:rows]
+        row_scale[start : start + rows] = scale.repeat_interleave(BLOCK, dim=0)[:rows]
+        start += rows
+    return q, row_scale
+
+
+def dequantize_weight(q: torch.Tensor, row_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """(q [N, KB * 128], row_scale [N, KB]) -> [N, k] fp32: the weight the fp8 GEMM multiplies by."""
+    n, kb = row_scale.shape
+    return (q.float().view(n, kb, BLOCK) * row_scale[..., None]).view(n, kb * BLOCK)[:, :k]
+
+
+def fp8_gemm_cpu(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a: [M, KB * 128] e4m3, a_scale: [M, KB], w: [N, KB * 128] e4m3 (or its exact float64 copy, as `Fp8Weight`
+    keeps it on the CPU), w_scale: [N, KB] -> [M, N] out_dtype.
+
+    Each K-block's dot exactly in float64, rounded once to fp32; then the fixed-order fp32 chain
+    acc = acc + (dot * a_scale) * w_scale over kb = 0, 1, ...; the bias added in fp32; one rounding to out_dtype."""
+    m, kb = a_scale.shape
+    n = w_scale.shape[0]
+    a64 = a.to(torch.float64).view(m, kb, BLOCK).transpose(0, 1)  # [KB, M, 128]
+    w64 = w.to(torch.float64).view(n, kb, BLOCK).permute(1, 2, 0)  # [KB, 128, N] (no copy when float64)
+    dots = torch.bmm(a64, w64).float()  # [KB, M, N]: exact sums, one rounding each
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    for b in range(kb):
+        acc = acc + (dots[b] * a_scale[:, b, None]) * w_scale[None, :, b]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
+    """The fp8 GEMM of the device: the Triton kernel on CUDA, the float64-exact emulation elsewhere."""
+    if a.device.type == "cuda":
+        from exactrl.ops.triton.fp8_matmul import fp8_gemm_triton
+
+        return fp8_gemm_triton(a, a_scale, w, w_scale, bias, out_dtype)
+    return fp8_gemm_cpu(a, a_scale, w, w_scale, bias, out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: straight-through.
+    q_w may be the fp8 values' exact float64 copy (the CPU's operand: the fp8 -> float64 conversion is slow)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, q_w, s_w):  # type: ignore[override]
+        q_x, s_x = quantize_activations(x)
+        out = fp8_gemm(q_x, s_x, q_w, s_w, bias, x.dtype)
+        ctx.save_for_backward(x, q_w, s_w)
+        ctx.meta = (weight.dtype, bias is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, q_w, s_w = ctx.saved_tensors
+        w_dtype, has_bias = ctx.meta
+        g = grad_out.float()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ dequantize_weight(q_w, s_w, x.shape[1])).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g.t() @ x.float()).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0).to(w_dtype)
+        return gx, gw, gb, None, None
+
+
+def fp8_linear(x, weight, bias, q_w, s_w) -> torch.Tensor:
+    """x: [T, K], weight: [N, K] (the parameter gradients go to), (q_w, s_w) its `quantize_weight` -> [T, N]."""
+    return _Fp8Linear.apply(x, weight, bias, q_w, s_w)
+
+
+class Fp8Weight:
+    """One registered parameter's fp8 copy: a projection [N, K] or a stack of experts [E, N, K] (each expert and
+    each part blocked on its own). `version` is the parameter's `_version` when quantized: any in-place write to
+    the parameter since (a weight sync, a checkpoint load, torch's optimizer on fp32 weights) is seen and the
+    copy re-made from the parameter."""
+
+    def __init__(self, param: torch.Tensor, parts: list[int] | None):
+        self.param = param
+        self.parts = parts
+        *lead, n, k = param.shape
+        kb = _blocks(k)
+        self.q = torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=param.device)
+        self.scale = torch.empty(*lead, n, kb, dtype=torch.float32, device=param.device)
+        self.version = -1
+        # The GEMM's weight operand: the fp8 values themselves on CUDA; on the CPU their exact float64 copy, made
+        # once per quantization (the CPU's fp8 -> float64 conversion costs more than the GEMM).
+        self.operand = self.q
+
+    @torch.no_grad()
+    def quantize(self, source: torch.Tensor | None = None) -> None:
+        """Quantize from `source` (the fp32 master; default the parameter itself) into the same buffers."""
+        src = self.param.detach() if source is None else source.detach()
+        if src.dim() == 2:
+            quantize_weight(src, self.parts, (self.q, self.scale))
+        else:
+            for e in range(src.shape[0]):
+                quantize_weight(src[e], self.parts, (self.q[e], self.scale[e]))
+        if self.q.device.type != "cuda":
+            self.operand = self.q.to(torch.float64)
+        self.version = self.param._version
+
+    def current(self) -> Fp8Weight:
+        if self.param._version != self.version:
+            self.quantize()
+        return self
+
+
+class Fp8Ops:
+    """An ops backend whose registered projections compute in fp8 (this module's recipe); every other op and
+    weight goes to the wrapped backend `inner` unchanged."""
+
+    def __init__(self, inner: Ops):
+        self.inner = inner
+        self.name = f"{inner.name}+fp8"
+        self.exact = inner.exact
+        self._weights: dict[int, Fp8Weight] = {}
+
+    def __getattr__(self, name: str):  # every op this class does not define: the wrapped backend's
+        if name == "inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo: dict) -> Fp8Ops:
+        """A deep copy of the model (the reference policy) gets its own fp8 weights, keyed by its own parameters."""
+        import copy
+
+        new = Fp8Ops(copy.deepcopy(self.inner, memo))
+        for entry in self._weights.values():
+            e = copy.deepcopy(entry, memo)
+            new._weights[id(e.param)] = e
+        return new
+
+    # -- the registered weights --------------------------------------------------------------------------
+    def register(self, param: torch.Tensor, parts: list[int] | None = None) -> None:
+        entry = Fp8Weight(param, parts)
+        entry.quantize()
+        self._weights[id(param)] = entry
+
+    def _entry(self, weight: torch.Tensor) -> Fp8Weight | None:
+        entry = self._weights.get(id(weight))
+        return entry.current() if entry is not None and entry.param is weight else None
+
+    @property
+    def num_weights(self) -> int:
+        return len(self._weights)
+
+    # -- the ops -----------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self._entry(weight)
+        if entry is None:  # the LM head, the router: the wrapped backend's
+            return self.inner.linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, entry.operand, entry.scale)
+
+    def packed_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        entry = self._entry(weight)
+        if entry is None:
+            return self.inner.packed_linear(x, weight, bias, sizes)
+        if entry.parts != list(sizes):
+            raise ValueError(
+                f"fp8 packed_linear: the weight was registered with parts {entry.parts}, got {sizes}"
+            )
+        return fp8_linear(x, weight, bias, entry.operand, entry.scale).split(list(sizes), dim=-1)
+
+    def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
+        """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks, combined in rank
+        order in fp32 (`experts_exact`'s arithmetic with the fp8 GEMM). The GEMM is row-local, so a slot's bits
+        do not depend on which other slots share its expert's call. On the CPU each expert takes its routed slots
+        (counts read on the host); on CUDA every expert runs over every slot and keeps those routed to it
+        (`torch.where`, no arithmetic): no data-dependent shape (CUDA graphs), E times a grouped GEMM's FLOPs:
+        right, not fast (a grouped fp8 kernel is still to be written)."""
+        from exactrl.ops.moe_torch import check_experts_args
+
+        e_gu, e_down = self._entry(gate_up), self._entry(down)
+        if e_gu is None or e_down is None:
+            return self.inner.moe_experts(x, gate_up, down, weights, ids)
+        check_experts_args(x, gate_up, down, weights, ids)
+        if x.device.type == "cuda":
+            return self.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
+        return self.experts_grouped(x, gate_up, down, weights, ids, e_gu, e_down)
+
+    def _expert(self, rows, e, gate_up, down, e_gu: Fp8Weight, e_down: Fp8Weight) -> torch.Tensor:
+        """rows [R, D] through expert e: fp8 gate|up, silu_mul, fp8 down -> [R, D]."""
+        inter = gate_up.shape[1] // 2
+        gu = fp8_linear(rows, gate_up[e], None, e_gu.operand[e], e_gu.scale[e])
+        h = self.inner.silu_mul(gu[:, :inter], gu[:, inter:])
+        return fp8_linear(h, down[e], None, e_down.operand[e], e_down.scale[e])
+
+    def experts_grouped(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
+        """Each expert on the slots routed to it (the counts read on the host), scattered back, rank-order combine."""
+        from exactrl.ops.moe_torch import _groups, combine_rank_order
+
+        t, k = ids.shape
+        order, counts = _groups(ids, gate_up.shape[0])
+        sorted_out = x.new_zeros(order.numel(), x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                slots = order[start : start + n]
+                sorted_out[start : start + n] = self._expert(x[slots // k], e, gate_up, down, e_gu, e_down)
+                start += n
+        outs = torch.empty_like(sorted_out)
+        outs[order] = sorted_out
+        return combine_rank_order(outs.view(t, k, x.shape[1]), weights, x.dtype)
+
+    def experts_all_slots(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
+        """Every expert over every token, each keeping the slots routed to it (`torch.where`: a selection, no
+        arithmetic): no data-dependent shape, so CUDA graphs capture it."""
+        from exactrl.ops.moe_torch import combine_rank_order
+
+        t, k = ids.shape
+        outs = x.new_zeros(t, k, x.shape[1])
+        for e in range(gate_up.shape[0]):
+            o = self._expert(x, e, gate_up, down, e_gu, e_down)
+            outs = torch.where((ids == e)[..., None], o[:, None, :], outs)
+        return combine_rank_order(outs, weights, x.dtype)
+
+
+def check_fp8_device(device: torch.device | str) -> None:
+    """Refuse a GPU without FP8 tensor cores (compute capability below 8.9) by name."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f'model.precision = "fp8" needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, '
+            f'Blackwell); {name} is {cap[0]}.{cap[1]}. Set model.precision = "dtype" (--precision dtype)'
+        )
+
+
+def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], masters: list[torch.Tensor]):
+    """After an optimizer step: re-quantize the fp8 weights among the optimizer's `params` from their fp32
+    `masters` (empty: from the parameters). Frozen weights (a LoRA base) are left as they are."""
+    ops = getattr(model, "ops", None)
+    if isinstance(ops, Fp8Ops):
+        sources: list[torch.Tensor | None] = list(masters) if masters else [None] * len(params)
+        for p, m in zip(params, sources):
+            entry = ops._weights.get(id(p))
+            if entry is not None and entry.param is p:
+                entry.quantize(m)

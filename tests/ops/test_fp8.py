@@ -1,0 +1,198 @@
+"""The fp8 recipe's pieces on the CPU (exactrl/ops/fp8.py): the quantizers against float64 references, their
+row-locality, and the CPU GEMM's batch invariance, each exactness check with a negative control."""
+
+from __future__ import annotations
+
+import torch
+
+from exactrl.ops.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Ops,
+    dequantize_weight,
+    fp8_gemm_cpu,
+    fp8_linear,
+    quantize_activations,
+    quantize_weight,
+)
+from exactrl.ops.torch_ops import ExactTorchOps
+
+
+def _data(*shape, seed=0, scale_rows=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if scale_rows:  # rows and groups of very different magnitudes, so a shared scale would show
+        cols = torch.logspace(-2, 2, shape[-1])[torch.randperm(shape[-1], generator=g)]
+        rows = torch.logspace(-2, 2, shape[0])[torch.randperm(shape[0], generator=g)]
+        x = x * cols * rows[:, None]
+    return x
+
+
+def test_activation_scales_match_float64_reference():
+    x = _data(9, 300)
+    x[3] = 0.0  # an all-zero row: scale 1, values 0
+    q, scale = quantize_activations(x)
+    assert q.dtype == FP8_DTYPE and q.shape == (9, 384) and scale.shape == (9, 3)
+    x64 = torch.zeros(9, 384, dtype=torch.float64)
+    x64[:, :300] = x.double()
+    amax = x64.view(9, 3, BLOCK).abs().amax(-1)
+    ref = torch.where(
+        amax > 0, amax / FP8_MAX, torch.ones_like(amax)
+    ).float()  # fp32 division, correctly rounded
+    assert torch.equal(scale, ref)
+    qf = q.float().view(9, 3, BLOCK)
+    # every non-zero group reaches the format's largest value; the zero padding past K stays 0
+    assert torch.equal(qf.abs().amax(-1)[amax > 0], torch.full_like(qf.abs().amax(-1)[amax > 0], FP8_MAX))
+    assert torch.equal(q.float()[:, 300:], torch.zeros(9, 84))
+    assert torch.equal(q.float()[3], torch.zeros(384))
+    # each value is within half an e4m3 step (3 mantissa bits: 2^-4 relative, 2^-10 absolute below the normals)
+    deq = (qf * scale.double().view(9, 3, 1)).view(9, 384)
+    s64 = scale.double().repeat_interleave(BLOCK, 1)
+    step = torch.maximum(x64.abs() * 2.0**-4, s64 * 2.0**-10) * (1 + 1e-6)
+    assert ((deq - x64).abs() <= step).all()
+
+
+def test_weight_block_scales_match_float64_reference():
+    w = _data(300, 200, seed=1)
+    q, row_scale = quantize_weight(w)
+    assert q.shape == (300, 256) and row_scale.shape == (300, 2)
+    w64 = torch.zeros(384, 256, dtype=torch.float64)
+    w64[:300, :200] = w.double()
+    amax = w64.view(3, BLOCK, 2, BLOCK).abs().amax(dim=(1, 3))  # [NB, KB]
+    ref = (amax / FP8_MAX).float().repeat_interleave(BLOCK, 0)[:300]
+    assert torch.equal(row_scale, ref)
+    err = (dequantize_weight(q, row_scale, 200).double() - w.double()).abs()
+    s64 = row_scale.double().repeat_interleave(BLOCK, 1)[:, :200]
+    assert (err <= torch.maximum(w.double().abs() * 2.0**-4, s64 * 2.0**-10) * (1 + 1e-6)).all()
+
+
+def test_packed_weight_blocks_part_by_part():
+    w = _data(200, 130, seed=2)
+    q, s = quantize_weight(w, [72, 128])
+    qa, sa = quantize_weight(w[:72])
+    qb, sb = quantize_weight(w[72:])
+    assert torch.equal(q.float(), torch.cat([qa, qb]).float()) and torch.equal(s, torch.cat([sa, sb]))
+    # negative control: blocked as one weight, the first 128 rows share blocks across the part boundary
+    q1, s1 = quantize_weight(w)
+    assert not torch.equal(s1, s)
+
+
+def test_activation_quantizer_is_row_local():
+    """A row's fp8 bits and scales are the same whatever other rows are in the call (torch.equal)."""
+    x = _data(24, 256, seed=3)
+    q, s = quantize_activations(x)
+    big = torch.cat([x, 1e7 * torch.ones(3, 256)])  # rows of a far larger magnitude join the batch
+    for rows in ([5], [0, 7, 23], list(range(24))):
+        for batch in (x[rows], torch.cat([big[-3:], x[rows]])):
+            qb, sb = quantize_activations(batch)
+            n = len(rows)
+            assert torch.equal(qb[-n:].float(), q[rows].float()) and torch.equal(sb[-n:], s[rows])
+
+    # negative control: a per-tensor scale (amax over the whole batch) changes a row's bits when another joins
+    def per_tensor(t):
+        return (t / (t.abs().amax() / FP8_MAX)).to(FP8_DTYPE)
+
+    assert not torch.equal(per_tensor(x)[5].float(), per_tensor(big)[5].float())
+
+
+def _quant_pair(m, n, k, seed=4):
+    qx, sx = quantize_activations(_data(m, k, seed=seed))
+    qw, sw = quantize_weight(_data(n, k, seed=seed + 1))
+    return qx, sx, qw, sw
+
+
+def test_cpu_gemm_is_batch_invariant():
+    qx, sx, qw, sw = _quant_pair(70, 96, 384)
+    bias = torch.randn(96)
+    full = fp8_gemm_cpu(qx, sx, qw, sw, bias, torch.bfloat16)
+    for rows in ([0], [69], [3, 4, 5], list(range(0, 70, 7)), list(range(33))):
+        part = fp8_gemm_cpu(qx[rows], sx[rows], qw, sw, bias, torch.bfloat16)
+        assert torch.equal(part, full[rows]), rows
+    # the output against a float64 evaluation of the same formula
+    a64 = qx.double().view(70, 3, BLOCK) * sx.double()[..., None]
+    w64 = qw.double().view(96, 3, BLOCK) * sw.double()[..., None]
+    ref = torch.einsum("mkc,nkc->mn", a64, w64) + bias.double()
+    assert torch.allclose(full.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_cpu_gemm_dot_order_matters_negative_control():
+    """Why the CPU dot is taken in float64: the same fp8 products added in fp32 in two orders give other bits, so
+    a BLAS whose blocking follows M would give a row other bits. The float64 dot is exact, in any order."""
+    qx, _, qw, _ = _quant_pair(64, 64, 128, seed=7)
+    prods = qx.float()[:, None, :] * qw.float()[None, :, :]  # [M, N, 128], every product exact in fp32
+    fwd = torch.zeros(64, 64)
+    bwd = torch.zeros(64, 64)
+    for i in range(BLOCK):
+        fwd = fwd + prods[..., i]
+        bwd = bwd + prods[..., BLOCK - 1 - i]
+    assert not torch.equal(fwd, bwd)
+    p64 = prods.double()
+    f64, b64 = p64.sum(-1), p64.flip(-1).cumsum(-1)[..., -1]
+    assert torch.equal(f64, b64)
+
+
+def test_fp8_linear_straight_through_backward():
+    x = _data(6, 200, seed=8, scale_rows=False).requires_grad_(True)
+    w = (0.05 * _data(40, 200, seed=9, scale_rows=False)).requires_grad_(True)
+    q, s = quantize_weight(w.detach())
+    y = fp8_linear(x, w, None, q, s)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w_deq = dequantize_weight(q, s, 200)
+    assert torch.equal(x.grad, g @ w_deq)
+    assert torch.equal(w.grad, g.t() @ x.detach())
+
+
+def test_fp8_ops_requantizes_a_changed_weight():
+    """A registered weight written in place (an optimizer step, a weight sync) is quantized again before use."""
+    lin = torch.nn.Linear(128, 64, bias=False)
+    ops = Fp8Ops(ExactTorchOps())
+    ops.register(lin.weight)
+    x = torch.randn(3, 128)
+    before = ops.linear(x, lin.weight)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    after = ops.linear(x, lin.weight)
+    assert torch.equal(after, 2 * before)  # scales double, the fp8 values stay: exactly twice
+    other = torch.nn.Linear(128, 64, bias=False)
+    assert torch.equal(ops.linear(x, other.weight), ExactTorchOps().linear(x, other.weight))  # not registered
+
+
+def test_fp8_experts_grouped_equal_all_slots():
+    """The CPU's grouped experts (each expert on its routed slots) and CUDA's all-slots form (every expert on
+    every token, the routed slots kept) give every token the same bits: the fp8 GEMM is row-local."""
+    from exactrl.ops.moe_torch import route_topk
+
+    g = torch.Generator().manual_seed(11)
+    e, d, inter, t = 5, 136, 40, 23
+    gate_up = torch.nn.Parameter(0.1 * torch.randn(e, 2 * inter, d, generator=g))
+    down = torch.nn.Parameter(0.1 * torch.randn(e, d, inter, generator=g))
+    ops = Fp8Ops(ExactTorchOps())
+    ops.register(gate_up, [inter, inter])
+    ops.register(down)
+    x = torch.randn(t, d, generator=g)
+    weights, ids = route_topk(torch.randn(t, e, generator=g), 2, True)
+    entries = ops._entry(gate_up), ops._entry(down)
+    grouped = ops.experts_grouped(x, gate_up, down, weights, ids, *entries)
+    every = ops.experts_all_slots(x, gate_up, down, weights, ids, *entries)
+    assert torch.equal(grouped, every)
+    assert torch.equal(ops.moe_experts(x, gate_up, down, weights, ids), grouped)
+    # a token alone gets its bits from the full call
+    assert torch.equal(ops.moe_experts(x[4:5], gate_up, down, weights[4:5], ids[4:5]), grouped[4:5])
+    # negative control: the experts in the model dtype (the wrapped backend) are other numbers
+    assert not torch.equal(ExactTorchOps().moe_experts(x, gate_up, down, weights, ids), grouped)
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
+    import pytest
+
+    from exactrl.ops.fp8 import check_fp8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"A100-SXM4-80GB is 8\.0.*model\.precision"):
+        check_fp8_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    check_fp8_device("cuda:0")  # Ada and newer pass
+    check_fp8_device("cpu")  # the CPU emulates it
