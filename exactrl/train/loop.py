@@ -215,12 +215,6 @@ class RLRun(WarmStart, Finish):
             init_draws=cfg.model.init_draws,
             precision=cfg.model.precision,
         )
-        if cfg.model.precision == "fp8" and self.dist.distributed:
-            raise ValueError(
-                'model.precision = "fp8" runs on one process for now (the weight sync does not send fp8 weights '
-                "and the FSDP2 trainer does not quantize): run without torchrun (--nproc 1 or none), or set "
-                'model.precision = "dtype"'
-            )
         if (cfg.train.moe_aux_loss_coef or cfg.train.moe_z_loss_coef) and not has_experts(self.model):
             # Said now, before the warm start and the run folder's commit (the trainer refuses it too, later).
             raise ValueError(
