@@ -31,7 +31,7 @@ and `exactrl train` allocates exactly the plan's blocks: the cache never crowds 
 
 The byte counts of weights, masters, moments and gradients are exact (a test counts the real tensors); the
 activation term is a per-token count of the tensors autograd keeps for the backward, checked on the GPU
-(benchmarks/gpu_session.sh, section plan-check).
+(`bash benchmarks/gpu.sh plan-check`).
 """
 
 from __future__ import annotations

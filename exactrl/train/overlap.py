@@ -47,7 +47,7 @@ GIL_SWITCH_INTERVAL_S = 5e-4
 # The generation stream's CUDA priority: lower is higher. Priority orders the thread blocks waiting for an SM; it
 # preempts nothing, and the trainer's persistent GEMMs hold every SM for their whole run, so on the H100 a decode
 # step beside training was as slow on a high-priority stream as on a default one (benchmarks/probe_priority.py,
-# docs/benchmarks.md "Twelfth session"). Kept because it costs nothing and helps against non-persistent kernels.
+# docs/benchmarks.md "Generation and training on one GPU"). Kept because it costs nothing and helps against non-persistent kernels.
 GENERATION_STREAM_PRIORITY = -1
 
 

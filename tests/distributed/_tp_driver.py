@@ -208,8 +208,8 @@ def main() -> None:
         with open(spec.get("out", "tp.json"), "w") as f:
             json.dump(results, f)
     # Leave the group as a command does (barrier, destroy, a pause with the GIL released): a rank that tears its
-    # group down and exits at once can die of SIGABRT at exit after its work is done (docs/benchmarks.md, eighth
-    # session; seen once here under a loaded make test, 2026-11-28).
+    # group down and exits at once can die of SIGABRT at exit after its work is done (docs/benchmarks.md, "World
+    # sizes on the CPU"; seen once under a loaded make test, 2026-11-28).
     import exactrl.cli
 
     exactrl.cli._end_process_group()

@@ -4,7 +4,7 @@ What a CPU can show: the plan's weight, master, moment and gradient bytes equal 
 builds (tiny, tiny-moe, LoRA, critic); a config that cannot fit is refused with settings that do fit; the
 qwen3-30b-a3b plan for 8 x 80 GB follows the formula; offload moves the optimizer state out of the step's buffers
 and back, and changes no bit of a run. What it cannot: activation peaks (no reliable CPU allocator peak; the
-activation term is checked on the GPU by benchmarks/gpu_session.sh, section plan-check), pinned memory and the
+activation term is checked on the GPU by `bash benchmarks/gpu.sh plan-check`), pinned memory and the
 asynchrony of the copies.
 """
 

@@ -12,7 +12,7 @@ statement of every such kernel, before any load or store) holds it until that ke
 are visible. The launch latency of each kernel of a decode step (a dozen a layer, each a few microseconds of work)
 hides behind the one before it; no instruction of a kernel's arithmetic changes. Only kernels launched inside
 `pdl_launches()` (the engine's steps) take it: a training step's long kernels have no launch latency to hide, and
-on an H100 the attribute cost qwen3-1.7b's training step 7% (docs/benchmarks.md, sixteenth session).
+on an H100 the attribute cost qwen3-1.7b's training step 7% (docs/benchmarks.md, "Kernels").
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def pdl_launches(on: bool = True) -> Iterator[None]:
     """Kernels this thread launches inside the block use programmatic dependent launch where `pdl` allows it; the
     engine runs each step (prefill, decode graphs and their capture, sampling) inside one. Outside, and in other
     threads, launches are plain. Same bits either way (tests/ops/test_pdl.py). Training stays outside: on an H100
-    (2026-11-26, same session, `exactrl bench train --preset qwen3-1.7b`) its step ran 38.4k tok/s with the
+    (2026-11-26, the same machine and day, `exactrl bench train --preset qwen3-1.7b`) its step ran 38.4k tok/s with the
     attribute on every kernel against 41.1k without it."""
     prev = getattr(_SCOPE, "on", False)
     _SCOPE.on = on
