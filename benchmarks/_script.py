@@ -7,7 +7,10 @@ The scripts import it from their own folder (a script's folder is first on sys.p
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+
+from exactrl.bench_records import busy_cores  # the scripts' spinner is the CLI's (`bench --busy-cores`)
+
+__all__ = ["busy_cores", "cap_host_threads", "kernel_device", "parser", "require_cuda"]
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -53,17 +56,3 @@ def kernel_device(script: str) -> str:
         f"{script}: needs a CUDA GPU, or TRITON_INTERPRET=1 for a dry run on the CPU with small sizes; --help says "
         "what it measures"
     )
-
-
-def _spin() -> None:  # pragma: no cover - a busy core beside the run
-    while True:
-        pass
-
-
-def busy_cores(n: int) -> list[mp.Process]:
-    """Start n processes that each keep a core busy (what `yes > /dev/null` does), as a shared host would; they are
-    daemons, so they end with the script."""
-    procs = [mp.Process(target=_spin, daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    return procs

@@ -699,6 +699,10 @@ def apply_defaults(args) -> None:
 
 def main(args) -> int:
     apply_defaults(args)
+    if getattr(args, "busy_cores", 0) and os.environ.get("LOCAL_RANK", "0") == "0":
+        from exactrl.bench_records import busy_cores
+
+        busy_cores(args.busy_cores)  # one set per host: rank 0 of a node starts them
     if getattr(args, "split_kv", "auto") == "off":
         from exactrl.ops.triton import attention as triton_attention
 

@@ -5,6 +5,7 @@ imports the other's module for it."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import time
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def record_head(bench: str, args, device: str, preset: str | None = None) -> dic
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "dtype": args.dtype,
         "precision": getattr(args, "precision", "dtype"),
+        "busy_cores": getattr(args, "busy_cores", 0),
         "split_kv": getattr(args, "split_kv", "auto"),
     }
 
@@ -123,3 +125,17 @@ def baseline_of(args) -> dict | None:
     if not isinstance(rec, dict) or rec.get("bench") != "rl":
         raise ValueError(f"--baseline {path}: not a `bench rl` result")
     return rec
+
+
+def _spin() -> None:  # pragma: no cover - a busy core beside the run
+    while True:
+        pass
+
+
+def busy_cores(n: int) -> list[mp.Process]:
+    """Start n processes that each keep a host core busy (what `yes > /dev/null` does), as a shared host would:
+    `bench --busy-cores N` measures what a user on such a host gets. Daemons: they end with the command."""
+    procs = [mp.Process(target=_spin, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs

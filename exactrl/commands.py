@@ -644,6 +644,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="train: timed steps (default 5); rl: (default 3)")
     p.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="start N processes that each keep a host core busy beside the run (a shared host); the record says "
+        "busy_cores",
+    )
+    p.add_argument(
         "--graphs",
         default="on",
         choices=["on", "off"],
