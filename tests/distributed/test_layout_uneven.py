@@ -14,7 +14,7 @@ import pytest
 
 from exactrl.distributed.env import DistContext
 from exactrl.distributed.layout import Layout, trainer_ranks
-from exactrl.train.memory import plan_generator
+from exactrl.train.memory_generator import plan_generator
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 from test_plan import run_cfg  # noqa: E402  (the tiny bf16 config the plan tests share)
