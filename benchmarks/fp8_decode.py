@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 
 
 def main() -> int:
@@ -31,6 +32,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out-dir", help="also write one record file per measurement here")
     args = p.parse_args()
+    cap_host_threads(args.device)  # the CLI's host-thread rule: a busy core beside the run must not halve it
 
     from exactrl.bench import _rollout_on_rank, record_head  # noqa: F401 - record_head: the record's keys
     from exactrl.distributed.env import DistContext

@@ -43,10 +43,10 @@ def test_episodes_cut_by_max_turns_are_truncated_for_the_metric_and_the_overlong
     run = RLRun(cfg, out=lambda *a: None)
     try:
         model = copy.deepcopy(run.model)
-        run.stream = run.task.train_examples(seed=cfg.run.seed)
-        examples, ids, index = run.prompts()
-        sr = run.episodes(0, examples, ids, index)
-        metrics = run.step_metrics({}, sr)
+        run.stages.open_stream(cfg.run.seed)
+        examples, ids, index = run.stages.prompts()
+        sr = run.stages.episodes(0, examples, ids, index)
+        metrics = run.stages.step_metrics({}, sr)
     finally:
         run.close()
     rollouts = sr.rollouts

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from exactrl.ops.triton.common import pdl, pdl_wait
+
 FP8_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 BLOCK_K = 128
 
@@ -39,7 +41,9 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # a dependent launch (engine decode steps) waits here for its predecessor's writes
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,5 +111,6 @@ def fp8_gemm_triton(
         BLOCK_K=BLOCK_K,
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
+        **pdl(a.device),
     )
     return out
