@@ -26,9 +26,11 @@ PARAMS = SamplingParams(temperature=0.8, max_tokens=5, n=2, seed=5)
 
 
 def _model(device: str):
-    model = build_model(preset("tiny-moe", num_experts_per_tok=4), exact=True)
+    # Built on its device: the device picks the exact ops (torch on the CPU, Triton on CUDA); a CPU model moved to
+    # CUDA would keep the CPU ops, whose expert grouping reads counts back to the host (not capturable).
+    model = build_model(preset("tiny-moe", num_experts_per_tok=4), device=device, exact=True)
     trained_looking(model, seed=3)
-    return model.to(device).requires_grad_(False)
+    return model.requires_grad_(False)
 
 
 def _generate(model, mode: str):
