@@ -27,7 +27,6 @@ from exactrl.distributed.shared_engine import (
 from exactrl.distributed.shared_fs import (
     agree,
     agreed_checkpoint,
-    check_every_rank_sees,
     check_shared_run_dir,
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
@@ -38,7 +37,7 @@ from exactrl.model.moe import has_experts
 from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer
 from exactrl.tasks.prompts import PromptFilter
-from exactrl.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
+from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.disagg import RemoteEngine, serve_generator
 from exactrl.train.drivers.base import StepContext, StepDriver
@@ -355,27 +354,6 @@ class RLRun(WarmStart, Finish):
     def last_rollouts(self) -> Any:
         """The last step's StepRollouts."""
         return self.state.last_rollouts
-
-    def check_resume_point(self) -> None:
-        """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
-        another model shape (a --allow-config-change of model.*), LoRA or critic that the checkpoint lacks or
-        has, a truncated or corrupt file. The run's time so far comes from the checkpoint (RunClock)."""
-        cfg = self.cfg
-        if self.resume_from is not None:
-            check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
-            sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
-            if cfg.algorithm.kl_coef > 0 and sft_src:
-                check_every_rank_sees(self.dist, Path(sft_src), "the KL reference")
-            if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
-                raise ValueError(
-                    f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "
-                    "(no config.json)"
-                )
-        elif self.sft_point.checkpoint is not None:
-            self.sft_point.state = check_resumable(self.sft_point.checkpoint, self.model)
-            self.clock.resume_from(self.sft_point.state.get("summary", {}))
-        elif self.sft_point.finished is not None:
-            self.clock.resume_from(self.sft_point.finished)
 
     def stop_requested(self) -> bool:
         """Whether a signal (Ctrl-C, SIGTERM) asked the run to stop, on any rank: a collective (every rank asks at

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from exactrl.distributed.shared_fs import check_every_rank_sees
+from exactrl.train.checkpoint import check_resumable
 from exactrl.train.sft import SFT_CHECKPOINTS, SFTCheckpointing, run_sft, write_sft_model
 
 
@@ -37,6 +39,27 @@ class WarmStart:
     task: Any
     tok: Any
     weights: Any
+
+    def check_resume_point(self) -> None:
+        """Refuse, before the run directory changes, a resume whose checkpoint cannot load into this run:
+        another model shape (a --allow-config-change of model.*), LoRA or critic that the checkpoint lacks or
+        has, a truncated or corrupt file. The run's time so far comes from the checkpoint (RunClock)."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            check_resumable(self.resume_from, self.model, critic=cfg.algorithm.needs_critic, lora=cfg.lora)
+            sft_src = cfg.sft.checkpoint or (self.out_dir / "sft" if cfg.sft.steps > 0 else None)
+            if cfg.algorithm.kl_coef > 0 and sft_src:
+                check_every_rank_sees(self.dist, Path(sft_src), "the KL reference")
+            if cfg.algorithm.kl_coef > 0 and sft_src and not (Path(sft_src) / "config.json").is_file():
+                raise ValueError(
+                    f"cannot resume: the KL reference is the model after SFT, and {sft_src} holds none "
+                    "(no config.json)"
+                )
+        elif self.sft_point.checkpoint is not None:
+            self.sft_point.state = check_resumable(self.sft_point.checkpoint, self.model)
+            self.clock.resume_from(self.sft_point.state.get("summary", {}))
+        elif self.sft_point.finished is not None:
+            self.clock.resume_from(self.sft_point.finished)
 
     def warm_start(self) -> None:
         """SFT warm start and the held-out accuracy before RL (skipped on resume: the checkpoint holds the
