@@ -190,7 +190,8 @@ class Fp8Weight:
 
     @torch.no_grad()
     def quantize(self, source: torch.Tensor | None = None) -> None:
-        """Quantize from `source` (the fp32 master; default the parameter itself) into the same buffers."""
+        """Quantize from `source` (default, and what the optimizer uses: the parameter itself, the weights every
+        holder of them shares) into the same buffers."""
         src = self.param.detach() if source is None else source.detach()
         if src.dim() == 2:
             quantize_weight(src, self.parts, (self.q, self.scale))

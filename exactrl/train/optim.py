@@ -201,10 +201,12 @@ class MasterAdamW:
             self._timings.append((start, end))
 
     def _requantize(self) -> None:
-        """A model with fp8 projections (`model.precision = "fp8"`) takes its fp8 weights from the new fp32 masters
-        (from the weights themselves while offloaded masters wait on the host)."""
+        """A model with fp8 projections (`model.precision = "fp8"`) re-quantizes its trained weights from the model's
+        own weights, just written from the new fp32 masters. Not from the masters: every other holder of these
+        weights (a checkpoint loaded on resume, the one-step-off behaviour copy, a replay) has the model's weights
+        and not the masters, and must quantize them to the same fp8 bits; the offloaded masters too."""
         if self._fp8_model is not None:
-            requantize_after_step(self._fp8_model, self.params, [] if self.on_host else self.master)
+            requantize_after_step(self._fp8_model, self.params, [])
 
     def take_step_seconds(self) -> float:
         """Device seconds of the steps queued since the last call (waits for the last of them); 0 on the CPU."""

@@ -18,7 +18,10 @@ from exactrl.train.loop import train
 from exactrl.train.optim import MasterAdamW
 
 
-def test_step_requantizes_from_the_fp32_masters():
+def test_step_requantizes_from_the_weights_every_holder_shares():
+    """After a step the fp8 copy is the quantized model weight (bf16), not the quantized fp32 master: a resume
+    (the checkpoint holds the weights), the one-step-off behaviour copy and a replay quantize the same weights, so
+    they hold the same fp8 bits. Quantized from the master, the codes differ (the negative control below)."""
     model = apply_precision(build_model(PRESETS["tiny"], dtype=torch.bfloat16), "fp8")
     opt = MasterAdamW(model, lr=1e-2)
     ids = torch.arange(24) % model.config.vocab_size
@@ -36,7 +39,17 @@ def test_step_requantizes_from_the_fp32_masters():
     q_param, s_param = quantize_weight(param.float())
     # the bf16 copy rounds the master: quantized from it, other blocks (so the check below can fail)
     assert not (torch.equal(q_param.float(), q_master.float()) and torch.equal(s_param, s_master))
-    assert torch.equal(entry.q.float(), q_master.float()) and torch.equal(entry.scale, s_master)
+    assert torch.equal(entry.q.float(), q_param.float()) and torch.equal(entry.scale, s_param)
+    # A second holder of the same weights (a resumed run, the behaviour copy) gets the same fp8 bits.
+    twin = apply_precision(build_model(PRESETS["tiny"], dtype=torch.bfloat16), "fp8")
+    twin.load_state_dict(model.state_dict())
+    checked = 0
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        ea, eb = model.ops._entry(a), twin.ops._entry(b)  # _entry: re-quantized if the weight was written since
+        if ea is not None and eb is not None:
+            assert torch.equal(ea.q.float(), eb.q.float()) and torch.equal(ea.scale, eb.scale), name
+            checked += 1
+    assert checked == model.ops.num_weights
 
 
 BASE = {
