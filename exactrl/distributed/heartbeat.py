@@ -36,7 +36,8 @@ LOST_AFTER_S = float(os.environ.get("EXACTRL_LOST_AFTER_S", "15"))
 FAILED_SILENT_S = 2.0  # the silence that ends a rank that said it fails (`announce`)
 STORE_TIMEOUT_S = 10.0
 LAUNCHER_PID_ENV = "EXACTRL_LAUNCHER_PID"  # set by exactrl's launcher: its own pid, watched by every rank
-PREFIX = "exactrl/watchdog/"
+# A restarted attempt (torchrun --max-restarts) keeps the agent's store: its keys are its own.
+PREFIX = f"exactrl/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 DONE = 1 << 40  # added to a rank's count when it finishes: its silence from then on is no loss
 
 _watchdog: Watchdog | None = None
@@ -65,49 +66,49 @@ class Watchdog(threading.Thread):
             self.store.set(f"{PREFIX}host/{self.rank}", socket.gethostname())
             self.store.add(f"{PREFIX}beat/{self.rank}", 1)
         except Exception as e:  # the store's client raises RuntimeError subclasses
-            self._stop(f"rank {self.rank} could not reach the rendezvous store at {self._endpoint()}: {e}")
+            self._halt(f"rank {self.rank} could not reach the rendezvous store at {self._endpoint()}: {e}")
             return
         beats = [f"{PREFIX}beat/{r}" for r in range(self.world_size)]
         seen: dict[int, tuple[int, float]] = {}
+        started, failures, said = False, 0, set()
         while not self.stopped.wait(BEAT_S):
             why = self._launcher_gone()
             if why:
                 self._announce(why)  # the other nodes read this now instead of 15 s of silence
-                self._stop(f"rank {self.rank} ({socket.gethostname()}): {why}; rank {self.rank} stopped")
+                self._halt(f"rank {self.rank} ({socket.gethostname()}): {why}; rank {self.rank} stopped")
                 return
             try:
                 self.store.add(beats[self.rank], 1)
-                # One round trip for every rank's count once all have beaten (a store.add per rank would be
-                # world_size round trips per rank per second, world_size**2 on the store); before, add(k, 0)
-                # reads a count without waiting for a rank that has not started.
-                if self.store.check(beats):
-                    counts = [int(v) for v in self.store.multi_get(beats)]
-                else:
-                    counts = [self.store.add(k, 0) for k in beats]
-                failed = self.store.add(f"{PREFIX}failures", 0)
+                # Every rank's count in one round trip (world_size requests a second on the store in all, each
+                # of world_size keys), once every rank has beaten: a key read before it exists would wait. Until
+                # then nobody is judged (the process group was formed, so every rank's first beat is a second away).
+                started = started or self.store.check(beats)
+                counts = [int(v) for v in self.store.multi_get(beats)] if started else []
+                now_failures = self.store.add(f"{PREFIX}failures", 0)
             except Exception as e:
                 if self.stopped.is_set():
                     return
-                self._stop(
+                self._halt(
                     f"rank {self.rank} ({socket.gethostname()}) lost the rendezvous store at {self._endpoint()} "
-                    f"(node 0's launcher is gone?): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                    f"(its host, node 0's launcher or rank 0, is gone or overloaded): "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 )
                 return
             # A rank that said why it fails is lost once it stops beating for FAILED_SILENT_S (its process is gone);
             # while it lives (writing its report, its record) nothing is cut short. Any other rank after
-            # LOST_AFTER_S of silence.
-            said = (
-                {r for r in range(self.world_size) if r != self.rank and self._failed(r)} if failed else set()
-            )
+            # LOST_AFTER_S of silence. Who said so is read again only when the count of such ranks grows.
+            if now_failures != failures:
+                failures = now_failures
+                said = {r for r in range(self.world_size) if r != self.rank and self._failed(r)}
             now = time.monotonic()
             for r, n in enumerate(counts):
-                if r == self.rank or n >= DONE or n == 0:  # 0: not started yet (the process group came first)
+                if r == self.rank or n >= DONE:
                     continue
                 last = seen.get(r)
                 if last is None or last[0] != n:
                     seen[r] = (n, now)
                 elif now - last[1] > (FAILED_SILENT_S if r in said else LOST_AFTER_S):
-                    self._stop(self._lost(r, now - last[1]))
+                    self._halt(self._lost(r, now - last[1]))
                     return
 
     def _endpoint(self) -> str:
@@ -151,7 +152,7 @@ class Watchdog(threading.Thread):
         except Exception:  # the store may be what is gone
             pass
 
-    def _stop(self, what: str) -> None:
+    def _halt(self, what: str) -> None:  # not `_stop`: threading.Thread has its own, called at fork and join
         import multiprocessing
 
         self.stopped.set()
@@ -212,7 +213,7 @@ def await_verdict() -> None:
     """A collective failed because a peer is gone: give the watchdog the time to find which (it then exits this
     process with its line). Returns if it finds nothing in that time."""
     w = _watchdog
-    if w is not None:
+    if w is not None and w is not threading.current_thread():  # the watchdog itself reports, then exits
         w.join(LOST_AFTER_S + 3 * BEAT_S)
 
 
