@@ -73,6 +73,7 @@ def check_shared_run_dir(ctx: DistContext, out_dir: Path) -> None:
     made: list[Path] = []
     token = None
     nonce = None
+    failed: str | None = None  # rank 0's own error writing the token: that, not the filesystem, is the cause
     if ctx.is_main:
         made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
         nonce = secrets.token_hex(16)
@@ -80,9 +81,19 @@ def check_shared_run_dir(ctx: DistContext, out_dir: Path) -> None:
             out_dir.mkdir(parents=True, exist_ok=True)
             token = out_dir / f"{TOKEN_PREFIX}{nonce}"
             token.write_text(nonce)
-        except OSError:
-            token = None  # every rank, rank 0 too, then fails to read it below
-    nonce = ctx.all_gather_object(nonce)[0]
+        except OSError as e:
+            token, failed = None, f"{type(e).__name__}: {e}"
+            for p in made:  # deepest first, what this check made
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+    nonce, failed = ctx.all_gather_object((nonce, failed))[0]
+    if failed is not None:
+        raise SharedFilesystemError(
+            f"rank 0 cannot write in the run directory {out_dir} ({failed}): set run.output_dir to a directory "
+            "every rank can write (and see: on several nodes a filesystem every node mounts at that path)"
+        )
     try:
         seen = (out_dir / f"{TOKEN_PREFIX}{nonce}").read_text() == nonce
     except OSError:

@@ -16,8 +16,10 @@ import torch.distributed.checkpoint as dcp
 from exactrl.distributed.env import DistContext
 from exactrl.distributed.shared_fs import (
     IncompleteCheckpointError,
+    SharedFilesystemError,
     agree,
     agreed_checkpoint,
+    check_shared_run_dir,
     missing_shards,
     require_every_shard,
 )
@@ -71,3 +73,21 @@ def test_agree_gives_rank_0s_answer_or_error():
     assert agree(DistContext.single(), lambda: 3) == 3
     with pytest.raises(ValueError, match="rank 0's"):
         agree(DistContext.single(), lambda: (_ for _ in ()).throw(ValueError("rank 0's")))
+
+
+class _TwoRanks:
+    """Rank 0 of two whose peer sees what it sees (a collective hands every rank rank 0's object)."""
+
+    distributed, world_size, is_main = True, 2, True
+
+    def all_gather_object(self, obj):
+        return [obj, obj]
+
+
+def test_rank_0_that_cannot_write_the_run_directory_says_so_not_that_a_node_is_blind(tmp_path):
+    check_shared_run_dir(_TwoRanks(), tmp_path / "run")  # the control: writable, seen, nothing left behind
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SharedFilesystemError, match="rank 0 cannot write in the run directory") as e:
+        check_shared_run_dir(_TwoRanks(), tmp_path / "file" / "run")  # under a file: mkdir fails
+    assert "cannot see" not in str(e.value)
