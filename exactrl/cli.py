@@ -632,7 +632,7 @@ def _main(argv: list[str] | None = None) -> int:
             if roles is not None:  # what each rank will do, once, before the ranks' own output
                 from exactrl.distributed.roles import roles_line
 
-                print(roles_line(nodes.world_size, roles), file=sys.stderr, flush=True)
+                print(roles_line(nodes.world_size, roles, nodes.nproc_per_node), file=sys.stderr, flush=True)
             from exactrl.distributed.launch import launch_torchrun
 
             return launch_torchrun(nodes, argv)

@@ -32,8 +32,9 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {_span(ranks)}"
 
 
-def roles_line(nproc: int, roles: Roles) -> str:
-    """One line: which ranks train and which generate, the engines and their split, and the devices."""
+def roles_line(nproc: int, roles: Roles, per_node: int | None = None) -> str:
+    """One line: which ranks train and which generate, the engines and their split, and the devices (`per_node`:
+    the ranks of one node, when the ranks span several)."""
     g, t, e = roles.generator_ranks, roles.tensor_parallel, roles.expert_parallel
     s = max(t, e)
     split = f"T={t} E={e}"
@@ -65,7 +66,10 @@ def roles_line(nproc: int, roles: Roles) -> str:
                 f"{_span(served)}"
             )
     if roles.device.startswith("cuda"):
-        where = f"one GPU each, cuda:0-{nproc - 1} by LOCAL_RANK" if nproc > 1 else "cuda:0"
+        local = per_node or nproc
+        where = f"one GPU each, cuda:0-{local - 1} by LOCAL_RANK" if nproc > 1 else "cuda:0"
+        if local < nproc:
+            where += f" on each of {nproc // local} nodes"
     else:
         where = f"the {roles.device.upper() if roles.device == 'cpu' else roles.device} (gloo)"
     return f"exactrl: {nproc} rank{'s' if nproc > 1 else ''}: {'; '.join(parts)}; on {where}"

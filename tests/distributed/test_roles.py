@@ -26,6 +26,10 @@ def test_the_line_names_roles_engines_and_devices():
     assert roles_line(2, Roles("cuda", trains=False)) == (
         "exactrl: 2 ranks: ranks 0-1 generate (an engine each, T=1 E=1); on one GPU each, cuda:0-1 by LOCAL_RANK"
     )
+    # Two nodes of 8: each node's ranks take its own cuda:0-7, not cuda:0-15.
+    assert roles_line(16, Roles("cuda"), per_node=8).endswith(
+        "on one GPU each, cuda:0-7 by LOCAL_RANK on each of 2 nodes"
+    )
 
 
 @pytest.mark.parametrize(("world", "generators", "split"), [(3, 1, 1), (5, 2, 1), (7, 4, 2), (6, 2, 2)])

@@ -45,7 +45,10 @@ def test_step_requantizes_from_the_weights_every_holder_shares():
     twin.load_state_dict(model.state_dict())
     checked = 0
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        ea, eb = model.ops._entry(a), twin.ops._entry(b)  # _entry: re-quantized if the weight was written since
+        ea, eb = (
+            model.ops._entry(a),
+            twin.ops._entry(b),
+        )  # _entry: re-quantized if the weight was written since
         if ea is not None and eb is not None:
             assert torch.equal(ea.q.float(), eb.q.float()) and torch.equal(ea.scale, eb.scale), name
             checked += 1
