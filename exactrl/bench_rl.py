@@ -362,17 +362,9 @@ def check_options(args: Any) -> None:
     `--nproc N` launcher before torchrun starts them (exactrl.commands._bench_before_launch)."""
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"bench rl: --steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
-    Workload.draw(  # the same checks, on one token of vocabulary: nothing here depends on the model
-        prompts=args.prompts,
-        samples=args.samples,
-        prompt_min=args.prompt_min,
-        prompt_max=args.prompt_max,
-        completion_median=args.completion_median,
-        completion_sigma=args.completion_sigma,
-        max_tokens=args.max_tokens,
-        vocab=1,
-        seed=args.seed,
-    )
+    _workload(
+        args, None, None, vocab=1
+    )  # the same checks on one token of vocabulary: nothing here needs the model
 
 
 def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -465,7 +457,8 @@ def _setup_note(device: str, since: float) -> str:
     return note
 
 
-def _workload(args: Any, tok: Any, model: Any) -> Workload:
+def _workload(args: Any, tok: Any, model: Any, vocab: int | None = None) -> Workload:
+    """The step's workload from the command's options (`vocab`: the token ids drawn; default the model's)."""
     return Workload.draw(
         prompts=args.prompts,
         samples=args.samples,
@@ -474,7 +467,7 @@ def _workload(args: Any, tok: Any, model: Any) -> Workload:
         completion_median=args.completion_median,
         completion_sigma=args.completion_sigma,
         max_tokens=args.max_tokens,
-        vocab=min(tok.vocab_size, model.config.vocab_size),
+        vocab=vocab if vocab is not None else min(tok.vocab_size, model.config.vocab_size),
         seed=args.seed,
     )
 
