@@ -4,7 +4,11 @@ A thread cannot be stopped (a busy loop in one keeps running and keeps taking th
 started with `forkserver` where the platform has it (else `spawn`), never by a plain `fork`: the trainer's process
 may hold CUDA state, which a forked child must not touch. Each worker imports the user's reward functions once,
 when it starts, and says it is ready; only then does a call's clock start, so a slow `import` in a reward file does
-not eat into the first call's timeout.
+not eat into the first call's timeout. A child of `forkserver` or `spawn` re-runs the parent's main module before
+its target (Python 3.11 does not preload it in the fork server): under `exactrl train` that is exactrl.cli, torch
+and the whole package, 2-3 s a worker on a 2-core machine. Functions named by spec ("file.py:fn", "module:fn") do
+not need it, so their workers start without it (`_main_not_rerun`: about 0.1 s); a function passed by value
+(pickled by reference, perhaps to the script that was run, `__main__`) keeps the re-run it may need.
 
 One request per worker at a time. Per-sample calls go in chunks (one message for many calls: a pipe round trip
 per call cost about 250 us, a chunk about 40 us per call); the worker writes the start time of its current call
@@ -22,6 +26,7 @@ error per function])` once, then one `("ok", [(score, problem), ...])` per reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import multiprocessing
@@ -29,6 +34,7 @@ import numbers
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from collections import deque
@@ -287,6 +293,25 @@ def _context() -> Any:
     return multiprocessing.get_context(method)
 
 
+@contextlib.contextmanager
+def _main_not_rerun(needed: bool):
+    """A worker started inside this block does not re-run the parent's main module (module docstring), unless
+    `needed`. multiprocessing decides from `__main__.__spec__` / `__file__` when the process starts (its preparation
+    data, read in `Process.start`), so they are hidden for that call only."""
+    main = sys.modules.get("__main__")
+    if needed or main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class WorkerPool:
     """Up to `size` worker processes that call the functions `refs` names; see the module docstring."""
 
@@ -310,7 +335,8 @@ class WorkerPool:
             name="exactrl-reward",
             daemon=True,
         )
-        proc.start()
+        with _main_not_rerun(needed=any(kind == "pickled" for kind, _, _ in self.refs)):
+            proc.start()
         child.close()
         worker = _Worker(proc, parent, progress)
         self._workers.append(worker)
