@@ -42,8 +42,12 @@ def _blocks(k: int) -> int:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way).
+
+    Divided by a tensor, not the Python number: torch on CUDA turns a division by a CPU scalar into a multiplication
+    by its reciprocal (not correctly rounded); the CPU, torch's CUDA tensor division and the Triton quantizer
+    (`tl.math.div_rn`) all give the IEEE quotient."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -54,7 +58,17 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, K] (any float dtype) -> (q [T, KB * 128] e4m3, zero past K; scale [T, KB] fp32), KB = ceil(K / 128).
 
-    Each row's 128-channel group is scaled by its own amax / 448 (from the value converted to fp32): row-local."""
+    Each row's 128-channel group is scaled by its own amax / 448 (from the value converted to fp32): row-local.
+    On CUDA one Triton launch (`exactrl/ops/triton/fp8_quant.py`), the same bits as `quantize_activations_torch`."""
+    if x.device.type == "cuda":
+        from exactrl.ops.triton.fp8_quant import quantize_activations_triton
+
+        return quantize_activations_triton(x)
+    return quantize_activations_torch(x)
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in torch ops (the CPU's, and the reference of the CUDA kernel)."""
     t, k = x.shape
     kb = _blocks(k)
     xf = torch.zeros(t, kb * BLOCK, dtype=torch.float32, device=x.device)
