@@ -38,29 +38,33 @@ class Fp8Tile:
     block_n: int
     num_warps: int
     num_stages: int
+    k_step: int = 1  # 128-blocks a step of the K loop loads (each still its own dot, added in order)
 
 
 FP8_REF_TILE = Fp8Tile(
     64, 64, 4, 4
 )  # the one tile of the first kernel: the reference the family is checked against
-FP8_TRAIN_TILE = Fp8Tile(128, 128, 8, 4)  # calls with enough rows to give most SMs a 128 x 128 tile
-# The 64-row tiles, widest first.
+# The 64-row tiles, widest first: calls of more than 64 rows.
 FP8_FAMILY = (Fp8Tile(64, 128, 4, 3), Fp8Tile(64, 64, 4, 4), Fp8Tile(64, 32, 4, 5), Fp8Tile(64, 16, 4, 6))
+# Calls of at most 64 rows (decode steps): a program's K loop is a chain of dependent loads, shorter with several
+# blocks a step.
+FP8_DECODE_FAMILY = (
+    Fp8Tile(64, 128, 4, 3, k_step=2),
+    Fp8Tile(64, 64, 4, 4, k_step=2),
+    Fp8Tile(64, 32, 4, 4, k_step=2),
+    Fp8Tile(64, 16, 4, 4, k_step=4),
+)
 _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every launch
 def fp8_tile(m: int, n: int, programs: int) -> Fp8Tile:
-    """The tile of an [m, K] x [n, K]^T fp8 call on a GPU with `programs` SMs: past 64 rows the 128 x 128 tile when
-    it gives at least 70% of the SMs a tile; else the widest 64-row tile that does, else the narrowest (most tiles).
-    At most 64 rows (decode steps) never take the 128-row tile: half its MMA rows would be padding."""
+    """The tile of an [m, K] x [n, K]^T fp8 call on a GPU with `programs` SMs: the widest tile of the family (the
+    decode family up to 64 rows) that gives at least 70% of the SMs a tile, else the narrowest (most tiles)."""
+    family = FP8_DECODE_FAMILY if m <= 64 else FP8_FAMILY
     need = programs * _MIN_SM_SHARE
-    t = FP8_TRAIN_TILE
-    if m > 64 and triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need:
-        return t
     return next(
-        (t for t in FP8_FAMILY if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need),
-        FP8_FAMILY[-1],
+        (t for t in family if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need), family[-1]
     )
 
 
@@ -84,6 +88,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_STEP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # a dependent launch (engine decode steps) waits here for its predecessor's writes
@@ -101,17 +106,29 @@ def _fp8_gemm_kernel(
     as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
     ws_ptrs = ws_ptr + offs_wn.to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _kb in range(KB):  # in order: no split-K
-        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs)
-        d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
-        sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
-        sw = tl.load(ws_ptrs)
-        acc = acc + (d * sa[:, None]) * sw[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        as_ptrs += 1
-        ws_ptrs += 1
+    for kb0 in range(0, KB, K_STEP):  # in order: no split-K
+        # K_STEP blocks a step (fewer, larger steps down K for a decode program), each its own dot, added in
+        # order. A block past KB (the last step's tail) loads zeros and adds +0 exactly: acc is never -0 (it
+        # starts at +0, and a round-to-nearest sum is -0 only when both terms are), so acc + 0 == acc bit for bit.
+        for j in tl.static_range(K_STEP):
+            if K_STEP == 1:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+                sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
+                sw = tl.load(ws_ptrs)
+            else:
+                a_ok = m_ok & (tl.full([BLOCK_M], kb0 + j, tl.int32) < KB)
+                w_ok = tl.full([BLOCK_N], kb0 + j, tl.int32) < KB
+                a = tl.load(a_ptrs + j * BLOCK_K, mask=a_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs + j * BLOCK_K, mask=w_ok[:, None], other=0.0)
+                sa = tl.load(as_ptrs + j, mask=a_ok, other=0.0)
+                sw = tl.load(ws_ptrs + j, mask=w_ok, other=0.0)
+            d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
+            acc = acc + (d * sa[:, None]) * sw[None, :]
+        a_ptrs += K_STEP * BLOCK_K
+        w_ptrs += K_STEP * BLOCK_K
+        as_ptrs += K_STEP
+        ws_ptrs += K_STEP
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_wn).to(tl.float32)[None, :]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -164,6 +181,7 @@ def fp8_gemm_triton(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=BLOCK_K,
+        K_STEP=tile.k_step,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl(a.device),
