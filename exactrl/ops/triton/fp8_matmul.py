@@ -6,11 +6,10 @@ Why a row's result cannot depend on M or on the other rows of the call (the proj
   the block's 128 values into a fresh fp32 accumulator (K step fixed at 128, the recipe's block), scaled by the
   row's and then the column's block scale, added to the running fp32 sum; the bias after the loop; one rounding.
 - The tile is picked per call from a family (`fp8_tile`), as the bf16 GEMM picks its tiles
-  (exactrl/ops/triton/matmul.py): 64-row tiles of 16, 32, 64 or 128 columns, the widest that still gives most SMs a
-  tile (a one-row decode GEMM would otherwise stream the weight through N / 64 programs), and a 128 x 128 tile for
-  calls with enough rows to fill the GPU with it. Every one of them runs the block's dot as Hopper's 64-row fp8
-  wgmma (k = 32, four of them per block, in order), so an element's dot is the same instructions on the same
-  operands: the same bits from every tile. That is a property of the hardware, checked rather than assumed:
+  (exactrl/ops/triton/matmul.py): 64-row tiles of 128, 64, 32 or 16 columns, the widest that still gives most SMs a
+  tile (a one-row decode GEMM would otherwise stream the weight through N / 64 programs). Every one of them runs
+  the block's dot as Hopper's 64-row fp8 wgmma (k = 32, four of them per block, in order), so an element's dot is
+  the same instructions on the same operands: the same bits from every tile. That is a property of the hardware, checked rather than assumed:
   benchmarks/probe_fp8_gemm.py compares every tile torch.equal with the reference tile (`FP8_REF_TILE`) at 1..512
   rows on qwen3-0.6b / 8b shapes, and tests/ops/test_fp8_triton.py's GPU row sweep crosses every switch of the rule.
 - No split-K, no atomics; M is not specialised (`do_not_specialize`); rows past M are masked (zeros, never stored);
@@ -38,33 +37,28 @@ class Fp8Tile:
     block_n: int
     num_warps: int
     num_stages: int
-    k_step: int = 1  # 128-blocks a step of the K loop loads (each still its own dot, added in order)
 
 
 FP8_REF_TILE = Fp8Tile(
     64, 64, 4, 4
 )  # the one tile of the first kernel: the reference the family is checked against
-# The 64-row tiles, widest first: calls of more than 64 rows.
+# The tiles, widest first. H200, 2026-11-29, benchmarks/probe_fp8_gemm.py on qwen3-0.6b / 8b shapes at 1..512 rows:
+# every one of these and 8 more (128 x 128 and 128 x 64 tiles, two to four 128-blocks a K step, other warp counts
+# and stage depths) gave the reference tile's bits; the 128-row tiles were slower than 64 x 128 at every shape
+# and row count (8b down at 512 rows: 113 us against 97), several blocks a K step slower or within 6%.
 FP8_FAMILY = (Fp8Tile(64, 128, 4, 3), Fp8Tile(64, 64, 4, 4), Fp8Tile(64, 32, 4, 5), Fp8Tile(64, 16, 4, 6))
-# Calls of at most 64 rows (decode steps): a program's K loop is a chain of dependent loads, shorter with several
-# blocks a step.
-FP8_DECODE_FAMILY = (
-    Fp8Tile(64, 128, 4, 3, k_step=2),
-    Fp8Tile(64, 64, 4, 4, k_step=2),
-    Fp8Tile(64, 32, 4, 4, k_step=2),
-    Fp8Tile(64, 16, 4, 4, k_step=4),
-)
 _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every launch
 def fp8_tile(m: int, n: int, programs: int) -> Fp8Tile:
-    """The tile of an [m, K] x [n, K]^T fp8 call on a GPU with `programs` SMs: the widest tile of the family (the
-    decode family up to 64 rows) that gives at least 70% of the SMs a tile, else the narrowest (most tiles)."""
-    family = FP8_DECODE_FAMILY if m <= 64 else FP8_FAMILY
+    """The tile of an [m, K] x [n, K]^T fp8 call on a GPU with `programs` SMs: the widest of the family that gives
+    at least 70% of the SMs a tile, else the narrowest (most tiles). A one-row decode GEMM of qwen3-8b's down
+    projection (N = 4096) takes 64 x 32 (128 programs): 33 us against 42 for 64 x 64 (64 programs)."""
     need = programs * _MIN_SM_SHARE
     return next(
-        (t for t in family if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need), family[-1]
+        (t for t in FP8_FAMILY if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need),
+        FP8_FAMILY[-1],
     )
 
 
@@ -88,7 +82,6 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_STEP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # a dependent launch (engine decode steps) waits here for its predecessor's writes
@@ -106,29 +99,17 @@ def _fp8_gemm_kernel(
     as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
     ws_ptrs = ws_ptr + offs_wn.to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb0 in range(0, KB, K_STEP):  # in order: no split-K
-        # K_STEP blocks a step (fewer, larger steps down K for a decode program), each its own dot, added in
-        # order. A block past KB (the last step's tail) loads zeros and adds +0 exactly: acc is never -0 (it
-        # starts at +0, and a round-to-nearest sum is -0 only when both terms are), so acc + 0 == acc bit for bit.
-        for j in tl.static_range(K_STEP):
-            if K_STEP == 1:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs)
-                sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
-                sw = tl.load(ws_ptrs)
-            else:
-                a_ok = m_ok & (tl.full([BLOCK_M], kb0 + j, tl.int32) < KB)
-                w_ok = tl.full([BLOCK_N], kb0 + j, tl.int32) < KB
-                a = tl.load(a_ptrs + j * BLOCK_K, mask=a_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs + j * BLOCK_K, mask=w_ok[:, None], other=0.0)
-                sa = tl.load(as_ptrs + j, mask=a_ok, other=0.0)
-                sw = tl.load(ws_ptrs + j, mask=w_ok, other=0.0)
-            d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
-            acc = acc + (d * sa[:, None]) * sw[None, :]
-        a_ptrs += K_STEP * BLOCK_K
-        w_ptrs += K_STEP * BLOCK_K
-        as_ptrs += K_STEP
-        ws_ptrs += K_STEP
+    for _kb in range(KB):  # in order: no split-K
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs)
+        d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
+        sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        sw = tl.load(ws_ptrs)
+        acc = acc + (d * sa[:, None]) * sw[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        as_ptrs += 1
+        ws_ptrs += 1
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_wn).to(tl.float32)[None, :]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -181,7 +162,6 @@ def fp8_gemm_triton(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=BLOCK_K,
-        K_STEP=tile.k_step,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl(a.device),
