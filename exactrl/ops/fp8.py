@@ -284,9 +284,11 @@ class Fp8Ops:
         """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks, combined in rank
         order in fp32 (`experts_exact`'s arithmetic with the fp8 GEMM). The GEMM is row-local, so a slot's bits
         do not depend on which other slots share its expert's call. On the CPU each expert takes its routed slots
-        (counts read on the host); on CUDA every expert runs over every slot and keeps those routed to it
-        (`torch.where`, no arithmetic): no data-dependent shape (CUDA graphs), E times a grouped GEMM's FLOPs:
-        right, not fast (a grouped fp8 kernel is still to be written)."""
+        (counts read on the host). On CUDA without gradients (the engine) the grouped fp8 kernel runs each expert
+        over its routed slots only, sorted on the device (`exactrl/ops/triton/fp8_moe.py`: no host sync, CUDA
+        graphs capture it); with gradients (the trainer's forward) every expert runs over every slot and keeps
+        those routed to it (`torch.where`, no arithmetic; autograd through `fp8_linear`): E times the FLOPs, the
+        same bits (tests/ops/test_fp8_moe.py)."""
         from exactrl.ops.moe_torch import check_experts_args
 
         e_gu, e_down = self._entry(gate_up), self._entry(down)
@@ -294,6 +296,16 @@ class Fp8Ops:
             return self.inner.moe_experts(x, gate_up, down, weights, ids)
         check_experts_args(x, gate_up, down, weights, ids)
         if x.device.type == "cuda":
+            needs_grad = torch.is_grad_enabled() and (
+                x.requires_grad or gate_up.requires_grad or down.requires_grad
+            )
+            if not needs_grad:  # the engine: grouped, the same bits (exactrl/ops/triton/fp8_moe.py)
+                from exactrl.ops.triton.fp8_moe import fp8_experts_grouped
+
+                return fp8_experts_grouped(
+                    x, (e_gu.q, e_gu.scale), (e_down.q, e_down.scale), weights, ids, self.inner.silu_mul,
+                    quantize_activations,
+                )  # fmt: skip
             return self.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
         return self.experts_grouped(x, gate_up, down, weights, ids, e_gu, e_down)
 
