@@ -95,4 +95,6 @@ def test_fp8_kernel_row_sweep_gpu(n, k):
             ):
                 bad.append((m, tile))
     assert not bad, f"(rows, tile) whose rows differ from the reference tile: {bad}"
-    assert len(picked) >= 2, f"the rule picked only {picked} at this shape: the sweep crosses no switch"
+    # A shape whose widest tile already gives most SMs a tile at one row (qwen3-8b's gate/up) has no switch.
+    widest_fills = fp8_tile(1, n, programs) == FP8_FAMILY[0]
+    assert len(picked) >= 2 or widest_fills, f"the rule picked only {picked} at this shape: no switch crossed"
