@@ -31,6 +31,12 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out-dir", help="also write one record file per measurement here")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated concurrencies: after their measurements, one more run of each precision under "
+        "torch.profiler (warm-up and capture included), its kernels with the most GPU time as one JSON line",
+    )
     args = p.parse_args()
     cap_host_threads(args.device)  # the CLI's host-thread rule: a busy core beside the run must not halve it
 
@@ -65,6 +71,11 @@ def main() -> int:
                         path = Path(args.out_dir) / f"{name}-{rec['gpu'] or 'cpu'}.json".replace(" ", "-")
                         path.parent.mkdir(parents=True, exist_ok=True)
                         path.write_text(json.dumps(rec) + "\n")
+            if str(c) in args.profile.split(","):
+                for precision, ops in (("dtype", plain), ("fp8", fp8)):
+                    model.set_ops(ops)
+                    ns.precision = precision
+                    print(json.dumps(_profiled(ns, ctx, (args.device, model, tok), preset, c)), flush=True)
             summary = {
                 "summary": "fp8_decode",
                 "preset": preset,
@@ -78,6 +89,34 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return 0
+
+
+def _profiled(ns, ctx, loaded, preset: str, c: int, top: int = 15) -> dict:
+    """One `_rollout_on_rank` under torch.profiler: the kernels with the most GPU time (own time, all calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from exactrl.bench import _rollout_on_rank
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _rollout_on_rank(ns, ctx, loaded=loaded)
+    kind = torch.autograd.DeviceType.CUDA
+    events = sorted(
+        (e for e in prof.key_averages() if e.device_type == kind),
+        key=lambda e: e.self_device_time_total,
+        reverse=True,
+    )
+    rows = [
+        {"kernel": e.key[:100], "ms": round(e.self_device_time_total / 1e3, 2), "count": e.count}
+        for e in events
+    ]
+    total = sum(r["ms"] for r in rows)
+    return {
+        "profile": preset,
+        "concurrency": c,
+        "precision": ns.precision,
+        "total_gpu_ms": round(total, 1),
+        "top": rows[:top],
+    }
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ def _blocks(k: int) -> int:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way).
+
+    Divided by a tensor, not the Python number: torch on CUDA turns a division by a CPU scalar into a multiplication
+    by its reciprocal (not correctly rounded); the CPU, torch's CUDA tensor division and the Triton quantizer
+    (`tl.math.div_rn`) all give the IEEE quotient."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -54,7 +58,17 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, K] (any float dtype) -> (q [T, KB * 128] e4m3, zero past K; scale [T, KB] fp32), KB = ceil(K / 128).
 
-    Each row's 128-channel group is scaled by its own amax / 448 (from the value converted to fp32): row-local."""
+    Each row's 128-channel group is scaled by its own amax / 448 (from the value converted to fp32): row-local.
+    On CUDA one Triton launch (`exactrl/ops/triton/fp8_quant.py`), the same bits as `quantize_activations_torch`."""
+    if x.device.type == "cuda":
+        from exactrl.ops.triton.fp8_quant import quantize_activations_triton
+
+        return quantize_activations_triton(x)
+    return quantize_activations_torch(x)
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in torch ops (the CPU's, and the reference of the CUDA kernel)."""
     t, k = x.shape
     kb = _blocks(k)
     xf = torch.zeros(t, kb * BLOCK, dtype=torch.float32, device=x.device)
@@ -270,9 +284,11 @@ class Fp8Ops:
         """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks, combined in rank
         order in fp32 (`experts_exact`'s arithmetic with the fp8 GEMM). The GEMM is row-local, so a slot's bits
         do not depend on which other slots share its expert's call. On the CPU each expert takes its routed slots
-        (counts read on the host); on CUDA every expert runs over every slot and keeps those routed to it
-        (`torch.where`, no arithmetic): no data-dependent shape (CUDA graphs), E times a grouped GEMM's FLOPs:
-        right, not fast (a grouped fp8 kernel is still to be written)."""
+        (counts read on the host). On CUDA without gradients (the engine) the grouped fp8 kernel runs each expert
+        over its routed slots only, sorted on the device (`exactrl/ops/triton/fp8_moe.py`: no host sync, CUDA
+        graphs capture it); with gradients (the trainer's forward) every expert runs over every slot and keeps
+        those routed to it (`torch.where`, no arithmetic; autograd through `fp8_linear`): E times the FLOPs, the
+        same bits (tests/ops/test_fp8_moe.py)."""
         from exactrl.ops.moe_torch import check_experts_args
 
         e_gu, e_down = self._entry(gate_up), self._entry(down)
@@ -280,6 +296,16 @@ class Fp8Ops:
             return self.inner.moe_experts(x, gate_up, down, weights, ids)
         check_experts_args(x, gate_up, down, weights, ids)
         if x.device.type == "cuda":
+            needs_grad = torch.is_grad_enabled() and (
+                x.requires_grad or gate_up.requires_grad or down.requires_grad
+            )
+            if not needs_grad:  # the engine: grouped, the same bits (exactrl/ops/triton/fp8_moe.py)
+                from exactrl.ops.triton.fp8_moe import fp8_experts_grouped
+
+                return fp8_experts_grouped(
+                    x, (e_gu.q, e_gu.scale), (e_down.q, e_down.scale), weights, ids, self.inner.silu_mul,
+                    quantize_activations,
+                )  # fmt: skip
             return self.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
         return self.experts_grouped(x, gate_up, down, weights, ids, e_gu, e_down)
 

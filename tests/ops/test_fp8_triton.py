@@ -1,6 +1,6 @@
 """The fp8 GEMM kernel (exactrl/ops/triton/fp8_matmul.py): batch invariance (torch.equal) and agreement with the
 float64 formula. Without CUDA it runs in Triton's interpreter at a small shape (the interpreter does take fp8
-dots); on a GPU compiled, with the row sweep at model shapes (`gpu`)."""
+dots); on a GPU compiled, with the row sweep at model shapes across every tile of the family (`gpu`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from triton_mode import triton_device
 DEVICE = triton_device()
 
 from exactrl.ops.fp8 import BLOCK, fp8_gemm_cpu, quantize_activations, quantize_weight  # noqa: E402
-from exactrl.ops.triton.fp8_matmul import fp8_gemm_triton  # noqa: E402
+from exactrl.ops.triton.common import num_programs_cap  # noqa: E402
+from exactrl.ops.triton.fp8_matmul import (  # noqa: E402
+    FP8_FAMILY,
+    FP8_REF_TILE,
+    fp8_gemm_triton,
+    fp8_tile,
+)
 
 
 def _operands(m, n, k, seed=0):
@@ -46,15 +52,49 @@ def test_fp8_kernel_rows_independent_and_close(dtype):
         assert torch.allclose(full.double(), cpu.double(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+def _switch_rows(n: int, programs: int, top: int) -> list[int]:
+    """Row counts on both sides of every change of `fp8_tile`'s pick for an output of n columns, up to `top`."""
+    rows, prev = [], None
+    for m in range(1, top + 1):
+        tile = fp8_tile(m, n, programs)
+        if prev is not None and tile != prev:
+            rows += [m - 1, m]
+        prev = tile
+    return rows
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (3072, 1024), (1024, 3072)])
+@pytest.mark.parametrize(
+    "n,k",
+    [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (24576, 4096), (4096, 12288), (2048, 2900)],
+)
 def test_fp8_kernel_row_sweep_gpu(n, k):
-    """Every row count 1..300 gives each row the bits it has in the 300-row call (model shapes of qwen3-0.6b)."""
-    qx, sx, qw, sw, bias = _operands(300, n, k, seed=n + k)
-    full = fp8_gemm_triton(qx, sx, qw, sw, bias, torch.bfloat16)
+    """Every row count 1..69, around 128 and 256, and on both sides of every switch of the tile rule (so every tile
+    of the family the rule picks at this shape) gives each row the bits it has in a 640-row call of the reference
+    tile; and every tile of the family, forced, does too at 1, 64, 65 and 640 rows. Shapes: qwen3-0.6b's four
+    projections, qwen3-8b's gate/up and down, and an odd block count (23)."""
+    if DEVICE != "cuda":
+        pytest.skip("needs a GPU")
+    top = 640
+    qx, sx, qw, sw, bias = _operands(top, n, k, seed=n + k)
+    ref = fp8_gemm_triton(qx, sx, qw, sw, bias, torch.bfloat16, tile=FP8_REF_TILE)
+    programs = num_programs_cap(qx.device)
+    sweep = sorted(
+        set(list(range(1, 70)) + [127, 128, 129, 255, 256, 257, top] + _switch_rows(n, programs, top))
+    )
+    picked = {fp8_tile(m, n, programs) for m in sweep}
     bad = []
-    for m in list(range(1, 70)) + [127, 128, 129, 200, 255, 256, 299]:
+    for m in sweep:
         part = fp8_gemm_triton(qx[-m:], sx[-m:], qw, sw, bias, torch.bfloat16)
-        if not torch.equal(part, full[-m:]):
-            bad.append(m)
-    assert not bad, f"row counts whose rows differ from the 300-row call: {bad}"
+        if not torch.equal(part, ref[-m:]):
+            bad.append((m, fp8_tile(m, n, programs)))
+    for tile in FP8_FAMILY:
+        for m in (1, 64, 65, top):
+            if not torch.equal(
+                fp8_gemm_triton(qx[-m:], sx[-m:], qw, sw, bias, torch.bfloat16, tile=tile), ref[-m:]
+            ):
+                bad.append((m, tile))
+    assert not bad, f"(rows, tile) whose rows differ from the reference tile: {bad}"
+    # A shape whose widest tile already gives most SMs a tile at one row (qwen3-8b's gate/up) has no switch.
+    widest_fills = fp8_tile(1, n, programs) == FP8_FAMILY[0]
+    assert len(picked) >= 2 or widest_fills, f"the rule picked only {picked} at this shape: no switch crossed"

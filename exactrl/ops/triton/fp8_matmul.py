@@ -2,23 +2,64 @@
 dot(a_q[m, kb], w_q[n, kb]) * a_scale[m, kb] * w_scale[n, kb], accumulated in fp32.
 
 Why a row's result cannot depend on M or on the other rows of the call (the project's batch-invariance rule):
-- ONE tile configuration for every call (`FP8_TILE`), so no shape ever picks another MMA shape or K step. Every
-  output element is the same chain: for kb = 0, 1, ... one tensor-core dot over the block's 128 values into a
-  fresh fp32 accumulator, scaled by the row's and the column's block scales, added to the running fp32 sum.
-- No split-K, no atomics; M is not specialised (`do_not_specialize`); rows past M are masked and never stored.
+- Every output element is the same chain whatever tile computes it: for kb = 0, 1, ... one tensor-core dot over
+  the block's 128 values into a fresh fp32 accumulator (K step fixed at 128, the recipe's block), scaled by the
+  row's and then the column's block scale, added to the running fp32 sum; the bias after the loop; one rounding.
+- The tile is picked per call from a family (`fp8_tile`), as the bf16 GEMM picks its tiles
+  (exactrl/ops/triton/matmul.py): 64-row tiles of 128, 64, 32 or 16 columns, the widest that still gives most SMs a
+  tile (a one-row decode GEMM would otherwise stream the weight through N / 64 programs). Every one of them runs
+  the block's dot as Hopper's 64-row fp8 wgmma (k = 32, four of them per block, in order), so an element's dot is
+  the same instructions on the same operands: the same bits from every tile. That is a property of the hardware, checked rather than assumed:
+  benchmarks/probe_fp8_gemm.py compares every tile torch.equal with the reference tile (`FP8_REF_TILE`) at 1..512
+  rows on qwen3-0.6b / 8b shapes, and tests/ops/test_fp8_triton.py's GPU row sweep crosses every switch of the rule.
+- No split-K, no atomics; M is not specialised (`do_not_specialize`); rows past M are masked (zeros, never stored);
+  columns past N read column 0 and are never stored.
 - K is padded to whole 128-blocks with zeros by the quantizers (zeros add exactly 0 to a dot).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from exactrl.ops.triton.common import pdl, pdl_wait
+from exactrl.ops.triton.common import num_programs_cap, pdl, pdl_wait
 
-FP8_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
 BLOCK_K = 128
+
+
+@dataclass(frozen=True)
+class Fp8Tile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+FP8_REF_TILE = Fp8Tile(
+    64, 64, 4, 4
+)  # the one tile of the first kernel: the reference the family is checked against
+# The tiles, widest first. H200, 2026-11-29, benchmarks/probe_fp8_gemm.py on qwen3-0.6b / 8b shapes at 1..512 rows:
+# every one of these and 8 more (128 x 128 and 128 x 64 tiles, two to four 128-blocks a K step, other warp counts
+# and stage depths) gave the reference tile's bits; the 128-row tiles were slower than 64 x 128 at every shape
+# and row count (8b down at 512 rows: 113 us against 97), several blocks a K step slower or within 6%.
+FP8_FAMILY = (Fp8Tile(64, 128, 4, 3), Fp8Tile(64, 64, 4, 4), Fp8Tile(64, 32, 4, 5), Fp8Tile(64, 16, 4, 6))
+_MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the SMs a tile to compute
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every launch
+def fp8_tile(m: int, n: int, programs: int) -> Fp8Tile:
+    """The tile of an [m, K] x [n, K]^T fp8 call on a GPU with `programs` SMs: the widest of the family that gives
+    at least 70% of the SMs a tile, else the narrowest (most tiles). A one-row decode GEMM of qwen3-8b's down
+    projection (N = 4096) takes 64 x 32 (128 programs): 33 us against 42 for 64 x 64 (64 programs)."""
+    need = programs * _MIN_SM_SHARE
+    return next(
+        (t for t in FP8_FAMILY if triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n) >= need),
+        FP8_FAMILY[-1],
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -51,18 +92,27 @@ def _fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    # Columns past N read column 0 (never stored): the weight's loads need no mask.
+    offs_wn = tl.where(n_ok, offs_n, 0)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_wn.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    ws_ptrs = ws_ptr + offs_wn.to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(KB):
-        k = kb * BLOCK_K + offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None], other=0.0)
+    for _kb in range(KB):  # in order: no split-K
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs)
         d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
-        sa = tl.load(as_ptr + offs_m * stride_asm + kb, mask=m_ok, other=0.0)
-        sw = tl.load(ws_ptr + offs_n * stride_wsn + kb, mask=n_ok, other=0.0)
+        sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        sw = tl.load(ws_ptrs)
         acc = acc + (d * sa[:, None]) * sw[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        as_ptrs += 1
+        ws_ptrs += 1
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        acc = acc + tl.load(bias_ptr + offs_wn).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -73,8 +123,10 @@ def fp8_gemm_triton(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    tile: Fp8Tile | None = None,
 ) -> torch.Tensor:
-    """a: [M, KB * 128] e4m3, a_scale: [M, KB] fp32, w: [N, KB * 128] e4m3, w_scale: [N, KB] fp32 -> [M, N]."""
+    """a: [M, KB * 128] e4m3, a_scale: [M, KB] fp32, w: [N, KB * 128] e4m3, w_scale: [N, KB] fp32 -> [M, N].
+    tile: the tile to use (the probe and the tests); default `fp8_tile`'s pick for the call."""
     m, kp = a.shape
     n = w.shape[0]
     kb = a_scale.shape[1]
@@ -88,8 +140,9 @@ def fp8_gemm_triton(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    tile = FP8_TILE
-    grid = (triton.cdiv(m, tile["BLOCK_M"]), triton.cdiv(n, tile["BLOCK_N"]))
+    if tile is None:
+        tile = fp8_tile(m, n, num_programs_cap(a.device))
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
     _fp8_gemm_kernel[grid](
         a,
         a_scale,
@@ -106,11 +159,11 @@ def fp8_gemm_triton(
         w_scale.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=tile["BLOCK_M"],
-        BLOCK_N=tile["BLOCK_N"],
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         BLOCK_K=BLOCK_K,
-        num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
         **pdl(a.device),
     )
     return out
