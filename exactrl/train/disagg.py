@@ -31,6 +31,7 @@ from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.partial import CutResult, CutRule, PartialSample, generate_until_cut
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, EpisodeBatch
+from exactrl.model.precision import refresh_fp8
 
 
 @dataclass
@@ -231,6 +232,7 @@ def generator_engine(
     (agreed over a split engine's group: the least), where engine.num_kv_blocks is unset; None: sized per call from
     free memory."""
     from exactrl.model.loading import policy_structure
+    from exactrl.model.precision import apply_precision
     from exactrl.ops import set_exact_environment
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
@@ -254,6 +256,9 @@ def generator_engine(
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     model = model.to_empty(device=device).requires_grad_(False)
+    # fp8: the generator quantizes the weights the sync sends (`refresh_fp8` after each), as the trainers quantize
+    # the same bits; nothing to quantize before they come.
+    model = apply_precision(model, cfg.model.precision, quantize=False)
     engine_cfg = replace(cfg.engine, kv_memory_fraction=cfg.distributed.generator_kv_memory_fraction)
     if kv_blocks is not None and not cfg.engine.num_kv_blocks:
         # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
@@ -353,6 +358,7 @@ class GeneratorLoop:
                     part=self._part(names),
                 )
                 self.unfilled -= set(names)
+                refresh_fp8(self.engine.model)  # fp8: quantized from what arrived, before any graph replays
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if kinds & {"sync", "lora"}:

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.toml")
 TAIL = "algorithm.overlap=tail"
 SAID = 'algorithm.overlap = "tail" runs on one process'
-FP8 = "model.precision=fp8"  # fp8 runs on one process too (no fp8 weight sync, no quantizing FSDP2 trainer)
-FP8_SAID = 'model.precision = "fp8" runs on one process'
+FP8 = "model.precision=fp8"  # fp8 runs under torchrun (data parallel), not with an engine split over ranks
+FP8_SAID = 'model.precision = "fp8" with engine.tensor_parallel = 2 is not supported yet'
 
 
 @pytest.fixture
@@ -52,7 +52,20 @@ def test_train_nproc_refuses_tail_overlap_before_launching(tmp_path, capsys, no_
     assert no_launch == [] and "algorithm.overlap" in err, err
     if not sets:
         assert SAID in err and "(not under torchrun)" in err
-    assert main(_train(tmp_path, *sets, FP8, nproc=nproc)) == 2
+
+
+def test_fp8_launches_on_ranks_and_refuses_a_split_engine_before_launching(tmp_path, capsys, no_launch):
+    """fp8 under `train --nproc 2` launches (the control); with engine.tensor_parallel = 2 it is refused by key, and
+    so is `parity --tensor-parallel 2 --precision fp8`, before torchrun starts anything."""
+    assert main(_train(tmp_path, FP8, nproc=2)) == 0 and no_launch == ["launch 2"]
+    no_launch.clear()
+    assert main(_train(tmp_path, FP8, "engine.tensor_parallel=2", nproc=2)) == 2
+    err = capsys.readouterr().err
+    assert no_launch == [] and FP8_SAID in err, err
+    parity = ["parity", "--nproc", "2", "--tensor-parallel", "2", "--num-prompts", "2"]
+    assert main(parity) == 0 and no_launch == ["launch 2"]  # the same split in the model dtype: launched
+    no_launch.clear()
+    assert main([*parity, "--precision", "fp8"]) == 2
     err = capsys.readouterr().err
     assert no_launch == [] and FP8_SAID in err, err
 
@@ -74,5 +87,7 @@ def test_plan_nproc_refuses_tail_overlap(capsys):
     capsys.readouterr()
     assert main(["plan", QUICKSTART, "--set", TAIL, "--nproc", "2"]) == 2
     assert SAID in capsys.readouterr().err
-    assert main(["plan", QUICKSTART, "--set", FP8, "--nproc", "2"]) == 2
+    assert main(["plan", QUICKSTART, "--set", FP8, "--nproc", "2"]) == 0  # fp8 on ranks: planned
+    capsys.readouterr()
+    assert main(["plan", QUICKSTART, "--set", FP8, "--set", "engine.tensor_parallel=2", "--nproc", "2"]) == 2
     assert FP8_SAID in capsys.readouterr().err

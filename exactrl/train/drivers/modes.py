@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Literal
 
 from exactrl.config import RunConfig
+from exactrl.distributed.shared_engine import check_fp8_split
 
 DriverName = Literal["sync", "tail", "one_step_off", "partial"]
 
@@ -72,11 +73,7 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
                 'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
                 "collected through the model object, which the engine runs at the same time"
             )
-    if cfg.model.precision == "fp8" and distributed:
-        raise ValueError(
-            'model.precision = "fp8" runs on one process for now (the weight sync does not send fp8 weights and '
-            'the FSDP2 trainer does not quantize): run it without --nproc, or set model.precision = "dtype"'
-        )
+    check_fp8_split(cfg.model.precision, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     return driver_of(cfg)
 
 
