@@ -25,6 +25,7 @@ from exactrl.train.memory import (
     engine_group_ranks,
     engine_shard_params,
     engine_shard_sizes,
+    fp8_copy_bytes,
     kv_bytes_per_token,
     kv_cache_blocks,
     kv_cache_bytes,
@@ -147,6 +148,11 @@ def plan_generator(
     if lora:
         # The adapters, counted whole: a split engine's B keeps its projection's rows only (a little less).
         weights["lora_adapters"] = c["policy_trainable"] * b
+    fp8 = fp8_copy_bytes(
+        c, cuda
+    )  # model.precision = "fp8": the fp8 copy it quantizes from the synced weights
+    if fp8:
+        weights["engine_fp8"] = fp8
     sync = sync_sizes(cfg)
     first = {"sync_bucket": sync["full_bucket"] * b}
     step = {"sync_bucket": sync["step_bucket"] * b}
