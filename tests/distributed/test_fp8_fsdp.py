@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exactrl.config import config_from_dict
 from exactrl.distributed.parallelize import Parallelism
 from exactrl.model.loading import load_policy
 from exactrl.model.precision import apply_precision
 from exactrl.ops import set_exact_environment
 from exactrl.ops.fp8 import Fp8Ops
+from exactrl.train.memory import plan_memory
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import PackedBatch, response_logprobs
 
@@ -29,9 +31,15 @@ def _logprobs(model, pb: PackedBatch) -> torch.Tensor:
         return response_logprobs(model, pb, 1.0)[0]
 
 
-def _run(ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _held(model) -> int:
+    """Bytes of the fp8 copies `model` holds (values, scales and the CPU's float64 values)."""
+    es = model.ops._weights.values()
+    return sum(e.q.nbytes + e.scale.nbytes + (e.operand.nbytes if e.operand is not e.q else 0) for e in es)
+
+
+def _run(ctx, steps: int, held: list[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Per step (after it): the trainer's, the replica's, a one-process fp8 model's (the replica's weights) and a
-    one-process bf16 model's logprobs."""
+    one-process bf16 model's logprobs. held: gets the bytes of the trainer's and the replica's fp8 copies."""
     set_exact_environment(True)
     model, _ = load_policy(preset_name="tiny", dtype="bfloat16", seed=0, precision="fp8")
     par = Parallelism(ctx)
@@ -53,13 +61,20 @@ def _run(ctx, steps: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
         bf16 = _logprobs(alone, pb)
         fp8 = _logprobs(apply_precision(alone, "fp8"), pb)
         out.append((_logprobs(model, pb), _logprobs(replica, pb), fp8, bf16))
+    if held is not None:
+        held += [_held(model), _held(replica)]
     return out
 
 
 def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank):
-    for trainer, replica, alone, bf16 in _run(one_gloo_rank, 2):
+    held: list[int] = []
+    for trainer, replica, alone, bf16 in _run(one_gloo_rank, 2, held):
         assert torch.equal(trainer, replica) and torch.equal(replica, alone)
         assert not torch.equal(replica, bf16)  # fp8 is on (the replica does not fall back to the model dtype)
+    # The memory plan's figures of these two holders (an FSDP2 plan on the CPU) are what they hold.
+    cfg = config_from_dict({"model": {"preset": "tiny", "dtype": "bfloat16", "precision": "fp8"}})
+    terms = plan_memory(cfg, world_size=1, device="cpu", sharded=True).phase("generation").terms
+    assert held == [terms["policy_fp8"], terms["engine_replica_fp8"]]
 
 
 def test_a_step_that_leaves_the_trainers_fp8_stale_differs(one_gloo_rank, monkeypatch):
