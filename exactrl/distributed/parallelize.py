@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from exactrl.distributed.env import DistContext
-from exactrl.model.precision import follow_gathered, fp8_copy_memo, refresh_fp8, register_fp8
+from exactrl.model.precision import (
+    follow_gathered,
+    fp8_copy_memo,
+    fp8_rows_of_whole,
+    refresh_fp8,
+    register_fp8,
+    set_fp8,
+)
 from exactrl.model.qwen import CausalLM
 
 
@@ -256,7 +263,11 @@ class Parallelism:
         for p, e in self._pairs if full else self._trained:
             gathered = p.detach().to(e.dtype).full_tensor()
             # The engine's part of the full weight: all of it, or a tensor-parallel shard's slice (bytes either way).
-            e.copy_(self._engine.shard_full_weight(self._names[id(e)], gathered))
+            name = self._names[id(e)]
+            e.copy_(self._engine.shard_full_weight(name, gathered))
+            rows = fp8_rows_of_whole(self._engine, name, gathered)  # fp8, a tensor-parallel shard: its rows
+            if rows is not None:
+                set_fp8(self._engine, e, *rows)
             moved += gathered.numel() * gathered.element_size()
         # fp8: the replica quantizes the weights it was sent (the bits the trainer's forward quantizes), now: the
         # next forward may be a decode graph's replay.

@@ -68,22 +68,16 @@ def check_engine_split(cfg: ModelConfig, tensor_parallel: int, expert_parallel: 
 
 
 def check_fp8_split(precision: str, tensor_parallel: int, expert_parallel: int) -> None:
-    """Refuse, by key, fp8 projections in an engine split over ranks (nothing built): a split engine would quantize
-    its own slice of each weight, and a slice whose rows do not start on a 128-row block of its projection is
-    blocked (scaled) differently from the whole weight the trainer quantizes (docs/fp8.md, "Several processes")."""
-    if precision != "fp8":
-        return
-    for key, size in (
-        ("engine.tensor_parallel", tensor_parallel),
-        ("engine.expert_parallel", expert_parallel),
-    ):
-        if size > 1:
-            raise ValueError(
-                f'model.precision = "fp8" with {key} = {size} is not supported yet: a split engine would '
-                "quantize its slice of each weight on its own, in blocks the whole weight does not have; set "
-                f"{key} = 1 (fp8 runs data-parallel under torchrun, colocated or with generator ranks), or "
-                'model.precision = "dtype"'
-            )
+    """Refuse, by key, fp8 projections in an engine split by experts (nothing built): its expert shards run their
+    own module (`ExpertParallelExperts`), which the fp8 registration does not know, so its experts would compute in
+    the model dtype (docs/fp8.md, "Several processes"). Tensor parallel is exact in fp8: a shard's fp8 copy is its
+    rows of the whole weight's (exactrl/model/precision.py, `fp8_rows_of_whole`)."""
+    if precision == "fp8" and expert_parallel > 1:
+        raise ValueError(
+            f'model.precision = "fp8" with engine.expert_parallel = {expert_parallel} is not supported yet: the '
+            "expert shards would compute in the model dtype; set engine.expert_parallel = 1 (fp8 runs with "
+            'engine.tensor_parallel, and data-parallel under torchrun), or model.precision = "dtype"'
+        )
 
 
 def engine_group(

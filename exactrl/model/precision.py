@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from exactrl.model.layers import Linear, PackedLinear
 from exactrl.model.moe import Experts, SparseMoeBlock
 from exactrl.model.qwen import CausalLM
-from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device
+from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device, quantize_weight
 
 Projection = tuple[nn.Module, str, list[int] | None]  # (module, weight attribute, packed parts)
 
@@ -106,6 +107,39 @@ def refresh_fp8(model: nn.Module) -> int:
             entry.quantize()
             n += 1
     return n
+
+
+def fp8_rows_of_whole(
+    model: nn.Module, name: str, whole: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A tensor-parallel engine shard (exactrl/distributed/tensor_parallel.py) holds rows of a whole weight, and a
+    slice need not start on a 128-row block of its projection: its fp8 copy is the rows of the *whole* weight's copy
+    (quantized as the trainer quantizes it, then cut by the weight's own slicer), never its slice quantized alone.
+    Returns (q, scale) for the weight `name` of `model` given its whole value, or None where the weight is not an
+    fp8 projection the shard slices (it quantizes what it holds: the whole weight)."""
+    lm, ops = _fp8_ops(model)
+    slicer = getattr(lm, "shard_slicers", {}).get(name) if ops is not None else None
+    if slicer is None:
+        return None
+    module_name, attr = name.rsplit(".", 1)
+    module = lm.get_submodule(module_name)
+    param = getattr(module, attr)
+    entry = ops._weights.get(id(param)) if ops is not None else None
+    if entry is None or entry.param is not param:
+        return None
+    # A packed projection is blocked part by part: the whole weight's parts (the split keeps the shard's own).
+    parts = getattr(module, "whole_parts", None)
+    q, scale = quantize_weight(whole.detach(), parts)
+    return slicer(q), slicer(scale)
+
+
+def set_fp8(model: nn.Module, param: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """`param`'s fp8 copy is (q, scale) (`fp8_rows_of_whole`), once `param` holds its new value."""
+    _, ops = _fp8_ops(model)
+    entry = ops._weights.get(id(param)) if ops is not None else None
+    if entry is None or entry.param is not param:
+        raise RuntimeError("set_fp8: the parameter has no fp8 copy")
+    entry.set(q, scale)
 
 
 class _FollowGathered:

@@ -205,6 +205,16 @@ class Fp8Weight:
             self.operand = self.q.to(torch.float64)
         self.version = self.param._version
 
+    @torch.no_grad()
+    def set(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Take (q, scale) made elsewhere as the copy of the parameter as it is now, into the same buffers (a
+        tensor-parallel engine shard's rows of its whole weight's copy, exactrl/model/precision.py)."""
+        self.q.copy_(q)
+        self.scale.copy_(scale)
+        if self.q.device.type != "cuda":
+            self.operand = self.q.to(torch.float64)
+        self.version = self.param._version
+
     def current(self) -> Fp8Weight:
         if self.param._version != self.version:
             self.quantize()

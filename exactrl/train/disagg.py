@@ -31,7 +31,7 @@ from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.partial import CutResult, CutRule, PartialSample, generate_until_cut
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, EpisodeBatch
-from exactrl.model.precision import refresh_fp8
+from exactrl.model.precision import fp8_rows_of_whole, refresh_fp8, set_fp8
 
 
 @dataclass
@@ -351,13 +351,16 @@ class GeneratorLoop:
                     raise RuntimeError(
                         f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
                     )
+                fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 moved = recv_weights(
                     [self.params[n] for n in names],
                     self.layout.sync_group,
                     shapes=cmds[0].shapes or None,
-                    part=self._part(names),
+                    part=self._part(names, fp8_rows),
                 )
                 self.unfilled -= set(names)
+                for i, rows in fp8_rows.items():  # fp8, a tensor-parallel shard: its rows of the whole's copy
+                    set_fp8(self.engine.model, self.params[names[i]], *rows)
                 refresh_fp8(self.engine.model)  # fp8: quantized from what arrived, before any graph replays
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
@@ -389,10 +392,21 @@ class GeneratorLoop:
                     )
                 )
 
-    def _part(self, names: list[str]) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """What of whole weight i (`names[i]`) this rank's engine holds: all of it, or a split engine's slice."""
+    def _part(
+        self, names: list[str], fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """What of whole weight i (`names[i]`) this rank's engine holds: all of it, or a split engine's slice.
+        fp8_rows gets, for a slice of an fp8 projection, its rows of the whole weight's fp8 copy
+        (`fp8_rows_of_whole`), set once the slice is in place."""
         model = self.engine.model
-        return lambda i, whole: model.shard_full_weight(names[i], whole)
+
+        def part(i: int, whole: torch.Tensor) -> torch.Tensor:
+            rows = fp8_rows_of_whole(model, names[i], whole)
+            if rows is not None:
+                fp8_rows[i] = rows
+            return model.shard_full_weight(names[i], whole)
+
+        return part
 
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
         """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for
