@@ -390,7 +390,7 @@ def _parity_before_launch(args: argparse.Namespace, nproc: int | None):
     wrong; a split without ranks asks for --nproc. Returns the ranks' roles."""
     from exactrl.config import resolve_device
     from exactrl.distributed.roles import Roles
-    from exactrl.distributed.shared_engine import check_engine_split, check_fp8_split, engine_group_size
+    from exactrl.distributed.shared_engine import check_engine_split, engine_group_size
 
     g = engine_group_size(args.tensor_parallel, args.expert_parallel)
     flag, key = (
@@ -404,7 +404,6 @@ def _parity_before_launch(args: argparse.Namespace, nproc: int | None):
         )
     if g > 1:  # the model's shape: heads, widths and experts the split must divide
         check_engine_split(_model_shape(args), args.tensor_parallel, args.expert_parallel)
-    check_fp8_split(getattr(args, "precision", "dtype"), args.tensor_parallel, args.expert_parallel)
     if nproc is None:
         if g > 1:
             raise ValueError(

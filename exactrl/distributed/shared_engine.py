@@ -67,19 +67,6 @@ def check_engine_split(cfg: ModelConfig, tensor_parallel: int, expert_parallel: 
     return size
 
 
-def check_fp8_split(precision: str, tensor_parallel: int, expert_parallel: int) -> None:
-    """Refuse, by key, fp8 projections in an engine split by experts (nothing built): its expert shards run their
-    own module (`ExpertParallelExperts`), which the fp8 registration does not know, so its experts would compute in
-    the model dtype (docs/fp8.md, "Several processes"). Tensor parallel is exact in fp8: a shard's fp8 copy is its
-    rows of the whole weight's (exactrl/model/precision.py, `fp8_rows_of_whole`)."""
-    if precision == "fp8" and expert_parallel > 1:
-        raise ValueError(
-            f'model.precision = "fp8" with engine.expert_parallel = {expert_parallel} is not supported yet: the '
-            "expert shards would compute in the model dtype; set engine.expert_parallel = 1 (fp8 runs with "
-            'engine.tensor_parallel, and data-parallel under torchrun), or model.precision = "dtype"'
-        )
-
-
 def engine_group(
     rank: int, world_size: int, tensor_parallel: int, expert_parallel: int
 ) -> TensorParallelGroup:

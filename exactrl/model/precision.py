@@ -13,7 +13,7 @@ same bits hold the same fp8 copy:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,8 +35,10 @@ def fp8_projections(model: CausalLM) -> list[Projection]:
             keep |= {id(mod.gate), id(getattr(mod, "shared_expert_gate", None))}
     out: list[Projection] = []
     for mod in model.modules():
-        if isinstance(mod, Experts):
-            inter = mod.gate_up.shape[1] // 2
+        # An expert-parallel engine shard's stacks (exactrl/distributed/expert_parallel.py) are the same kind.
+        if isinstance(mod, Experts) or getattr(mod, "routed_expert_stacks", False):
+            gate_up = cast(torch.Tensor, mod.gate_up)
+            inter = gate_up.shape[1] // 2
             out += [(mod, "gate_up", [inter, inter]), (mod, "down", None)]
         elif isinstance(mod, Linear) and id(mod) not in keep:
             out.append((mod, "weight", list(mod.parts.values()) if isinstance(mod, PackedLinear) else None))
@@ -119,7 +121,9 @@ def fp8_rows_of_whole(
     fp8 projection the shard slices (it quantizes what it holds: the whole weight)."""
     lm, ops = _fp8_ops(model)
     slicer = getattr(lm, "shard_slicers", {}).get(name) if ops is not None else None
-    if slicer is None:
+    if (
+        slicer is None or whole.dim() != 2
+    ):  # expert stacks: each expert is blocked on its own, its copy the whole's
         return None
     module_name, attr = name.rsplit(".", 1)
     module = lm.get_submodule(module_name)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Literal
 
 from exactrl.config import RunConfig
-from exactrl.distributed.shared_engine import check_fp8_split
 
 DriverName = Literal["sync", "tail", "one_step_off", "partial"]
 
@@ -73,7 +72,6 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
                 'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
                 "collected through the model object, which the engine runs at the same time"
             )
-    check_fp8_split(cfg.model.precision, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     return driver_of(cfg)
 
 
