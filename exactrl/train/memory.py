@@ -369,33 +369,44 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         ctrain = [p for p in critic.parameters() if p.requires_grad]
         out["offload_chunk_bytes"] = max(out["offload_chunk_bytes"], chunk(ctrain))
         out["offload_pinned_bytes_per_fp32_copy"] += pinned(ctrain)
-    out["fp8_values"], out["fp8_scales"] = (
-        fp8_copy_elements(policy) if cfg.model.precision == "fp8" else (0, 0)
+    fp8 = cfg.model.precision == "fp8"
+    out["fp8_values"], out["fp8_scales"] = fp8_copy_elements(policy) if fp8 else (0, 0)
+    split = cfg.engine.tensor_parallel > 1 or cfg.engine.expert_parallel > 1
+    out["fp8_shard_values"], out["fp8_shard_scales"] = (
+        fp8_copy_elements(policy, engine_shard_sizes(cfg)) if fp8 and split else (0, 0)
     )
     return out
 
 
-def fp8_copy_elements(model) -> tuple[int, int]:
+def fp8_copy_elements(model, shard: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
     """(e4m3 values, fp32 scales) of one fp8 copy of `model`'s projections (`model.precision = "fp8"`), as
     `quantize_weight` stores them: every [..., N, K] projection weight with K padded to whole 128-blocks, one byte
-    a value, and one scale per row and 128-block (each row holds its block's scale)."""
+    a value, and one scale per row and 128-block (each row holds its block's scale). shard: `engine_shard_sizes`,
+    for the copy one rank of a split engine holds (its rows of each weight: every split keeps K whole)."""
     from exactrl.model.precision import fp8_projections
     from exactrl.ops.fp8 import BLOCK
 
+    names = {id(p): n for n, p in model.named_parameters()}
     values = scales = 0
     for mod, name, _ in fp8_projections(model):
-        *lead, n, k = getattr(mod, name).shape
+        w = getattr(mod, name)
+        *lead, n, k = w.shape
         rows, blocks = math.prod(lead) * n, -(-k // BLOCK)
+        if shard is not None:
+            whole, mine = shard[names[id(w)]]
+            rows = rows * mine // whole
         values += rows * blocks * BLOCK
         scales += rows * blocks
     return values, scales
 
 
-def fp8_copy_bytes(c: dict[str, int], cuda: bool) -> int:
+def fp8_copy_bytes(c: dict[str, int], cuda: bool, shard: bool = False) -> int:
     """Bytes of one holder's fp8 copy of the policy's projections (0 unless fp8): the e4m3 values and fp32 scales,
-    and on the CPU the exact float64 copy of the values the CPU's GEMM reads (`Fp8Weight.operand`)."""
-    values = c.get("fp8_values", 0)
-    return values + 4 * c.get("fp8_scales", 0) + (0 if cuda else 8 * values)
+    and on the CPU the exact float64 copy of the values the CPU's GEMM reads (`Fp8Weight.operand`). shard: the
+    copy of one rank of a split engine (engine.tensor_parallel / expert_parallel)."""
+    values = c.get("fp8_shard_values" if shard else "fp8_values", 0)
+    scales = c.get("fp8_shard_scales" if shard else "fp8_scales", 0)
+    return values + 4 * scales + (0 if cuda else 8 * values)
 
 
 # -- activations -------------------------------------------------------------------------------------------
@@ -726,7 +737,7 @@ def plan_memory(
             resident["engine_replica_frozen"] = frozen_held * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
         if fp8:  # the replica's copy stays when its weights are released (the sync re-quantizes in place)
-            resident["engine_replica_fp8"] = fp8
+            resident["engine_replica_fp8"] = fp8_copy_bytes(c, cuda, shard=group > 1)
         opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
         # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.

@@ -47,3 +47,25 @@ def test_plan_counts_the_fp8_copy_a_model_allocates(preset):
         world_size=3,
     )
     assert gen.phase("generation").terms["engine_fp8"] == copy
+
+
+@pytest.mark.parametrize(("t", "e"), [(2, 1), (1, 2), (2, 2)])
+def test_plan_counts_a_split_engines_fp8_copy(t, e):
+    """One rank of an engine split by tensor and/or expert parallel holds its rows of each fp8 copy: the plan's
+    figure is what the split model (rank 0 of 2, built on the CPU) registers and quantizes."""
+    from exactrl.distributed.shared_engine import split_engine_model
+    from exactrl.distributed.tensor_parallel import TensorParallelGroup
+    from exactrl.model.precision import refresh_fp8, register_fp8
+
+    sets = ["model.preset=tiny-moe", "model.precision=fp8", f"engine.tensor_parallel={t}"]
+    cfg = run_cfg(*sets, f"engine.expert_parallel={e}")
+    model, _ = load_policy(preset_name="tiny-moe", dtype="bfloat16", precision="fp8")
+    shard = split_engine_model(model, TensorParallelGroup(max(t, e), 0), t, e)
+    register_fp8(shard)
+    refresh_fp8(shard)
+    copy, operands = _allocated(shard)
+    c = count_tensors(cfg)
+    assert fp8_copy_bytes(c, cuda=True, shard=True) == copy
+    assert fp8_copy_bytes(c, cuda=False, shard=True) == copy + operands < fp8_copy_bytes(c, cuda=False)
+    two = plan_memory(cfg, world_size=2, device="cuda").phase("generation").terms
+    assert two["engine_replica_fp8"] == copy
