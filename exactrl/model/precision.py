@@ -146,6 +146,59 @@ def set_fp8(model: nn.Module, param: torch.Tensor, q: torch.Tensor, scale: torch
     entry.set(q, scale)
 
 
+# What the weight sync sends of one weight (`fp8_sync_tensors`): the weight itself, or an fp8 projection's copy as
+# its e4m3 values (sent as bytes) and its fp32 scales: 1 + 4 / 128 bytes a weight element instead of 2 (bf16).
+SYNC_KINDS = ("weight", "fp8_values", "fp8_scales")
+
+
+def fp8_sync_tensors(
+    model: nn.Module | None, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, str, torch.Tensor]]:
+    """The (name, kind, tensor)s a weight sync sends for `named`, `model`'s (name, tensor)s: an fp8 projection of
+    `model` goes as its current fp8 copy (values, scales), every other tensor as it is. Every receiver then holds
+    the sender's fp8 bits, which are what it would quantize from the same weights (`fp8_sync_targets`)."""
+    _, ops = _fp8_ops(model) if model is not None else (None, None)
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name, t in named:
+        entry = ops._weights.get(id(t)) if ops is not None else None
+        if entry is None or entry.param is not t:
+            out.append((name, "weight", t))
+            continue
+        entry.current()
+        out += [(name, "fp8_values", entry.q.view(torch.uint8)), (name, "fp8_scales", entry.scale)]
+    return out
+
+
+def fp8_sync_targets(
+    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+) -> list[torch.Tensor]:
+    """The receiver's side of `fp8_sync_tensors`: the tensor each sent one is received into, in order (an fp8
+    copy's buffers themselves: its values as bytes)."""
+    _, ops = _fp8_ops(model)
+    out = []
+    for name, kind in zip(names, kinds):
+        p = params[name]
+        if kind == "weight":
+            out.append(p)
+            continue
+        entry = ops._weights.get(id(p)) if ops is not None else None
+        if entry is None or entry.param is not p:
+            raise RuntimeError(f"the weight sync sent the fp8 copy of {name!r}, which has no fp8 copy here")
+        out.append(entry.q.view(torch.uint8) if kind == "fp8_values" else entry.scale)
+    return out
+
+
+def fp8_sync_received(
+    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+) -> None:
+    """After `fp8_sync_targets`' tensors were filled: each fp8 copy received is the copy of its weight as it is."""
+    _, ops = _fp8_ops(model)
+    for name, kind in zip(names, kinds):
+        if kind == "fp8_values" and ops is not None:
+            entry = ops._weights[id(params[name])]
+            entry.set(entry.q, entry.scale)
+
+
 class _FollowGathered:
     """A forward pre-hook of one fp8 projection's module under FSDP2: the module's weight is then the gathered
     one (its decoder layer's FSDP2 hook ran first). Its fp8 copy is registered under that tensor (FSDP2 keeps

@@ -209,8 +209,10 @@ class Fp8Weight:
     def set(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Take (q, scale) made elsewhere as the copy of the parameter as it is now, into the same buffers (a
         tensor-parallel engine shard's rows of its whole weight's copy, exactrl/model/precision.py)."""
-        self.q.copy_(q)
-        self.scale.copy_(scale)
+        if q is not self.q:  # (received into the buffers themselves: nothing to copy)
+            self.q.copy_(q)
+        if scale is not self.scale:
+            self.scale.copy_(scale)
         if self.q.device.type != "cuda":
             self.operand = self.q.to(torch.float64)
         self.version = self.param._version

@@ -160,13 +160,12 @@ def plan_generator(
         # With LoRA a step sends the adapters, whose slice is at most the largest of them.
         step["sync_slice"] = (sync["step_largest"] if lora else sync_slice_params(cfg)) * b
         if fp8:
-            # fp8: the shard's rows of each whole weight's fp8 copy wait until the sync's last bucket is in place
-            # (`GeneratorLoop._part`), and one whole weight is quantized at a time: its fp8 values and scales and
-            # `quantize_weight`'s fp32 working copies of a part (about three), at most 13 bytes an element.
-            pending = {"fp8_shard_rows": fp8, "fp8_whole_weight": 13 * c["largest_param"]}
-            first.update(pending)
-            if not lora:  # with LoRA a step moves the adapters alone: nothing to quantize
-                step.update(pending)
+            # fp8, a sync of model-dtype weights (the first, after a warm start; later syncs send the replica's fp8
+            # copies, sliced as they come): the shard's rows of each whole weight's fp8 copy wait until the sync's
+            # last bucket is in place (`GeneratorLoop._part`), and one whole weight is quantized at a time: its fp8
+            # values and scales and `quantize_weight`'s fp32 working copies of a part (about three), at most 13
+            # bytes an element.
+            first.update({"fp8_shard_rows": fp8, "fp8_whole_weight": 13 * c["largest_param"]})
     resident = dict(weights)
     decode = decode_step_bytes(cfg, mcfg) if cuda else 0
     if cuda and cfg.engine.cuda_graphs:
