@@ -49,6 +49,10 @@ class ExpertParallelExperts(nn.Module):
     """A sparse layer's routed experts split over the engine's ranks: this rank's `gate_up` [E/size, 2I, D] and
     `down` [E/size, D, I], experts first_expert .. first_expert + E/size - 1."""
 
+    # fp8 (exactrl/model/precision.py): these stacks run the fp8 recipe as `Experts`' do. Each expert is blocked on
+    # its own, so a rank's experts quantize to the whole stack's bits for them.
+    routed_expert_stacks = True
+
     def __init__(self, experts: Experts, group: TensorParallelGroup):
         super().__init__()
         per = experts.num_experts // group.size

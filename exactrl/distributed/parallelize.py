@@ -28,6 +28,14 @@ import torch
 from torch import nn
 
 from exactrl.distributed.env import DistContext
+from exactrl.model.precision import (
+    follow_gathered,
+    fp8_copy_memo,
+    fp8_rows_of_whole,
+    refresh_fp8,
+    register_fp8,
+    set_fp8,
+)
 from exactrl.model.qwen import CausalLM
 
 
@@ -97,6 +105,7 @@ class Parallelism:
         memo: dict[int, object] = {}
         for p in model.parameters():
             memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        fp8_copy_memo(model, memo)  # fp8: the replica's own copies are made from its weights (`bind`)
         return copy.deepcopy(model, memo).requires_grad_(False)
 
     def parallelize(self, model: nn.Module, *, trainable: bool = True) -> None:
@@ -137,6 +146,8 @@ class Parallelism:
                 param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
             )
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        # fp8: each projection's copy is quantized from its gathered weight, the bits the replica gets.
+        follow_gathered(model)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 # The loss is already divided by the global token (or sequence) count: sum, never average
@@ -160,6 +171,7 @@ class Parallelism:
                             empty = torch.empty_like(t, device=self._replica_device)
                             made[id(t)] = nn.Parameter(empty, requires_grad=False)
                         m._parameters[key] = made[id(t)]
+        register_fp8(engine_model)  # fp8: its projections as they are now, quantized from the synced weights
         mine = dict(engine_model.named_parameters())
         self._pairs = []
         self._trained = []
@@ -174,6 +186,7 @@ class Parallelism:
                 self._trained.append((p, mine[name]))
         if structure_only:
             self.sync_weights(full=True)
+        refresh_fp8(engine_model)
 
     @torch.no_grad()
     def whole_engine_model(self) -> CausalLM | None:
@@ -250,8 +263,15 @@ class Parallelism:
         for p, e in self._pairs if full else self._trained:
             gathered = p.detach().to(e.dtype).full_tensor()
             # The engine's part of the full weight: all of it, or a tensor-parallel shard's slice (bytes either way).
-            e.copy_(self._engine.shard_full_weight(self._names[id(e)], gathered))
+            name = self._names[id(e)]
+            e.copy_(self._engine.shard_full_weight(name, gathered))
+            rows = fp8_rows_of_whole(self._engine, name, gathered)  # fp8, a tensor-parallel shard: its rows
+            if rows is not None:
+                set_fp8(self._engine, e, *rows)
             moved += gathered.numel() * gathered.element_size()
+        # fp8: the replica quantizes the weights it was sent (the bits the trainer's forward quantizes), now: the
+        # next forward may be a decode graph's replay.
+        refresh_fp8(self._engine)
         if e is not None and e.is_cuda:
             torch.cuda.synchronize(e.device)
         return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": float(moved)}

@@ -364,6 +364,7 @@ def _split_packed(
     def take(full: torch.Tensor) -> torch.Tensor:
         return _rows(full, pieces)
 
+    layer.whole_parts = list(layer.parts.values())  # fp8: the whole weight is blocked by these parts
     layer.weight = nn.Parameter(take(layer.weight), requires_grad=False)
     slicers[f"{prefix}{name}.weight"] = take
     if layer.bias is not None:

@@ -1,41 +1,245 @@
 """`model.precision` applied to a built model: which of a CausalLM's weights run the fp8 recipe of
 `exactrl.ops.fp8` (every attention, MLP and expert projection; not the LM head, the embedding, the norms or the
-router). Here, a level above the ops, because choosing the weights needs the model's modules."""
+router). Here, a level above the ops, because choosing the weights needs the model's modules.
+
+Every holder of the weights quantizes the model-dtype weights it holds with the same function, so holders of the
+same bits hold the same fp8 copy:
+- one process: the policy itself (`use_fp8` at load; the optimizer re-quantizes after each step);
+- under torchrun, the FSDP2 trainer (`follow_gathered`): a projection's fp8 copy is made from its all-gathered
+  weight (the cast of the fp32 master shards to the model dtype) at the first forward after a step or a load;
+- the engine replica and a generator rank (`register_fp8` once their parameters exist, `refresh_fp8` after each
+  weight sync): from the weights the sync wrote, which are those same gathered bits.
+"""
 
 from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
 
 from exactrl.model.layers import Linear, PackedLinear
 from exactrl.model.moe import Experts, SparseMoeBlock
 from exactrl.model.qwen import CausalLM
-from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device
+from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device, quantize_weight
+
+Projection = tuple[nn.Module, str, list[int] | None]  # (module, weight attribute, packed parts)
 
 
-def use_fp8(model: CausalLM) -> Fp8Ops:
-    """Switch `model` (a CausalLM) to fp8 projections: wrap its ops in `Fp8Ops` and register every attention,
-    MLP and expert weight (not the LM head, the embedding, the norms or the router), quantized now."""
-    check_fp8_device(model.device)
-    ops = model.ops if isinstance(model.ops, Fp8Ops) else Fp8Ops(model.ops)
-    # Routing stays in the model dtype: the router and Qwen2-MoE's shared-expert gate, with the LM head.
+def fp8_projections(model: CausalLM) -> list[Projection]:
+    """Every weight that runs in fp8: attention, MLP and expert projections (not the LM head, the embedding, the
+    norms, or the router and Qwen2-MoE's shared-expert gate, which route in the model dtype)."""
     keep = {id(getattr(model, "lm_head", None))}
     for mod in model.modules():
         if isinstance(mod, SparseMoeBlock):
             keep |= {id(mod.gate), id(getattr(mod, "shared_expert_gate", None))}
+    out: list[Projection] = []
     for mod in model.modules():
-        if isinstance(mod, Experts):
-            inter = mod.gate_up.shape[1] // 2
-            ops.register(mod.gate_up, [inter, inter])
-            ops.register(mod.down)
+        # An expert-parallel engine shard's stacks (exactrl/distributed/expert_parallel.py) are the same kind.
+        if isinstance(mod, Experts) or getattr(mod, "routed_expert_stacks", False):
+            gate_up = cast(torch.Tensor, mod.gate_up)
+            inter = gate_up.shape[1] // 2
+            out += [(mod, "gate_up", [inter, inter]), (mod, "down", None)]
         elif isinstance(mod, Linear) and id(mod) not in keep:
-            ops.register(mod.weight, list(mod.parts.values()) if isinstance(mod, PackedLinear) else None)
+            out.append((mod, "weight", list(mod.parts.values()) if isinstance(mod, PackedLinear) else None))
+    return out
+
+
+def use_fp8(model: CausalLM, *, quantize: bool = True) -> Fp8Ops:
+    """Switch `model` (a CausalLM) to fp8 projections: wrap its ops in `Fp8Ops` and register every projection
+    (`fp8_projections`), quantized now (quantize=False: at first use, for weights whose values come later)."""
+    check_fp8_device(model.device)
+    ops = model.ops if isinstance(model.ops, Fp8Ops) else Fp8Ops(model.ops)
+    for mod, name, parts in fp8_projections(model):
+        ops.register(getattr(mod, name), parts, quantize=quantize)
     model.set_ops(ops)
     return ops
 
 
-def apply_precision(model: CausalLM, precision: str) -> CausalLM:
+def apply_precision(model: CausalLM, precision: str, *, quantize: bool = True) -> CausalLM:
     """`model.precision` applied to a built model: "dtype" (every projection in the model dtype, as always) leaves
     it as it is; "fp8" switches its projections to fp8 (`use_fp8`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"model.precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
-        use_fp8(model)
+        use_fp8(model, quantize=quantize)
     return model
+
+
+def _fp8_ops(model: nn.Module) -> tuple[Any, Fp8Ops | None]:
+    # A ValueModel (the critic): its backbone's ops.
+    lm = model if isinstance(model, CausalLM) else getattr(model, "backbone", model)
+    ops = getattr(lm, "ops", None)
+    return lm, ops if isinstance(ops, Fp8Ops) else None
+
+
+def is_fp8(model: nn.Module) -> bool:
+    """Whether `model` (a CausalLM, or a ValueModel around one) computes its projections in fp8."""
+    return _fp8_ops(model)[1] is not None
+
+
+def fp8_copy_memo(model: nn.Module, memo: dict[int, Any]) -> None:
+    """For a structure-only deep copy of `model` taken with `memo` (the engine replica, whose weights come from
+    the sync): the copy gets fp8 ops with no weight registered, instead of a copy of every fp8 buffer."""
+    import copy
+
+    lm, ops = _fp8_ops(model)
+    if ops is not None:
+        memo[id(ops)] = Fp8Ops(copy.deepcopy(ops.inner, memo))
+
+
+def register_fp8(model: nn.Module) -> None:
+    """Register `model`'s projections anew, as they are now (their parameters were replaced: the engine replica's
+    own, given memory after the copy), each quantized at its first use or `refresh_fp8`. No-op if not fp8."""
+    lm, ops = _fp8_ops(model)
+    if ops is not None:
+        ops.clear()
+        use_fp8(lm, quantize=False)
+
+
+def refresh_fp8(model: nn.Module) -> int:
+    """After a weight sync wrote `model`'s weights in place: re-quantize now (not at the next forward, which may be
+    a CUDA graph's replay) every fp8 copy whose weight was written since it was made. Returns how many."""
+    lm, ops = _fp8_ops(model)
+    if ops is None:
+        return 0
+    n = 0
+    for entry in list(ops._weights.values()):
+        if entry.param._version != entry.version:
+            entry.quantize()
+            n += 1
+    return n
+
+
+def fp8_rows_of_whole(
+    model: nn.Module, name: str, whole: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A tensor-parallel engine shard (exactrl/distributed/tensor_parallel.py) holds rows of a whole weight, and a
+    slice need not start on a 128-row block of its projection: its fp8 copy is the rows of the *whole* weight's copy
+    (quantized as the trainer quantizes it, then cut by the weight's own slicer), never its slice quantized alone.
+    Returns (q, scale) for the weight `name` of `model` given its whole value, or None where the weight is not an
+    fp8 projection the shard slices (it quantizes what it holds: the whole weight)."""
+    lm, ops = _fp8_ops(model)
+    slicer = getattr(lm, "shard_slicers", {}).get(name) if ops is not None else None
+    if (
+        slicer is None or whole.dim() != 2
+    ):  # expert stacks: each expert is blocked on its own, its copy the whole's
+        return None
+    module_name, attr = name.rsplit(".", 1)
+    module = lm.get_submodule(module_name)
+    param = getattr(module, attr)
+    entry = ops._weights.get(id(param)) if ops is not None else None
+    if entry is None or entry.param is not param:
+        return None
+    # A packed projection is blocked part by part: the whole weight's parts (the split keeps the shard's own).
+    parts = getattr(module, "whole_parts", None)
+    q, scale = quantize_weight(whole.detach(), parts)
+    return slicer(q), slicer(scale)
+
+
+def set_fp8(model: nn.Module, param: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """`param`'s fp8 copy is (q, scale) (`fp8_rows_of_whole`), once `param` holds its new value."""
+    _, ops = _fp8_ops(model)
+    entry = ops._weights.get(id(param)) if ops is not None else None
+    if entry is None or entry.param is not param:
+        raise RuntimeError("set_fp8: the parameter has no fp8 copy")
+    entry.set(q, scale)
+
+
+# What the weight sync sends of one weight (`fp8_sync_tensors`): the weight itself, or an fp8 projection's copy as
+# its e4m3 values (sent as bytes) and its fp32 scales: 1 + 4 / 128 bytes a weight element instead of 2 (bf16).
+SYNC_KINDS = ("weight", "fp8_values", "fp8_scales")
+
+
+def fp8_sync_tensors(
+    model: nn.Module | None, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, str, torch.Tensor]]:
+    """The (name, kind, tensor)s a weight sync sends for `named`, `model`'s (name, tensor)s: an fp8 projection of
+    `model` goes as its current fp8 copy (values, scales), every other tensor as it is. Every receiver then holds
+    the sender's fp8 bits, which are what it would quantize from the same weights (`fp8_sync_targets`)."""
+    _, ops = _fp8_ops(model) if model is not None else (None, None)
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name, t in named:
+        entry = ops._weights.get(id(t)) if ops is not None else None
+        if entry is None or entry.param is not t:
+            out.append((name, "weight", t))
+            continue
+        entry.current()
+        out += [(name, "fp8_values", entry.q.view(torch.uint8)), (name, "fp8_scales", entry.scale)]
+    return out
+
+
+def fp8_sync_targets(
+    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+) -> list[torch.Tensor]:
+    """The receiver's side of `fp8_sync_tensors`: the tensor each sent one is received into, in order (an fp8
+    copy's buffers themselves: its values as bytes)."""
+    _, ops = _fp8_ops(model)
+    out = []
+    for name, kind in zip(names, kinds):
+        p = params[name]
+        if kind == "weight":
+            out.append(p)
+            continue
+        entry = ops._weights.get(id(p)) if ops is not None else None
+        if entry is None or entry.param is not p:
+            raise RuntimeError(f"the weight sync sent the fp8 copy of {name!r}, which has no fp8 copy here")
+        out.append(entry.q.view(torch.uint8) if kind == "fp8_values" else entry.scale)
+    return out
+
+
+def fp8_sync_received(
+    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+) -> None:
+    """After `fp8_sync_targets`' tensors were filled: each fp8 copy received is the copy of its weight as it is."""
+    _, ops = _fp8_ops(model)
+    for name, kind in zip(names, kinds):
+        if kind == "fp8_values" and ops is not None:
+            entry = ops._weights[id(params[name])]
+            entry.set(entry.q, entry.scale)
+
+
+class _FollowGathered:
+    """A forward pre-hook of one fp8 projection's module under FSDP2: the module's weight is then the gathered
+    one (its decoder layer's FSDP2 hook ran first). Its fp8 copy is registered under that tensor (FSDP2 keeps
+    one object and re-fills its storage at every gather), with the shard as the source the optimizer steps, so a
+    step marks it stale (`requantize_after_step`) and the next forward quantizes the new gather."""
+
+    def __init__(self, ops: Fp8Ops, weights: list[tuple[str, list[int] | None, nn.Parameter]]):
+        self.ops = ops
+        self.weights = weights  # (attribute, parts, the shard FSDP2 set on the module)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for name, parts, shard in self.weights:
+            w = getattr(module, name)
+            # Not gathered (a forward outside FSDP2's hooks): the ops would fall back to the model dtype.
+            if w is shard:
+                raise RuntimeError(f"fp8 under FSDP2: {type(module).__name__}.{name} was not gathered")
+            entry = self.ops._weights.get(id(w))
+            if entry is None or entry.param is not w:
+                self.ops.register(w, parts, source=shard, quantize=False)
+
+
+def follow_gathered(model: nn.Module) -> int:
+    """Under FSDP2, after `fully_shard` (exactrl/distributed/parallelize.py): the registrations of the weights
+    before sharding go (FSDP2 replaced those parameters; keeping them would keep whole weights alive), and each fp8
+    projection's copy follows its gathered weight (`_FollowGathered`). Returns the projections followed."""
+    lm, ops = _fp8_ops(model)
+    if ops is None:
+        return 0
+    ops.clear()
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, list[int] | None, nn.Parameter]]]] = {}
+    for mod, name, parts in fp8_projections(lm):
+        by_module.setdefault(id(mod), (mod, []))[1].append((name, parts, getattr(mod, name)))
+    for mod, weights in by_module.values():
+        mod.register_forward_pre_hook(_FollowGathered(ops, weights))
+    return sum(len(w) for _, w in by_module.values())
+
+
+def fp8_weights_changed(model: nn.Module) -> None:
+    """The shards of an FSDP2 model were written outside the optimizer (a sharded checkpoint's load): every fp8
+    copy is re-made from its next gather."""
+    _, ops = _fp8_ops(model)
+    if ops is not None:
+        for entry in ops._weights.values():
+            entry.version = -1

@@ -190,9 +190,12 @@ class Fp8Weight:
     the parameter since (a weight sync, a checkpoint load, torch's optimizer on fp32 weights) is seen and the
     copy re-made from the parameter."""
 
-    def __init__(self, param: torch.Tensor, parts: list[int] | None):
+    def __init__(self, param: torch.Tensor, parts: list[int] | None, source: torch.Tensor | None = None):
         self.param = param
         self.parts = parts
+        # The parameter an optimizer steps: the weight itself, or under FSDP2 its shard (`param` is then the
+        # gathered weight, which the step does not write: `requantize_after_step` marks the copy stale instead).
+        self.source = param if source is None else source
         *lead, n, k = param.shape
         kb = _blocks(k)
         self.q = torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=param.device)
@@ -212,6 +215,18 @@ class Fp8Weight:
         else:
             for e in range(src.shape[0]):
                 quantize_weight(src[e], self.parts, (self.q[e], self.scale[e]))
+        if self.q.device.type != "cuda":
+            self.operand = self.q.to(torch.float64)
+        self.version = self.param._version
+
+    @torch.no_grad()
+    def set(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Take (q, scale) made elsewhere as the copy of the parameter as it is now, into the same buffers (a
+        tensor-parallel engine shard's rows of its whole weight's copy, exactrl/model/precision.py)."""
+        if q is not self.q:  # (received into the buffers themselves: nothing to copy)
+            self.q.copy_(q)
+        if scale is not self.scale:
+            self.scale.copy_(scale)
         if self.q.device.type != "cuda":
             self.operand = self.q.to(torch.float64)
         self.version = self.param._version
@@ -248,10 +263,24 @@ class Fp8Ops:
         return new
 
     # -- the registered weights --------------------------------------------------------------------------
-    def register(self, param: torch.Tensor, parts: list[int] | None = None) -> None:
-        entry = Fp8Weight(param, parts)
-        entry.quantize()
+    def register(
+        self,
+        param: torch.Tensor,
+        parts: list[int] | None = None,
+        *,
+        source: torch.Tensor | None = None,
+        quantize: bool = True,
+    ) -> Fp8Weight:
+        """quantize=False: the copy is made at its first use (a weight whose values come later)."""
+        entry = Fp8Weight(param, parts, source)
+        if quantize:
+            entry.quantize()
         self._weights[id(param)] = entry
+        return entry
+
+    def clear(self) -> None:
+        """Forget every registered weight (their parameters were replaced: FSDP2's shards, a replica's own)."""
+        self._weights.clear()
 
     def _entry(self, weight: torch.Tensor) -> Fp8Weight | None:
         entry = self._weights.get(id(weight))
@@ -370,3 +399,8 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
             entry = ops._weights.get(id(p))
             if entry is not None and entry.param is p:
                 entry.quantize(m)
+        # FSDP2: the step wrote shards; each gathered weight's copy is re-made from its next gather.
+        stepped = {id(p) for p in params}
+        for entry in ops._weights.values():
+            if entry.source is not entry.param and id(entry.source) in stepped:
+                entry.version = -1

@@ -31,6 +31,14 @@ from exactrl.engine.engine import EngineConfig, RequestOutput, RolloutEngine
 from exactrl.engine.partial import CutResult, CutRule, PartialSample, generate_until_cut
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, EpisodeBatch
+from exactrl.model.precision import (
+    fp8_rows_of_whole,
+    fp8_sync_received,
+    fp8_sync_targets,
+    fp8_sync_tensors,
+    refresh_fp8,
+    set_fp8,
+)
 
 
 @dataclass
@@ -44,6 +52,9 @@ class Command:
     params: SamplingParams | None = None
     request_ids: list[int] | None = None
     names: list[str] = field(default_factory=list)  # "sync": the parameters broadcast, in order
+    # "sync": what of each name is sent (`exactrl.model.precision.SYNC_KINDS`: the weight, or its fp8 values or
+    # scales; empty: every name a weight)
+    kinds: list[str] = field(default_factory=list)
     # "sync": the parameters' whole shapes (a split engine's rank receives them whole and keeps its slice)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     resumed: list[PartialSample] = field(default_factory=list)  # "partial": the samples carried in
@@ -140,14 +151,17 @@ class RemoteEngine:
     @torch.no_grad()
     def push(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Every trainer: tell the generator new weights come; trainer 0: broadcast `named` (model-dtype tensors,
-        the same names and order on every trainer) to every generator."""
+        the same names and order on every trainer) to every generator. An fp8 projection of the replica (`model`)
+        goes as its fp8 values and scales (`fp8_sync_tensors`: about half the bytes)."""
         t0 = time.perf_counter()
-        self._tell(Command("sync", names=[n for n, _ in named], shapes=[tuple(t.shape) for _, t in named]))
+        sent = fp8_sync_tensors(self.model, named)
+        names, kinds = [n for n, _, _ in sent], [k for _, k, _ in sent]
+        self._tell(Command("sync", names=names, kinds=kinds, shapes=[tuple(t.shape) for _, _, t in sent]))
         moved = 0
         if self.layout.local.rank == 0:
-            moved = send_weights([t for _, t in named], self.layout.sync_group)
-            if named and named[0][1].is_cuda:
-                torch.cuda.synchronize(named[0][1].device)
+            moved = send_weights([t for _, _, t in sent], self.layout.sync_group)
+            if sent and sent[0][2].is_cuda:
+                torch.cuda.synchronize(sent[0][2].device)
         dt = time.perf_counter() - t0
         self.last_send = {"time/weight_send_s": dt}
         if moved:
@@ -231,6 +245,7 @@ def generator_engine(
     (agreed over a split engine's group: the least), where engine.num_kv_blocks is unset; None: sized per call from
     free memory."""
     from exactrl.model.loading import policy_structure
+    from exactrl.model.precision import apply_precision
     from exactrl.ops import set_exact_environment
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
@@ -254,6 +269,9 @@ def generator_engine(
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     model = model.to_empty(device=device).requires_grad_(False)
+    # fp8: the generator quantizes the weights the sync sends (`refresh_fp8` after each), as the trainers quantize
+    # the same bits; nothing to quantize before they come.
+    model = apply_precision(model, cfg.model.precision, quantize=False)
     engine_cfg = replace(cfg.engine, kv_memory_fraction=cfg.distributed.generator_kv_memory_fraction)
     if kv_blocks is not None and not cfg.engine.num_kv_blocks:
         # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
@@ -341,18 +359,24 @@ class GeneratorLoop:
             t0 = time.time()
             if kinds == {"sync"}:
                 names = cmds[0].names
+                what = cmds[0].kinds or ["weight"] * len(names)
                 missing = [n for n in names if n not in self.params]
                 if missing:
                     raise RuntimeError(
                         f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
                     )
+                fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 moved = recv_weights(
-                    [self.params[n] for n in names],
+                    fp8_sync_targets(self.engine.model, self.params, names, what),
                     self.layout.sync_group,
                     shapes=cmds[0].shapes or None,
-                    part=self._part(names),
+                    part=self._part(names, what, fp8_rows),
                 )
+                fp8_sync_received(self.engine.model, self.params, names, what)
                 self.unfilled -= set(names)
+                for i, rows in fp8_rows.items():  # fp8, a tensor-parallel shard: its rows of the whole's copy
+                    set_fp8(self.engine.model, self.params[names[i]], *rows)
+                refresh_fp8(self.engine.model)  # fp8: quantized from what arrived, before any graph replays
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if kinds & {"sync", "lora"}:
@@ -383,10 +407,22 @@ class GeneratorLoop:
                     )
                 )
 
-    def _part(self, names: list[str]) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """What of whole weight i (`names[i]`) this rank's engine holds: all of it, or a split engine's slice."""
+    def _part(
+        self, names: list[str], kinds: list[str], fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """What of whole tensor i (of `names[i]`) this rank's engine holds: all of it, or a split engine's slice (of
+        an fp8 copy's values or scales too: every split cuts rows, which the copy keeps per row). fp8_rows gets, for
+        a slice of an fp8 projection sent as its weight, its rows of the whole weight's fp8 copy
+        (`fp8_rows_of_whole`), set once the slice is in place."""
         model = self.engine.model
-        return lambda i, whole: model.shard_full_weight(names[i], whole)
+
+        def part(i: int, whole: torch.Tensor) -> torch.Tensor:
+            rows = fp8_rows_of_whole(model, names[i], whole) if kinds[i] == "weight" else None
+            if rows is not None:
+                fp8_rows[i] = rows
+            return model.shard_full_weight(names[i], whole)
+
+        return part
 
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
         """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for

@@ -369,7 +369,44 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         ctrain = [p for p in critic.parameters() if p.requires_grad]
         out["offload_chunk_bytes"] = max(out["offload_chunk_bytes"], chunk(ctrain))
         out["offload_pinned_bytes_per_fp32_copy"] += pinned(ctrain)
+    fp8 = cfg.model.precision == "fp8"
+    out["fp8_values"], out["fp8_scales"] = fp8_copy_elements(policy) if fp8 else (0, 0)
+    split = cfg.engine.tensor_parallel > 1 or cfg.engine.expert_parallel > 1
+    out["fp8_shard_values"], out["fp8_shard_scales"] = (
+        fp8_copy_elements(policy, engine_shard_sizes(cfg)) if fp8 and split else (0, 0)
+    )
     return out
+
+
+def fp8_copy_elements(model, shard: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(e4m3 values, fp32 scales) of one fp8 copy of `model`'s projections (`model.precision = "fp8"`), as
+    `quantize_weight` stores them: every [..., N, K] projection weight with K padded to whole 128-blocks, one byte
+    a value, and one scale per row and 128-block (each row holds its block's scale). shard: `engine_shard_sizes`,
+    for the copy one rank of a split engine holds (its rows of each weight: every split keeps K whole)."""
+    from exactrl.model.precision import fp8_projections
+    from exactrl.ops.fp8 import BLOCK
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    values = scales = 0
+    for mod, name, _ in fp8_projections(model):
+        w = getattr(mod, name)
+        *lead, n, k = w.shape
+        rows, blocks = math.prod(lead) * n, -(-k // BLOCK)
+        if shard is not None:
+            whole, mine = shard[names[id(w)]]
+            rows = rows * mine // whole
+        values += rows * blocks * BLOCK
+        scales += rows * blocks
+    return values, scales
+
+
+def fp8_copy_bytes(c: dict[str, int], cuda: bool, shard: bool = False) -> int:
+    """Bytes of one holder's fp8 copy of the policy's projections (0 unless fp8): the e4m3 values and fp32 scales,
+    and on the CPU the exact float64 copy of the values the CPU's GEMM reads (`Fp8Weight.operand`). shard: the
+    copy of one rank of a split engine (engine.tensor_parallel / expert_parallel)."""
+    values = c.get("fp8_shard_values" if shard else "fp8_values", 0)
+    scales = c.get("fp8_shard_scales" if shard else "fp8_scales", 0)
+    return values + 4 * scales + (0 if cuda else 8 * values)
 
 
 # -- activations -------------------------------------------------------------------------------------------
@@ -675,6 +712,9 @@ def plan_memory(
     opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
     grads: dict[str, int] = {}
     train_extra: dict[str, int] = {}
+    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole (an
+    # FSDP2 trainer keeps the copies of its gathered weights from one step to the next).
+    fp8 = fp8_copy_bytes(c, cuda)
     if not sharded:
         resident["policy_weights"] = c["policy_params"] * b
         if has_master:
@@ -696,6 +736,8 @@ def plan_memory(
         if frozen_held:
             resident["engine_replica_frozen"] = frozen_held * b
         resident["policy_shards"] = -(-(c["policy_trainable"] * 4 + c["policy_frozen"] * b) // n)
+        if fp8:  # the replica's copy stays when its weights are released (the sync re-quantizes in place)
+            resident["engine_replica_fp8"] = fp8_copy_bytes(c, cuda, shard=group > 1)
         opt_state["policy_adamw_moments"] = -(-2 * c["policy_trainable"] * 4 // n)
         grads["policy_grad_shards"] = -(-c["policy_trainable"] * 4 // n)
         # FSDP2 gathers a layer in the model dtype (and prefetches the next) and reduce-scatters its fp32 grads.
@@ -713,12 +755,22 @@ def plan_memory(
         # a LoRA base included), held for the run. Generation then overlaps training; the plan's phases do not
         # model that overlap yet (docs/memory.md). Under torchrun the engine replica above is that copy.
         resident["behaviour_copy"] = c["policy_params"] * b
+        if fp8:
+            resident["behaviour_copy_fp8"] = fp8
     if trainer_only and driver == "one_step_off":
         # Disaggregated one step off: the guard of a batch runs on a copy of the weights that sampled it while the
         # replica moves on to the next version (exactrl/train/drivers/offpolicy.py).
         resident["guard_copy"] = c["policy_params"] * b
+        if fp8:
+            resident["guard_copy_fp8"] = fp8
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)
+        if fp8:
+            resident["reference_fp8"] = fp8
+    if fp8:
+        resident["policy_fp8"] = fp8
+        if c["critic_params"]:  # the critic is a copy of the policy: fp8 projections too
+            resident["critic_fp8"] = fp8
     if c["critic_params"]:
         frozen = c["critic_params"] - c["critic_trainable"]
         head = c["critic_head_fp32"] * 4
@@ -814,6 +866,9 @@ def plan_memory(
             setup["reference_whole"] = c["policy_params"] * b
         if c["critic_params"]:
             setup["critic_whole"] = c["critic_params"] * b + c["critic_head_fp32"] * 4
+        if fp8:  # each whole model's fp8 copy, quantized at load (dropped when it is sharded)
+            copies = 1 + int("reference_whole" in setup) + int("critic_whole" in setup)
+            setup["fp8_whole_copies"] = copies * fp8
         phases.insert(0, Phase("setup", setup))
     for other in ckpt_other:
         phases.append(Phase("checkpoint", {**other, **({} if release else cache)}))

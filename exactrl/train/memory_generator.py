@@ -25,6 +25,7 @@ from exactrl.train.memory import (
     engine_group_ranks,
     engine_shard_params,
     engine_shard_sizes,
+    fp8_copy_bytes,
     kv_bytes_per_token,
     kv_cache_blocks,
     kv_cache_bytes,
@@ -147,6 +148,10 @@ def plan_generator(
     if lora:
         # The adapters, counted whole: a split engine's B keeps its projection's rows only (a little less).
         weights["lora_adapters"] = c["policy_trainable"] * b
+    # model.precision = "fp8": the fp8 copy it quantizes from the synced weights (a split engine: its shard's).
+    fp8 = fp8_copy_bytes(c, cuda, shard=s > 1)
+    if fp8:
+        weights["engine_fp8"] = fp8
     sync = sync_sizes(cfg)
     first = {"sync_bucket": sync["full_bucket"] * b}
     step = {"sync_bucket": sync["step_bucket"] * b}
@@ -154,6 +159,13 @@ def plan_generator(
         first["sync_slice"] = sync_slice_params(cfg) * b
         # With LoRA a step sends the adapters, whose slice is at most the largest of them.
         step["sync_slice"] = (sync["step_largest"] if lora else sync_slice_params(cfg)) * b
+        if fp8:
+            # fp8, a sync of model-dtype weights (the first, after a warm start; later syncs send the replica's fp8
+            # copies, sliced as they come): the shard's rows of each whole weight's fp8 copy wait until the sync's
+            # last bucket is in place (`GeneratorLoop._part`), and one whole weight is quantized at a time: its fp8
+            # values and scales and `quantize_weight`'s fp32 working copies of a part (about three), at most 13
+            # bytes an element.
+            first.update({"fp8_shard_rows": fp8, "fp8_whole_weight": 13 * c["largest_param"]})
     resident = dict(weights)
     decode = decode_step_bytes(cfg, mcfg) if cuda else 0
     if cuda and cfg.engine.cuda_graphs:

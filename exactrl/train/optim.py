@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
-from exactrl.ops.fp8 import Fp8Ops, requantize_after_step
+from exactrl.model.precision import is_fp8
+from exactrl.ops.fp8 import requantize_after_step
 from exactrl.train import pinned
 
 if TYPE_CHECKING:  # imported where used: it imports triton
@@ -76,7 +77,9 @@ class MasterAdamW:
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"MasterAdamW offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._fp8_model = model if isinstance(getattr(model, "ops", None), Fp8Ops) else None
+        # fp8 projections: the CausalLM whose fp8 copies follow the step (a critic's backbone too).
+        lm = getattr(model, "backbone", model)
+        self._fp8_model = lm if is_fp8(lm) else None
         self.dist = dist or DistContext.single()
         # FSDP2: the parameters are fp32 DTensor shards, the masters themselves. The update runs on the local
         # shards as plain tensors (the same kernels as on one device), and only the gradient norm and the skip

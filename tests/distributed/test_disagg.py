@@ -5,7 +5,8 @@ weights after the first (the generators sample from stale weights) differs and i
 disaggregated run resumed from its sharded checkpoint (the trainers' DCP) equals the uninterrupted one. The same
 holds one step off (algorithm.max_off_policy_steps = 1), resume with its pending batch included. One step off, a
 one-ulp fault in a generator's recorded logprobs is refused before any update uses the batch, under skip_step and
-abort alike, though its guard verdict comes a step late (after the generators were asked for the next batch)."""
+abort alike, though its guard verdict comes a step late (after the generators were asked for the next batch). In fp8
+(model.precision = "fp8") the guard is at 0 colocated and disaggregated, and the two runs are equal."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ K1 = "algorithm.max_off_policy_steps=1"  # one step off: the generator samples b
 # LoRA with a KL reference (the base with the adapters off): the generator attaches the same adapters after the
 # evaluation before RL, and each step's sync moves the adapters alone.
 LORA = ("lora.rank=4", "algorithm.kl_coef=0.05")
+FP8 = "model.precision=fp8"  # fp8 projections: the FSDP2 trainers, the colocated replicas and the generator quantize
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +46,14 @@ def runs(tmp_path_factory) -> Path:
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-k1", STEPS, *EVAL, K1)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-fp8", STEPS, *EVAL, FP8)},
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-fp8", STEPS, *EVAL, *disagg, FP8)},
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -135,6 +139,15 @@ def test_disaggregated_equals_colocated_at_trainer_world_size(runs: Path) -> Non
     assert sum("eval/reward" in r for r in records(runs / "colocated")) == 3
     assert mismatched(runs / "disagg") == 0
     assert same(runs / "colocated", runs / "disagg")
+
+
+def test_fp8_disaggregated_equals_colocated_guard_at_zero(runs: Path) -> None:
+    """fp8 under torchrun: the guard at 0 colocated (2 FSDP2 ranks, each a replica) and with a generator rank, the
+    two runs equal as in the model dtype; and not the model dtype's run (fp8 is on, nowhere falling back)."""
+    assert mismatched(runs / "colocated-fp8") == 0 and mismatched(runs / "disagg-fp8") == 0
+    assert all(r["mismatch/num_tokens"] > 0 for r in records(runs / "disagg-fp8") if "loss" in r)
+    assert same(runs / "colocated-fp8", runs / "disagg-fp8")
+    assert records(runs / "colocated-fp8") != records(runs / "colocated")
 
 
 @pytest.mark.extended

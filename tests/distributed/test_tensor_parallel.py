@@ -226,14 +226,22 @@ def test_train_refuses_expert_parallel_where_it_cannot_split_by_key() -> None:
 
 @pytest.mark.parametrize(
     "split",
-    [["--tensor-parallel", "2"], pytest.param(["--expert-parallel", "2"], marks=pytest.mark.extended)],
+    [
+        ["--tensor-parallel", "2"],
+        pytest.param(["--expert-parallel", "2"], marks=pytest.mark.extended),
+        ["--tensor-parallel", "2", "--precision", "fp8"],
+        pytest.param(["--expert-parallel", "2", "--precision", "fp8"], marks=pytest.mark.extended),
+    ],
 )
 def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer(split: list[str]) -> None:
     """`exactrl parity --nproc 2 --tensor-parallel 2` (or `--expert-parallel 2`): the split engine's weights come
     from the FSDP2 trainer's shards through the weight sync, and every recorded logprob equals the trainer's (a
     mixture of experts in bf16: with tensor parallel the dense layer, the attention and the head split, the experts
-    replicated; with expert parallel the routed experts split, the rest replicated). The splits' negative controls
-    (row-parallel partial sums, partial expert combines) are _tp_driver's."""
+    replicated; with expert parallel the routed experts split, the rest replicated). In fp8 a tensor-parallel
+    shard's fp8 copy is its rows of the whole weight's (tiny-moe's 64 query rows a rank cut a 128-row block:
+    quantized alone, every token differed); an expert shard quantizes its own experts (each expert is blocked on
+    its own; without fp8 registered on the shard's stacks, every token differed). The splits' negative controls (row-parallel partial sums, partial expert combines) are
+    _tp_driver's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     argv = ["parity", "--nproc", "2", *split, "--device", "cpu", "--preset", "tiny-moe"]
@@ -251,3 +259,4 @@ def test_parity_of_a_split_moe_engine_against_the_fsdp2_trainer(split: list[str]
     assert r["ok"] and r["num_mismatched"] == 0 and r["num_tokens"] > 0, r
     key = split[0].removeprefix("--").replace("-", "_")
     assert r[key] == 2 and r["world_size"] == 2, r
+    assert r["precision"] == ("fp8" if "fp8" in split else "dtype"), r

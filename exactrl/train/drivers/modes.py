@@ -72,11 +72,6 @@ def choose_driver(cfg: RunConfig, *, distributed: bool, moe: bool) -> DriverName
                 'algorithm.overlap = "tail" does not support a mixture-of-experts model: the router statistics are '
                 "collected through the model object, which the engine runs at the same time"
             )
-    if cfg.model.precision == "fp8" and distributed:
-        raise ValueError(
-            'model.precision = "fp8" runs on one process for now (the weight sync does not send fp8 weights and '
-            'the FSDP2 trainer does not quantize): run it without --nproc, or set model.precision = "dtype"'
-        )
     return driver_of(cfg)
 
 
