@@ -302,7 +302,7 @@ def _main_not_rerun(needed: bool):
     if needed or main is None:
         yield
         return
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
     main.__dict__["__spec__"] = None
     main.__dict__.pop("__file__", None)
     try:
