@@ -607,7 +607,7 @@ class RunStages:
         A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves.
         off_policy_cap: a batch the off-policy guard checked (decoupled PPO, `PolicyTrainer.step`)."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
-        self.trainer.s.kl_coef = self.kl_ctl.value
+        self.trainer.kl_coef = self.kl_ctl.value
         m = self.trainer.step(rollouts, off_policy_cap=off_policy_cap)
         bar.update(1)
         bar.close()
