@@ -30,7 +30,6 @@ from exactrl.distributed.shared_fs import (
     check_shared_run_dir,
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
-from exactrl.engine.engine import RolloutEngine
 from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
@@ -46,6 +45,7 @@ from exactrl.train.drivers.disagg import WeightSync
 from exactrl.train.drivers.modes import DriverName
 from exactrl.train.dynamic_sampling import DynamicSampler
 from exactrl.train.finish import Finish
+from exactrl.train.hooks import RunHooks
 from exactrl.train.logging import MetricsLogger, NoLogger, import_wandb, step_line
 from exactrl.train.memory import microbatch_tokens
 from exactrl.train.memory_fit import check_before_loading
@@ -131,8 +131,11 @@ class RLRun(WarmStart, Finish):
         overwrite: bool = False,
         allow_config_change: bool = False,
         run_dir: RunDirPlan | None = None,
+        hooks: RunHooks | None = None,
     ) -> None:
         self.clock = RunClock()
+        # A caller's engine, prompts and stage wrapper in place of the run's own (`exactrl bench rl`'s): hooks.py.
+        self.hooks = hooks or RunHooks()
         # The run resolved once (exactrl/train/resolved.py): a bare config is resolved here, as `train` does.
         resolved = run if isinstance(run, ResolvedRun) else resolve_run(run)
         self.resolved = resolved
@@ -239,7 +242,7 @@ class RLRun(WarmStart, Finish):
             self.remote = RemoteEngine(layout, replace(cfg.engine))
             self.engine: Any = self.remote
         else:
-            self.engine = RolloutEngine(self.model, cfg.engine, tokenizer=self.tok)
+            self.engine = self.hooks.make_engine(self.model, cfg.engine, self.tok)
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
@@ -330,6 +333,7 @@ class RLRun(WarmStart, Finish):
             kl_ctl=self.kl_ctl,
             totals=self.totals,
             logger=self.logger,
+            prompt_source=self.hooks.prompts,
         )
 
     @property
@@ -461,7 +465,7 @@ class RLRun(WarmStart, Finish):
             if old is not None:
                 old.release_graphs()
                 old.release_kv()
-            self.engine = RolloutEngine(engine_model, cfg.engine, tokenizer=self.tok)
+            self.engine = self.hooks.make_engine(engine_model, cfg.engine, self.tok)
             if self.engine_group is not None:
                 self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
@@ -490,20 +494,19 @@ class RLRun(WarmStart, Finish):
             {"critic": self.critic_opt} if self.critic_opt is not None else {}
         )
         self.stages.trainer, self.stages.opt, self.stages.critic_opt = self.trainer, self.opt, self.critic_opt
+        self.stages.engine = (
+            self.engine
+        )  # the step samples from the engine on the weight copy, if one was made
         self.driver = self.make_driver()
+        owners = {"stages": self.stages, "parallel": self.parallel, "remote": self.remote}
+        self.hooks.wrap(owners | {"pool": getattr(self.driver, "pool", None)})
 
     def make_driver(self) -> StepDriver:
-        """The step driver the run resolved to (`ResolvedRun.driver`), over this run's stages (`exactrl bench rl`
-        makes it again after it swapped the engine, the prompts and timed stages)."""
-        if self.driver is not None:
-            self.driver.close()
-        # The stages sample from the run's engine as it is now (a benchmark's, swapped in, too).
-        stages = self.stages
-        stages.engine = self.engine
+        """The step driver the run resolved to (`ResolvedRun.driver`), over this run's stages."""
         ctx = StepContext(
             cfg=self.cfg,
             state=self.state,
-            stages=stages,
+            stages=self.stages,
             dist=self.dist,
             device=self.device,
             engine=self.engine,
