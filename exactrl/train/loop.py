@@ -76,7 +76,7 @@ from exactrl.train.warm_start import WarmStart
 
 
 def train(
-    cfg: RunConfig,
+    run: ResolvedRun | RunConfig,
     resume: bool = False,
     out=print,
     *,
@@ -84,7 +84,8 @@ def train(
     allow_config_change: bool = False,
     run_dir: RunDirPlan | None = None,
 ) -> dict[str, Any]:
-    """Run the whole job described by cfg; returns the summary written to summary.json.
+    """Run the whole job described by `run` (a config, or one resolved already); returns the summary written to
+    summary.json.
 
     Nothing is written to cfg.run.output_dir before the model, data and rewards have loaded; a non-empty dir
     needs resume or overwrite (`rundir.check_run_dir`; `run_dir` is a plan the caller already checked).
@@ -93,14 +94,15 @@ def train(
 
     Under torchrun with distributed.generator_ranks = G > 0 the last G ranks only generate (`serve_generator`)
     and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
-    resolved = resolve_run(cfg)  # validated once, on every rank, before anything loads
-    layout = resolved.layout
+    # Validated once, on every rank, before anything loads (a ResolvedRun: by the caller, `exactrl train`).
+    resolved = run if isinstance(run, ResolvedRun) else resolve_run(run)
+    cfg, layout = resolved.cfg, resolved.layout
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
     # Every trainer rank sees rank 0's run directory, or every one refuses (a run's own checkpoints need it; `bench
     # rl` builds an RLRun in a private folder per rank and writes none).
     check_shared_run_dir(layout.local, Path(cfg.run.output_dir))
-    run = RLRun(
+    rl = RLRun(
         resolved,
         resume=resume,
         out=out,
@@ -109,9 +111,9 @@ def train(
         run_dir=run_dir,
     )
     try:
-        return run.run()
+        return rl.run()
     finally:
-        run.close()
+        rl.close()
 
 
 class RLRun(WarmStart, Finish):
