@@ -374,7 +374,7 @@ def check_options(args: Any) -> None:
     )  # the same checks on one token of vocabulary: nothing here needs the model
 
 
-def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_bench(args: Any, on_step: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
     short (a timeout) still leaves its finished steps."""
@@ -703,6 +703,7 @@ class _NoEngine:
     runner = None
     config = None
     stats = {"steps": 0, "preemptions": 0, "cuda_graph_steps": 0}
+    trace: list[Any] | None = None
 
     def reset_stats(self) -> None:
         pass

@@ -11,7 +11,7 @@ import copy
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,13 +33,14 @@ from exactrl.distributed.tensor_parallel import TensorParallelGroup
 from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
+from exactrl.model.qwen import CausalLM
 from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer
 from exactrl.tasks.prompts import PromptFilter
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.disagg import RemoteEngine, serve_generator
-from exactrl.train.drivers.base import StepContext, StepDriver
+from exactrl.train.drivers.base import StepContext, StepDriver, Writer
 from exactrl.train.drivers.build import build_driver
 from exactrl.train.drivers.disagg import WeightSync
 from exactrl.train.drivers.modes import DriverName
@@ -205,7 +206,8 @@ class RLRun(WarmStart, Finish):
             # Not torch's filling of every new tensor with NaN under that mode: exactrl's kernels write all of
             # each output, and the fill would be an extra full write of every activation in every step.
             torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.utils.deterministic.fill_uninitialized_memory = False
+            # (A module attribute torch sets at runtime; its stubs do not declare it.)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
         self.model, self.tok = load_policy(
             preset_name=cfg.model.preset,
@@ -277,7 +279,7 @@ class RLRun(WarmStart, Finish):
             keep = None if self.sft_point.finished is not None else self.sft_point.state.get("sft_step", 0)
             truncate_sft_log([self.logger.path, self.logger.samples_path], keep)
         self.eval_examples = self._eval_examples()
-        self.ev_kw = dict(
+        self.ev_kw: dict[str, Any] = dict(
             samples=cfg.task.eval_samples,
             temperature=cfg.task.eval_temperature,
             max_tokens=cfg.sampling.max_tokens,
@@ -392,6 +394,7 @@ class RLRun(WarmStart, Finish):
         out: dict[str, float] = {}
         # A shared engine: the other ranks of rank 0's group join its one call (an empty share) at the round's end.
         shared = self.engine.round() if isinstance(self.engine, SharedEngine) else nullcontext()
+        assert self.rewards is not None  # loaded in __init__ (None only until then, for `close`)
         with self.weights.round(), shared:
             if self.dist.is_main:
                 self.phases.size(self.engine)
@@ -416,13 +419,16 @@ class RLRun(WarmStart, Finish):
             from exactrl.model.lora import apply_lora_config
 
             apply_lora_config(model, cfg.lora, seed=cfg.run.seed)
-        ref_model = None
+        ref_model: CausalLM | None = None
         if a.kl_coef > 0:
             from exactrl.model.lora import ReferenceView, has_lora
 
-            # With LoRA the reference is the base with the adapters off: no second copy of the weights.
+            # With LoRA the reference is the base with the adapters off: no second copy of the weights. The view
+            # answers the calls the trainer makes of a reference model (call, logprobs, device), hence the cast.
             ref_model = (
-                ReferenceView(model) if has_lora(model) else copy.deepcopy(model).requires_grad_(False)
+                cast(CausalLM, ReferenceView(model))
+                if has_lora(model)
+                else copy.deepcopy(model).requires_grad_(False)
             )
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
@@ -557,6 +563,7 @@ class RLRun(WarmStart, Finish):
             self.resume_from, off_policy=self.resolved.off_policy, partial=self.driver_name == "partial"
         ):
             self.out(note)
+        assert self.driver is not None  # build_trainer made it
         self.driver.restore(self.resume_from)
 
     def checkpoint(self) -> None:
@@ -575,17 +582,25 @@ class RLRun(WarmStart, Finish):
         frozen = self._frozen_policy if lora else None
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
-        extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+        extra: Writer | None = None
+        if lora:
+
+            def extra(d: Path) -> None:
+                save_adapter(self.engine.model, d / "adapter")
+
         # The driver's state between steps (off-policy: the batch sampled ahead, the partial rollouts in flight):
         # in the checkpoint's directory, or each rank's share of a sharded one.
+        assert self.driver is not None  # build_trainer made it
         driver_extra, rank_extra = self.driver.checkpoint_writers()
         if driver_extra is not None:
             lora_extra = extra
 
-            def extra(d: Path) -> None:
+            def both(d: Path) -> None:
                 if lora_extra is not None:
                     lora_extra(d)
                 driver_extra(d)
+
+            extra = both
 
         common = dict(
             tokenizer=self.tok,
@@ -626,6 +641,7 @@ class RLRun(WarmStart, Finish):
             stop = self.step < tr.steps and self.stop_requested()
             if stop and self.resume_from is None:
                 self.checkpoint()
+            assert self.driver is not None  # build_trainer made it
             while self.step < tr.steps and not stop:
                 m = self.driver.step()
                 self.log_step(m)

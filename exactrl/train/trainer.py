@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,6 +60,12 @@ from exactrl.train.packing import (
     response_logprobs,
 )
 from exactrl.train.router import load_balancing_loss, router_stats, router_z_loss_sum
+
+_T = TypeVar("_T")
+
+# A microbatch's graph key: its bucket, whether it carries IS weights, whether the KL term is in the loss; a fourth
+# element (True): an off-policy step's only update, whose importance weights the forward computes (`_policy_body`).
+MicrobatchKey = tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool]
 
 
 class MismatchError(RuntimeError):
@@ -157,7 +164,7 @@ class PolicyTrainer:
 
     def _policy_body(
         self,
-        key: tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool],
+        key: MicrobatchKey,
         x: dict[str, torch.Tensor],
         accumulate: bool,
     ) -> dict[str, torch.Tensor]:
@@ -174,9 +181,14 @@ class PolicyTrainer:
         m = x["mask"]
         divisor, norm_constant = x["divisor"], x["norm_constant"]
         old_lp, is_weights = x["old_lp"], x.get("is_weights")
+        off_policy: dict[str, torch.Tensor] = {}
         if len(key) > 3:
             old_lp = lp.detach()  # the proximal policy: the weights at the step's start, this forward's
-            is_weights, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
+            w, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
+            is_weights = w
+            off_policy["offpolicy/is_weight/sum"] = masked_sum(w, m)
+            off_policy["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(w.dtype), m)
+            off_policy["offpolicy/is_weight/max"] = w.max()
         loss, pm = policy_loss_terms(
             lp,
             old_lp,
@@ -188,10 +200,7 @@ class PolicyTrainer:
             norm_constant=norm_constant,
             is_weights=is_weights,
         )
-        if len(key) > 3:
-            pm["offpolicy/is_weight/sum"] = masked_sum(is_weights, m)
-            pm["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(is_weights.dtype), m)
-            pm["offpolicy/is_weight/max"] = is_weights.max()
+        pm.update(off_policy)  # after the loss's metrics: the order of the step's metric vector
         ent_term = aggregate(ent, m, a.aggregation, divisor=divisor, norm_constant=norm_constant)
         total = loss - a.entropy_coef * ent_term
         pm["entropy/sum"] = masked_sum(ent.detach(), m)
@@ -278,8 +287,9 @@ class PolicyTrainer:
     @torch.no_grad()
     def _values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
+        critic = _required(self.critic, "the critic (GAE advantages)")
         for mb, pb in self._even_batches(rollouts):
-            v = self.critic(pb)
+            v = critic(pb)
             out += [v[(pb.seq_index == j) & pb.response_mask].cpu() for j in range(len(mb))]
         return out
 
@@ -573,7 +583,10 @@ class PolicyTrainer:
                 token_rewards[i, b.lengths[i] - 1] = r.reward
             if b.ref_lp is not None and a.kl_in_reward:
                 token_rewards = (
-                    token_rewards - self.kl_coef * kl_estimate(b.old_lp, b.ref_lp, a.kl_kind) * b.full_mask
+                    token_rewards
+                    - self.kl_coef
+                    * kl_estimate(_required(b.old_lp, "old_lp"), b.ref_lp, a.kl_kind)
+                    * b.full_mask
                 )
             b.advantages, b.returns = gae_advantages(
                 token_rewards, b.old_values, b.full_mask, a.gamma, a.lam, whiten=False
@@ -585,7 +598,7 @@ class PolicyTrainer:
         else:
             adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(-1, L)
             if b.ref_lp is not None and a.kl_in_reward:
-                adv = adv - self.kl_coef * kl_estimate(b.old_lp, b.ref_lp, a.kl_kind)
+                adv = adv - self.kl_coef * kl_estimate(_required(b.old_lp, "old_lp"), b.ref_lp, a.kl_kind)
             b.advantages = adv
 
     def _whiten_over_ranks(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -679,8 +692,8 @@ class PolicyTrainer:
         m = _rows(b.full_mask, ids, B, C)
         x = dict(
             tm.inputs,
-            old_lp=_rows(b.old_lp, ids, B, C),
-            adv=_rows(b.advantages, ids, B, C),
+            old_lp=_rows(_required(b.old_lp, "old_lp"), ids, B, C),
+            adv=_rows(_required(b.advantages, "advantages"), ids, B, C),
             mask=m,
             guard_mask=_rows(b.token_mask, ids, B, C),
             divisor=torch.tensor(float(divisor)),
@@ -698,7 +711,7 @@ class PolicyTrainer:
             real = sum(len(b.seqs[i]) - 1 for i in ids)
             x["router_mask"] = (torch.arange(tm.bucket.tokens) < real).float()
             x["router_tokens"] = torch.tensor(float(max(1, router_tokens)))
-        key = (tm.bucket, b.weights is not None, b.use_loss_kl)
+        key: MicrobatchKey = (tm.bucket, b.weights is not None, b.use_loss_kl)
         if b.proximal_cap is not None:  # decoupled PPO inside the forward (`_policy_body`)
             x["behaviour_lp"] = _rows(b.rollout_lp, ids, B, C)
             x["is_cap"] = torch.tensor(float(b.proximal_cap))
@@ -816,5 +829,13 @@ def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
     """FSDP2: reduce-scatter gradients in this backward only when `sync` (the minibatch's last microbatch, or
     every microbatch with train.fsdp_reduce = "microbatch"); before that they accumulate unsharded, in fp32.
     Nothing to do for an unsharded model."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:
+        set_sync(sync)
+
+
+def _required(t: _T | None, what: str) -> _T:
+    """`t`, which the step has set by now (`PolicyTrainer.prepare` fills a StepBatch in order)."""
+    if t is None:
+        raise RuntimeError(f"PolicyTrainer: {what} is not set at this point of the step")
+    return t
