@@ -170,14 +170,7 @@ class _StageTimers:
     """Times the run's stages (`wrap`: the run's `RunHooks.wrap_stage`, exactrl/train/hooks.py): seconds and calls
     per stage in the current step."""
 
-    def __init__(
-        self,
-        device: str,
-        overlapped: bool = False,
-        tail: bool = False,
-        partial: bool = False,
-        disaggregated: bool = False,
-    ) -> None:
+    def __init__(self, device: str, overlapped=False, tail=False, partial=False, disaggregated=False) -> None:
         self.device = device
         # Tail overlap: generate, score and the update run inside one stage of the loop (exactrl/train/overlap.py);
         # their seconds come from the step's metrics, and only the weight sync is wrapped (a wrapped stage's wait
@@ -204,18 +197,14 @@ class _StageTimers:
         # what the tail overlap runs inside one stage; with partial rollouts, the pool's generation (cut by count)
         # is the generate stage; disaggregated, the trainers' send of the new weights to the generators.
         self.keys = {name: key for key, name in STAGES if not (tail and name != "sync_weights")}
-        if partial:
-            self.keys.pop("rollout", None)
-            if not tail:
-                self.keys["generate"] = "generate_s"
+        if partial:  # (never with tail: the config refuses the pair)
+            self.keys["generate"] = self.keys.pop("rollout")
         self.disaggregated = disaggregated
         if disaggregated:
             self.keys["push"] = "weight_send_s"
-        unknown = set(self.keys) - {n for names in WRAPPED_STAGES.values() for n in names}
-        if unknown:
+        if set(self.keys) - {n for names in WRAPPED_STAGES.values() for n in names}:
             raise RuntimeError(
-                f"bench rl: the run has no stage {sorted(unknown)} to time any more (exactrl/train/hooks.py "
-                "WRAPPED_STAGES); update STAGES in exactrl/bench_rl.py"
+                f"bench rl: a stage of {sorted(self.keys)} is not in exactrl/train/hooks.py's WRAPPED_STAGES"
             )
 
     def wrap(self, name: str, stage: Callable[..., Any]) -> Callable[..., Any]:
@@ -399,13 +388,9 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], object] | None = No
             return _serve_as_generator(args, cfg, resolved.layout)
         a = cfg.algorithm
         overlapped = a.max_off_policy_steps > 0
-        timers = _StageTimers(
-            str(resolve_device(cfg.run.device)),  # its type: what the timers wait for and measure
-            overlapped,
-            tail=a.overlap == "tail",
-            partial=a.partial_rollouts,
-            disaggregated=resolved.layout.disaggregated,
-        )
+        device_type = str(resolve_device(cfg.run.device))  # what the timers wait for and measure
+        tail, disagg = a.overlap == "tail", resolved.layout.disaggregated
+        timers = _StageTimers(device_type, overlapped, tail, a.partial_rollouts, disagg)
         parts = _BenchParts(args, resolved.layout.local, partial=a.partial_rollouts)
         # The run as `exactrl train` builds it, with the workload's engine and prompts and the timed stages.
         hooks = RunHooks(engine=parts.engine, prompts=parts.prompts, wrap_stage=timers.wrap)
@@ -499,12 +484,7 @@ def _serve_as_generator(args: Any, cfg: Any, layout: Any) -> dict[str, Any]:
     cache) on an engine with the workload's length plan; then its rounds go to rank 0 (`_roles`, a collective of every rank)."""
     from exactrl.train.disagg import run_generator
 
-    def make(model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
-        return PlannedLengthEngine(
-            model, config, tokenizer=tokenizer, workload=_workload(args, tokenizer, model)
-        )
-
-    loop = run_generator(cfg, layout, make=make)
+    loop = run_generator(cfg, layout, make=_BenchParts(args).engine)
     layout.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
     return {}
 
@@ -569,45 +549,44 @@ class _BenchParts:
     """The benchmark's parts of the run (`RunHooks`, exactrl/train/hooks.py): the workload, drawn once the run has
     its tokenizer (by the first engine made, or `workload`); an engine with its length plan; the step's prompts."""
 
-    def __init__(self, args: Any, dist: Any, partial: bool) -> None:
+    def __init__(self, args: Any, dist: Any = None, partial: bool = False) -> None:
         self.args, self.dist, self.partial = args, dist, partial
-        self._workload: Workload | None = None
-        self.examples: list[Any] = []
+        self.wl: Workload | None = None
         self.cursor = 0  # partial rollouts: the next of the workload's prompts
 
     def workload(self, tok: Any, model: Any) -> Workload:
-        if self._workload is None:
-            from exactrl.tasks import Example
-
-            self._workload = _workload(self.args, tok, model)
-            self.examples = [
-                Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in self._workload.prompt_ids
-            ]
-        return self._workload
+        self.wl = self.wl or _workload(self.args, tok, model)
+        return self.wl
 
     def engine(self, model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
         """The run's engine (the policy's, or its weight copy's) with the workload's length plan."""
-        wl = self.workload(tokenizer, model)
-        return PlannedLengthEngine(model, config, tokenizer=tokenizer, workload=wl)
+        return PlannedLengthEngine(
+            model, config, tokenizer=tokenizer, workload=self.workload(tokenizer, model)
+        )
 
     def prompts(
         self, count: int | None = None, *, shard: bool = True
     ) -> tuple[list[Any], list[list[int]], list[int]]:
-        """The workload's prompts, the same in every step: under torchrun this trainer's share, as RunStages.prompts
-        shares a step's prompts (request ids: their index in the step). Partial rollouts top their pool up with
-        `count` prompts at a time: the workload's prompts in order, round and round; their request ids count up from
-        0 in the same order (train/partial.py), so request r gets the workload's prompt r % P and
-        PlannedLengthEngine's length plan for it."""
-        if self._workload is None:
-            raise RuntimeError("bench rl: the step's prompts were asked for before the workload was drawn")
-        ids = self._workload.prompt_ids
+        """The workload's prompts, the same every step; under torchrun this trainer's share, as RunStages.prompts
+        shares them (request ids: their index in the step). Partial rollouts top their pool up with `count` at a
+        time, the workload's prompts round and round: request r (ids count up from 0, train/partial.py) gets prompt
+        r % P and PlannedLengthEngine's length plan for it."""
+        from exactrl.tasks import Example
+
+        assert self.wl is not None, "bench rl draws the workload before the first step"
+        ids = self.wl.prompt_ids
         if self.partial:
             count = len(ids) if count is None else count
             idx = [(self.cursor + j) % len(ids) for j in range(count)]
             self.cursor += count
-            return [self.examples[i] for i in idx], [ids[i] for i in idx], list(range(count))
-        mine = list(self.dist.shard(len(ids)))
-        return [self.examples[i] for i in mine], [ids[i] for i in mine], mine
+            mine, index = idx, list(range(count))
+        else:
+            mine = index = list(self.dist.shard(len(ids)))
+        return (
+            [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in mine],
+            [ids[i] for i in mine],
+            index,
+        )
 
 
 def _asdict(x: Any) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""`exactrl train`: rollout (engine) -> rewards -> advantages -> train step -> repeat, colocated on one device.
-
-The engine and the trainer hold the *same* model object: after each optimizer step the next `generate` samples
-from the new weights with no file round trip. In exact mode the first minibatch of every step re-derives the
-rollout logprobs through the training path and logs how many differ (`mismatch/num_mismatched_tokens`, which is 0).
+"""`exactrl train`: `RLRun` builds the run (model, engine, task, rewards, trainer, step driver); `run()` calls
+`driver.step()` once per step, logs and checkpoints. One RL step is the driver's `step()`: by default
+`SyncDriver.step` (exactrl/train/drivers/sync.py), prompts -> rollout -> score (rewards, advantages) -> update ->
+the engine's weights, each a stage of `RunStages` (exactrl/train/stages.py). On one device the engine and the
+trainer hold the *same* model object: the next `generate` samples from the new weights with no file round trip.
 """
 
 from __future__ import annotations
@@ -582,11 +582,7 @@ class RLRun(WarmStart, Finish):
         frozen = self._frozen_policy if lora else None
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
-        extra: Writer | None = None
-        if lora:
-
-            def extra(d: Path) -> None:
-                save_adapter(self.engine.model, d / "adapter")
+        extra: Writer | None = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
 
         # The driver's state between steps (off-policy: the batch sampled ahead, the partial rollouts in flight):
         # in the checkpoint's directory, or each rank's share of a sharded one.
@@ -643,7 +639,7 @@ class RLRun(WarmStart, Finish):
                 self.checkpoint()
             assert self.driver is not None  # build_trainer made it
             while self.step < tr.steps and not stop:
-                m = self.driver.step()
+                m = self.driver.step()  # one RL step (module docstring)
                 self.log_step(m)
                 # Under torchrun every rank must stop (and checkpoint, a collective) at the same step.
                 stop = self.stop_requested()

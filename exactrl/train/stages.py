@@ -4,7 +4,8 @@
 holds what a step needs of those and does the step's work: the step's prompts, the rollout, the rewards and
 advantages (single-turn, multi-turn episodes, dynamic sampling's rounds, ReMax's greedy baseline), the update, the
 step's metrics and, when the exactness guard trips, the replay report. A driver orders these calls (synchronous,
-tail overlap, one step off, partial rollouts); `exactrl bench rl` times them.
+tail overlap, one step off, partial rollouts: the default's order is `SyncDriver.step`, exactrl/train/drivers/sync.py);
+`exactrl bench rl` times them (exactrl/train/hooks.py).
 
     prompts -> rollout (or episodes) -> score (rank_scores -> step_scores -> with_advantages) -> update
         -> step_metrics
