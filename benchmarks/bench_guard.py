@@ -21,6 +21,7 @@ import time
 import torch
 from _script import cap_host_threads  # benchmarks/: the script's own folder is on sys.path
 
+from exactrl.config import AlgorithmConfig
 from exactrl.engine.engine import EngineConfig, RolloutEngine
 from exactrl.engine.sampler import SamplingParams
 from exactrl.model.loading import load_policy
@@ -71,7 +72,11 @@ def main() -> None:
     base = TrainerSettings(exact=True, on_mismatch="warn", max_tokens_per_microbatch=8192, grad_clip=1.0)
     # lr 0: the weights stay the sampling weights, so every repetition checks (and passes) on the same batch.
     t1 = PolicyTrainer(model, base, MasterAdamW(model, lr=0.0))
-    t4 = PolicyTrainer(model, dataclasses.replace(base, minibatches=4), MasterAdamW(model, lr=0.0))
+    t4 = PolicyTrainer(
+        model,
+        dataclasses.replace(base, algorithm=AlgorithmConfig(minibatches_per_rollout=4)),
+        MasterAdamW(model, lr=0.0),
+    )
     m: dict = {}
 
     def step(t):

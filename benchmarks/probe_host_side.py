@@ -90,9 +90,7 @@ def main() -> None:
         preset_name=args.preset, path=None, device=args.device, dtype=dtype, exact=exact, seed=0
     )
     rollouts, tokens = _bench_rollouts(SimpleNamespace(tokens_per_microbatch=args.tokens), model, tok)
-    settings = TrainerSettings(
-        algorithm="grpo", max_tokens_per_microbatch=args.tokens, exact=exact, on_mismatch="warn"
-    )
+    settings = TrainerSettings(max_tokens_per_microbatch=args.tokens, exact=exact, on_mismatch="warn")
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spinners = busy_cores(args.busy_cores)

@@ -108,7 +108,6 @@ def main() -> int:
         device, model, tok = _load(bargs)
         rollouts, tokens = _bench_rollouts(bargs, model, tok)
         settings = TrainerSettings(
-            algorithm="grpo",
             max_tokens_per_microbatch=args.tokens,
             exact=True,
             cuda_graphs=args.device == "cuda",

@@ -110,9 +110,7 @@ def main() -> int:
         """(one step, what frees it) for a step kind."""
         if kind in ("exact", "fast"):
             model = models[kind]
-            settings = TrainerSettings(
-                algorithm="grpo", max_tokens_per_microbatch=args.tokens, exact=True, on_mismatch="warn"
-            )
+            settings = TrainerSettings(max_tokens_per_microbatch=args.tokens, exact=True, on_mismatch="warn")
             trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-5))
 
             def free() -> None:

@@ -447,7 +447,6 @@ def bench_train(args) -> dict:
     # The rollouts are synthetic (no engine logprobs): the exactness check runs at its usual cost, and "warn"
     # keeps its verdict from stopping the benchmark.
     settings = TrainerSettings(
-        algorithm="grpo",
         max_tokens_per_microbatch=T,
         exact=True,
         cuda_graphs=args.graphs == "on",
@@ -588,7 +587,6 @@ def bench_train_fsdp(args) -> dict:
     par.parallelize(model)
     par.bind(model, replica)
     settings = TrainerSettings(
-        algorithm="grpo",
         max_tokens_per_microbatch=args.tokens_per_microbatch,
         exact=True,
         cuda_graphs=False,

@@ -63,6 +63,7 @@ import torch
 
 from exactrl.bench_records import baseline_of, record_head, result_path
 from exactrl.engine.engine import RolloutEngine
+from exactrl.train.hooks import WRAPPED_STAGES, RunHooks
 
 # What each timed stage is called in the JSON, and the stage it wraps (on `run.stages`, or `run.parallel`).
 STAGES = (
@@ -166,10 +167,10 @@ def _sync(device: str, stream_only: bool = False) -> None:
 
 
 class _StageTimers:
-    """Wraps the run's stages (`run.stages`, exactrl/train/stages.py) and its weight sync: seconds and calls per
-    stage in the current step."""
+    """Times the run's stages (`wrap`: the run's `RunHooks.wrap_stage`, exactrl/train/hooks.py): seconds and calls
+    per stage in the current step."""
 
-    def __init__(self, run: Any, device: str, overlapped: bool = False, tail: bool = False) -> None:
+    def __init__(self, device: str, overlapped=False, tail=False, partial=False, disaggregated=False) -> None:
         self.device = device
         # Tail overlap: generate, score and the update run inside one stage of the loop (exactrl/train/overlap.py);
         # their seconds come from the step's metrics, and only the weight sync is wrapped (a wrapped stage's wait
@@ -192,29 +193,24 @@ class _StageTimers:
         self._open: list[str] = []
         self.profile_generate = False  # set for one step: its generate stage runs under torch.profiler
         self.kernels: list[dict[str, Any]] | None = None
-        for key, name in STAGES:
-            if tail and name != "sync_weights":
-                continue
-            owner = run.parallel if name == "sync_weights" else run.stages
-            if name == "rollout" and run.cfg.algorithm.partial_rollouts:
-                continue  # partial rollouts: the pool's generation, cut by count (`wrap_generation`)
-            fn = getattr(owner, name, None)
-            if not callable(fn):
-                raise RuntimeError(
-                    f"bench rl: the run has no stage {name!r} any more (exactrl/train/stages.py); update STAGES in "
-                    "exactrl/bench_rl.py"
-                )
-            setattr(owner, name, self._wrap(key, fn))
-        remote = getattr(run, "remote", None)
-        self.disaggregated = remote is not None
-        if self.disaggregated:  # the trainers' send of the new weights to the generators
-            remote.push = self._wrap("weight_send_s", remote.push)
+        # Which of the run's stages (`WRAPPED_STAGES`' names) this benchmark times, as what: the STAGES, except
+        # what the tail overlap runs inside one stage; with partial rollouts, the pool's generation (cut by count)
+        # is the generate stage; disaggregated, the trainers' send of the new weights to the generators.
+        self.keys = {name: key for key, name in STAGES if not (tail and name != "sync_weights")}
+        if partial:  # (never with tail: the config refuses the pair)
+            self.keys["generate"] = self.keys.pop("rollout")
+        self.disaggregated = disaggregated
+        if disaggregated:
+            self.keys["push"] = "weight_send_s"
+        if set(self.keys) - {n for names in WRAPPED_STAGES.values() for n in names}:
+            raise RuntimeError(
+                f"bench rl: a stage of {sorted(self.keys)} is not in exactrl/train/hooks.py's WRAPPED_STAGES"
+            )
 
-    def wrap_generation(self, driver: Any) -> None:
-        """Partial rollouts: the generate stage is the driver's pool's generation, cut by count."""
-        pool = getattr(driver, "pool", None)
-        if pool is not None:
-            pool.generate = self._wrap("generate_s", pool.generate)
+    def wrap(self, name: str, stage: Callable[..., Any]) -> Callable[..., Any]:
+        """The run's stage `name`, timed when this benchmark times it (`RunHooks.wrap_stage`)."""
+        key = self.keys.get(name)
+        return stage if key is None else self._wrap(key, stage)
 
     def _wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -367,13 +363,12 @@ def check_options(args: Any) -> None:
     )  # the same checks on one token of vocabulary: nothing here needs the model
 
 
-def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_bench(args: Any, on_step: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
     """Run `args.warmup` + `args.steps` RL steps; the record of the median timed step (lower middle for an even
     count; every timed step is in `steps_detail`). on_step(record so far) after each timed step: a run cut
     short (a timeout) still leaves its finished steps."""
     from exactrl.distributed.env import under_torchrun
-    from exactrl.distributed.shared_engine import SharedEngine
-    from exactrl.tasks import Example
+    from exactrl.model.loading import resolve_device
     from exactrl.train.loop import RLRun
     from exactrl.train.resolved import resolve_run
 
@@ -391,35 +386,25 @@ def run_bench(args: Any, on_step: Callable[[dict[str, Any]], None] | None = None
         layout = resolved.layout if under_torchrun() else None
         if resolved.layout.role == "generator":
             return _serve_as_generator(args, cfg, resolved.layout)
-        run = RLRun(resolved, out=quiet)
+        a = cfg.algorithm
+        overlapped = a.max_off_policy_steps > 0
+        device_type = str(resolve_device(cfg.run.device))  # what the timers wait for and measure
+        tail, disagg = a.overlap == "tail", resolved.layout.disaggregated
+        timers = _StageTimers(device_type, overlapped, tail, a.partial_rollouts, disagg)
+        parts = _BenchParts(args, resolved.layout.local, partial=a.partial_rollouts)
+        # The run as `exactrl train` builds it, with the workload's engine and prompts and the timed stages.
+        hooks = RunHooks(engine=parts.engine, prompts=parts.prompts, wrap_stage=timers.wrap)
+        run = RLRun(resolved, out=quiet, hooks=hooks)
         remote = run.remote is not None
         try:
-            device = run.device
-            wl = _workload(args, run.tok, run.model)
-            overlapped = cfg.algorithm.max_off_policy_steps > 0
+            device = str(run.device)
+            wl = parts.workload(run.tok, run.model)
             t_build = time.perf_counter()
             run.build_trainer()
             print(f"trainer and engine built: {_setup_note(device, t_build)}", file=sys.stderr)
-            if not remote:  # this rank's engine (the policy on one device, the replica under torchrun)
-                sampler = run.behaviour.model if overlapped else run.engine.model
-                run.engine = PlannedLengthEngine(sampler, cfg.engine, tokenizer=run.tok, workload=wl)
-                if run.engine_group is not None:  # one engine split over a group (tensor / expert parallel):
-                    # the group's ranks call it together, as the run's own engine is called
-                    run.engine = SharedEngine(run.engine, run.engine_group)
             t_sync = time.perf_counter()
             full_sync = _full_weight_sync(run)
             print(f"every weight synced once: {_setup_note(device, t_sync)}", file=sys.stderr)
-            examples = [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in wl.prompt_ids]
-            # The step's prompts stage: the workload's prompts, the same in every step; under torchrun this
-            # trainer's share, as RunStages.prompts shares a step's prompts (request ids: their index in the step).
-            mine = list(run.dist.shard(len(wl.prompt_ids)))
-            run.stages.prompts = lambda: ([examples[i] for i in mine], [wl.prompt_ids[i] for i in mine], mine)
-            if cfg.algorithm.partial_rollouts:
-                run.stages.prompts = _cycling_prompts(examples, wl.prompt_ids)
-            timers = _StageTimers(run, device, overlapped, tail=cfg.algorithm.overlap == "tail")
-            # The step driver again, over the workload's engine and prompts and the timed stages.
-            run.driver = run.make_driver()
-            timers.wrap_generation(run.driver)
             records = []
             for k in range(total):
                 timers.profile_generate = bool(getattr(args, "profile", False)) and k == total - 1
@@ -499,12 +484,7 @@ def _serve_as_generator(args: Any, cfg: Any, layout: Any) -> dict[str, Any]:
     cache) on an engine with the workload's length plan; then its rounds go to rank 0 (`_roles`, a collective of every rank)."""
     from exactrl.train.disagg import run_generator
 
-    def make(model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
-        return PlannedLengthEngine(
-            model, config, tokenizer=tokenizer, workload=_workload(args, tokenizer, model)
-        )
-
-    loop = run_generator(cfg, layout, make=make)
+    loop = run_generator(cfg, layout, make=_BenchParts(args).engine)
     layout.all_gather_object({"rank": layout.world.rank, "rounds": [_asdict(r) for r in loop.rounds]})
     return {}
 
@@ -565,21 +545,48 @@ def _roles(layout: Any, run: Any, timed: list[dict[str, Any]]) -> dict[str, Any]
     return out
 
 
-def _cycling_prompts(examples: list[Any], prompt_ids: list[list[int]]) -> Callable[..., Any]:
-    """Partial rollouts top their pool up with `count` prompts at a time: the workload's prompts in order, round and
-    round. Their request ids count up from 0 in the same order (train/partial.py), so request r gets the workload's
-    prompt r % P and PlannedLengthEngine's length plan for it."""
-    cursor = [0]
+class _BenchParts:
+    """The benchmark's parts of the run (`RunHooks`, exactrl/train/hooks.py): the workload, drawn once the run has
+    its tokenizer (by the first engine made, or `workload`); an engine with its length plan; the step's prompts."""
+
+    def __init__(self, args: Any, dist: Any = None, partial: bool = False) -> None:
+        self.args, self.dist, self.partial = args, dist, partial
+        self.wl: Workload | None = None
+        self.cursor = 0  # partial rollouts: the next of the workload's prompts
+
+    def workload(self, tok: Any, model: Any) -> Workload:
+        self.wl = self.wl or _workload(self.args, tok, model)
+        return self.wl
+
+    def engine(self, model: Any, config: Any, tokenizer: Any) -> PlannedLengthEngine:
+        """The run's engine (the policy's, or its weight copy's) with the workload's length plan."""
+        return PlannedLengthEngine(
+            model, config, tokenizer=tokenizer, workload=self.workload(tokenizer, model)
+        )
 
     def prompts(
-        count: int | None = None, *, shard: bool = True
+        self, count: int | None = None, *, shard: bool = True
     ) -> tuple[list[Any], list[list[int]], list[int]]:
-        count = len(prompt_ids) if count is None else count
-        idx = [(cursor[0] + j) % len(prompt_ids) for j in range(count)]
-        cursor[0] += count
-        return [examples[i] for i in idx], [prompt_ids[i] for i in idx], list(range(count))
+        """The workload's prompts, the same every step; under torchrun this trainer's share, as RunStages.prompts
+        shares them (request ids: their index in the step). Partial rollouts top their pool up with `count` at a
+        time, the workload's prompts round and round: request r (ids count up from 0, train/partial.py) gets prompt
+        r % P and PlannedLengthEngine's length plan for it."""
+        from exactrl.tasks import Example
 
-    return prompts
+        assert self.wl is not None, "bench rl draws the workload before the first step"
+        ids = self.wl.prompt_ids
+        if self.partial:
+            count = len(ids) if count is None else count
+            idx = [(self.cursor + j) % len(ids) for j in range(count)]
+            self.cursor += count
+            mine, index = idx, list(range(count))
+        else:
+            mine = index = list(self.dist.shard(len(ids)))
+        return (
+            [Example(prompt="", answer="0", meta={"bench": "rl"}) for _ in mine],
+            [ids[i] for i in mine],
+            index,
+        )
 
 
 def _asdict(x: Any) -> dict[str, Any]:
@@ -675,6 +682,7 @@ class _NoEngine:
     runner = None
     config = None
     stats = {"steps": 0, "preemptions": 0, "cuda_graph_steps": 0}
+    trace: list[Any] | None = None
 
     def reset_stats(self) -> None:
         pass

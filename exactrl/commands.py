@@ -58,13 +58,14 @@ def _run(cfg, args) -> int:
     import os
 
     from exactrl.config import resolve_device
-    from exactrl.distributed.env import under_torchrun
     from exactrl.train.loop import train
-    from exactrl.train.preflight import check_run_config, inert_keys
+    from exactrl.train.preflight import inert_keys
+    from exactrl.train.resolved import resolve_run
 
     main = os.environ.get("RANK", "0") == "0"
-    # The config is refused before the run directory is looked at: no "--overwrite: ..." line above a refusal.
-    check_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), distributed=under_torchrun())
+    # The config validated and resolved once in this process (`cfg` comes unvalidated), the run takes the result;
+    # refused before the run directory is looked at: no "--overwrite: ..." line above a refusal.
+    resolved = resolve_run(cfg)
     if main:
         for note in inert_keys(cfg, resolve_device(cfg.run.device)):
             print(f"warning: {note}")
@@ -72,7 +73,7 @@ def _run(cfg, args) -> int:
     # if rank 0 refuses). The plan commits (clears an --overwrite's old files, writes config.toml) once
     # everything has loaded.
     plan = _run_dir_plan(cfg, args) if main else None
-    summary = train(cfg, resume=getattr(args, "resume", False), run_dir=plan)
+    summary = train(resolved, resume=getattr(args, "resume", False), run_dir=plan)
     if summary.get("reward_failure"):  # every reward call failed, or every call of the correctness function
         return 3
     if not summary.get("stopped_early"):
@@ -88,7 +89,7 @@ def _train_before_launch(args: argparse.Namespace, nproc: int):
     from exactrl.train.preflight import check_run_config
     from exactrl.train.rundir import check_run_dir
 
-    cfg = load_config(args.config, args.set or [])
+    cfg = load_config(args.config, args.set or [], validate=False)  # check_run_config validates it
     check_run_config(cfg, _trainers(cfg, nproc, distributed=True), distributed=True)
     check_run_dir(
         cfg,
@@ -166,7 +167,7 @@ def _bench_device(args: argparse.Namespace) -> str:
 def cmd_train(args) -> int:
     from exactrl.config import load_config
 
-    return _run(load_config(args.config, args.set or []), args)
+    return _run(load_config(args.config, args.set or [], validate=False), args)  # _run validates it
 
 
 def cmd_sft(args) -> int:
@@ -174,7 +175,7 @@ def cmd_sft(args) -> int:
     interrupted SFT from its last checkpoint (sft-checkpoints/)."""
     from exactrl.config import load_config
 
-    cfg = load_config(args.config, (args.set or []) + ["train.steps=0"])
+    cfg = load_config(args.config, (args.set or []) + ["train.steps=0"], validate=False)  # _run validates it
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps is 0 in this config: nothing to train (set --set sft.steps=N)")
     return _run(cfg, args)

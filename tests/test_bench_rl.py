@@ -38,10 +38,29 @@ TINY = (
 ).split()
 
 
-def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys):
+def test_bench_rl_runs_the_loop_step_and_its_stages_add_up(tmp_path, capsys, monkeypatch):
+    from exactrl.train.loop import RLRun
+
+    drivers = []  # the run's step driver is built once, with the benchmark's engine, prompts and timers in place
+    real = RLRun.make_driver
+    monkeypatch.setattr(RLRun, "make_driver", lambda run: drivers.append(real(run)) or drivers[-1])
     assert main([*TINY, "--out-dir", str(tmp_path)]) == 0
+    assert len(drivers) == 1
     (path,) = tmp_path.glob("rl-tiny-exact-cpu.json")
     rec = json.loads(path.read_text())
+    # The step's prompts are the workload's (2 prompts of 4 to 8 tokens, their lengths drawn first from the seed),
+    # not the task's.
+    wl = Workload.draw(
+        prompts=2,
+        samples=2,
+        prompt_min=4,
+        prompt_max=8,
+        completion_median=6,
+        completion_sigma=0.5,
+        max_tokens=12,
+        vocab=2,
+    )
+    assert rec["prompt_tokens"] == 2 * sum(len(p) for p in wl.prompt_ids)  # each of a group's 2 rollouts
     assert all(k in rec for k in KEYS), [k for k in KEYS if k not in rec]
     assert (tmp_path / "rl-tiny-exact-cpu.png").stat().st_size > 0
     assert rec["timed_steps"] == 2 and rec["warmup_steps"] == 1 and rec["step_s"] in rec["step_s_all"]
@@ -163,6 +182,8 @@ def test_stage_memory_peaks_are_credited_to_every_open_stage_and_the_step():
     def use(n: int) -> None:
         high[0] = max(high[0], n)
 
+    from exactrl.train.hooks import RunHooks
+
     parallel = SimpleNamespace(sync_weights=lambda: use(25))
 
     def update():
@@ -170,11 +191,11 @@ def test_stage_memory_peaks_are_credited_to_every_open_stage_and_the_step():
         parallel.sync_weights()  # the wrapped one: nested in the update stage
 
     run = SimpleNamespace(
-        cfg=SimpleNamespace(algorithm=SimpleNamespace(partial_rollouts=False)),
         parallel=parallel,
         stages=SimpleNamespace(rollout=lambda: use(10), rank_scores=lambda: use(3), update=update),
     )
-    timers = _StageTimers(run, "cpu")
+    timers = _StageTimers("cpu")
+    RunHooks(wrap_stage=timers.wrap).wrap({"stages": run.stages, "parallel": parallel})  # as RLRun does
     assert timers.memory is None  # CPU: nothing measured
     timers.memory = (lambda: high[0], lambda: high.__setitem__(0, 0))
     timers.start_step()

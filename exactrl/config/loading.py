@@ -22,15 +22,28 @@ _T = TypeVar("_T")
 
 
 @overload
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig: ...
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), *, validate: bool = True
+) -> RunConfig: ...
 @overload
-def load_config(path: str | Path | None, overrides: Sequence[str], cls: type[_T]) -> _T: ...
+def load_config(
+    path: str | Path | None, overrides: Sequence[str], cls: type[_T], *, validate: bool = True
+) -> _T: ...
 @overload
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, cls: type[_T]) -> _T: ...
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), cls: type[Any] = RunConfig) -> Any:
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), *, cls: type[_T], validate: bool = True
+) -> _T: ...
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    cls: type[Any] = RunConfig,
+    *,
+    validate: bool = True,
+) -> Any:
     """Read a TOML config (``None`` = all defaults), apply ``section.key=value`` overrides, validate.
 
-    Raises :class:`ConfigError` for invalid TOML, unknown keys, wrong types and failed checks.
+    Raises :class:`ConfigError` for invalid TOML, unknown keys, wrong types and failed checks. validate=False: the
+    caller validates it next (`exactrl train` in `exactrl.train.resolved.resolve_run`, its one validation).
     """
     if path is None:
         data: dict[str, Any] = {}
@@ -44,9 +57,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), cls: typ
             raise ConfigError(f"invalid TOML in {source}: {e}") from e
     cfg = config_from_dict(data, cls, source=source)
     cfg = apply_overrides(cfg, overrides)
-    validate = getattr(cfg, "validate", None)
-    if callable(validate):
-        validate()
+    check = getattr(cfg, "validate", None)
+    if validate and callable(check):
+        check()
     if path is not None and isinstance(cfg, RunConfig):
         check_path_anchors(cfg, Path(path).resolve().parent)
     return cfg

@@ -26,7 +26,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.lora = None  # a LoRA module once `add_lora` targets this projection
+        self.lora: nn.Module | None = None  # a LoRA module (exactrl/model/lora.py) once `add_lora` targets it
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]: the base product, then the adapter's low-rank term added (when enabled)."""

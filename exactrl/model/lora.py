@@ -112,11 +112,11 @@ class LoRA(nn.Module):
             if n > 1
             else (ops.linear(x, self.lora_A),)
         )
-        outs = list(outs)
+        added = list(outs)
         for (i, _), xa in zip(self.targets, low):
             # Fixed order on both paths: low-rank product, scale (rounded to the model dtype), then the add.
-            outs[i] = outs[i] + ops.linear(xa, self.B(i)) * self.scale
-        return tuple(outs)
+            added[i] = added[i] + ops.linear(xa, self.B(i)) * self.scale
+        return tuple(added)
 
     def part_A(self, j: int) -> torch.Tensor:
         """The A rows of the j-th targeted part: [r, in] (a view)."""
@@ -536,7 +536,7 @@ def merged_model(model: CausalLM) -> CausalLM:
     out = copy.deepcopy(model)
     for name, m in _projections(out):
         lora = m.lora
-        if lora is None:
+        if not isinstance(lora, LoRA):  # None: no adapter on this projection
             continue
         starts = [0]
         for _, n in _parts(name, m):

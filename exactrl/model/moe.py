@@ -190,11 +190,11 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
         if cfg.has_shared_expert:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
         # Set only inside `collect_router_outputs` (the trainer's training forward, the guard's probe).
         self.router_collector: RouterCollector | None = None
 
@@ -205,7 +205,7 @@ class SparseMoeBlock(nn.Module):
         if self.router_collector is not None:
             self.router_collector.record(self, logits, weights, ids)
         out = self.experts(ops, x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:  # both or neither
             # transformers' order and dtypes: sigmoid of the gate in the model dtype, times the shared output,
             # added to the routed output (each product and sum rounded once to the model dtype). The sigmoid goes
             # through the ops: torch's CPU sigmoid rounds a tensor's tail differently from its body (DESIGN rule 9).

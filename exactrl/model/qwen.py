@@ -20,6 +20,8 @@ into its parts and `load_state_dict()` packs them, so checkpoints map one to one
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -39,11 +41,11 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
         self.o_proj = Linear(q, cfg.hidden_size, cfg.o_bias)
         pack_state_dict(self, "qkv_proj")
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(self, ops: Ops, x, positions, cos_sin, batch: AttentionBatch, kv_cache=None):
         T = x.shape[0]
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         written = False
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             # Qwen3: RMSNorm over each head, then RoPE, for q and k in one op; against the cache the op also writes
             # K and V (one launch on the GPU: a decode step of few sequences is bound by its launches). Both norms
             # take cfg.rms_norm_eps.
@@ -124,7 +126,7 @@ class CausalLM(nn.Module):
         self.ops: Ops = ops if ops is not None else get_ops("cpu", exact=True)
         self.fp32_lm_head = fp32_lm_head
         self._cos_sin: torch.Tensor | None = None
-        self.lora_spec = None  # exactrl.model.lora.LoraSpec once add_lora attached adapters
+        self.lora_spec: Any = None  # exactrl.model.lora.LoraSpec once add_lora attached adapters
 
     # -- construction ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -224,6 +226,7 @@ class CausalLM(nn.Module):
                 ops, pending, h, positions, cos_sin, batch, None if kv_caches is None else kv_caches[i]
             )
         n = self.model.norm  # the last MLP output is added here (config.validate() requires a layer)
+        assert pending is not None
         return ops.add_rms_norm(pending, h, n.weight, n.eps)[0]
 
     def head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ Why the exact ops look the way they do (facts measured on the CPU machines, guar
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,12 @@ def write_kv_cache(
     k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
     return k_flat, v_flat
+
+
+def _slots(batch: AttentionBatch) -> torch.Tensor:
+    """The batch's KV cache slots: set by the engine whenever it attends against a cache (a cast, no check: the
+    decode path runs this per layer)."""
+    return cast(torch.Tensor, batch.slot_mapping)
 
 
 def attention_reference(
@@ -363,7 +370,7 @@ class ExactTorchOps:
                 return _PackedAttention.apply(q, k, v, batch)
             return attention_tiled(q, k, v, batch)
         k_flat, v_flat = (
-            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, _slots(batch))
         )
         return attention_tiled(q, k_flat, v_flat, batch)
 
@@ -422,6 +429,6 @@ class FastOps(ExactTorchOps):
         if kv_cache is None:
             return attention_sdpa(q, k, v, batch)
         k_flat, v_flat = (
-            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+            kv_cache_views(kv_cache) if kv_written else write_kv_cache(k, v, kv_cache, _slots(batch))
         )
         return attention_sdpa(q, k_flat, v_flat, batch)

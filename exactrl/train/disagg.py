@@ -253,7 +253,8 @@ def generator_engine(
     torch.manual_seed(cfg.run.seed)
     if cfg.run.exact:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        # (A module attribute torch sets at runtime; its stubs do not declare it.)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     model, tok = policy_structure(
         preset_name=cfg.model.preset,
         path=cfg.model.path,
@@ -479,6 +480,7 @@ class GeneratorLoop:
         tokens = 0
         while asks:
             params = asks[0][1].params
+            assert params is not None  # a generate command carries its sampling parameters
             same = [(r, c) for r, c in asks if c.params == params]
             asks = [(r, c) for r, c in asks if c.params != params]
             prompts = [p for _, c in same for p in c.prompts]

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from exactrl.progress import Progress
 
-Body = Callable[[Hashable, dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]
+K = TypeVar("K", bound=Hashable)  # a microbatch's key: its bucket shape and the loss's switches
+Body = Callable[[K, dict[str, torch.Tensor], bool], dict[str, torch.Tensor]]
 
 
 def accumulate_grads(
@@ -74,7 +75,7 @@ class _Entry:
         self.graph, self.static, self.out = graph, static, out
 
 
-class MicrobatchGraphs:
+class MicrobatchGraphs(Generic[K]):
     """Runs `body(key, inputs, accumulate)` for one microbatch, eagerly or as a CUDA graph captured per key.
 
     body: reads its tensor inputs (whose shapes the key determines), runs forward + loss + backward, adds the
@@ -88,7 +89,7 @@ class MicrobatchGraphs:
 
     def __init__(
         self,
-        body: Body,
+        body: Body[K],
         *,
         enabled: bool,
         watched: Callable[[], Sequence[torch.Tensor]],
@@ -97,7 +98,7 @@ class MicrobatchGraphs:
         self.body, self.enabled, self._watched = body, enabled, watched
         self.max_graphs = max_graphs
         self.eager_runs = 0  # microbatches of buckets past max_graphs
-        self._graphs: dict[Hashable, _Entry] = {}
+        self._graphs: dict[K, _Entry] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle() once a graph is captured
         self._addresses: tuple[int, ...] = ()
         self.captures = 0
@@ -107,7 +108,7 @@ class MicrobatchGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, key: K, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The body's outputs for `inputs`. With graphs on, these are the graph's static output tensors: valid
         until the next `run`, so clone what must outlive it."""
         if not self.enabled:
@@ -143,11 +144,11 @@ class MicrobatchGraphs:
         self.replays += 1
         return entry.out
 
-    def _eager(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _eager(self, key: K, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self._watched()[0].device
         return self.body(key, {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, True)
 
-    def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor]) -> _Entry:
+    def _capture(self, key: K, inputs: dict[str, torch.Tensor]) -> _Entry:
         t0 = time.perf_counter()
         device = self._watched()[0].device
         static = {k: v.to(device, copy=True) for k, v in inputs.items()}

@@ -307,6 +307,9 @@ class NoLogger:
     def truncate_after(self, step: int) -> None:
         pass
 
+    def log_samples(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -1,8 +1,8 @@
-"""`exactrl train`: rollout (engine) -> rewards -> advantages -> train step -> repeat, colocated on one device.
-
-The engine and the trainer hold the *same* model object: after each optimizer step the next `generate` samples
-from the new weights with no file round trip. In exact mode the first minibatch of every step re-derives the
-rollout logprobs through the training path and logs how many differ (`mismatch/num_mismatched_tokens`, which is 0).
+"""`exactrl train`: `RLRun` builds the run (model, engine, task, rewards, trainer, step driver); `run()` calls
+`driver.step()` once per step, logs and checkpoints. One RL step is the driver's `step()`: by default
+`SyncDriver.step` (exactrl/train/drivers/sync.py), prompts -> rollout -> score (rewards, advantages) -> update ->
+the engine's weights, each a stage of `RunStages` (exactrl/train/stages.py). On one device the engine and the
+trainer hold the *same* model object: the next `generate` samples from the new weights with no file round trip.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import copy
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,22 +30,23 @@ from exactrl.distributed.shared_fs import (
     check_shared_run_dir,
 )
 from exactrl.distributed.tensor_parallel import TensorParallelGroup
-from exactrl.engine.engine import RolloutEngine
 from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
+from exactrl.model.qwen import CausalLM
 from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer
 from exactrl.tasks.prompts import PromptFilter
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exactrl.train.critic import ValueModel
 from exactrl.train.disagg import RemoteEngine, serve_generator
-from exactrl.train.drivers.base import StepContext, StepDriver
+from exactrl.train.drivers.base import StepContext, StepDriver, Writer
 from exactrl.train.drivers.build import build_driver
 from exactrl.train.drivers.disagg import WeightSync
 from exactrl.train.drivers.modes import DriverName
 from exactrl.train.dynamic_sampling import DynamicSampler
 from exactrl.train.finish import Finish
+from exactrl.train.hooks import RunHooks
 from exactrl.train.logging import MetricsLogger, NoLogger, import_wandb, step_line
 from exactrl.train.memory import microbatch_tokens
 from exactrl.train.memory_fit import check_before_loading
@@ -76,7 +77,7 @@ from exactrl.train.warm_start import WarmStart
 
 
 def train(
-    cfg: RunConfig,
+    run: ResolvedRun | RunConfig,
     resume: bool = False,
     out=print,
     *,
@@ -84,7 +85,8 @@ def train(
     allow_config_change: bool = False,
     run_dir: RunDirPlan | None = None,
 ) -> dict[str, Any]:
-    """Run the whole job described by cfg; returns the summary written to summary.json.
+    """Run the whole job described by `run` (a config, or one resolved already); returns the summary written to
+    summary.json.
 
     Nothing is written to cfg.run.output_dir before the model, data and rewards have loaded; a non-empty dir
     needs resume or overwrite (`rundir.check_run_dir`; `run_dir` is a plan the caller already checked).
@@ -93,14 +95,15 @@ def train(
 
     Under torchrun with distributed.generator_ranks = G > 0 the last G ranks only generate (`serve_generator`)
     and the others run this loop as the colocated run at their own world size would (exactrl/train/disagg.py)."""
-    resolved = resolve_run(cfg)  # validated once, on every rank, before anything loads
-    layout = resolved.layout
+    # Validated once, on every rank, before anything loads (a ResolvedRun: by the caller, `exactrl train`).
+    resolved = run if isinstance(run, ResolvedRun) else resolve_run(run)
+    cfg, layout = resolved.cfg, resolved.layout
     if layout.role == "generator":  # multi-turn: the episodes run here, against this rank's environment
         return serve_generator(cfg, layout, env=env_setup(cfg) if cfg.env.name else None)
     # Every trainer rank sees rank 0's run directory, or every one refuses (a run's own checkpoints need it; `bench
     # rl` builds an RLRun in a private folder per rank and writes none).
     check_shared_run_dir(layout.local, Path(cfg.run.output_dir))
-    run = RLRun(
+    rl = RLRun(
         resolved,
         resume=resume,
         out=out,
@@ -109,9 +112,9 @@ def train(
         run_dir=run_dir,
     )
     try:
-        return run.run()
+        return rl.run()
     finally:
-        run.close()
+        rl.close()
 
 
 class RLRun(WarmStart, Finish):
@@ -131,8 +134,11 @@ class RLRun(WarmStart, Finish):
         overwrite: bool = False,
         allow_config_change: bool = False,
         run_dir: RunDirPlan | None = None,
+        hooks: RunHooks | None = None,
     ) -> None:
         self.clock = RunClock()
+        # A caller's engine, prompts and stage wrapper in place of the run's own (`exactrl bench rl`'s): hooks.py.
+        self.hooks = hooks or RunHooks()
         # The run resolved once (exactrl/train/resolved.py): a bare config is resolved here, as `train` does.
         resolved = run if isinstance(run, ResolvedRun) else resolve_run(run)
         self.resolved = resolved
@@ -200,7 +206,8 @@ class RLRun(WarmStart, Finish):
             # Not torch's filling of every new tensor with NaN under that mode: exactrl's kernels write all of
             # each output, and the fill would be an extra full write of every activation in every step.
             torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.utils.deterministic.fill_uninitialized_memory = False
+            # (A module attribute torch sets at runtime; its stubs do not declare it.)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
         self.model, self.tok = load_policy(
             preset_name=cfg.model.preset,
@@ -239,7 +246,7 @@ class RLRun(WarmStart, Finish):
             self.remote = RemoteEngine(layout, replace(cfg.engine))
             self.engine: Any = self.remote
         else:
-            self.engine = RolloutEngine(self.model, cfg.engine, tokenizer=self.tok)
+            self.engine = self.hooks.make_engine(self.model, cfg.engine, self.tok)
         self.weights = WeightSync(self.parallel, self.remote)
         self.ckpt_root = self.out_dir / "checkpoints"
         self._frozen_policy: Path | None = None  # this process's last policy/ of a frozen base (LoRA)
@@ -272,7 +279,7 @@ class RLRun(WarmStart, Finish):
             keep = None if self.sft_point.finished is not None else self.sft_point.state.get("sft_step", 0)
             truncate_sft_log([self.logger.path, self.logger.samples_path], keep)
         self.eval_examples = self._eval_examples()
-        self.ev_kw = dict(
+        self.ev_kw: dict[str, Any] = dict(
             samples=cfg.task.eval_samples,
             temperature=cfg.task.eval_temperature,
             max_tokens=cfg.sampling.max_tokens,
@@ -330,6 +337,7 @@ class RLRun(WarmStart, Finish):
             kl_ctl=self.kl_ctl,
             totals=self.totals,
             logger=self.logger,
+            prompt_source=self.hooks.prompts,
         )
 
     @property
@@ -386,6 +394,7 @@ class RLRun(WarmStart, Finish):
         out: dict[str, float] = {}
         # A shared engine: the other ranks of rank 0's group join its one call (an empty share) at the round's end.
         shared = self.engine.round() if isinstance(self.engine, SharedEngine) else nullcontext()
+        assert self.rewards is not None  # loaded in __init__ (None only until then, for `close`)
         with self.weights.round(), shared:
             if self.dist.is_main:
                 self.phases.size(self.engine)
@@ -410,13 +419,16 @@ class RLRun(WarmStart, Finish):
             from exactrl.model.lora import apply_lora_config
 
             apply_lora_config(model, cfg.lora, seed=cfg.run.seed)
-        ref_model = None
+        ref_model: CausalLM | None = None
         if a.kl_coef > 0:
             from exactrl.model.lora import ReferenceView, has_lora
 
-            # With LoRA the reference is the base with the adapters off: no second copy of the weights.
+            # With LoRA the reference is the base with the adapters off: no second copy of the weights. The view
+            # answers the calls the trainer makes of a reference model (call, logprobs, device), hence the cast.
             ref_model = (
-                ReferenceView(model) if has_lora(model) else copy.deepcopy(model).requires_grad_(False)
+                cast(CausalLM, ReferenceView(model))
+                if has_lora(model)
+                else copy.deepcopy(model).requires_grad_(False)
             )
         # The layout: on one device the engine samples from the policy itself; under torchrun from a replica
         # taken now (after the warm start), and the trainer's models are sharded.
@@ -461,7 +473,7 @@ class RLRun(WarmStart, Finish):
             if old is not None:
                 old.release_graphs()
                 old.release_kv()
-            self.engine = RolloutEngine(engine_model, cfg.engine, tokenizer=self.tok)
+            self.engine = self.hooks.make_engine(engine_model, cfg.engine, self.tok)
             if self.engine_group is not None:
                 self.engine = SharedEngine(self.engine, self.engine_group, env=self.env)
         opt_kw = dict(betas=tuple(tr.betas), weight_decay=tr.weight_decay, dist=self.dist, offload=tr.offload)
@@ -490,20 +502,19 @@ class RLRun(WarmStart, Finish):
             {"critic": self.critic_opt} if self.critic_opt is not None else {}
         )
         self.stages.trainer, self.stages.opt, self.stages.critic_opt = self.trainer, self.opt, self.critic_opt
+        self.stages.engine = (
+            self.engine
+        )  # the step samples from the engine on the weight copy, if one was made
         self.driver = self.make_driver()
+        owners = {"stages": self.stages, "parallel": self.parallel, "remote": self.remote}
+        self.hooks.wrap(owners | {"pool": getattr(self.driver, "pool", None)})
 
     def make_driver(self) -> StepDriver:
-        """The step driver the run resolved to (`ResolvedRun.driver`), over this run's stages (`exactrl bench rl`
-        makes it again after it swapped the engine, the prompts and timed stages)."""
-        if self.driver is not None:
-            self.driver.close()
-        # The stages sample from the run's engine as it is now (a benchmark's, swapped in, too).
-        stages = self.stages
-        stages.engine = self.engine
+        """The step driver the run resolved to (`ResolvedRun.driver`), over this run's stages."""
         ctx = StepContext(
             cfg=self.cfg,
             state=self.state,
-            stages=stages,
+            stages=self.stages,
             dist=self.dist,
             device=self.device,
             engine=self.engine,
@@ -552,6 +563,7 @@ class RLRun(WarmStart, Finish):
             self.resume_from, off_policy=self.resolved.off_policy, partial=self.driver_name == "partial"
         ):
             self.out(note)
+        assert self.driver is not None  # build_trainer made it
         self.driver.restore(self.resume_from)
 
     def checkpoint(self) -> None:
@@ -570,17 +582,21 @@ class RLRun(WarmStart, Finish):
         frozen = self._frozen_policy if lora else None
         # LoRA: the adapters in PEFT's format next to the (frozen) base weights, from the engine's model (the
         # policy itself on one device, the gathered replica under torchrun).
-        extra = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+        extra: Writer | None = (lambda d: save_adapter(self.engine.model, d / "adapter")) if lora else None
+
         # The driver's state between steps (off-policy: the batch sampled ahead, the partial rollouts in flight):
         # in the checkpoint's directory, or each rank's share of a sharded one.
+        assert self.driver is not None  # build_trainer made it
         driver_extra, rank_extra = self.driver.checkpoint_writers()
         if driver_extra is not None:
             lora_extra = extra
 
-            def extra(d: Path) -> None:
+            def both(d: Path) -> None:
                 if lora_extra is not None:
                     lora_extra(d)
                 driver_extra(d)
+
+            extra = both
 
         common = dict(
             tokenizer=self.tok,
@@ -621,8 +637,9 @@ class RLRun(WarmStart, Finish):
             stop = self.step < tr.steps and self.stop_requested()
             if stop and self.resume_from is None:
                 self.checkpoint()
+            assert self.driver is not None  # build_trainer made it
             while self.step < tr.steps and not stop:
-                m = self.driver.step()
+                m = self.driver.step()  # one RL step (module docstring)
                 self.log_step(m)
                 # Under torchrun every rank must stop (and checkpoint, a collective) at the same step.
                 stop = self.stop_requested()

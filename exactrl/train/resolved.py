@@ -91,39 +91,19 @@ def job_layout(cfg: RunConfig) -> Layout:
 
 
 def trainer_settings(cfg: RunConfig, microbatch_tokens: int | None = None) -> TrainerSettings:
-    """The trainer's view of the [algorithm], [train] and [sampling] sections; `microbatch_tokens` (the run's
-    budget under FSDP2, exactrl.train.memory.microbatch_tokens) replaces train.max_tokens_per_microbatch."""
-    a, tr = cfg.algorithm, cfg.train
+    """The trainer's view of the config: the [algorithm] section itself, and what it reads of [train], [run] and
+    [sampling]; `microbatch_tokens` (the run's budget under FSDP2, exactrl.train.memory.microbatch_tokens) replaces
+    train.max_tokens_per_microbatch."""
+    tr = cfg.train
     return TrainerSettings(
-        algorithm=a.name,
-        advantage=a.resolved_advantage,
-        policy_loss=a.resolved_policy_loss,
-        whiten_advantages=a.resolved_whiten_advantages,
-        loss_options={k: v for k, v in a.policy_loss_kwargs().items() if k != "kind"},
+        algorithm=cfg.algorithm,
         temperature=cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0,
-        eps_low=a.eps_low,
-        eps_high=a.eps_high,
-        dual_clip=a.dual_clip,
-        aggregation=a.aggregation,
-        ppo_epochs=a.ppo_epochs,
-        minibatches=a.minibatches_per_rollout,
-        kl_coef=a.kl_coef,
-        kl_kind=a.kl_kind,
-        kl_in_reward=a.kl_in_reward,
-        entropy_coef=a.entropy_coef,
-        gamma=a.gamma,
-        lam=a.lam,
-        value_clip=a.value_clip,
-        vf_coef=a.vf_coef,
-        rollout_correction=a.rollout_correction,
-        rollout_correction_threshold=a.rollout_correction_threshold,
         max_tokens_per_microbatch=microbatch_tokens or tr.max_tokens_per_microbatch,
         reduce_every_microbatch=tr.fsdp_reduce == "microbatch",
         cuda_graphs=tr.cuda_graphs,
         grad_clip=tr.grad_clip,
         moe_aux_loss_coef=tr.moe_aux_loss_coef,
         moe_z_loss_coef=tr.moe_z_loss_coef,
-        overlong_filter=a.overlong_filter,
         exact=cfg.run.exact,
         on_mismatch=cfg.run.on_mismatch,
         norm_constant=float(cfg.sampling.max_tokens),

@@ -4,7 +4,8 @@
 holds what a step needs of those and does the step's work: the step's prompts, the rollout, the rewards and
 advantages (single-turn, multi-turn episodes, dynamic sampling's rounds, ReMax's greedy baseline), the update, the
 step's metrics and, when the exactness guard trips, the replay report. A driver orders these calls (synchronous,
-tail overlap, one step off, partial rollouts); `exactrl bench rl` times them.
+tail overlap, one step off, partial rollouts: the default's order is `SyncDriver.step`, exactrl/train/drivers/sync.py);
+`exactrl bench rl` times them (exactrl/train/hooks.py).
 
     prompts -> rollout (or episodes) -> score (rank_scores -> step_scores -> with_advantages) -> update
         -> step_metrics
@@ -33,6 +34,7 @@ from exactrl.tasks.prompts import PromptEncoder, PromptFilter
 from exactrl.tasks.rewards import CORRECT_ABOVE
 from exactrl.train.disagg import RemoteEngine
 from exactrl.train.dynamic_sampling import DynamicSampler, request_id_base
+from exactrl.train.hooks import PromptSource
 from exactrl.train.logging import progress_bar
 from exactrl.train.optim import MasterAdamW, lr_factor, set_lr
 from exactrl.train.run_summary import add_step_totals
@@ -122,7 +124,7 @@ def room_for_a_turn(cfg: RunConfig, ids: list[int]) -> bool:
 
 class RunStages:
     """The step's stages over one run's parts (`RLRun.__init__` makes it; `RLRun.build_trainer` gives it the
-    trainer and its optimizers, and `RLRun.make_driver` the engine the step samples from). Every method is one
+    trainer, its optimizers and the engine the step samples from). Every method is one
     stage a step driver calls; each says which are collectives (every rank calls them together)."""
 
     def __init__(
@@ -146,6 +148,7 @@ class RunStages:
         kl_ctl: KLController,
         totals: dict[str, int],
         logger: Any,
+        prompt_source: PromptSource | None = None,
     ) -> None:
         self.cfg, self.state, self.dist, self.parallel = cfg, state, dist, parallel
         self.out, self.out_dir, self.ckpt_root = out, out_dir, out_dir / "checkpoints"
@@ -158,6 +161,9 @@ class RunStages:
         self.opt: MasterAdamW | Any = None
         self.critic_opt: MasterAdamW | None = None
         self.greedy_tokens = 0  # ReMax: the last greedy rollout's tokens
+        self.prompt_source = (
+            prompt_source  # a caller's prompts in place of the task's (exactrl/train/hooks.py)
+        )
 
     def open_stream(self, seed: int) -> None:
         """The task's training examples from its position now (a resumed run's, once restored)."""
@@ -194,6 +200,8 @@ class RunStages:
         noise, so a prompt gets the same completions at every world size). Every rank reads the same stream;
         too-long prompts are skipped and counted, not a crash. count: how many (default prompts_per_step; partial
         rollouts top their pool up); shard=False: all of them on every rank (partial rollouts take their slice)."""
+        if self.prompt_source is not None:
+            return self.prompt_source(count, shard=shard)
         cfg = self.cfg
         count = cfg.algorithm.prompts_per_step if count is None else count
         # Two passes over a finite training set with no prompt that fits means none ever will.
@@ -607,7 +615,7 @@ class RunStages:
         A step that run.on_mismatch = "skip_step" dropped leaves the replay report an abort leaves.
         off_policy_cap: a batch the off-policy guard checked (decoupled PPO, `PolicyTrainer.step`)."""
         bar = progress_bar(1, f"step {step + 1} train", enabled=self.cfg.run.progress)
-        self.trainer.s.kl_coef = self.kl_ctl.value
+        self.trainer.kl_coef = self.kl_ctl.value
         m = self.trainer.step(rollouts, off_policy_cap=off_policy_cap)
         bar.update(1)
         bar.close()

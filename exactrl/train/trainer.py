@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,6 +30,7 @@ from exactrl.algorithms import (
     rollout_correction,
     value_loss,
 )
+from exactrl.config.algorithm import AlgorithmConfig
 from exactrl.distributed.env import DistContext
 from exactrl.model.moe import collect_router_outputs, has_experts
 from exactrl.model.qwen import CausalLM
@@ -59,6 +61,12 @@ from exactrl.train.packing import (
 )
 from exactrl.train.router import load_balancing_loss, router_stats, router_z_loss_sum
 
+_T = TypeVar("_T")
+
+# A microbatch's graph key: its bucket, whether it carries IS weights, whether the KL term is in the loss; a fourth
+# element (True): an off-policy step's only update, whose importance weights the forward computes (`_policy_body`).
+MicrobatchKey = tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool]
+
 
 class MismatchError(RuntimeError):
     """Exact mode found a rollout logprob that differs from the trainer's at the sampling weights; no optimizer
@@ -70,34 +78,16 @@ class MismatchError(RuntimeError):
         self.sequences = sequences
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerSettings:
-    """What the trainer needs from the algorithm and train config sections."""
+    """What the trainer takes: the [algorithm] section itself (the objective: estimator, loss, clipping, KL, value
+    function, rollout correction), and the settings of [train], [run] and [sampling] that only the trainer reads.
+    Frozen: what moves during a run (the adaptive KL coefficient) is the trainer's state (`PolicyTrainer.kl_coef`)."""
 
-    algorithm: str = "grpo"  # the config's preset name, for logs; the two choices below are what counts
-    advantage: str = (
-        "grpo"  # "gae": token-level advantages from the critic; else sequence-level from the caller
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    temperature: float = (
+        1.0  # sampling.temperature (1.0 for greedy): the logprobs are of logits / temperature
     )
-    policy_loss: str = "ppo_clip"  # exactrl.algorithms.policy_loss_terms(kind=...)
-    whiten_advantages: bool = False  # GAE advantages whitened over the step (verl's default for GAE)
-    loss_options: dict = field(default_factory=dict)  # the loss's own constants (cispo eps, sapo taus, ...)
-    temperature: float = 1.0
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    aggregation: str = "token-mean"
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 1.0
-    value_clip: float | None = 0.2
-    vf_coef: float = 0.5
-    rollout_correction: str | None = None
-    rollout_correction_threshold: float = 2.0
     max_tokens_per_microbatch: int = 8192
     # FSDP2 (train.fsdp_reduce = "microbatch"): reduce-scatter after every microbatch, the shards accumulating,
     # instead of once per minibatch after the unsharded fp32 gradients accumulated.
@@ -119,9 +109,6 @@ class TrainerSettings:
     # to the policy loss from the router outputs of the training forward; 0 = off (the metrics are logged anyway).
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
-    # DAPO's overlong filtering (algorithm.overlong_filter): a truncated rollout is masked out of the loss (its
-    # tokens still checked by the guard, which compares the model's tokens, not the loss's).
-    overlong_filter: bool = False
 
 
 class PolicyTrainer:
@@ -137,13 +124,15 @@ class PolicyTrainer:
         critic_optimizer: MasterAdamW | None = None,
         dist: DistContext | None = None,
     ):
-        if settings.advantage == "gae" and critic is None:
+        if settings.algorithm.resolved_advantage == "gae" and critic is None:
             raise ValueError("algorithm 'ppo' needs a critic (ValueModel)")
-        if settings.kl_coef > 0 and ref_model is None:
+        if settings.algorithm.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.model, self.s, self.opt = model, settings, optimizer
         self.ref_model, self.critic, self.critic_opt = ref_model, critic, critic_optimizer
         self.steps_done = 0
+        # The KL coefficient in force: algorithm.kl_coef, moved between steps by the adaptive controller.
+        self.kl_coef = settings.algorithm.kl_coef
         # The last step's mismatch (message and offending sequences) when on_mismatch = "skip_step" dropped it:
         # the loop writes the same replay report for it as for an abort. None after a step that was not skipped.
         self.skipped_mismatch: MismatchError | None = None
@@ -175,7 +164,7 @@ class PolicyTrainer:
 
     def _policy_body(
         self,
-        key: tuple[Bucket, bool, bool] | tuple[Bucket, bool, bool, bool],
+        key: MicrobatchKey,
         x: dict[str, torch.Tensor],
         accumulate: bool,
     ) -> dict[str, torch.Tensor]:
@@ -183,7 +172,7 @@ class PolicyTrainer:
         buffers. Only tensors in and out, no host reads: this is what `MicrobatchGraphs` captures.
         A 4-element key: an off-policy step's only update (decoupled PPO, `_off_policy_step`), whose proximal
         logprobs are this very forward's (detached) and whose importance weights are computed here."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         bucket, _, use_loss_kl = key[:3]
         # The router outputs this very forward used (nothing for a dense model); detached from the blocks before
         # the backward, whose activation-checkpointing recomputation must not record them again.
@@ -192,33 +181,34 @@ class PolicyTrainer:
         m = x["mask"]
         divisor, norm_constant = x["divisor"], x["norm_constant"]
         old_lp, is_weights = x["old_lp"], x.get("is_weights")
+        off_policy: dict[str, torch.Tensor] = {}
         if len(key) > 3:
             old_lp = lp.detach()  # the proximal policy: the weights at the step's start, this forward's
-            is_weights, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
+            w, capped = decoupled_weights_and_capped(old_lp, x["behaviour_lp"], m, x["is_cap"])
+            is_weights = w
+            off_policy["offpolicy/is_weight/sum"] = masked_sum(w, m)
+            off_policy["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(w.dtype), m)
+            off_policy["offpolicy/is_weight/max"] = w.max()
         loss, pm = policy_loss_terms(
             lp,
             old_lp,
             x["adv"],
             m,
-            kind=s.policy_loss,
-            **({"eps_low": s.eps_low, "eps_high": s.eps_high, "dual_clip": s.dual_clip} | s.loss_options),
-            aggregation=s.aggregation,
+            **a.policy_loss_kwargs(),  # the loss's kind, clip range and own constants (cispo eps, sapo taus, ...)
+            aggregation=a.aggregation,
             loss_divisor=divisor,
             norm_constant=norm_constant,
             is_weights=is_weights,
         )
-        if len(key) > 3:
-            pm["offpolicy/is_weight/sum"] = masked_sum(is_weights, m)
-            pm["offpolicy/is_weight/capped/sum"] = masked_sum(capped.to(is_weights.dtype), m)
-            pm["offpolicy/is_weight/max"] = is_weights.max()
-        ent_term = aggregate(ent, m, s.aggregation, divisor=divisor, norm_constant=norm_constant)
-        total = loss - s.entropy_coef * ent_term
+        pm.update(off_policy)  # after the loss's metrics: the order of the step's metric vector
+        ent_term = aggregate(ent, m, a.aggregation, divisor=divisor, norm_constant=norm_constant)
+        total = loss - a.entropy_coef * ent_term
         pm["entropy/sum"] = masked_sum(ent.detach(), m)
         if use_loss_kl:
-            kl = kl_estimate(lp, x["ref_lp"], s.kl_kind)
+            kl = kl_estimate(lp, x["ref_lp"], a.kl_kind)
             # A graph input, not a constant: the adaptive KL controller changes it between steps.
             total = total + x["kl_coef"] * aggregate(
-                kl, m, s.aggregation, divisor=divisor, norm_constant=norm_constant
+                kl, m, a.aggregation, divisor=divisor, norm_constant=norm_constant
             )
             pm["kl_ref/sum"] = masked_sum(kl.detach(), m)
         extra: dict[str, torch.Tensor] = {}
@@ -297,8 +287,9 @@ class PolicyTrainer:
     @torch.no_grad()
     def _values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
+        critic = _required(self.critic, "the critic (GAE advantages)")
         for mb, pb in self._even_batches(rollouts):
-            v = self.critic(pb)
+            v = critic(pb)
             out += [v[(pb.seq_index == j) & pb.response_mask].cpu() for j in range(len(mb))]
         return out
 
@@ -355,7 +346,7 @@ class PolicyTrainer:
         policy (the current weights at the step's start), importance weights pi_prox / pi_behav capped. With one
         update per step the training forward is at those weights: the weights are computed inside it. With
         several, later minibatches run at updated weights: one no-grad forward scores the batch first."""
-        if not self.s.exact or self.s.rollout_correction:
+        if not self.s.exact or self.s.algorithm.rollout_correction:
             raise ValueError("off-policy steps need exact mode without rollout_correction")
         if not self._grads and not self.sharded:
             self._grads = self.opt.persistent_grads(self.opt.params)
@@ -441,24 +432,24 @@ class PolicyTrainer:
         """Why this trainer cannot take a step fed as rollouts arrive (None: it can). Such a step makes one update
         at the weights that sampled the batch, with every loss term a sum over rollouts, and no statistic of the
         whole batch before the first backward."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         if not s.exact:
             return "it needs exact mode (fast mode recomputes and corrects the old logprobs over the whole batch)"
-        if s.ppo_epochs != 1 or s.minibatches != 1:
+        if a.ppo_epochs != 1 or a.minibatches_per_rollout != 1:
             return (
-                f"it makes one update per step (ppo_epochs = {s.ppo_epochs}, minibatches = {s.minibatches}: later "
+                f"it makes one update per step (ppo_epochs = {a.ppo_epochs}, minibatches = {a.minibatches_per_rollout}: later "
                 "updates would run at weights the rest of the batch was not sampled from)"
             )
-        if self.critic is not None or s.advantage == "gae":
+        if self.critic is not None or a.resolved_advantage == "gae":
             return "GAE needs the critic's values and advantages whitened over the whole batch"
-        if s.rollout_correction:
-            return f"rollout_correction {s.rollout_correction!r} is fast mode's"
+        if a.rollout_correction:
+            return f"rollout_correction {a.rollout_correction!r} is fast mode's"
         if self.sharded:
             return "it runs on one process (the sharded path reduces gradients per minibatch)"
         if self.moe:
             # The router outputs are collected through the model object, which the engine runs at the same time.
             return "a mixture of experts' router statistics would collect the engine's forwards too"
-        if s.aggregation == "seq-mean-token-sum-norm" and not s.norm_constant:
+        if a.aggregation == "seq-mean-token-sum-norm" and not s.norm_constant:
             return "seq-mean-token-sum-norm needs a fixed norm_constant (its default is the batch's longest completion)"
         return None
 
@@ -494,11 +485,11 @@ class PolicyTrainer:
         Bits: the synchronous step divides each microbatch's loss by the divisor before its backward; here the
         unscaled gradients are summed and divided once, so the gradient agrees with it to float rounding, not
         bitwise (its microbatches differ too: they follow the order rollouts arrived in)."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         if not acc.rollouts:
             raise ValueError("a training step needs at least one rollout")
         b = _concat_batches(acc.batches)
-        divisor = int(b.full_mask.sum()) if s.aggregation == "token-mean" else len(acc.rollouts)
+        divisor = int(b.full_mask.sum()) if a.aggregation == "token-mean" else len(acc.rollouts)
         divisor = max(1, divisor)  # no loss token: the gradients are zero either way
         if self._grads:
             torch._foreach_div_(self._grads, float(divisor))
@@ -526,7 +517,7 @@ class PolicyTrainer:
 
     def prepare(self, rollouts: list[Rollout]) -> StepBatch:
         """Padded [N, L] step tensors: mask, rollout / reference / old logprobs, IS weights, advantages."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         if not rollouts:
             raise ValueError("a training step needs at least one rollout")
         lengths = [len(r.completion_ids) for r in rollouts]
@@ -542,7 +533,7 @@ class PolicyTrainer:
                     )
                 token_mask[i, : lengths[i]] &= torch.tensor(r.loss_mask, dtype=torch.bool)
         loss_mask = token_mask.clone()
-        if s.overlong_filter:
+        if a.overlong_filter:
             cut = torch.tensor([r.truncated for r in rollouts], dtype=torch.bool)
             loss_mask[cut] = False
         b = StepBatch(
@@ -554,11 +545,11 @@ class PolicyTrainer:
             plens=[len(r.prompt_ids) for r in rollouts],
             norm_constant=s.norm_constant or float(L),
         )
-        if s.overlong_filter:  # the step's count, over every rank
+        if a.overlong_filter:  # the step's count, over every rank
             b.metrics["overlong/filtered_samples"] = self.dist.sum(float(cut.sum()))
-        if self.ref_model is not None and s.kl_coef > 0:
+        if self.ref_model is not None and self.kl_coef > 0:
             b.ref_lp = _padded_list(self._score(self.ref_model, rollouts), L, "cpu")
-        b.use_loss_kl = b.ref_lp is not None and not s.kl_in_reward
+        b.use_loss_kl = b.ref_lp is not None and not a.kl_in_reward
         self._old_logprobs(b, rollouts)
         self._advantages(b, rollouts)
         return b
@@ -566,45 +557,48 @@ class PolicyTrainer:
     def _old_logprobs(self, b: StepBatch, rollouts: list[Rollout]) -> None:
         """In exact mode the rollout's logprobs, bit for bit (checked on the first minibatch); in fast mode a
         recompute pass, with the mismatch metrics and optional rollout correction (TIS / MIS)."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         if s.exact:
             b.old_lp = b.rollout_lp
             return
         b.old_lp = _padded_list(self._score(self.model, rollouts), b.L, "cpu")
         b.metrics.update(mismatch_metrics(*self.dist.gather_rows(b.rollout_lp, b.old_lp, b.full_mask)))
-        if s.rollout_correction:
+        if a.rollout_correction:
             b.weights, b.full_mask, corr = rollout_correction(
                 b.old_lp,
                 b.rollout_lp,
                 b.full_mask,
-                mode=s.rollout_correction,
-                threshold=s.rollout_correction_threshold,
+                mode=a.rollout_correction,
+                threshold=a.rollout_correction_threshold,
             )
             b.metrics.update(corr)
 
     def _advantages(self, b: StepBatch, rollouts: list[Rollout]) -> None:
         """Sequence-level advantages from the caller, or GAE over token rewards with the critic."""
-        s, L = self.s, b.L
-        if s.advantage == "gae":
+        a, L = self.s.algorithm, b.L
+        if a.resolved_advantage == "gae":
             b.old_values = _padded_list(self._values(rollouts), L, "cpu")
             token_rewards = torch.zeros(len(rollouts), L)
             for i, r in enumerate(rollouts):
                 token_rewards[i, b.lengths[i] - 1] = r.reward
-            if b.ref_lp is not None and s.kl_in_reward:
+            if b.ref_lp is not None and a.kl_in_reward:
                 token_rewards = (
-                    token_rewards - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind) * b.full_mask
+                    token_rewards
+                    - self.kl_coef
+                    * kl_estimate(_required(b.old_lp, "old_lp"), b.ref_lp, a.kl_kind)
+                    * b.full_mask
                 )
             b.advantages, b.returns = gae_advantages(
-                token_rewards, b.old_values, b.full_mask, s.gamma, s.lam, whiten=False
+                token_rewards, b.old_values, b.full_mask, a.gamma, a.lam, whiten=False
             )
-            if s.whiten_advantages:  # over the whole step's tokens: every rank's rows
+            if a.resolved_whiten_advantages:  # over the whole step's tokens: every rank's rows
                 b.advantages = self._whiten_over_ranks(b.advantages, b.full_mask)
             # The GAE advantages the loss uses, over every rank's rollouts.
             b.metrics.update(advantage_metrics(*self.dist.gather_rows(b.advantages, b.full_mask)))
         else:
             adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)[:, None].expand(-1, L)
-            if b.ref_lp is not None and s.kl_in_reward:
-                adv = adv - s.kl_coef * kl_estimate(b.old_lp, b.ref_lp, s.kl_kind)
+            if b.ref_lp is not None and a.kl_in_reward:
+                adv = adv - self.kl_coef * kl_estimate(_required(b.old_lp, "old_lp"), b.ref_lp, a.kl_kind)
             b.advantages = adv
 
     def _whiten_over_ranks(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -617,12 +611,12 @@ class PolicyTrainer:
     def minibatch_plan(self, n: int) -> Iterator[tuple[int, int, list[int]]]:
         """(epoch, minibatch index, rollout indices) of every update of the step, in order: the first epoch in
         rollout order, later ones shuffled by a generator seeded from (seed, step)."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + self.steps_done)
         # Every rank takes the same number of optimizer steps: its own rollouts split in as many parts as the
         # rank with the most rollouts would make (an empty part still joins the collectives).
-        parts = min(s.minibatches, int(self.dist.max(n)))
-        for epoch in range(s.ppo_epochs):
+        parts = min(a.minibatches_per_rollout, int(self.dist.max(n)))
+        for epoch in range(a.ppo_epochs):
             order = torch.arange(n) if epoch == 0 else torch.randperm(n, generator=g)
             for mb_i, mb_idx in enumerate(torch.tensor_split(order, parts)):
                 if mb_idx.numel() or self.dist.distributed:
@@ -634,12 +628,12 @@ class PolicyTrainer:
         """Queue one minibatch's forward, loss and backward (microbatch by microbatch) and its optimizer step,
         without reading anything back; None when it holds no loss token. gate: a token whose logprob differs
         from the engine's makes the device skip the update (exact mode's guard)."""
-        s = self.s
+        s, a = self.s, self.s.algorithm
         check_mismatch = check_mismatch and s.exact
         n_tok = int(b.full_mask[mb_idx].sum())
         # The loss is divided by the count over every rank's part of the minibatch (sharded gradients are then
         # summed, not averaged): the same objective at every world size.
-        divisor = int(self.dist.sum(n_tok if s.aggregation == "token-mean" else len(mb_idx)))
+        divisor = int(self.dist.sum(n_tok if a.aggregation == "token-mean" else len(mb_idx)))
         if divisor == 0:
             return None
         micros = [
@@ -698,8 +692,8 @@ class PolicyTrainer:
         m = _rows(b.full_mask, ids, B, C)
         x = dict(
             tm.inputs,
-            old_lp=_rows(b.old_lp, ids, B, C),
-            adv=_rows(b.advantages, ids, B, C),
+            old_lp=_rows(_required(b.old_lp, "old_lp"), ids, B, C),
+            adv=_rows(_required(b.advantages, "advantages"), ids, B, C),
             mask=m,
             guard_mask=_rows(b.token_mask, ids, B, C),
             divisor=torch.tensor(float(divisor)),
@@ -710,14 +704,14 @@ class PolicyTrainer:
         if b.use_loss_kl:
             assert b.ref_lp is not None
             x["ref_lp"] = _rows(b.ref_lp, ids, B, C)
-            x["kl_coef"] = torch.tensor(float(s.kl_coef))
+            x["kl_coef"] = torch.tensor(float(self.kl_coef))
         if self.moe:
             # The real tokens come first in the microbatch, padding (its own sequences) after; a microbatch with
             # no rollout (it only joins the other ranks' collectives) has none.
             real = sum(len(b.seqs[i]) - 1 for i in ids)
             x["router_mask"] = (torch.arange(tm.bucket.tokens) < real).float()
             x["router_tokens"] = torch.tensor(float(max(1, router_tokens)))
-        key = (tm.bucket, b.weights is not None, b.use_loss_kl)
+        key: MicrobatchKey = (tm.bucket, b.weights is not None, b.use_loss_kl)
         if b.proximal_cap is not None:  # decoupled PPO inside the forward (`_policy_body`)
             x["behaviour_lp"] = _rows(b.rollout_lp, ids, B, C)
             x["is_cap"] = torch.tensor(float(b.proximal_cap))
@@ -731,7 +725,7 @@ class PolicyTrainer:
 
     def _value_microbatch(self, b: StepBatch, ids: list[int], divisor: int) -> dict[str, float]:
         """The critic's clipped value loss on rollouts `ids`, backward into its gradients."""
-        s = self.s
+        a = self.s.algorithm
         assert self.critic is not None and b.old_values is not None and b.returns is not None
         dev = self.model.device
         if not ids:  # joins the other ranks' collectives with a zero loss
@@ -748,17 +742,17 @@ class PolicyTrainer:
             b.old_values[ids, :Lm].to(dev),
             b.returns[ids, :Lm].to(dev),
             b.full_mask[ids, :Lm].to(dev),
-            clip=s.value_clip,
-            aggregation=s.aggregation,
+            clip=a.value_clip,
+            aggregation=a.aggregation,
             loss_divisor=divisor,
             norm_constant=b.norm_constant,
         )
-        (s.vf_coef * vl).backward()
+        (a.vf_coef * vl).backward()
         return vm
 
     def read_results(self, b: StepBatch, pending: list[_QueuedMinibatch], acc: _Acc) -> dict[str, float]:
         """Read every queued minibatch's metrics back (the step's one wait for the device) and fold them."""
-        s = self.s
+        a = self.s.algorithm
         metrics = b.metrics
         grad_norms, nan_skips, num_updates = [], 0, 0
         for q in pending:
@@ -778,7 +772,7 @@ class PolicyTrainer:
                 # Metrics are per-token means whatever the aggregation (so runs compare), and `loss` is this
                 # microbatch's aggregated value (its own denominator, where the gradient uses the step's).
                 n_m = max(1, int(m.sum()))
-                local = n_m if s.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
+                local = n_m if a.aggregation == "token-mean" else max(1, int((m.sum(-1) > 0).sum()))
                 pm["entropy"] = pm.pop("entropy/sum") / n_m
                 if b.use_loss_kl:
                     pm["kl_ref"] = pm.pop("kl_ref/sum") / n_m
@@ -835,5 +829,13 @@ def _set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
     """FSDP2: reduce-scatter gradients in this backward only when `sync` (the minibatch's last microbatch, or
     every microbatch with train.fsdp_reduce = "microbatch"); before that they accumulate unsharded, in fp32.
     Nothing to do for an unsharded model."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:
+        set_sync(sync)
+
+
+def _required(t: _T | None, what: str) -> _T:
+    """`t`, which the step has set by now (`PolicyTrainer.prepare` fills a StepBatch in order)."""
+    if t is None:
+        raise RuntimeError(f"PolicyTrainer: {what} is not set at this point of the step")
+    return t

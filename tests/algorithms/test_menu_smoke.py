@@ -1,17 +1,11 @@
 """Every advantage estimator and every policy loss of the menu trains a few steps on the CPU quickstart.
 
-NEEDS THE LOOP / TRAINER INTEGRATION of issue 23 (exactrl/train/loop.py and trainer.py call `compute_advantages`
-and `policy_loss_terms(kind=algorithm.policy_loss)`). Until `TrainerSettings` has a `policy_loss` field these tests
-are marked xfail and not run (before the integration the loop would silently train GRPO + PPO-clip whatever the
-keys say, so running them would prove nothing); once it has, they run and must pass (strict).
-
 A representative subset, not the 63 pairs: pair i takes advantage i mod 9 and loss i mod 7, so every estimator and
 every loss trains at least once (9 runs of 2 steps, about a second each on a CPU), plus the adaptive KL controller.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import math
@@ -23,15 +17,6 @@ import pytest
 from exactrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSS_KINDS
 from exactrl.config import apply_overrides, config_from_dict
 from exactrl.train.loop import train
-from exactrl.train.trainer import TrainerSettings
-
-INTEGRATED = "policy_loss" in {f.name for f in dataclasses.fields(TrainerSettings)}
-pytestmark = pytest.mark.xfail(
-    not INTEGRATED,
-    run=False,
-    strict=True,
-    reason="needs the loop/trainer integration of issue 23 (TrainerSettings.policy_loss); see docs/algorithms.md",
-)
 
 PLUGIN = "menu_smoke_reward"
 # A deterministic reward in [0, 1] from the completion's text: varied within a group, so the estimators see signal.

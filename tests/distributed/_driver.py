@@ -296,7 +296,7 @@ def weights_job(job: dict) -> None:
     par.bind(model, replica)
     opt = MasterAdamW(model, lr=1e-2, dist=ctx)
     # Synthetic rollouts (no engine logprobs): the guard would refuse them; "warn" keeps the update.
-    settings = TrainerSettings(algorithm="grpo", exact=True, on_mismatch="warn")
+    settings = TrainerSettings(exact=True, on_mismatch="warn")
     trainer = PolicyTrainer(model, settings, opt, dist=ctx)
     g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank trains on rollouts of its own
     rollouts = [

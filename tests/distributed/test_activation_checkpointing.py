@@ -30,7 +30,7 @@ def _rollouts(n: int = 6) -> list[Rollout]:
 def _train_step(model) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     # Small microbatches: several forward/backward passes accumulate into one update.
     # Synthetic rollouts (no engine logprobs): "warn" lets the update through the exactness guard.
-    settings = TrainerSettings(algorithm="grpo", exact=True, max_tokens_per_microbatch=24, on_mismatch="warn")
+    settings = TrainerSettings(exact=True, max_tokens_per_microbatch=24, on_mismatch="warn")
     trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-2))
     m = trainer.step(_rollouts())
     return m, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -57,7 +57,9 @@ def test_episodes_cut_by_max_turns_are_truncated_for_the_metric_and_the_overlong
     assert sr.truncated == cut  # the whole step's (one process: this rank's)
     assert metrics["response_length/truncated_frac"] == sum(cut) / len(cut)
     # DAPO's overlong filter keeps the cut episodes out of the loss, not out of the guard.
-    s = dataclasses.replace(trainer_settings(cfg), overlong_filter=True)
+    s = trainer_settings(
+        dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, overlong_filter=True))
+    )
     b = PolicyTrainer(model, s, MasterAdamW(model, lr=0.0)).prepare(rollouts)
     for i, r in enumerate(rollouts):
         n = len(r.completion_ids)

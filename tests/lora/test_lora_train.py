@@ -6,6 +6,7 @@ import pytest
 import torch
 from lora_helpers import count_mismatched, lora_model, rollouts_and_scores, score
 
+from exactrl.config import AlgorithmConfig
 from exactrl.model.lora import ReferenceView, adapter_parameters, disable_adapters
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.trainer import PolicyTrainer, Rollout, TrainerSettings
@@ -31,7 +32,10 @@ def test_rl_step_trains_only_adapters_and_parity_holds_after(dtype):
     with disable_adapters(model):
         base_lp = score(model, flat, T)
     trainer = PolicyTrainer(
-        model, TrainerSettings(temperature=T, kl_coef=0.1, max_tokens_per_microbatch=64), opt, ref_model=ref
+        model,
+        TrainerSettings(AlgorithmConfig(kl_coef=0.1), temperature=T, max_tokens_per_microbatch=64),
+        opt,
+        ref_model=ref,
     )
     metrics = trainer.step(rollouts)
     assert metrics["optimizer_steps"] == 1.0

@@ -340,12 +340,27 @@ def test_sft_command(config, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------
 
 
+VALIDATIONS: list[int] = []  # RunConfig.validate's calls in small_run's `exactrl train`
+
+
 @pytest.fixture(scope="module")
 def small_run(config, tmp_path_factory) -> Path:
-    """One RL step of the small config (its final model is checkpoints/step-000001)."""
+    """One RL step of the small config (its final model is checkpoints/step-000001); counts the config's
+    validations in this process (VALIDATIONS)."""
+    from exactrl.config import RunConfig
+
     run = tmp_path_factory.mktemp("small_run") / "run"
-    assert main(["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]) == 0
+    real = RunConfig.validate
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunConfig, "validate", lambda cfg: VALIDATIONS.append(1) or real(cfg))
+        assert main(["train", str(config), "--set", f"run.output_dir={run}", "--set", "train.steps=1"]) == 0
     return run
+
+
+def test_one_train_validates_its_config_once(small_run):
+    """`exactrl train` in one process resolves its config once (exactrl.train.resolved.resolve_run) and the run
+    takes that: one validation, not one per layer that looks at the config."""
+    assert len(VALIDATIONS) == 1
 
 
 def test_train_into_a_run_dir_refuses_without_resume_or_overwrite(config, small_run, capsys):

@@ -30,8 +30,8 @@ def _probe(seen: list[int]):
 
 # (command line, the module attribute the command calls first, before any device work)
 COMMANDS = {
-    "train": (["train", CONFIG, "--set", "run.device=cuda"], "exactrl.train.preflight.check_run_config"),
-    "sft": (["sft", CONFIG, "--set", "run.device=cuda"], "exactrl.train.preflight.check_run_config"),
+    "train": (["train", CONFIG, "--set", "run.device=cuda"], "exactrl.train.resolved.resolve_run"),
+    "sft": (["sft", CONFIG, "--set", "run.device=cuda"], "exactrl.train.resolved.resolve_run"),
     "twin": (["twin", CONFIG, "--set", "run.device=cuda"], "exactrl.guard.twin.run_twin"),
     "eval": (
         ["eval", "--model", "MODEL", "--device", "cuda", "--no-run-config"],
@@ -81,7 +81,7 @@ def test_every_cuda_command_caps_the_host_threads(command, many_threads, monkeyp
 
 def test_a_cpu_run_and_omp_num_threads_keep_their_threads(many_threads, monkeypatch, tmp_path):
     argv = ["train", CONFIG, "--set", "run.device=cpu"]
-    assert _run(monkeypatch, tmp_path, argv, "exactrl.train.preflight.check_run_config") == [many_threads]
+    assert _run(monkeypatch, tmp_path, argv, "exactrl.train.resolved.resolve_run") == [many_threads]
     argv = ["bench", "train", "--device", "cpu"]
     assert _run(monkeypatch, tmp_path, argv, "exactrl.bench.bench_train") == [many_threads]
     monkeypatch.setenv("OMP_NUM_THREADS", str(many_threads))  # the user's (or torchrun's) choice stands

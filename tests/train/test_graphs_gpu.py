@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exactrl.config import AlgorithmConfig
 from exactrl.model import build_model, preset
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import completion_logprobs
@@ -40,10 +41,8 @@ def _run(exact: bool, graphs: bool, flip: bool = False, steps: int = 3, max_grap
     set_exact_environment(exact)
     model = build_model(preset("tiny"), device="cuda", dtype=torch.bfloat16, exact=exact, seed=0)
     settings = TrainerSettings(
-        algorithm="grpo",
+        AlgorithmConfig(minibatches_per_rollout=2, entropy_coef=0.01),
         max_tokens_per_microbatch=256,
-        minibatches=2,
-        entropy_coef=0.01,
         exact=exact,
         cuda_graphs=graphs,
         pad_microbatches=True,

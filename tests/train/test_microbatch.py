@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from exactrl.config import AlgorithmConfig
 from exactrl.model import build_model, preset
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import (
@@ -107,13 +108,15 @@ def test_padded_trainer_step_matches_the_unpadded_one(algorithm):
         model = _model(seed=1)
         rollouts = _rollouts(model, seed=2)
         settings = TrainerSettings(
-            algorithm=algorithm,
+            AlgorithmConfig(
+                name=algorithm,
+                minibatches_per_rollout=2,
+                entropy_coef=0.01,
+                eps_low=3e-4 if algorithm == "gspo" else 0.2,
+                eps_high=4e-4 if algorithm == "gspo" else 0.2,
+            ),
             max_tokens_per_microbatch=32,
-            minibatches=2,
-            entropy_coef=0.01,
             pad_microbatches=padded,
-            eps_low=3e-4 if algorithm == "gspo" else 0.2,
-            eps_high=4e-4 if algorithm == "gspo" else 0.2,
         )
         trainer = PolicyTrainer(model, settings, MasterAdamW(model, lr=1e-3))
         m = trainer.step(rollouts)

@@ -55,9 +55,13 @@ def sampled():
     return cfg, model, rollouts
 
 
-def _trainer(cfg, model, **settings) -> PolicyTrainer:
+def _trainer(cfg, model, *, overlong_filter: bool = False) -> PolicyTrainer:
     m = copy.deepcopy(model)
-    s = dataclasses.replace(trainer_settings(cfg), **settings)
+    s = trainer_settings(
+        dataclasses.replace(
+            cfg, algorithm=dataclasses.replace(cfg.algorithm, overlong_filter=overlong_filter)
+        )
+    )
     return PolicyTrainer(m, s, MasterAdamW(m, lr=1e-3))
 
 

@@ -45,7 +45,7 @@ consecutive positions (as AttentionBatch builds them), and have their own tile (
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -639,7 +639,7 @@ def attention_fwd(
     # Chunks from the slot table's width (static in a decode graph), not from this step's key lengths.
     max_chunks = triton.cdiv(slots.shape[1], split_keys) if split else 1
     if split:
-        f32 = dict(dtype=torch.float32, device=q.device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=q.device)
         if POISON_PARTIALS:  # a chunk nobody wrote looks seen (l = 1) and carries NaN into the output
             part_m = torch.zeros((B, hkv, max_chunks, g), **f32)
             part_l = torch.ones((B, hkv, max_chunks, g), **f32)

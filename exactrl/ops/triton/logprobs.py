@@ -371,6 +371,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_h:
                 gh_f += mm(gz, w_s.t(), out_dtype=torch.float32)
             if need_w:
+                assert gw is not None  # allocated above when need_w
                 # One element per row (no accumulation races): the target's, or + 0 (a no-op) at a clamped
                 # column when the target lies outside this slice. No host sync.
                 hit = (targets >= v0) & (targets < v1)

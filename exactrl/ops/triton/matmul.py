@@ -452,24 +452,24 @@ class _PackedLinear(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         sizes = ctx.sizes
-        grads = [
+        parts = [
             torch.zeros((x.shape[0], n), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
             for g, n in zip(grads, sizes)
         ]
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _segmented_dx(grads, weight)
+            gx = _segmented_dx(parts, weight)
             if gx is None:
-                gx = matmul(torch.cat(grads, dim=-1), weight.t())
+                gx = matmul(torch.cat(parts, dim=-1), weight.t())
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
         if ctx.needs_input_grad[1]:
             gw = torch.empty_like(weight)
-            for g, a, b in zip(grads, starts, starts[1:]):
+            for g, a, b in zip(parts, starts, starts[1:]):
                 torch.matmul(g.t(), x, out=gw[a:b])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = torch.cat([g.sum(0) for g in grads])
+            gb = torch.cat([g.sum(0) for g in parts])
         return gx, gw, gb, None
 
 

@@ -732,9 +732,11 @@ class _MoEExperts(torch.autograd.Function):
         if need_x or need_gu:
             d_gu = grouped_linear(d_o, down, plan, gather=False, transposed=True, dsilu_gu=gu)  # [S, 2I]
         if need_x:
+            assert d_gu is not None  # computed above for need_x
             d_xr = grouped_linear(d_gu, gate_up, plan, gather=False, transposed=True)  # [S, D]
             d_x = combine(d_xr, plan, None, T)
         if need_gu:
+            assert d_gu is not None  # computed above for need_gu
             d_gate_up = grouped_weight_grad(d_gu, x, plan, gather=True, out_dtype=gate_up.dtype)
         if need_down:
             h = silu_mul_fwd(gu[:, :inter], gu[:, inter:])

@@ -38,7 +38,7 @@ count only, so the same inputs on the same device give the same bits. No atomics
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import triton
@@ -558,7 +558,7 @@ def qk_norm_rope(
         q_out = rms_norm_rope(q, q_weight, eps, positions, cos_sin)
         k_out = rms_norm_rope(k, k_weight, eps, positions, cos_sin)
         if kv_cache is not None:
-            write_kv_cache(k_out, v, kv_cache, slot_mapping)
+            write_kv_cache(k_out, v, kv_cache, cast(torch.Tensor, slot_mapping))  # checked above
         return q_out, k_out
     (T, hq, D), hkv = q.shape, k.shape[1]
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
@@ -572,10 +572,12 @@ def qk_norm_rope(
     if T:
         block_d, rows, num_warps = norm_config(D)
         q_tiles = triton.cdiv(T * hq, rows)
-        k_cache, v_cache = kv_cache if fused_write else (k_out, k_out)
+        # (fused_write implies a cache and its slots, checked above: casts for the type checker only)
+        k_cache, v_cache = cast(tuple, kv_cache) if fused_write else (k_out, k_out)
+        slots = cast(torch.Tensor, slot_mapping).contiguous() if fused_write else positions
         _qk_norm_rope_kernel[(q_tiles + triton.cdiv(T * hkv, rows),)](
             q, k, v if fused_write else k, q_weight, k_weight, q_out, k_out, k_cache, v_cache,
-            slot_mapping.contiguous() if fused_write else positions, positions, cos_sin, cos_sin.stride(0),
+            slots, positions, cos_sin, cos_sin.stride(0),
             hq, hkv, q.stride(0), k.stride(0), v.stride(0) if fused_write else 0, T * hq, T * hkv, q_tiles, D,
             float(eps),
             ROWS=rows, BLOCK_D=block_d, WRITE_KV=fused_write, num_warps=num_warps,
@@ -583,7 +585,7 @@ def qk_norm_rope(
         )  # fmt: skip
     q_out, k_out = q_out.view(T, hq, D), k_out.view(T, hkv, D)
     if kv_cache is not None and not fused_write:
-        write_kv_cache(k_out, v, kv_cache, slot_mapping)
+        write_kv_cache(k_out, v, kv_cache, cast(torch.Tensor, slot_mapping))  # checked above
     return q_out, k_out
 
 

@@ -341,6 +341,10 @@ def gumbel_argmax(
         if key_parts.device != logits.device:
             raise ValueError(f"{what}: key_parts is on {key_parts.device}, the logits on {logits.device}")
         keys_arg, stride_p = key_parts, key_parts.stride(0)
+    elif keys is None:
+        raise ValueError(
+            f"{what}: pass keys (int64 [R]) or key_parts (int64 [4, R]), the sampling noise's keys"
+        )
     else:
         keys_arg, stride_p = _check_keys(keys, rows, logits.device, what), 0
     if greedy is not None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from exactrl.train.phases import MemoryPhases
 
 # A checkpoint's extra writer: called with the checkpoint's directory (or, sharded, this rank's share of it).
-Writer = Callable[[Path], None]
+Writer = Callable[[Path], object]  # its result is ignored
 
 
 @dataclass

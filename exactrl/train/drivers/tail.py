@@ -42,7 +42,7 @@ class TailDriver(SyncDriver):
         request_ids = [base + i for i in index]
         slot = {rid: k for k, rid in enumerate(request_ids)}
         trainer = ctx.trainer
-        trainer.s.kl_coef = ctx.kl_ctl.value  # as RLRun.update sets it
+        trainer.kl_coef = ctx.kl_ctl.value  # as RLRun.update sets it
         bar = progress_bar(
             len(prompt_ids) * a.group_size, f"step {step + 1} generate + train", cfg.run.progress
         )
