@@ -13,6 +13,7 @@ same bits hold the same fp8 copy:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -170,7 +171,7 @@ def fp8_sync_tensors(
 
 
 def fp8_sync_targets(
-    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+    model: nn.Module, params: Mapping[str, torch.Tensor], names: list[str], kinds: list[str]
 ) -> list[torch.Tensor]:
     """The receiver's side of `fp8_sync_tensors`: the tensor each sent one is received into, in order (an fp8
     copy's buffers themselves: its values as bytes)."""
@@ -189,7 +190,7 @@ def fp8_sync_targets(
 
 
 def fp8_sync_received(
-    model: nn.Module, params: dict[str, torch.Tensor], names: list[str], kinds: list[str]
+    model: nn.Module, params: Mapping[str, torch.Tensor], names: list[str], kinds: list[str]
 ) -> None:
     """After `fp8_sync_targets`' tensors were filled: each fp8 copy received is the copy of its weight as it is."""
     _, ops = _fp8_ops(model)
