@@ -336,6 +336,7 @@ GPU_ONLY = {
     "plan_check.py",
     "probe_decode_attn.py",
     "probe_decode_gemm.py",
+    "probe_fp8_gemm.py",
     "probe_l2_prefetch.py",
     "probe_moe.py",
     "probe_priority.py",

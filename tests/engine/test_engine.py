@@ -16,9 +16,17 @@ def _model(dtype=torch.float32, exact=True, seed=0):
     return build_model(preset("tiny"), dtype=dtype, exact=exact, seed=seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_exact_parity_with_sharing_chunking_preemption(dtype, temperature):
+# fp32 at T = 1 and bf16 at T = 0.7 by default; the other two pairs are `extended` (make test-all).
+@pytest.mark.parametrize(
+    "temperature,dtype",
+    [
+        pytest.param(1.0, torch.float32, id="1.0-float32"),
+        pytest.param(1.0, torch.bfloat16, marks=pytest.mark.extended, id="1.0-bfloat16"),
+        pytest.param(0.7, torch.float32, marks=pytest.mark.extended, id="0.7-float32"),
+        pytest.param(0.7, torch.bfloat16, id="0.7-bfloat16"),
+    ],
+)
+def test_exact_parity_with_sharing_chunking_preemption(temperature, dtype):
     r = run_parity(
         _model(dtype),
         num_prompts=6,
