@@ -145,8 +145,14 @@ def cmd_parity(args) -> int:
         )
         results.append(r)
     if args.json:
+        import torch
+
+        # What ran, for a record read apart from its command: the model (a preset or a checkpoint) and the GPU.
+        model = {"model": args.model} if args.model else {"preset": args.preset or "tiny"}
+        dev = torch.device(args.device)
+        gpu = {"gpu": torch.cuda.get_device_name(dev)} if dev.type == "cuda" else {}
         for r in results:
-            print(json.dumps(r.to_dict()))
+            print(json.dumps({**r.to_dict(), **model, **gpu}))
     else:
         print(
             f"{'mode':6} {'device':6} {'dtype':9} {'temp':>5} {'tokens':>8} {'mismatched':>10} {'max|diff|':>10} "
@@ -489,7 +495,10 @@ def _say_error(text: str, status: int) -> None:
     from exactrl.distributed.heartbeat import write_rank_error
 
     if not write_rank_error(text, status):
-        print(text, file=sys.stderr)
+        # One write of the whole line: print's text and newline are two writes to an unbuffered stderr, and the
+        # ranks of one launch share it, so two ranks' errors could run into one line.
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,10 @@
 and the trainer alike, so their logprobs stay bitwise equal.
 
 The recipe (DeepSeek-V3's block scaling):
-- Weights: e4m3 with one fp32 scale per 128 x 128 block, scale = amax(|block|) / 448, quantized from the fp32
-  master (`requantize_after_step`, after every optimizer step; at load from the loaded weights). A packed
+- Weights: e4m3 with one fp32 scale per 128 x 128 block, scale = amax(|block|) / 448, quantized from the
+  model-dtype weight (`requantize_after_step` after every optimizer step, once the fp32 master is written into it;
+  at load from the loaded weights): the weights every holder of them shares, so a resumed run, the one-step-off copy
+  and a replay quantize to the same bits. A packed
   projection (q/k/v, gate/up) is blocked part by part, so every part's bits are those of its own projection.
 - Activations: e4m3 per token and 128-channel group, the scale from that row's group alone (amax is exact in any
   order, and the division is IEEE), so a row's fp8 bits never depend on the other rows of the call.
@@ -82,7 +84,7 @@ def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def quantize_weight(
     w: torch.Tensor, parts: list[int] | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] (the fp32 master, or any float dtype, converted to fp32) -> (q [N, KB * 128] e4m3, zero past K;
+    """w: [N, K] (the model-dtype weight, or any float tensor, converted to fp32) -> (q [N, KB * 128] e4m3, zero past K;
     row_scale [N, KB] fp32: every row holds its 128 x 128 block's scale).
 
     parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's first

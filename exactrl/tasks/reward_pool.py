@@ -7,7 +7,7 @@ when it starts, and says it is ready; only then does a call's clock start, so a 
 not eat into the first call's timeout. A child of `forkserver` or `spawn` re-runs the parent's main module before
 its target (Python 3.11 does not preload it in the fork server): under `exactrl train` that is exactrl.cli, torch
 and the whole package, 2-3 s a worker on a 2-core machine. Functions named by spec ("file.py:fn", "module:fn") do
-not need it, so their workers start without it (`_main_not_rerun`: about 0.1 s); a function passed by value
+not need it, so their workers start without it (`_main_not_rerun`: about 0.2 s); a function passed by value
 (pickled by reference, perhaps to the script that was run, `__main__`) keeps the re-run it may need.
 
 One request per worker at a time. Per-sample calls go in chunks (one message for many calls: a pipe round trip
@@ -35,6 +35,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -293,11 +294,16 @@ def _context() -> Any:
     return multiprocessing.get_context(method)
 
 
+# Worker starts one at a time (`_main_not_rerun` changes the process-wide `__main__`): two overlapping blocks would
+# restore it out of order, and a start that needs the re-run must not fall inside another's hidden window.
+_START_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_not_rerun(needed: bool):
     """A worker started inside this block does not re-run the parent's main module (module docstring), unless
     `needed`. multiprocessing decides from `__main__.__spec__` / `__file__` when the process starts (its preparation
-    data, read in `Process.start`), so they are hidden for that call only."""
+    data, read in `Process.start`), so they are hidden for that call only. Callers hold `_START_LOCK`."""
     main = sys.modules.get("__main__")
     if needed or main is None:
         yield
@@ -335,7 +341,7 @@ class WorkerPool:
             name="exactrl-reward",
             daemon=True,
         )
-        with _main_not_rerun(needed=any(kind == "pickled" for kind, _, _ in self.refs)):
+        with _START_LOCK, _main_not_rerun(needed=any(kind == "pickled" for kind, _, _ in self.refs)):
             proc.start()
         child.close()
         worker = _Worker(proc, parent, progress)
