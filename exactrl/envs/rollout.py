@@ -653,7 +653,9 @@ def combine_episode_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         return {}
     if len(parts) == 1:
         return dict(parts[0])
-    n = sum(p["env/episodes"] for p in parts)
+    # episodes over the ranks that ran any (a single-turn run's parts hold only its non-environment keys, e.g.
+    # dynamic sampling's, and no env/* key that would need this count)
+    n = sum(p.get("env/episodes", 0) for p in parts)
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for p in parts for k in p):
         present = [p for p in parts if key in p]
