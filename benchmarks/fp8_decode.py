@@ -37,6 +37,9 @@ def main() -> int:
         help="comma-separated concurrencies: after their measurements, one more run of each precision under "
         "torch.profiler (warm-up and capture included), its kernels with the most GPU time as one JSON line",
     )
+    p.add_argument(
+        "--trace-dir", help="with --profile: also write each profiled run's Chrome trace here (.json.gz)"
+    )
     args = p.parse_args()
     cap_host_threads(args.device)  # the CLI's host-thread rule: a busy core beside the run must not halve it
 
@@ -75,7 +78,14 @@ def main() -> int:
                 for precision, ops in (("dtype", plain), ("fp8", fp8)):
                     model.set_ops(ops)
                     ns.precision = precision
-                    print(json.dumps(_profiled(ns, ctx, (args.device, model, tok), preset, c)), flush=True)
+                    trace = None
+                    if args.trace_dir:
+                        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                        trace = str(Path(args.trace_dir) / f"decode-{preset}-c{c}-{precision}.json.gz")
+                    print(
+                        json.dumps(_profiled(ns, ctx, (args.device, model, tok), preset, c, trace)),
+                        flush=True,
+                    )
             summary = {
                 "summary": "fp8_decode",
                 "preset": preset,
@@ -91,14 +101,17 @@ def main() -> int:
     return 0
 
 
-def _profiled(ns, ctx, loaded, preset: str, c: int, top: int = 15) -> dict:
-    """One `_rollout_on_rank` under torch.profiler: the kernels with the most GPU time (own time, all calls)."""
+def _profiled(ns, ctx, loaded, preset: str, c: int, trace: str | None = None, top: int = 15) -> dict:
+    """One `_rollout_on_rank` under torch.profiler: the kernels with the most GPU time (own time, all calls);
+    `trace`: the Chrome trace's path (benchmarks/trace_gaps.py reads it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from exactrl.bench import _rollout_on_rank
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _rollout_on_rank(ns, ctx, loaded=loaded)
+    if trace:
+        prof.export_chrome_trace(trace)
     kind = torch.autograd.DeviceType.CUDA
     events = sorted(
         (e for e in prof.key_averages() if e.device_type == kind),

@@ -15,6 +15,7 @@ from exactrl.ops.triton.common import num_programs_cap  # noqa: E402
 from exactrl.ops.triton.fp8_matmul import (  # noqa: E402
     FP8_FAMILY,
     FP8_REF_TILE,
+    FP8_SWAP_TILE,
     fp8_gemm_triton,
     fp8_tile,
 )
@@ -42,6 +43,13 @@ def test_fp8_kernel_rows_independent_and_close(dtype):
     full = fp8_gemm_triton(qx, sx, qw, sw, bias, dtype)
     for rows in ([0], [69], [5, 6], list(range(0, 70, 9))):
         assert torch.equal(fp8_gemm_triton(qx[rows], sx[rows], qw, sw, bias, dtype), full[rows]), rows
+    for rows in (
+        [0],
+        [3, 4, 5],
+        list(range(0, 70, 3)),
+    ):  # the swapped tile (few rows): its indexing and masks
+        swapped = fp8_gemm_triton(qx[rows], sx[rows], qw, sw, bias, dtype, tile=FP8_SWAP_TILE)
+        assert torch.equal(swapped, full[rows]), rows
     ref = _ref64(qx, sx, qw, sw, bias)
     # On the GPU the tensor core's fp8 dot does not keep fp32's bits inside a block (H200, 2026-11-29: 4e-5 of
     # the largest output off at fp32, where the interpreter's numpy dot is within 1e-6): 1e-3 there.
@@ -71,7 +79,7 @@ def _switch_rows(n: int, programs: int, top: int) -> list[int]:
 def test_fp8_kernel_row_sweep_gpu(n, k):
     """Every row count 1..69, around 128 and 256, and on both sides of every switch of the tile rule (so every tile
     of the family the rule picks at this shape) gives each row the bits it has in a 640-row call of the reference
-    tile; and every tile of the family, forced, does too at 1, 64, 65 and 640 rows. Shapes: qwen3-0.6b's four
+    tile; and every tile of the family and the swapped tile, forced, does too at 1, 31..33, 64, 65 and 640 rows. Shapes: qwen3-0.6b's four
     projections, qwen3-8b's gate/up and down, and an odd block count (23)."""
     if DEVICE != "cuda":
         pytest.skip("needs a GPU")
@@ -88,8 +96,8 @@ def test_fp8_kernel_row_sweep_gpu(n, k):
         part = fp8_gemm_triton(qx[-m:], sx[-m:], qw, sw, bias, torch.bfloat16)
         if not torch.equal(part, ref[-m:]):
             bad.append((m, fp8_tile(m, n, programs)))
-    for tile in FP8_FAMILY:
-        for m in (1, 64, 65, top):
+    for tile in FP8_FAMILY + (FP8_SWAP_TILE,):
+        for m in (1, 31, 32, 33, 64, 65, top):
             if not torch.equal(
                 fp8_gemm_triton(qx[-m:], sx[-m:], qw, sw, bias, torch.bfloat16, tile=tile), ref[-m:]
             ):

@@ -98,7 +98,7 @@ def fp8_grouped_gemm(
         return out
     # The column width from the dense rule at the call's routed row count (never a group's size); 64-row tiles,
     # the route plan's. Any tile of the family gives a row the same bits.
-    tile = fp8_tile(S, N, num_programs_cap(a.device))
+    tile = fp8_tile(S, N, num_programs_cap(a.device), swap=False)
     grid = (plan.max_tiles * triton.cdiv(N, tile.block_n),)
     _fp8_grouped_kernel[grid](
         a, a_scale, plan.tok, w, w_scale, out, plan.bounds, plan.tile_begin,
