@@ -42,7 +42,6 @@ class Fp8Tile:
     num_warps: int
     num_stages: int
     swap_ab: bool = False
-    pipelined: bool = False  # issue block kb + 1's dot before scaling block kb's (the same chain, in order)
 
 
 FP8_REF_TILE = Fp8Tile(
@@ -105,7 +104,6 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PIPE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # a dependent launch (engine decode steps) waits here for its predecessor's writes
@@ -123,37 +121,17 @@ def _fp8_gemm_kernel(
     as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
     ws_ptrs = ws_ptr + offs_wn.to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PIPE:  # block kb + 1's dot is issued before block kb's is scaled and added: the same chain, in order
+    for _kb in range(KB):  # in order: no split-K
         a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs)
-        d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
-        for _kb in range(1, KB):
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-            d_next = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
-            sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
-            sw = tl.load(ws_ptrs)
-            acc = acc + (d * sa[:, None]) * sw[None, :]
-            as_ptrs += 1
-            ws_ptrs += 1
-            d = d_next
+        d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
         sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
         sw = tl.load(ws_ptrs)
         acc = acc + (d * sa[:, None]) * sw[None, :]
-    else:
-        for _kb in range(KB):  # in order: no split-K
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-            d = tl.dot(a, tl.trans(w), out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
-            sa = tl.load(as_ptrs, mask=m_ok, other=0.0)
-            sw = tl.load(ws_ptrs)
-            acc = acc + (d * sa[:, None]) * sw[None, :]
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            as_ptrs += 1
-            ws_ptrs += 1
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        as_ptrs += 1
+        ws_ptrs += 1
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_wn).to(tl.float32)[None, :]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -242,12 +220,10 @@ def fp8_gemm_triton(
         return out
     if tile is None:
         tile = fp8_tile(m, n, num_programs_cap(a.device))
-    extra = {}
     if tile.swap_ab:
         kernel, grid = _fp8_gemm_swap_kernel, (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     else:
         kernel, grid = _fp8_gemm_kernel, (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
-        extra["PIPE"] = tile.pipelined
     kernel[grid](
         a,
         a_scale,
@@ -269,7 +245,6 @@ def fp8_gemm_triton(
         BLOCK_K=BLOCK_K,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **extra,
         **pdl(a.device),
     )
     return out
