@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from exactrl.ops.triton.common import num_programs_cap, pdl, pdl_wait
-from exactrl.ops.triton.matmul import _tile_coords
 
 BLOCK_K = 128
 
@@ -43,10 +42,6 @@ class Fp8Tile:
     num_warps: int
     num_stages: int
     swap_ab: bool = False
-    # Many rows: a persistent grid (one program a SM, tiles in grouped order) loading both operands by TMA
-    # (`_fp8_gemm_tma_kernel`); flatten: Triton pipelines across the persistent loop's tiles.
-    tma: bool = False
-    flatten: bool = False
 
 
 FP8_REF_TILE = Fp8Tile(
@@ -199,64 +194,6 @@ def _fp8_gemm_swap_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_tma_kernel(
-    a_desc,
-    w_desc,
-    as_ptr,
-    ws_ptr,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    KB,
-    stride_asm,
-    stride_wsn,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """`_fp8_gemm_kernel`'s chain on a persistent grid, both operands loaded by TMA (rows past M and past N arrive
-    as zeros: their dots are 0, never stored). Which program computes a tile never changes how."""
-    pdl_wait(USE_PDL)
-    start = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
-        ws_ptrs = ws_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(KB):
-            a = a_desc.load([off_m, kb * BLOCK_K])
-            w = w_desc.load([off_n, kb * BLOCK_K])
-            d = tl.dot(a, w.T, out_dtype=tl.float32)  # one block's dot, its own fp32 accumulator
-            sa = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
-            sw = tl.load(ws_ptrs + kb)
-            acc = acc + (d * sa[:, None]) * sw[None, :]
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in tensors)
-
-
 def fp8_gemm_triton(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -283,36 +220,6 @@ def fp8_gemm_triton(
         return out
     if tile is None:
         tile = fp8_tile(m, n, num_programs_cap(a.device))
-    if tile.tma and a.is_cuda and _tma_ok(a, w):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        cap = num_programs_cap(a.device)
-        tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-        _fp8_gemm_tma_kernel[(min(tiles, cap),)](
-            TensorDescriptor.from_tensor(a, [tile.block_m, BLOCK_K]),
-            TensorDescriptor.from_tensor(w, [tile.block_n, BLOCK_K]),
-            a_scale,
-            w_scale,
-            bias if bias is not None else out,
-            out,
-            m,
-            n,
-            kb,
-            a_scale.stride(0),
-            w_scale.stride(0),
-            out.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=BLOCK_K,
-            GROUP_M=8,
-            NUM_PROGRAMS=cap,
-            FLATTEN=tile.flatten,
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
-            **pdl(a.device),
-        )
-        return out
     if tile.swap_ab:
         kernel, grid = _fp8_gemm_swap_kernel, (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     else:
