@@ -22,6 +22,7 @@ import triton.language as tl
 
 from exactrl.ops.triton.common import next_pow2, num_programs_cap, pdl, pdl_wait
 from exactrl.ops.triton.fp8_matmul import BLOCK_K, FP8_FAMILY, fp8_tile
+from exactrl.ops.triton.moe import _MOE_DECODE_ROWS as _DECODE_ROWS
 from exactrl.ops.triton.moe import RoutePlan, _tile_expert, route_plan
 
 
@@ -96,9 +97,10 @@ def fp8_grouped_gemm(
     out = torch.empty(S, N, dtype=out_dtype, device=a.device)
     if S == 0 or N == 0:
         return out
-    # The column width from the dense rule at the call's routed row count (never a group's size); 64-row tiles,
-    # the route plan's. Any tile of the family gives a row the same bits.
-    tile = fp8_tile(S, N, num_programs_cap(a.device), swap=False)
+    # The tile from the call's routed row count (never a group's size); 64-row tiles, the route plan's. Any tile of
+    # the family gives a row the same bits. Few rows (decode): 64 x 64, the bf16 grouped kernel's decode tile (the
+    # dense rule's narrow tiles would multiply the worst-case grid's programs by E); many rows: the dense rule's.
+    tile = FP8_FAMILY[1] if S <= _DECODE_ROWS else fp8_tile(S, N, num_programs_cap(a.device), swap=False)
     grid = (plan.max_tiles * triton.cdiv(N, tile.block_n),)
     _fp8_grouped_kernel[grid](
         a, a_scale, plan.tok, w, w_scale, out, plan.bounds, plan.tile_begin,
