@@ -20,9 +20,10 @@ tensor core's fp32 dot instead, which need not round the same way: CPU and GPU a
 
 Backward (the trainer): the wrapped backend's own `linear` backward with the model-dtype weight W and the saved
 model-dtype x (`wrapped_linear_backward`): the gradient of the forward's function with the quantizers of x and of W
-taken as the identity, at the model dtype's speed. On CUDA that is `linear_backward` of
+taken as the identity, through the model dtype's kernels. On exact CUDA that is `linear_backward` of
 exactrl/ops/triton/matmul.py (dX through the exact Triton GEMM, dW by torch.matmul), the function the bf16
-projections' backward calls; on the CPU, autograd through the exact backend's `linear`. The fp32 master takes dW;
+projections' backward calls; on any other backend (the CPU's exact one, fast mode), autograd through its own
+`linear`, its forward run again in the backward. The fp32 master takes dW;
 the next forward uses its re-quantized blocks. The routed experts on CUDA: exactrl/ops/triton/fp8_moe.py.
 
 `Fp8Ops` wraps any backend: the model's projections registered with it (`exactrl.model.precision.use_fp8`) run this recipe; every other
