@@ -18,15 +18,21 @@ CPU emulation (`fp8_gemm_cpu`): the dot of two 128-long fp8 vectors is computed 
 picks, so the row's bits cannot depend on M. The GPU kernel (`exactrl/ops/triton/fp8_matmul.py`) takes the
 tensor core's fp32 dot instead, which need not round the same way: CPU and GPU are each exact with themselves.
 
-Backward (the trainer): straight-through. dX = dY @ W_deq and dW = dY^T @ X in fp32 (rounded to the parameter's
-dtype), W_deq the dequantized fp8 weight: the gradient of the function the forward computed with the quantizers
-taken as the identity. The fp32 master takes dW; the next forward uses its re-quantized blocks.
+Backward (the trainer): the wrapped backend's own `linear` backward with the model-dtype weight W and the saved
+model-dtype x (`wrapped_linear_backward`): the gradient of the forward's function with the quantizers of x and of W
+taken as the identity, through the model dtype's kernels. On exact CUDA that is `linear_backward` of
+exactrl/ops/triton/matmul.py (dX through the exact Triton GEMM, dW by torch.matmul), the function the bf16
+projections' backward calls; on any other backend (the CPU's exact one, fast mode), autograd through its own
+`linear`, its forward run again in the backward. The fp32 master takes dW;
+the next forward uses its re-quantized blocks. The routed experts on CUDA: exactrl/ops/triton/fp8_moe.py.
 
 `Fp8Ops` wraps any backend: the model's projections registered with it (`exactrl.model.precision.use_fp8`) run this recipe; every other
 op, and every weight not registered (the LM head, the MoE router), is the wrapped backend's unchanged.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -154,36 +160,119 @@ def fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
     return fp8_gemm_cpu(a, a_scale, w, w_scale, bias, out_dtype)
 
 
+def _triton_linear_backward(inner: Ops):
+    """exactrl/ops/triton/matmul.py when `inner`'s linear is TritonOps' (the exact CUDA backend), else None. A
+    TritonOps exists only once its module is imported: a CPU run never imports triton for this question."""
+    triton_ops = sys.modules.get("exactrl.ops.triton_ops")
+    if triton_ops is None or type(inner).linear is not triton_ops.TritonOps.linear:
+        return None
+    from exactrl.ops.triton import matmul
+
+    return matmul
+
+
+def _grads_through(outputs, grads, inputs, needs):
+    """d(inputs) of `outputs` (recomputed with autograd on) for `grads` (None: zero), None where not needed."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    if not pairs:
+        return (None,) * len(inputs)
+    wanted = [t for t, n in zip(inputs, needs) if n and t is not None]
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    return tuple(next(got) if n and t is not None else None for t, n in zip(inputs, needs))
+
+
+def _detached(x, weight, bias, needs):
+    return tuple(
+        None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip((x, weight, bias), needs)
+    )
+
+
+def wrapped_linear_backward(inner: Ops, grad_out, x, weight, bias, needs) -> tuple:
+    """The backward of `inner.linear(x, weight, bias)` for grad_out (the wrapped backend's own arithmetic, the
+    fp8 projections' backward): exact CUDA, `linear_backward` of exactrl/ops/triton/matmul.py (the one its
+    `_Linear` calls); any other backend, autograd through its own `linear` (run again: the CPU's exact linear pads
+    the rows, and its backward is torch's on the padded rows)."""
+    mm = _triton_linear_backward(inner)
+    if mm is not None:
+        return mm.linear_backward(grad_out, x, weight, bias is not None, needs)
+    with torch.enable_grad():
+        xd, wd, bd = _detached(x, weight, bias, needs)
+        return _grads_through([inner.linear(xd, wd, bd)], [grad_out], (xd, wd, bd), needs)
+
+
+def wrapped_packed_linear_backward(inner: Ops, grads, x, weight, bias, sizes, needs) -> tuple:
+    """`wrapped_linear_backward` of `inner.packed_linear(x, weight, bias, sizes)`, grads one per part (None: zero)."""
+    mm = _triton_linear_backward(inner)
+    if mm is not None:
+        return mm.packed_linear_backward(grads, x, weight, sizes, bias is not None, needs)
+    with torch.enable_grad():
+        xd, wd, bd = _detached(x, weight, bias, needs)
+        return _grads_through(inner.packed_linear(xd, wd, bd, sizes), grads, (xd, wd, bd), needs)
+
+
 class _Fp8Linear(torch.autograd.Function):
-    """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: straight-through.
-    q_w may be the fp8 values' exact float64 copy (the CPU's operand: the fp8 -> float64 conversion is slow)."""
+    """Forward: quantize x's rows, the fp8 GEMM against the quantized weight. Backward: the wrapped backend's
+    `linear` backward with the model-dtype weight (the quantizers taken as the identity), so x and the weight are
+    kept, not their fp8 values. q_w may be the fp8 values' exact float64 copy (the CPU's operand: the fp8 ->
+    float64 conversion is slow)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, q_w, s_w):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, q_w, s_w, inner):  # type: ignore[override]
         q_x, s_x = quantize_activations(x)
-        out = fp8_gemm(q_x, s_x, q_w, s_w, bias, x.dtype)
-        ctx.save_for_backward(x, q_w, s_w)
-        ctx.meta = (weight.dtype, bias is not None)
-        return out
+        ctx.save_for_backward(x, weight, bias)
+        ctx.inner = inner
+        return fp8_gemm(q_x, s_x, q_w, s_w, bias, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x, q_w, s_w = ctx.saved_tensors
-        w_dtype, has_bias = ctx.meta
-        g = grad_out.float()
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = (g @ dequantize_weight(q_w, s_w, x.shape[1])).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = (g.t() @ x.float()).to(w_dtype)
-        if has_bias and ctx.needs_input_grad[2]:
-            gb = g.sum(0).to(w_dtype)
-        return gx, gw, gb, None, None
+        x, weight, bias = ctx.saved_tensors
+        grads = wrapped_linear_backward(ctx.inner, grad_out, x, weight, bias, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None)
 
 
-def fp8_linear(x, weight, bias, q_w, s_w) -> torch.Tensor:
-    """x: [T, K], weight: [N, K] (the parameter gradients go to), (q_w, s_w) its `quantize_weight` -> [T, N]."""
-    return _Fp8Linear.apply(x, weight, bias, q_w, s_w)
+class _Fp8PackedLinear(torch.autograd.Function):
+    """`_Fp8Linear` of a packed weight, split into its parts (views of one output); the backward is the wrapped
+    backend's `packed_linear` backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, q_w, s_w, sizes, inner):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        q_x, s_x = quantize_activations(x)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.inner, ctx.sizes = inner, sizes
+        return fp8_gemm(q_x, s_x, q_w, s_w, bias, x.dtype).split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        out = wrapped_packed_linear_backward(ctx.inner, grads, x, weight, bias, ctx.sizes, needs)
+        return (*out, None, None, None, None)
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    # As the wrapped backends take it (a backward's dW reads x as saved).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fp8_linear(x, weight, bias, q_w, s_w, inner: Ops | None = None) -> torch.Tensor:
+    """x: [T, K], weight: [N, K] (the model-dtype parameter the gradients go to), (q_w, s_w) its `quantize_weight`
+    -> [T, N]. The backward is `inner`'s linear backward (default: the exact backend of x's device)."""
+    return _Fp8Linear.apply(_unit_stride(x), weight, bias, q_w, s_w, inner or _exact_ops(x))
+
+
+def fp8_packed_linear(x, weight, bias, q_w, s_w, sizes: list[int], inner: Ops | None = None) -> tuple:
+    """`fp8_linear` of a packed weight [sum(sizes), K], one [T, size] output per part; backward: `inner`'s
+    packed_linear backward."""
+    return _Fp8PackedLinear.apply(
+        _unit_stride(x), weight, bias, q_w, s_w, list(sizes), inner or _exact_ops(x)
+    )
+
+
+def _exact_ops(x: torch.Tensor) -> Ops:
+    from exactrl.ops import get_ops
+
+    return get_ops(x.device)
 
 
 class Fp8Weight:
@@ -297,7 +386,7 @@ class Fp8Ops:
         entry = self._entry(weight)
         if entry is None:  # the LM head, the router: the wrapped backend's
             return self.inner.linear(x, weight, bias)
-        return fp8_linear(x, weight, bias, entry.operand, entry.scale)
+        return fp8_linear(x, weight, bias, entry.operand, entry.scale, self.inner)
 
     def packed_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]
@@ -309,17 +398,16 @@ class Fp8Ops:
             raise ValueError(
                 f"fp8 packed_linear: the weight was registered with parts {entry.parts}, got {sizes}"
             )
-        return fp8_linear(x, weight, bias, entry.operand, entry.scale).split(list(sizes), dim=-1)
+        return fp8_packed_linear(x, weight, bias, entry.operand, entry.scale, sizes, self.inner)
 
     def moe_experts(self, x, gate_up, down, weights, ids) -> torch.Tensor:
         """The routed experts in fp8: expert e's gate|up and down GEMMs with its own blocks, combined in rank
         order in fp32 (`experts_exact`'s arithmetic with the fp8 GEMM). The GEMM is row-local, so a slot's bits
-        do not depend on which other slots share its expert's call. On the CPU each expert takes its routed slots
-        (counts read on the host). On CUDA without gradients (the engine) the grouped fp8 kernel runs each expert
-        over its routed slots only, sorted on the device (`exactrl/ops/triton/fp8_moe.py`: no host sync, CUDA
-        graphs capture it); with gradients (the trainer's forward) every expert runs over every slot and keeps
-        those routed to it (`torch.where`, no arithmetic; autograd through `fp8_linear`): E times the FLOPs, the
-        same bits (tests/ops/test_fp8_moe.py)."""
+        do not depend on which other slots share its expert's call. On CUDA the grouped fp8 kernels run each
+        expert over its routed slots, sorted on the device (`exactrl/ops/triton/fp8_moe.py`: no host sync, CUDA
+        graphs capture it), with gradients (the trainer) the same forward and the exact bf16 experts' backward
+        with the model-dtype weights. On the CPU each expert takes its routed slots (counts read on the host),
+        autograd through `fp8_linear`."""
         from exactrl.ops.moe_torch import check_experts_args
 
         e_gu, e_down = self._entry(gate_up), self._entry(down)
@@ -327,25 +415,20 @@ class Fp8Ops:
             return self.inner.moe_experts(x, gate_up, down, weights, ids)
         check_experts_args(x, gate_up, down, weights, ids)
         if x.device.type == "cuda":
-            needs_grad = torch.is_grad_enabled() and (
-                x.requires_grad or gate_up.requires_grad or down.requires_grad
-            )
-            if not needs_grad:  # the engine: grouped, the same bits (exactrl/ops/triton/fp8_moe.py)
-                from exactrl.ops.triton.fp8_moe import fp8_experts_grouped
+            from exactrl.ops.triton.fp8_moe import fp8_moe_experts
 
-                return fp8_experts_grouped(
-                    x, (e_gu.q, e_gu.scale), (e_down.q, e_down.scale), weights, ids, self.inner.silu_mul,
-                    quantize_activations,
-                )  # fmt: skip
-            return self.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
+            return fp8_moe_experts(
+                x, gate_up, down, weights, ids, (e_gu.q, e_gu.scale), (e_down.q, e_down.scale),
+                self.inner.silu_mul, quantize_activations,
+            )  # fmt: skip
         return self.experts_grouped(x, gate_up, down, weights, ids, e_gu, e_down)
 
     def _expert(self, rows, e, gate_up, down, e_gu: Fp8Weight, e_down: Fp8Weight) -> torch.Tensor:
         """rows [R, D] through expert e: fp8 gate|up, silu_mul, fp8 down -> [R, D]."""
         inter = gate_up.shape[1] // 2
-        gu = fp8_linear(rows, gate_up[e], None, e_gu.operand[e], e_gu.scale[e])
+        gu = fp8_linear(rows, gate_up[e], None, e_gu.operand[e], e_gu.scale[e], self.inner)
         h = self.inner.silu_mul(gu[:, :inter], gu[:, inter:])
-        return fp8_linear(h, down[e], None, e_down.operand[e], e_down.scale[e])
+        return fp8_linear(h, down[e], None, e_down.operand[e], e_down.scale[e], self.inner)
 
     def experts_grouped(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
         """Each expert on the slots routed to it (the counts read on the host), scattered back, rank-order combine."""
@@ -363,18 +446,6 @@ class Fp8Ops:
         outs = torch.empty_like(sorted_out)
         outs[order] = sorted_out
         return combine_rank_order(outs.view(t, k, x.shape[1]), weights, x.dtype)
-
-    def experts_all_slots(self, x, gate_up, down, weights, ids, e_gu, e_down) -> torch.Tensor:
-        """Every expert over every token, each keeping the slots routed to it (`torch.where`: a selection, no
-        arithmetic): no data-dependent shape, so CUDA graphs capture it."""
-        from exactrl.ops.moe_torch import combine_rank_order
-
-        t, k = ids.shape
-        outs = x.new_zeros(t, k, x.shape[1])
-        for e in range(gate_up.shape[0]):
-            o = self._expert(x, e, gate_up, down, e_gu, e_down)
-            outs = torch.where((ids == e)[..., None], o[:, None, :], outs)
-        return combine_rank_order(outs, weights, x.dtype)
 
 
 def check_fp8_device(device: torch.device | str) -> None:

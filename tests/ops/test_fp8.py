@@ -3,6 +3,7 @@ row-locality, and the CPU GEMM's batch invariance, each exactness check with a n
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from exactrl.ops.fp8 import (
@@ -13,6 +14,7 @@ from exactrl.ops.fp8 import (
     dequantize_weight,
     fp8_gemm_cpu,
     fp8_linear,
+    fp8_packed_linear,
     quantize_activations,
     quantize_weight,
 )
@@ -132,16 +134,53 @@ def test_cpu_gemm_dot_order_matters_negative_control():
     assert torch.equal(f64, b64)
 
 
-def test_fp8_linear_straight_through_backward():
-    x = _data(6, 200, seed=8, scale_rows=False).requires_grad_(True)
-    w = (0.05 * _data(40, 200, seed=9, scale_rows=False)).requires_grad_(True)
-    q, s = quantize_weight(w.detach())
-    y = fp8_linear(x, w, None, q, s)
-    g = torch.randn_like(y)
-    y.backward(g)
-    w_deq = dequantize_weight(q, s, 200)
-    assert torch.equal(x.grad, g @ w_deq)
-    assert torch.equal(w.grad, g.t() @ x.detach())
+def _grads(fn, x, w, b, g):
+    """(dX, dW, dB) of fn(x, w, b) for grad_out g (a tensor, or one per output), w and b used as given (the
+    parameters an Fp8Ops registered), their gradients taken away after."""
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x, w, b)
+    torch.autograd.backward(y, g)
+    out = x.grad, w.grad, b.grad
+    w.grad = b.grad = None
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_backward_is_the_wrapped_backends(dtype):
+    """The fp8 projections' backward is the wrapped backend's `linear` backward with the model-dtype weight (the
+    quantizers taken as the identity): dX, dW and dB torch.equal those of ExactTorchOps.linear given the same
+    grad_out, at a row count the exact linear pads (13), for a plain and a packed projection."""
+    inner = ExactTorchOps()
+    ops = Fp8Ops(inner)
+    x = _data(13, 200, seed=8).to(dtype)
+    # trained-looking: rows and columns of other magnitudes
+    w = torch.nn.Parameter((0.05 * _data(72, 200, seed=9)).to(dtype))
+    b = torch.nn.Parameter(torch.randn(72).to(dtype))
+    g = torch.randn(13, 72).to(dtype)
+    ops.register(w)
+    got = _grads(ops.linear, x, w, b, g)
+    ref = _grads(inner.linear, x, w, b, g)
+    for a, r in zip(got, ref):
+        assert a.dtype == dtype and torch.equal(a, r)
+    # negative control: the old straight-through dX, in fp32 through the dequantized fp8 weight, is other numbers
+    q, s = quantize_weight(w.detach().float())
+    old_dx = (g.float() @ dequantize_weight(q, s, 200)).to(dtype)
+    assert not torch.equal(old_dx, got[0])
+    # the packed projection (q | k | v): its parts' gradients as they come, one of them unused (None)
+    sizes = [40, 16, 16]
+    ops.clear()
+    ops.register(w, sizes)
+    gs = list(g.split(sizes, dim=-1))
+    got = _grads(lambda *a: ops.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])
+    ref = _grads(lambda *a: inner.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])
+    for a, r in zip(got, ref):
+        assert torch.equal(a, r)
+    # and the function itself, its backward given the wrapped backend explicitly
+    e = ops._entry(w)
+    got = _grads(lambda *a: fp8_packed_linear(*a, e.operand, e.scale, sizes, inner)[:2], x, w, b, gs[:2])
+    assert all(torch.equal(a, r) for a, r in zip(got, ref))
+    got = _grads(lambda *a: fp8_linear(*a, e.operand, e.scale), x, w, b, g)  # default: the CPU's exact ops
+    assert all(torch.equal(a, r) for a, r in zip(got, _grads(inner.linear, x, w, b, g)))
 
 
 def test_fp8_ops_requantizes_a_changed_weight():
@@ -159,9 +198,22 @@ def test_fp8_ops_requantizes_a_changed_weight():
     assert torch.equal(ops.linear(x, other.weight), ExactTorchOps().linear(x, other.weight))  # not registered
 
 
+def _all_slots(ops, x, gate_up, down, weights, ids, e_gu, e_down):
+    """Every expert over every token, each keeping the slots routed to it (`torch.where`: no arithmetic)."""
+    from exactrl.ops.moe_torch import combine_rank_order
+
+    t, k = ids.shape
+    outs = x.new_zeros(t, k, x.shape[1])
+    for e in range(gate_up.shape[0]):
+        o = ops._expert(x, e, gate_up, down, e_gu, e_down)
+        outs = torch.where((ids == e)[..., None], o[:, None, :], outs)
+    return combine_rank_order(outs, weights, x.dtype)
+
+
 def test_fp8_experts_grouped_equal_all_slots():
-    """The CPU's grouped experts (each expert on its routed slots) and CUDA's all-slots form (every expert on
-    every token, the routed slots kept) give every token the same bits: the fp8 GEMM is row-local."""
+    """The CPU's grouped experts (each expert on its routed slots) and the all-slots form (every expert on every
+    token, the routed slots kept: what CUDA's grouped kernels compute) give every token the same bits: the fp8
+    GEMM is row-local."""
     from exactrl.ops.moe_torch import route_topk
 
     g = torch.Generator().manual_seed(11)
@@ -175,7 +227,7 @@ def test_fp8_experts_grouped_equal_all_slots():
     weights, ids = route_topk(torch.randn(t, e, generator=g), 2, True)
     entries = ops._entry(gate_up), ops._entry(down)
     grouped = ops.experts_grouped(x, gate_up, down, weights, ids, *entries)
-    every = ops.experts_all_slots(x, gate_up, down, weights, ids, *entries)
+    every = _all_slots(ops, x, gate_up, down, weights, ids, *entries)
     assert torch.equal(grouped, every)
     assert torch.equal(ops.moe_experts(x, gate_up, down, weights, ids), grouped)
     # a token alone gets its bits from the full call

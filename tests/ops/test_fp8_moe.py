@@ -1,7 +1,7 @@
 """The grouped fp8 experts (exactrl/ops/triton/fp8_moe.py) give the bits of the all-slots composition (every
-expert over every token, keeping its routed slots: `Fp8Ops.experts_all_slots`'s arithmetic): torch.equal. Without
-CUDA in Triton's interpreter at small shapes (the composition built from the dense fp8 kernel); on a GPU (`gpu`)
-through `Fp8Ops.moe_experts` at qwen3-30b-a3b-like shapes, grouped (no gradients) against all slots."""
+expert over every token through the dense fp8 kernel, keeping its routed slots): torch.equal. Without CUDA in
+Triton's interpreter at small shapes; on a GPU (`gpu`) through `Fp8Ops.moe_experts` at qwen3-30b-a3b-like shapes,
+grouped (no gradients) against all slots. Their backward: test_fp8_backward.py."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _quantized(w, parts=None):
 
 
 def _all_slots(x, gu_q, down_q, weights, ids, silu_mul, quantize):
-    """Every expert over every token through the dense fp8 kernel, keeping its slots (experts_all_slots)."""
+    """Every expert over every token through the dense fp8 kernel, keeping its slots (`torch.where`: no
+    arithmetic)."""
     t, k = ids.shape
     inter = gu_q[0].shape[1] // 2
     outs = x.new_zeros(t, k, x.shape[1])
@@ -75,7 +76,7 @@ def test_grouped_equals_all_slots_interpret():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 64, 300])
 def test_grouped_equals_all_slots_gpu(t):
-    """Fp8Ops.moe_experts on CUDA without gradients (the grouped kernel) equals experts_all_slots, torch.equal,
+    """Fp8Ops.moe_experts on CUDA without gradients (the grouped kernel) equals the all-slots form, torch.equal,
     at qwen3-30b-a3b's expert shapes (D 2048, I 768, 128 experts, 8 a token), and inside a CUDA graph replayed
     with another routing."""
     if DEVICE != "cuda":
@@ -87,9 +88,11 @@ def test_grouped_equals_all_slots_gpu(t):
     ops.register(gate_up, [768, 768])
     ops.register(down)
     e_gu, e_down = ops._entry(gate_up), ops._entry(down)
+    fp8 = (e_gu.q, e_gu.scale), (e_down.q, e_down.scale)
+    silu_mul = ops.inner.silu_mul
     with torch.no_grad():
         got = ops.moe_experts(x, gate_up, down, weights, ids)
-        ref = ops.experts_all_slots(x, gate_up, down, weights, ids, e_gu, e_down)
+        ref = _all_slots(x, *fp8, weights, ids, silu_mul, quantize_activations_triton)
         assert torch.equal(got, ref)
         # A CUDA graph captured with one routing, replayed with another: the graph's result equals eager.
         ids_b = _moe(t, 2048, 768, 128, 8, seed=t + 1)[4]
@@ -101,6 +104,6 @@ def test_grouped_equals_all_slots_gpu(t):
             static_out = ops.moe_experts(x, gate_up, down, weights, static_ids)
         static_ids.copy_(ids_b)
         graph.replay()
-        ref_b = ops.experts_all_slots(x, gate_up, down, weights, ids_b, e_gu, e_down)
+        ref_b = _all_slots(x, *fp8, weights, ids_b, silu_mul, quantize_activations_triton)
         assert torch.equal(static_out, ref_b)
         assert t == 1 or not torch.equal(ref_b, ref)

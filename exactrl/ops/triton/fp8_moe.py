@@ -1,15 +1,20 @@
 """The routed experts in fp8 on CUDA, grouped: each expert's GEMMs over the slots routed to it only.
 
-`fp8_experts_grouped` computes what `Fp8Ops.experts_all_slots` computes (every expert over every token, each
-keeping its routed slots) with the FLOPs of the routed slots alone, bit for bit:
+`fp8_experts_grouped` computes what every expert over every token, each keeping its routed slots, would compute
+(the composition of `Fp8Ops`'s per-expert fp8 projections), with the FLOPs of the routed slots alone, bit for bit:
 - the routed (token, rank) slots are sorted by expert on the device (`exactrl.ops.triton.moe.route_plan`, the bf16
   exact path's layout: no host synchronisation, grids sized for the worst case, so CUDA graphs capture it);
 - x is quantized once (`quantize_activations` is row-local: a row's fp8 bits are the same in any call);
 - the grouped fp8 GEMM gives each routed row the bits the dense fp8 GEMM gives it (`_fp8_grouped_kernel`: a 64-row
   tile of one expert's rows runs exactly `exactrl/ops/triton/fp8_matmul.py`'s per-element chain, one fresh fp32
   dot per 128-block, scaled, added in order; tiles of the family give the same bits: checked there);
-- silu_mul, the quantizer of h and the rank-order combine are the same ops the all-slots path calls, on the same
-  rows (silu_mul and the quantizer are row-local).
+- silu_mul, the quantizer of h and the rank-order combine are the same ops the per-expert composition calls, on
+  the same rows (silu_mul and the quantizer are row-local).
+
+With gradients (the trainer's forward, `fp8_moe_experts`) the forward is the same function, so the engine and the
+trainer get the same bits; the backward is the exact bf16 experts' (`exactrl.ops.triton.moe.experts_backward`)
+with the model-dtype expert weights, fed the forward's gate/up rows and expert outputs: the quantizers taken as the
+identity, as in the fp8 projections' backward (exactrl/ops/fp8.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import triton.language as tl
 from exactrl.ops.triton.common import next_pow2, num_programs_cap, pdl, pdl_wait
 from exactrl.ops.triton.fp8_matmul import BLOCK_K, FP8_FAMILY, fp8_tile
 from exactrl.ops.triton.moe import _MOE_DECODE_ROWS as _DECODE_ROWS
-from exactrl.ops.triton.moe import RoutePlan, _tile_expert, route_plan
+from exactrl.ops.triton.moe import RoutePlan, _tile_expert, experts_backward, moe_tile_config, route_plan
 
 
 @triton.jit
@@ -114,18 +119,8 @@ def fp8_grouped_gemm(
     return out
 
 
-def fp8_experts_grouped(
-    x: torch.Tensor,
-    gate_up: tuple[torch.Tensor, torch.Tensor],
-    down: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
-    """x: [T, D]; gate_up: (q [E, 2I, KB * 128] e4m3, scale [E, 2I, KB]); down: (q [E, D, KBI * 128], scale);
-    weights: [T, k] fp32; ids: [T, k] -> [T, D] in x.dtype: `Fp8Ops.experts_all_slots`'s bits, routed slots only.
-    silu_mul and quantize: the ops the all-slots path calls (the wrapped backend's silu_mul, the fp8 quantizer)."""
+def _fp8_experts_fwd(x, gate_up, down, weights, ids, silu_mul, quantize):
+    """`fp8_experts_grouped`'s steps -> (out [T, D], gu [S, 2I] and o [S, D] in sorted order, the route plan)."""
     from exactrl.ops.moe_torch import combine_rank_order
 
     t, k = ids.shape
@@ -137,4 +132,69 @@ def fp8_experts_grouped(
     h = silu_mul(gu[:, :inter], gu[:, inter:])
     q_h, s_h = quantize(h)
     o = fp8_grouped_gemm(q_h, s_h, down[0], down[1], plan, False, x.dtype)  # [S, D], sorted
-    return combine_rank_order(o[plan.pos].view(t, k, -1), weights, x.dtype)
+    return combine_rank_order(o[plan.pos].view(t, k, -1), weights, x.dtype), gu, o, plan
+
+
+def fp8_experts_grouped(
+    x: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """x: [T, D]; gate_up: (q [E, 2I, KB * 128] e4m3, scale [E, 2I, KB]); down: (q [E, D, KBI * 128], scale);
+    weights: [T, k] fp32; ids: [T, k] -> [T, D] in x.dtype: each expert's fp8 GEMMs over its routed slots, the bits
+    of every expert over every token keeping its slots (module docstring). No gradients (the engine's).
+    silu_mul and quantize: the wrapped backend's silu_mul, the fp8 quantizer."""
+    return _fp8_experts_fwd(x, gate_up, down, weights, ids, silu_mul, quantize)[0]
+
+
+class _Fp8MoEExperts(torch.autograd.Function):
+    """Forward: `fp8_experts_grouped`'s steps (the same bits), keeping gu, o and the route plan. Backward: the
+    exact bf16 experts' backward (`exactrl.ops.triton.moe.experts_backward`) with the model-dtype expert weights:
+    the quantizers of x, of h and of the weights taken as the identity, as the fp8 projections' backward."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, weights, ids, gate_up_fp8, down_fp8, silu_mul, quantize):  # type: ignore[override]
+        out, gu, o, plan = _fp8_experts_fwd(x, gate_up_fp8, down_fp8, weights, ids, silu_mul, quantize)
+        ctx.save_for_backward(
+            x, gate_up, down, weights, ids, gu, o, plan.tok, plan.pos, plan.bounds, plan.tile_begin
+        )
+        ctx.plan_meta = (plan.num_experts, plan.top_k, plan.block_m, plan.max_tiles)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, gate_up, down, weights, ids, gu, o, tok, pos, bounds, tile_begin = ctx.saved_tensors
+        plan = RoutePlan(tok, pos, bounds, tile_begin, *ctx.plan_meta)
+        rows = moe_tile_config(tok.shape[0], x.dtype).block_m
+        if rows != plan.block_m:
+            # The bf16 kernels' row tiles differ from the fp8 ones (today both are 64 rows): their plan. The sorted
+            # order (tok, pos, bounds) is the same stable sort, so gu and o are in its order too.
+            plan = route_plan(ids, plan.num_experts, rows)
+        grads = experts_backward(grad_out, x, gate_up, down, weights, gu, o, plan, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None, None, None)
+
+
+def fp8_moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up_fp8: tuple[torch.Tensor, torch.Tensor],
+    down_fp8: tuple[torch.Tensor, torch.Tensor],
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The routed experts in fp8, grouped: `fp8_experts_grouped` (gate_up_fp8, down_fp8: the model-dtype stacks
+    gate_up [E, 2I, D] and down [E, D, I] quantized), differentiable w.r.t. x, gate_up, down and weights when
+    gradients are on (`_Fp8MoEExperts`: the same forward bits, the exact bf16 experts' backward)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate_up, down, weights)):
+        return _Fp8MoEExperts.apply(x, gate_up, down, weights, ids, gate_up_fp8, down_fp8, silu_mul, quantize)
+    return fp8_experts_grouped(x, gate_up_fp8, down_fp8, weights, ids, silu_mul, quantize)

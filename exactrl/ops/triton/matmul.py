@@ -34,6 +34,7 @@ GEMM (`_segmented_dx`), which has the bits of the GEMM over their concatenation 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -383,11 +384,20 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        gx = matmul(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
-        gw = torch.matmul(grad_out.t(), x) if ctx.needs_input_grad[1] else None
-        gb = grad_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        return linear_backward(grad_out, x, weight, ctx.has_bias, ctx.needs_input_grad)
+
+
+def linear_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, needs: Sequence[bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`linear`'s backward (also the fp8 projections', exactrl/ops/fp8.py): grad_out [M, N], x [M, K] (the forward's
+    input, unit last stride), weight [N, K]; needs: which of (x, weight, bias) want a gradient -> (dX [M, K],
+    dW [N, K], dBias [N]), None where not needed."""
+    grad_out = grad_out.contiguous()
+    gx = matmul(grad_out, weight.t()) if needs[0] else None
+    gw = torch.matmul(grad_out.t(), x) if needs[1] else None
+    gb = grad_out.sum(0) if has_bias and needs[2] else None
+    return gx, gw, gb
 
 
 def _segmented_dx(grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor | None:
@@ -451,26 +461,41 @@ class _PackedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        sizes = ctx.sizes
-        parts = [
-            torch.zeros((x.shape[0], n), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            for g, n in zip(grads, sizes)
-        ]
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _segmented_dx(parts, weight)
-            if gx is None:
-                gx = matmul(torch.cat(parts, dim=-1), weight.t())
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
-        if ctx.needs_input_grad[1]:
-            gw = torch.empty_like(weight)
-            for g, a, b in zip(parts, starts, starts[1:]):
-                torch.matmul(g.t(), x, out=gw[a:b])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = torch.cat([g.sum(0) for g in parts])
-        return gx, gw, gb, None
+        return (
+            *packed_linear_backward(grads, x, weight, ctx.sizes, ctx.has_bias, ctx.needs_input_grad),
+            None,
+        )
+
+
+def packed_linear_backward(
+    grads: Sequence[torch.Tensor | None],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    sizes: list[int],
+    has_bias: bool,
+    needs: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`packed_linear`'s backward (also the fp8 packed projections'): grads, one [M, size] per part (None: zero),
+    x [M, K], weight [sum(sizes), K]; needs: which of (x, weight, bias) want a gradient -> (dX, dW, dBias)."""
+    parts = [
+        torch.zeros((x.shape[0], n), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+        for g, n in zip(grads, sizes)
+    ]
+    gx = gw = gb = None
+    if needs[0]:
+        gx = _segmented_dx(parts, weight)
+        if gx is None:
+            gx = matmul(torch.cat(parts, dim=-1), weight.t())
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    if needs[1]:
+        gw = torch.empty_like(weight)
+        for g, a, b in zip(parts, starts, starts[1:]):
+            torch.matmul(g.t(), x, out=gw[a:b])
+    if has_bias and needs[2]:
+        gb = torch.cat([g.sum(0) for g in parts])
+    return gx, gw, gb
 
 
 def packed_linear(

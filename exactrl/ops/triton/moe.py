@@ -41,6 +41,7 @@ gradient depends only on its own rows, in token order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -713,35 +714,57 @@ class _MoEExperts(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         x, gate_up, down, weights, gu, o, tok, pos, bounds, tile_begin = ctx.saved_tensors
         plan = RoutePlan(tok, pos, bounds, tile_begin, *ctx.plan_meta)
-        T, inter = x.shape[0], down.shape[2]
-        gy = grad_out.contiguous()
-        S, D = o.shape
-        d_o = torch.empty_like(o)
-        d_w = torch.empty((T, plan.top_k), dtype=torch.float32, device=x.device)
-        if T and D:
-            _combine_bwd_kernel[(T,)](
-                gy, o, plan.pos, weights.contiguous(), d_o, d_w, D, gy.stride(0), o.stride(0),
-                TOP_K=plan.top_k, BLOCK_D=min(_COMBINE_BLOCK, next_pow2(D)),
-                **pdl(gy.device),
-            )  # fmt: skip
-        elif T:
-            d_w.zero_()
-        need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
-        d_x = d_gate_up = d_down = None
-        d_gu = None
-        if need_x or need_gu:
-            d_gu = grouped_linear(d_o, down, plan, gather=False, transposed=True, dsilu_gu=gu)  # [S, 2I]
-        if need_x:
-            assert d_gu is not None  # computed above for need_x
-            d_xr = grouped_linear(d_gu, gate_up, plan, gather=False, transposed=True)  # [S, D]
-            d_x = combine(d_xr, plan, None, T)
-        if need_gu:
-            assert d_gu is not None  # computed above for need_gu
-            d_gate_up = grouped_weight_grad(d_gu, x, plan, gather=True, out_dtype=gate_up.dtype)
-        if need_down:
-            h = silu_mul_fwd(gu[:, :inter], gu[:, inter:])
-            d_down = grouped_weight_grad(d_o, h, plan, gather=False, out_dtype=down.dtype)
-        return d_x, d_gate_up, d_down, d_w if need_w else None, None
+        return (
+            *experts_backward(grad_out, x, gate_up, down, weights, gu, o, plan, ctx.needs_input_grad),
+            None,
+        )
+
+
+def experts_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    gu: torch.Tensor,
+    o: torch.Tensor,
+    plan: RoutePlan,
+    needs: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The routed experts' backward (`moe_experts`', and the fp8 experts' of exactrl/ops/triton/fp8_moe.py):
+    grad_out [T, D]; the forward's x [T, D], gate_up [E, 2I, D], down [E, D, I], weights [T, k] fp32, its gate/up
+    rows gu [S, 2I] and expert outputs o [S, D] in the sorted order of `plan` (whose block_m must be the grouped
+    kernels' `moe_tile_config` rows); needs: which of (x, gate_up, down, weights) want a gradient ->
+    (dX, d(gate_up), d(down), d(weights)), None where not needed."""
+    T, inter = x.shape[0], down.shape[2]
+    gy = grad_out.contiguous()
+    S, D = o.shape
+    d_o = torch.empty_like(o)
+    d_w = torch.empty((T, plan.top_k), dtype=torch.float32, device=x.device)
+    if T and D:
+        _combine_bwd_kernel[(T,)](
+            gy, o, plan.pos, weights.contiguous(), d_o, d_w, D, gy.stride(0), o.stride(0),
+            TOP_K=plan.top_k, BLOCK_D=min(_COMBINE_BLOCK, next_pow2(D)),
+            **pdl(gy.device),
+        )  # fmt: skip
+    elif T:
+        d_w.zero_()
+    need_x, need_gu, need_down, need_w = needs[:4]
+    d_x = d_gate_up = d_down = None
+    d_gu = None
+    if need_x or need_gu:
+        d_gu = grouped_linear(d_o, down, plan, gather=False, transposed=True, dsilu_gu=gu)  # [S, 2I]
+    if need_x:
+        assert d_gu is not None  # computed above for need_x
+        d_xr = grouped_linear(d_gu, gate_up, plan, gather=False, transposed=True)  # [S, D]
+        d_x = combine(d_xr, plan, None, T)
+    if need_gu:
+        assert d_gu is not None  # computed above for need_gu
+        d_gate_up = grouped_weight_grad(d_gu, x, plan, gather=True, out_dtype=gate_up.dtype)
+    if need_down:
+        h = silu_mul_fwd(gu[:, :inter], gu[:, inter:])
+        d_down = grouped_weight_grad(d_o, h, plan, gather=False, out_dtype=down.dtype)
+    return d_x, d_gate_up, d_down, d_w if need_w else None
 
 
 def moe_experts(
