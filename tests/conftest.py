@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+# Set before torch loads OpenMP (it reads the variable once): a waiting intra-op thread sleeps instead of spinning.
+# Under `make test` the other pytest-xdist worker keeps one of 2 cores busy, and a test that runs 2 threads (the
+# thread-split sweeps) spun against it: tests/model/test_preset_parity.py took 152 s beside one busy core, 19 s
+# with this (2-core CPU machine, 2026-11-29, c6ac35d). How a thread waits changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter, so CI covers their logic. The variable must be
 # set before triton is first imported, which happens in test modules, after this file.

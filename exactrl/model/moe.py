@@ -14,6 +14,7 @@ ops, so the trainer's router picks the experts the engine's did by itself: no ro
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from exactrl.model.config import ModelConfig
 from exactrl.model.layers import MLP, Linear
@@ -78,7 +78,10 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     DTensor per expert would gather the whole stack again for every slice (3 * E all-gathers of the stack per
     layer); gathered once, the per-expert entries are views of one full tensor. Either way every rank must call
     `state_dict()` (a collective, as any full state dict of a sharded model is)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    # torch.distributed.tensor is looked up, not imported (about a second at start-up, sympy with it): no tensor is
+    # a DTensor before that module is loaded, and a process that never shards never needs it.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _split_experts(module: Experts, state_dict, prefix: str, local_metadata) -> None:

@@ -2,10 +2,12 @@
 of the prompts), cut by its own count; the guard checks every token a generation samples, carried ones included;
 each rank's pool travels in the sharded checkpoint.
 
-One launch at world size 2 (colocated) and one of 3 ranks (1 generator + 2 trainers), each with a run stopped after
-step 2 (as by a signal) and resumed (about 60 s on 2 cores):
+One launch at world size 2 (colocated) and one of 3 ranks (1 generator + 2 trainers), the latter with a run stopped
+after step 2 (as by a signal) and resumed (make test-all adds the colocated run's stop and resume, a launch of its
+own):
 - colocated: exact (0 mismatched over every rank's tokens), samples really cut mid-completion and resumed under
-  newer weights (mixed-version sequences, 2 versions behind at most), the resumed run bitwise the uninterrupted one;
+  newer weights (mixed-version sequences, 2 versions behind at most), the resumed run bitwise the uninterrupted one
+  (make test-all: the disaggregated run's resume shows it by default);
   control: one logprob of a cut sample planted one ulp off is caught by the guard (and that run differs);
 - disaggregated: the generator runs each trainer's cut generation; metrics (timings aside) and final weights equal
   the colocated run's at world size 2, its resume included; control: trainers that stop sending
@@ -64,7 +66,6 @@ def runs(tmp_path_factory) -> Path:
     planted = small_argv(tmp, "planted", 3, *PARTIAL, "run.on_mismatch=warn")
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *PARTIAL)},
-        *_stopped_and_resumed(tmp, "colocated-resumed"),
         {"kind": "cli", "argv": planted, "plant_cut": True},
     ]
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
@@ -75,6 +76,20 @@ def runs(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 3, jobs, "dis", 400)
     assert code == 0, out[-3000:]
     return tmp
+
+
+@pytest.fixture(scope="module")
+def resumed(runs: Path) -> Path:
+    """The colocated run stopped after step 2 and resumed, at world size 2 (a launch of its own: make test-all), in
+    the folder of `runs` (the reward's metric names hold its file's path)."""
+    code, out, _ = launch(DRIVER, runs, 2, _stopped_and_resumed(runs, "colocated-resumed"), "res", 400)
+    assert code == 0, out[-3000:]
+    return runs
+
+
+def _held_pools(ckpt: Path) -> list[dict]:
+    """What each of the 2 trainers' pools held at checkpoint `ckpt`."""
+    return [json.loads((ckpt / POOLS_DIR / f"rank{r}-of-2" / PARTIAL_FILE).read_text()) for r in (0, 1)]
 
 
 def _steps(run: Path) -> list[dict]:
@@ -94,17 +109,12 @@ def test_partial_at_world_size_2_is_exact_and_cuts_mid_completion(runs: Path) ->
     assert pools_in(ck)[0] == 2 and (ck / POOLS_DIR / "rank1-of-2" / PARTIAL_FILE).is_file()
 
 
-def test_partial_resume_at_world_size_2_is_bitwise(runs: Path) -> None:
-    held = [
-        json.loads(
-            (
-                runs / "colocated-resumed" / "checkpoints" / "step-000002" / POOLS_DIR / d / PARTIAL_FILE
-            ).read_text()
-        )
-        for d in ("rank0-of-2", "rank1-of-2")
-    ]
+# The disaggregated run below is stopped and resumed by default (its trainers hold the pools as colocated ranks do).
+@pytest.mark.extended
+def test_partial_resume_at_world_size_2_is_bitwise(runs: Path, resumed: Path) -> None:
+    held = _held_pools(resumed / "colocated-resumed" / "checkpoints" / "step-000002")
     assert all(h["pool"] for h in held)  # the resume had groups in flight to take back
-    assert same(runs / "colocated", runs / "colocated-resumed")
+    assert same(runs / "colocated", resumed / "colocated-resumed")
 
 
 def test_a_planted_logprob_in_a_cut_sample_is_caught(runs: Path) -> None:
@@ -119,6 +129,9 @@ def test_disaggregated_partial_equals_colocated_at_trainer_world_size(runs: Path
     the uninterrupted colocated one: steps 1-2 show the layout, steps 3-4 the layout and the resume."""
     assert mismatched(runs / "disagg") == 0
     assert pools_in(runs / "disagg" / "checkpoints" / "step-000002")[0] == 2
+    assert all(
+        h["pool"] for h in _held_pools(runs / "disagg" / "checkpoints" / "step-000002")
+    )  # groups in flight
     assert same(runs / "colocated", runs / "disagg")
 
 

@@ -227,7 +227,9 @@ def test_train_refuses_expert_parallel_where_it_cannot_split_by_key() -> None:
 @pytest.mark.parametrize(
     "split",
     [
-        ["--tensor-parallel", "2"],
+        # The fp8 run below splits the same model the same way (and quantizes the shards); a tensor-parallel engine
+        # synced from FSDP2 shards in bf16 trains exactly in test_train_tensor_parallel: make test-all.
+        pytest.param(["--tensor-parallel", "2"], marks=pytest.mark.extended),
         pytest.param(["--expert-parallel", "2"], marks=pytest.mark.extended),
         ["--tensor-parallel", "2", "--precision", "fp8"],
         pytest.param(["--expert-parallel", "2", "--precision", "fp8"], marks=pytest.mark.extended),
