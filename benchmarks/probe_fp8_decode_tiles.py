@@ -2,8 +2,10 @@
 inside a decode step each GEMM waits for the quantizer before it and the next kernel waits for it (programmatic
 dependent launches), so a GEMM cannot overlap its neighbours the way repeated calls of one GEMM do. This script
 measures the decode step itself (`exactrl bench rollout`'s measurement, CUDA graphs) under variants of `fp8_tile`'s
-constants (exactrl/ops/triton/fp8_matmul.py), the model dtype's step beside them. Every variant is a tile rule the
-row sweep (tests/ops/test_fp8_triton.py) checks bit for bit; this only asks which is fastest.
+constants (exactrl/ops/triton/fp8_matmul.py), the model dtype's step beside them. The variants' tiles are the
+family's and the swapped tile the row sweep (tests/ops/test_fp8_triton.py) checks bit for bit, except swap-64rows
+(a 64-row swapped tile, checked by benchmarks/probe_fp8_swap.py only); this only asks which is fastest. Each line
+says the source hash it ran (`exactrl.bench_records`).
 
 Run on the GPU: `PYTHONPATH=. python3 benchmarks/probe_fp8_decode_tiles.py --preset qwen3-8b --concurrency 1,64,256`.
 One JSON line per measurement.
@@ -22,6 +24,7 @@ from exactrl.ops.triton.fp8_matmul import Fp8Tile
 
 VARIANTS: dict[str, dict] = {
     "rule": {},
+    "one-tile-0.7": {"_ONE_TILE_SM_SHARE": 0.7},  # the rule before 3 tiles a SM up to 64 rows
     "occupancy1.5": {"_MIN_SM_SHARE": 1.5},
     "occupancy3": {"_MIN_SM_SHARE": 3.0},
     "swap-64rows": {"FP8_SWAP_TILE": Fp8Tile(64, 64, 4, 4, True)},
@@ -39,6 +42,7 @@ def main() -> None:
     require_cuda("probe_fp8_decode_tiles.py")
 
     from exactrl.bench import _rollout_on_rank
+    from exactrl.bench_records import source_commit, source_hash
     from exactrl.distributed.env import DistContext
     from exactrl.model.loading import load_policy
     from exactrl.model.precision import use_fp8
@@ -70,7 +74,7 @@ def main() -> None:
                 "preset": args.preset, "concurrency": c, "precision": precision, "variant": variant,
                 "decode_step_ms": round(rec["decode_s"] / steps * 1e3, 3),
                 "tokens_per_s": round(rec["tokens_per_s"], 1), "graph_steps": rec["cuda_graph_steps"],
-                "gpu": torch.cuda.get_device_name(),
+                "gpu": torch.cuda.get_device_name(), "commit": source_commit(), "source": source_hash(),
             }), flush=True)  # fmt: skip
 
 

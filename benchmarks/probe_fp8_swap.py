@@ -3,7 +3,7 @@ few rows: does every swapped tile give every row the reference tile's bits, and 
 `fp8_tile` picks today and the bf16 exact GEMM at 1..64 rows?
 
 Per projection shape of the given presets: each swapped tile against the reference tile's 640-row call,
-torch.equal, at 1..64 rows with row offsets; GPU microseconds per call (CUDA graphs, `pdl_launches`, as a decode
+torch.equal, at 14 row counts of 1..64 with row offsets; GPU microseconds per call (CUDA graphs, `pdl_launches`, as a decode
 step runs; each call reads a weight of its own from a ring larger than the L2, so every call streams its weight
 from HBM as a decode step does). One JSON line per shape on stdout.
 
@@ -30,7 +30,7 @@ SWAPPED = tuple(
         (32, 64, 4, 4), (32, 128, 8, 4), (64, 64, 4, 4),
     )
 )  # fmt: skip
-CHECK_ROWS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64)
+CHECK_ROWS = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
 SIZES = (1, 4, 8, 16, 32, 64)
 RING_BYTES = (
     256 << 20

@@ -41,22 +41,34 @@ def _grads(fn, x, w, b, g):
 def test_fp8_linear_backward_is_tritons(dtype):
     """Fp8Ops(TritonOps) projections: dX, dW, dB torch.equal TritonOps.linear's (and packed_linear's) for the same
     grad_out, 13 rows; negative control: the old dX through the dequantized fp8 weight."""
+    _check_triton_backward(dtype, 13, 200, [40, 16, 16])
+
+
+@pytest.mark.gpu
+def test_fp8_linear_backward_is_tritons_gpu():
+    """The same on the GPU at a projection's size (the TMA GEMMs of the backward): 300 rows, 1,024 -> 1,536."""
+    if DEVICE != "cuda":
+        pytest.skip("needs a GPU")
+    _check_triton_backward(torch.bfloat16, 300, 1024, [1024, 256, 256])
+
+
+def _check_triton_backward(dtype, rows: int, k: int, sizes: list[int]) -> None:
     g0 = torch.Generator().manual_seed(0)
     inner = TritonOps()
     ops = Fp8Ops(inner)
-    cols = torch.logspace(-1, 1, 200)[torch.randperm(200, generator=g0)]
-    x = torch.randn(13, 200, generator=g0).to(dtype).to(DEVICE)
-    w = torch.nn.Parameter((0.05 * torch.randn(72, 200, generator=g0) * cols).to(dtype).to(DEVICE))
-    b = torch.nn.Parameter(torch.randn(72, generator=g0).to(dtype).to(DEVICE))
-    g = torch.randn(13, 72, generator=g0).to(dtype).to(DEVICE)
+    n = sum(sizes)
+    cols = torch.logspace(-1, 1, k)[torch.randperm(k, generator=g0)]
+    x = torch.randn(rows, k, generator=g0).to(dtype).to(DEVICE)
+    w = torch.nn.Parameter((0.05 * torch.randn(n, k, generator=g0) * cols).to(dtype).to(DEVICE))
+    b = torch.nn.Parameter(torch.randn(n, generator=g0).to(dtype).to(DEVICE))
+    g = torch.randn(rows, n, generator=g0).to(dtype).to(DEVICE)
     ops.register(w)
     got = _grads(ops.linear, x, w, b, g)
     ref = _grads(inner.linear, x, w, b, g)
     for a, r in zip(got, ref):
         assert a.dtype == dtype and torch.equal(a, r)
     q, s = quantize_weight(w.detach().float())
-    assert not torch.equal((g.float() @ dequantize_weight(q, s, 200)).to(dtype), got[0])
-    sizes = [40, 16, 16]
+    assert not torch.equal((g.float() @ dequantize_weight(q, s, k)).to(dtype), got[0])
     ops.clear()
     ops.register(w, sizes)
     gs = list(g.split(sizes, dim=-1))

@@ -10,9 +10,11 @@ Why a row's result cannot depend on M or on the other rows of the call (the proj
   tile (a one-row decode GEMM would otherwise stream the weight through N / 64 programs); and for up to 32 rows a
   swapped tile (`_fp8_gemm_swap_kernel`: 64 weight rows on the MMA's 64-row side, the activation rows on its narrow
   side). Every one of them runs the block's dot as Hopper's fp8 wgmma (k = 32, four of them per block, in order),
-  each element the same 128 products: the same bits from every tile. That is a property of the hardware, checked rather than assumed:
-  benchmarks/probe_fp8_gemm.py compares every tile torch.equal with the reference tile (`FP8_REF_TILE`) at 1..512
-  rows on qwen3-0.6b / 8b shapes, and tests/ops/test_fp8_triton.py's GPU row sweep crosses every switch of the rule.
+  each element the same 128 products: the same bits from every tile. That is a property of the hardware, checked
+  rather than assumed: benchmarks/probe_fp8_gemm.py compares the 64-row tiles torch.equal with the reference tile
+  (`FP8_REF_TILE`) at 1..512 rows on qwen3-0.6b / 8b shapes, benchmarks/probe_fp8_swap.py the swapped tiles at 13 row
+  counts of 1..64, and tests/ops/test_fp8_triton.py's GPU row sweep crosses every switch of the rule and forces
+  every tile the rule can pick at 1, 31..33, 64, 65 and 640 rows.
 - No split-K, no atomics; M is not specialised (`do_not_specialize`); rows past M are masked (zeros, never stored);
   columns past N read column 0 and are never stored.
 - K is padded to whole 128-blocks with zeros by the quantizers (zeros add exactly 0 to a dot).
@@ -60,7 +62,7 @@ _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the
 _ONE_TILE_SM_SHARE = 3.0
 # Few rows: the weight's rows on the MMA's 64-row side, up to 32 activation rows on its narrow side. H200,
 # 2026-11-29, benchmarks/probe_fp8_swap.py (every call streaming its weight from HBM): equal to the reference tile
-# at 1..64 rows on qwen3-0.6b / 8b shapes, like 7 other swapped tiles; at 1 row qwen3-8b's gate/up 31.3 us against
+# at 13 row counts of 1..64 (three row offsets each) on qwen3-0.6b / 8b shapes, like 7 other swapped tiles; at 1 row qwen3-8b's gate/up 31.3 us against
 # 39.3 for the 64-row tile, qkv 13.6 against 16.3; slower where N / 64 leaves most SMs idle (qwen3-0.6b's o and down,
 # N = 1024) and past 32 rows.
 FP8_SWAP_TILE = Fp8Tile(32, 64, 4, 4, swap_ab=True)

@@ -106,6 +106,10 @@ def fp8_grouped_gemm(
     # the family gives a row the same bits. Few rows (decode): 64 x 64, the bf16 grouped kernel's decode tile (the
     # dense rule's narrow tiles would multiply the worst-case grid's programs by E); many rows: the dense rule's.
     tile = FP8_FAMILY[1] if S <= _DECODE_ROWS else fp8_tile(S, N, num_programs_cap(a.device), swap=False)
+    if tile.block_m != plan.block_m:
+        raise ValueError(
+            f"fp8 grouped GEMM: tile rows {tile.block_m} differ from the route plan's {plan.block_m}"
+        )
     grid = (plan.max_tiles * triton.cdiv(N, tile.block_n),)
     _fp8_grouped_kernel[grid](
         a, a_scale, plan.tok, w, w_scale, out, plan.bounds, plan.tile_begin,
