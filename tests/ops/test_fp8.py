@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_backward_check import check_backward_is_the_wrapped_backends
+from fp8_backward_check import grads as _grads
 
 from exactrl.ops.fp8 import (
     BLOCK,
@@ -134,47 +136,21 @@ def test_cpu_gemm_dot_order_matters_negative_control():
     assert torch.equal(f64, b64)
 
 
-def _grads(fn, x, w, b, g):
-    """(dX, dW, dB) of fn(x, w, b) for grad_out g (a tensor, or one per output), w and b used as given (the
-    parameters an Fp8Ops registered), their gradients taken away after."""
-    x = x.detach().clone().requires_grad_(True)
-    y = fn(x, w, b)
-    torch.autograd.backward(y, g)
-    out = x.grad, w.grad, b.grad
-    w.grad = b.grad = None
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_backward_is_the_wrapped_backends(dtype):
     """The fp8 projections' backward is the wrapped backend's `linear` backward with the model-dtype weight (the
     quantizers taken as the identity): dX, dW and dB torch.equal those of ExactTorchOps.linear given the same
     grad_out, at a row count the exact linear pads (13), for a plain and a packed projection."""
     inner = ExactTorchOps()
-    ops = Fp8Ops(inner)
     x = _data(13, 200, seed=8).to(dtype)
     # trained-looking: rows and columns of other magnitudes
     w = torch.nn.Parameter((0.05 * _data(72, 200, seed=9)).to(dtype))
     b = torch.nn.Parameter(torch.randn(72).to(dtype))
     g = torch.randn(13, 72).to(dtype)
-    ops.register(w)
-    got = _grads(ops.linear, x, w, b, g)
-    ref = _grads(inner.linear, x, w, b, g)
-    for a, r in zip(got, ref):
-        assert a.dtype == dtype and torch.equal(a, r)
-    # negative control: the old straight-through dX, in fp32 through the dequantized fp8 weight, is other numbers
-    q, s = quantize_weight(w.detach().float())
-    old_dx = (g.float() @ dequantize_weight(q, s, 200)).to(dtype)
-    assert not torch.equal(old_dx, got[0])
-    # the packed projection (q | k | v): its parts' gradients as they come, one of them unused (None)
     sizes = [40, 16, 16]
-    ops.clear()
-    ops.register(w, sizes)
+    ops = check_backward_is_the_wrapped_backends(inner, x, w, b, g, sizes)
     gs = list(g.split(sizes, dim=-1))
-    got = _grads(lambda *a: ops.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])
     ref = _grads(lambda *a: inner.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])
-    for a, r in zip(got, ref):
-        assert torch.equal(a, r)
     # and the function itself, its backward given the wrapped backend explicitly
     e = ops._entry(w)
     got = _grads(lambda *a: fp8_packed_linear(*a, e.operand, e.scale, sizes, inner)[:2], x, w, b, gs[:2])

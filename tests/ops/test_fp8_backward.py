@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fp8_backward_check import check_backward_is_the_wrapped_backends
 from triton_mode import triton_device
 
 DEVICE = triton_device()
@@ -26,15 +27,6 @@ from exactrl.ops.triton_ops import TritonOps  # noqa: E402
 # ------------------------------------------------------------------------------------------------------------
 # projections
 # ------------------------------------------------------------------------------------------------------------
-
-
-def _grads(fn, x, w, b, g):
-    """(dX, dW, dB) of fn(x, w, b) for grad_out g (a tensor or one per output); w, b: the registered parameters."""
-    x = x.detach().clone().requires_grad_(True)
-    torch.autograd.backward(fn(x, w, b), g)
-    out = x.grad, w.grad, b.grad
-    w.grad = b.grad = None
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,28 +46,13 @@ def test_fp8_linear_backward_is_tritons_gpu():
 
 def _check_triton_backward(dtype, rows: int, k: int, sizes: list[int]) -> None:
     g0 = torch.Generator().manual_seed(0)
-    inner = TritonOps()
-    ops = Fp8Ops(inner)
     n = sum(sizes)
     cols = torch.logspace(-1, 1, k)[torch.randperm(k, generator=g0)]
     x = torch.randn(rows, k, generator=g0).to(dtype).to(DEVICE)
     w = torch.nn.Parameter((0.05 * torch.randn(n, k, generator=g0) * cols).to(dtype).to(DEVICE))
     b = torch.nn.Parameter(torch.randn(n, generator=g0).to(dtype).to(DEVICE))
     g = torch.randn(rows, n, generator=g0).to(dtype).to(DEVICE)
-    ops.register(w)
-    got = _grads(ops.linear, x, w, b, g)
-    ref = _grads(inner.linear, x, w, b, g)
-    for a, r in zip(got, ref):
-        assert a.dtype == dtype and torch.equal(a, r)
-    q, s = quantize_weight(w.detach().float())
-    assert not torch.equal((g.float() @ dequantize_weight(q, s, k)).to(dtype), got[0])
-    ops.clear()
-    ops.register(w, sizes)
-    gs = list(g.split(sizes, dim=-1))
-    got = _grads(lambda *a: ops.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])  # v unused: its gradient None
-    ref = _grads(lambda *a: inner.packed_linear(*a, sizes)[:2], x, w, b, gs[:2])
-    for a, r in zip(got, ref):
-        assert torch.equal(a, r)
+    check_backward_is_the_wrapped_backends(TritonOps(), x, w, b, g, sizes)
 
 
 # ------------------------------------------------------------------------------------------------------------
