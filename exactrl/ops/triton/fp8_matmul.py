@@ -62,9 +62,9 @@ _MIN_SM_SHARE = 0.7  # a tile is picked when it gives at least this share of the
 _ONE_TILE_SM_SHARE = 3.0
 # Few rows: the weight's rows on the MMA's 64-row side, up to 32 activation rows on its narrow side. H200,
 # 2026-11-29, benchmarks/probe_fp8_swap.py (every call streaming its weight from HBM): equal to the reference tile
-# at 13 row counts of 1..64 (three row offsets each) on qwen3-0.6b / 8b shapes, like 7 other swapped tiles; at 1 row qwen3-8b's gate/up 31.3 us against
-# 39.3 for the 64-row tile, qkv 13.6 against 16.3; slower where N / 64 leaves most SMs idle (qwen3-0.6b's o and down,
-# N = 1024) and past 32 rows.
+# at 13 row counts of 1..64 (three row offsets each) on qwen3-0.6b / 8b shapes, like 7 other swapped tiles; at 1 row
+# qwen3-8b's gate/up 31.3 us against 39.3 for the 64-row tile, qkv 13.6 against 16.3; slower where N / 64 leaves
+# most SMs idle (qwen3-0.6b's o and down, N = 1024) and past 32 rows.
 FP8_SWAP_TILE = Fp8Tile(32, 64, 4, 4, swap_ab=True)
 _SWAP_MIN_SM_SHARE = 0.45  # the swapped tile is picked when its N / 64 programs give this share of SMs a tile
 
