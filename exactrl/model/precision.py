@@ -104,12 +104,10 @@ def refresh_fp8(model: nn.Module) -> int:
     lm, ops = _fp8_ops(model)
     if ops is None:
         return 0
-    n = 0
-    for entry in list(ops._weights.values()):
-        if entry.param._version != entry.version:
-            entry.quantize()
-            n += 1
-    return n
+    stale = [e for e in ops.entries() if e.param._version != e.version]
+    for entry in stale:
+        entry.current()
+    return len(stale)
 
 
 def fp8_rows_of_whole(
@@ -122,15 +120,14 @@ def fp8_rows_of_whole(
     fp8 projection the shard slices (it quantizes what it holds: the whole weight)."""
     lm, ops = _fp8_ops(model)
     slicer = getattr(lm, "shard_slicers", {}).get(name) if ops is not None else None
-    if (
-        slicer is None or whole.dim() != 2
-    ):  # expert stacks: each expert is blocked on its own, its copy the whole's
+    # Not sliced here, or an expert stack (each expert is blocked on its own: its copy is the whole's).
+    if slicer is None or whole.dim() != 2:
         return None
     module_name, attr = name.rsplit(".", 1)
     module = lm.get_submodule(module_name)
     param = getattr(module, attr)
-    entry = ops._weights.get(id(param)) if ops is not None else None
-    if entry is None or entry.param is not param:
+    entry = ops.entry_of(param) if ops is not None else None
+    if entry is None:
         return None
     # A packed projection is blocked part by part: the whole weight's parts (the split keeps the shard's own).
     parts = getattr(module, "whole_parts", None)
@@ -141,8 +138,8 @@ def fp8_rows_of_whole(
 def set_fp8(model: nn.Module, param: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     """`param`'s fp8 copy is (q, scale) (`fp8_rows_of_whole`), once `param` holds its new value."""
     _, ops = _fp8_ops(model)
-    entry = ops._weights.get(id(param)) if ops is not None else None
-    if entry is None or entry.param is not param:
+    entry = ops.entry_of(param) if ops is not None else None
+    if entry is None:
         raise RuntimeError("set_fp8: the parameter has no fp8 copy")
     entry.set(q, scale)
 
@@ -161,8 +158,8 @@ def fp8_sync_tensors(
     _, ops = _fp8_ops(model) if model is not None else (None, None)
     out: list[tuple[str, str, torch.Tensor]] = []
     for name, t in named:
-        entry = ops._weights.get(id(t)) if ops is not None else None
-        if entry is None or entry.param is not t:
+        entry = ops.entry_of(t) if ops is not None else None
+        if entry is None:
             out.append((name, "weight", t))
             continue
         entry.current()
@@ -182,8 +179,8 @@ def fp8_sync_targets(
         if kind == "weight":
             out.append(p)
             continue
-        entry = ops._weights.get(id(p)) if ops is not None else None
-        if entry is None or entry.param is not p:
+        entry = ops.entry_of(p) if ops is not None else None
+        if entry is None:
             raise RuntimeError(f"the weight sync sent the fp8 copy of {name!r}, which has no fp8 copy here")
         out.append(entry.q.view(torch.uint8) if kind == "fp8_values" else entry.scale)
     return out
@@ -196,7 +193,8 @@ def fp8_sync_received(
     _, ops = _fp8_ops(model)
     for name, kind in zip(names, kinds):
         if kind == "fp8_values" and ops is not None:
-            entry = ops._weights[id(params[name])]
+            entry = ops.entry_of(params[name])
+            assert entry is not None  # fp8_sync_targets received into it
             entry.set(entry.q, entry.scale)
 
 
@@ -216,8 +214,7 @@ class _FollowGathered:
             # Not gathered (a forward outside FSDP2's hooks): the ops would fall back to the model dtype.
             if w is shard:
                 raise RuntimeError(f"fp8 under FSDP2: {type(module).__name__}.{name} was not gathered")
-            entry = self.ops._weights.get(id(w))
-            if entry is None or entry.param is not w:
+            if self.ops.entry_of(w) is None:
                 self.ops.register(w, parts, source=shard, quantize=False)
 
 
@@ -242,5 +239,5 @@ def fp8_weights_changed(model: nn.Module) -> None:
     copy is re-made from its next gather."""
     _, ops = _fp8_ops(model)
     if ops is not None:
-        for entry in ops._weights.values():
+        for entry in ops.entries():
             entry.version = -1

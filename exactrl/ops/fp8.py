@@ -373,9 +373,19 @@ class Fp8Ops:
         """Forget every registered weight (their parameters were replaced: FSDP2's shards, a replica's own)."""
         self._weights.clear()
 
-    def _entry(self, weight: torch.Tensor) -> Fp8Weight | None:
+    def entry_of(self, weight: torch.Tensor) -> Fp8Weight | None:
+        """`weight`'s fp8 copy as it is (stale or not), or None if `weight` is not registered (the same id may be a
+        tensor registered once and since freed: the entry's own parameter is compared)."""
         entry = self._weights.get(id(weight))
-        return entry.current() if entry is not None and entry.param is weight else None
+        return entry if entry is not None and entry.param is weight else None
+
+    def entries(self) -> list[Fp8Weight]:
+        """Every registered fp8 copy."""
+        return list(self._weights.values())
+
+    def _entry(self, weight: torch.Tensor) -> Fp8Weight | None:
+        entry = self.entry_of(weight)
+        return entry.current() if entry is not None else None
 
     @property
     def num_weights(self) -> int:
@@ -469,11 +479,11 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
     if isinstance(ops, Fp8Ops):
         sources: list[torch.Tensor | None] = list(masters) if masters else [None] * len(params)
         for p, m in zip(params, sources):
-            entry = ops._weights.get(id(p))
-            if entry is not None and entry.param is p:
+            entry = ops.entry_of(p)
+            if entry is not None:
                 entry.quantize(m)
         # FSDP2: the step wrote shards; each gathered weight's copy is re-made from its next gather.
         stepped = {id(p) for p in params}
-        for entry in ops._weights.values():
+        for entry in ops.entries():
             if entry.source is not entry.param and id(entry.source) in stepped:
                 entry.version = -1

@@ -502,9 +502,8 @@ class RLRun(WarmStart, Finish):
             {"critic": self.critic_opt} if self.critic_opt is not None else {}
         )
         self.stages.trainer, self.stages.opt, self.stages.critic_opt = self.trainer, self.opt, self.critic_opt
-        self.stages.engine = (
-            self.engine
-        )  # the step samples from the engine on the weight copy, if one was made
+        # The step samples from the engine on the weight copy, if one was made.
+        self.stages.engine = self.engine
         self.driver = self.make_driver()
         owners = {"stages": self.stages, "parallel": self.parallel, "remote": self.remote}
         self.hooks.wrap(owners | {"pool": getattr(self.driver, "pool", None)})

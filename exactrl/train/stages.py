@@ -161,9 +161,8 @@ class RunStages:
         self.opt: MasterAdamW | Any = None
         self.critic_opt: MasterAdamW | None = None
         self.greedy_tokens = 0  # ReMax: the last greedy rollout's tokens
-        self.prompt_source = (
-            prompt_source  # a caller's prompts in place of the task's (exactrl/train/hooks.py)
-        )
+        # A caller's prompts in place of the task's (exactrl/train/hooks.py).
+        self.prompt_source = prompt_source
 
     def open_stream(self, seed: int) -> None:
         """The task's training examples from its position now (a resumed run's, once restored)."""
