@@ -45,6 +45,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from exactrl.distributed.env import leave_process_group
     from exactrl.distributed.expert_parallel import shard_experts
     from exactrl.distributed.tensor_parallel import (
         row_parallel_reference,
@@ -152,7 +153,7 @@ def main() -> None:
             print(json.dumps(rec))
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()  # with the pause that keeps gloo's threads from aborting a finished rank
 
 
 if __name__ == "__main__":

@@ -686,17 +686,9 @@ def os_error_text(e: OSError) -> str:
 
 
 def _end_process_group() -> int:
-    """Leave the process group a command under torchrun started (no-op otherwise).
-
-    Then pause a moment, GIL released: the backend's worker threads can outlive the group (torch's own caches
-    keep it alive: DTensor sharding specs under FSDP, torch._dynamo when imported after the group started), and
-    one of them frees the last collective's tensors, which needs the GIL. If the interpreter is already shutting
-    down by then, that thread is killed inside C++ and the rank dies with SIGABRT ("terminate called without an
-    active exception") after its work is done: torchrun then reports a finished command as failed. Measured on
-    2 gloo ranks whose last collective was all_gather_object: 15 of 30 launches aborted without the pause, 0 of 30
-    with it."""
+    """Leave the process group a command under torchrun started (no-op otherwise), together: a barrier, then
+    `leave_process_group` (which says why it pauses)."""
     import gc
-    import time
 
     import torch.distributed as dist
 
@@ -712,13 +704,9 @@ def _end_process_group() -> int:
             # that captured NCCL collectives make destroy_process_group hang (`ModelRunner.release_graphs`).
             gc.collect()
             torch.cuda.empty_cache()
-        from exactrl.distributed import heartbeat
-
         try:
             dist.barrier()
-        except (
-            Exception
-        ) as e:  # a peer failed after this rank's work: its error is the one to report, not this
+        except Exception as e:  # a peer failed after this rank's work: its error is the one to report
             from exactrl.distributed.heartbeat import write_rank_error
 
             said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -726,9 +714,9 @@ def _end_process_group() -> int:
             if not write_rank_error(text, 1, kind="lost"):
                 print(text, file=sys.stderr)
             return 1
-        heartbeat.finish()
-        dist.destroy_process_group()
-        time.sleep(0.1)
+        from exactrl.distributed.env import leave_process_group
+
+        leave_process_group()
     return 0
 
 

@@ -180,9 +180,24 @@ def rank_device(ctx: DistContext, device: str) -> str:
     return device
 
 
+def leave_process_group() -> None:
+    """Leave the default process group (every rank got here without an error), then pause a moment, GIL released.
+
+    The backend's worker threads can outlive the group (torch's own caches keep it alive: DTensor sharding specs
+    under FSDP, torch._dynamo when imported after the group started), and one of them frees the last collective's
+    tensors, which needs the GIL. If the interpreter is already shutting down by then, that thread is killed inside
+    C++ and the rank dies with SIGABRT ("terminate called without an active exception") after its work is done:
+    torchrun then reports a finished command as failed. Measured on 2 gloo ranks whose last collective was
+    all_gather_object: 15 of 30 launches aborted without the pause, 0 of 30 with it."""
+    import time
+
+    from exactrl.distributed import heartbeat
+
+    heartbeat.finish()
+    dist.destroy_process_group()
+    time.sleep(0.1)
+
+
 def shutdown(ctx: DistContext) -> None:
     if ctx.distributed and dist.is_initialized():
-        from exactrl.distributed import heartbeat
-
-        heartbeat.finish()
-        dist.destroy_process_group()
+        leave_process_group()
