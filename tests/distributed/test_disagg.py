@@ -51,9 +51,17 @@ def runs(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
-        {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg),
+            "generator_memory": str(tmp / "memory-bf16.json"),
+        },
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
-        {"kind": "cli", "argv": small_argv(tmp, "disagg-fp8", STEPS, *EVAL, *disagg, FP8)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg-fp8", STEPS, *EVAL, *disagg, FP8),
+            "generator_memory": str(tmp / "memory-fp8.json"),
+        },
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -148,6 +156,19 @@ def test_fp8_disaggregated_equals_colocated_guard_at_zero(runs: Path) -> None:
     assert all(r["mismatch/num_tokens"] > 0 for r in records(runs / "disagg-fp8") if "loss" in r)
     assert same(runs / "colocated-fp8", runs / "disagg-fp8")
     assert records(runs / "colocated-fp8") != records(runs / "colocated")
+
+
+def test_an_fp8_generator_holds_no_model_dtype_projection_weights(runs: Path) -> None:
+    """The fp8 run's generator (rank 2) allocates its weights but its fp8 projections' model-dtype ones (those
+    share one element): the bf16 run's generator, the control, allocates every weight. Its first sync sent
+    model-dtype weights (the warm start's), quantized into the fp8 copies on arrival; the run still equals the
+    colocated one (above)."""
+    fp8 = json.loads((runs / "memory-fp8-rank2.json").read_text())
+    bf16 = json.loads((runs / "memory-bf16-rank2.json").read_text())
+    assert fp8["fp8_copies"] > 0 and fp8["received_as_weight"] == fp8["fp8_copies"]
+    assert fp8["param_storage"] == fp8["other_weights"] + 2  # one bf16 element
+    assert bf16["fp8_copies"] == 0 and bf16["param_storage"] == bf16["other_weights"]
+    assert bf16["param_storage"] - fp8["param_storage"] == fp8["fp8_weights"] - 2 > 0
 
 
 @pytest.mark.extended
