@@ -121,7 +121,10 @@ def variants(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg-variants")
     (tmp / "reward.py").write_text(REWARD)
     (tmp / "coin.py").write_text(COIN)
-    lora = [{"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)}]
+    lora = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora-fp8", STEPS, *EVAL, *LORA, FP8)},
+    ]
     mt = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-mt-k1", STEPS, *EVAL, *MULTI_TURN, K1)},
@@ -129,7 +132,14 @@ def variants(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 2, [dynamic_argv(tmp, "colocated-ds", STEPS), *lora, *mt], "co", 400)
     assert code == 0, out[-3000:]
     disagg = "distributed.generator_ranks=1"
-    lora = [{"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)}]
+    lora = [
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg-lora-fp8", STEPS, *EVAL, disagg, *LORA, FP8),
+            "generator_memory": str(tmp / "memory-lora-fp8.json"),
+        },
+    ]
     mt = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg-mt", STEPS, *EVAL, disagg, *MULTI_TURN)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-mt-k1", STEPS, *EVAL, disagg, *MULTI_TURN, K1)},
@@ -207,6 +217,17 @@ def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: 
     full = [r["weight_sync/bytes"] for r in records(runs / "disagg") if "weight_sync/bytes" in r]
     lora = [r["weight_sync/bytes"] for r in records(variants / "disagg-lora") if "weight_sync/bytes" in r]
     assert len(lora) == STEPS and 0 < max(lora) < min(full) / 10
+
+
+@pytest.mark.extended
+def test_lora_on_an_fp8_generator_equals_colocated(variants: Path) -> None:
+    """fp8 with LoRA: the generator attaches the adapters to projections it holds as their fp8 copies alone (no
+    model-dtype weight), and the run equals the colocated fp8 LoRA run."""
+    assert mismatched(variants / "disagg-lora-fp8") == 0
+    assert same(variants / "colocated-lora-fp8", variants / "disagg-lora-fp8")
+    assert records(variants / "colocated-lora-fp8") != records(variants / "colocated-lora")
+    mem = json.loads((variants / "memory-lora-fp8-rank2.json").read_text())
+    assert mem["fp8_copies"] > 0 and mem["param_storage"] == mem["other_weights"] + 2, mem
 
 
 @pytest.mark.extended  # the "episodes" command by default: tests/distributed/test_disagg_episodes.py
