@@ -78,14 +78,15 @@ def sync_sizes(cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def fp8_projection_params(cfg: RunConfig) -> int:
-    """model.precision = "fp8": elements of the model-dtype weights of the fp8 projections one generator rank would
-    hold (a split engine's rank: its rows of them), which it holds as their fp8 copies alone (`empty_fp8_only`);
-    0 otherwise."""
+def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
+    """model.precision = "fp8" (else zeros): "held", the elements of the fp8 projections' model-dtype weights one
+    generator rank would hold (a split engine's rank: its rows of them), which it holds as their fp8 copies alone
+    (`empty_fp8_only`); "matrix", the elements of the largest one matrix quantized at once when a model-dtype sync
+    arrives (a whole projection, or one expert's: a stack is quantized expert by expert)."""
     from exactrl.model.precision import fp8_projections
 
     if cfg.model.precision != "fp8":
-        return 0
+        return {"held": 0, "matrix": 0}
     key = (
         "fp8_held",
         repr(cfg.model),
@@ -98,8 +99,11 @@ def fp8_projection_params(cfg: RunConfig) -> int:
         names = {id(p): n for n, p in policy.named_parameters()}
         shard = engine_shard_sizes(cfg) if engine_group_ranks(cfg) > 1 else None
         weights = [getattr(mod, name) for mod, name, _ in fp8_projections(policy)]
-        _SYNC[key] = {"held": sum(w.numel() if shard is None else shard[names[id(w)]][1] for w in weights)}
-    return _SYNC[key]["held"]
+        _SYNC[key] = {
+            "held": sum(w.numel() if shard is None else shard[names[id(w)]][1] for w in weights),
+            "matrix": max(w.shape[-2] * w.shape[-1] for w in weights),
+        }
+    return _SYNC[key]
 
 
 def fp8_sync_bytes(cfg: RunConfig) -> dict[str, int]:
@@ -205,7 +209,7 @@ def plan_generator(
     b = torch.empty((), dtype=dtype_from_name(cfg.model.dtype)).element_size()
     cuda = device.startswith("cuda")
     # fp8: the projections' model-dtype weights are not held (`empty_fp8_only`), one element stands for them all.
-    held = fp8_projection_params(cfg)
+    held = fp8_projection_params(cfg)["held"]
     weights = {"engine_weights": (engine_shard_params(cfg) - held) * b + (b if held else 0)}
     lora = cfg.lora.rank > 0
     if lora:
@@ -221,12 +225,12 @@ def plan_generator(
     if fp8:
         # The replica's syncs send fp8 copies (a step's, without LoRA; the first of a resumed run); the warm start's
         # sends model-dtype weights, and each fp8 projection among them is quantized into its copy out of the bucket
-        # (`sync_put`), one whole weight at a time: its fp8 values and scales and `quantize_weight`'s fp32 working
-        # copies of a part (about three), at most 13 bytes an element.
+        # (`sync_put`), one matrix at a time (a whole projection, or one expert's): its fp8 values and scales and
+        # `quantize_weight`'s fp32 working copies of a part (about three), at most 13 bytes an element.
         f8 = fp8_sync_bytes(cfg)
         first["sync_bucket"] = max(first["sync_bucket"], f8["full"])
         step["sync_bucket"] = f8["step"]
-        first["fp8_whole_weight"] = 13 * c["largest_param"]
+        first["fp8_whole_weight"] = 13 * fp8_projection_params(cfg)["matrix"]
     if s > 1:
         first["sync_slice"] = sync_slice_params(cfg) * b
         # With LoRA a step sends the adapters, whose slice is at most the largest of them.
