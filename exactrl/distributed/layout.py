@@ -210,12 +210,13 @@ def recv_weights(
     limit: int = BUCKET_BYTES,
     *,
     shapes: Sequence[Sequence[int]] | None = None,
-    part: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    put: Callable[[int, torch.Tensor], None] | None = None,
 ) -> int:
     """Receive `send_weights`'s buckets and copy each slice into its tensor in place (no tensor is replaced, so
     captured CUDA graphs stay valid); returns the bytes received. A split engine's rank: `shapes` are the whole
-    tensors' shapes that were sent (the buckets are the sender's) and `part(i, whole)` the rank's slice of the
-    whole tensor i, which is what tensor i receives."""
+    tensors' shapes that were sent (the buckets are the sender's). `put(i, whole)`, where given, puts whole tensor i
+    (a view of the bucket) where it goes instead (a split engine's slice into tensor i; a generator's fp8 copy);
+    `tensors` then give the buckets' dtype and device."""
     moved = 0
     if shapes is None:
         sent: Sequence[torch.Tensor] = tensors
@@ -228,7 +229,10 @@ def recv_weights(
         offset = 0
         for i in idx:
             whole = flat[offset : offset + sent[i].numel()].view(sent[i].shape)
-            tensors[i].copy_(whole if part is None else part(i, whole))
+            if put is None:
+                tensors[i].copy_(whole)
+            else:
+                put(i, whole)
             offset += sent[i].numel()
         moved += flat.numel() * flat.element_size()
     return moved

@@ -7,8 +7,10 @@ same bits hold the same fp8 copy:
 - one process: the policy itself (`use_fp8` at load; the optimizer re-quantizes after each step);
 - under torchrun, the FSDP2 trainer (`follow_gathered`): a projection's fp8 copy is made from its all-gathered
   weight (the cast of the fp32 master shards to the model dtype) at the first forward after a step or a load;
-- the engine replica and a generator rank (`register_fp8` once their parameters exist, `refresh_fp8` after each
-  weight sync): from the weights the sync wrote, which are those same gathered bits.
+- the engine replica (`register_fp8` once its parameters exist, `refresh_fp8` after each weight sync): from the
+  weights the sync wrote, which are those same gathered bits;
+- a generator rank holds each fp8 projection as its copy alone (`empty_fp8_only`: no model-dtype weight), which
+  the sync sends (`fp8_sync_tensors`), or quantized on arrival from a model-dtype weight (`fp8_receive_weight`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from exactrl.model.layers import Linear, PackedLinear
 from exactrl.model.moe import Experts, SparseMoeBlock
 from exactrl.model.qwen import CausalLM
-from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device, quantize_weight
+from exactrl.ops.fp8 import PRECISIONS, Fp8Ops, check_fp8_device, is_weightless, quantize_weight
 
 Projection = tuple[nn.Module, str, list[int] | None]  # (module, weight attribute, packed parts)
 
@@ -67,6 +69,48 @@ def apply_precision(model: CausalLM, precision: str, *, quantize: bool = True) -
     return model
 
 
+def empty_fp8_only(model: CausalLM, device: torch.device | str, precision: str) -> CausalLM:
+    """A model made as its structure (meta parameters, split or not) given memory on `device` (`to_empty`) and
+    `precision` applied, for a holder whose weights all come from the weight sync (a generator rank). In fp8 it
+    allocates no model-dtype weight for any fp8 projection (`fp8_projections`): each is held as its fp8 copy alone
+    (values and scales, filled by the sync) and its weight is a placeholder of its shape and dtype over one NaN
+    element (every stride 0, `is_weightless`): shape-reading code (LoRA, the sync's buckets) keeps working, the
+    forward never reads it (Fp8Ops computes from the copy), and any write into it fails (torch refuses to write
+    elements that share memory)."""
+    if precision != "fp8":
+        return apply_precision(model.to_empty(device=device), precision, quantize=False)
+    held = [(mod, name, getattr(mod, name)) for mod, name, _ in fp8_projections(model)]
+    for mod, name, _ in held:
+        mod._parameters[name] = None  # `to_empty` skips it, and the parameter keeps its place in the module
+    model = model.to_empty(device=device)
+    nan: dict[torch.dtype, torch.Tensor] = {}
+    for mod, name, w in held:
+        one = nan.setdefault(w.dtype, torch.full((), float("nan"), dtype=w.dtype, device=device))
+        mod._parameters[name] = nn.Parameter(one.expand(w.shape), requires_grad=False)
+    return apply_precision(model, precision, quantize=False)
+
+
+def fp8_receive_weight(
+    model: nn.Module, params: Mapping[str, torch.Tensor], name: str, whole: torch.Tensor
+) -> bool:
+    """The weight sync sent `name` as its whole model-dtype weight (the first sync after a warm start: the sender's
+    weights have no fp8 copy) to a model that holds this projection as its fp8 copy alone (`empty_fp8_only`):
+    quantize it into the copy now, with the trainers' function (a tensor-parallel shard: its rows of the whole
+    weight's copy, `fp8_rows_of_whole`; an expert shard: its own experts, each blocked alone). Returns False where
+    `model` holds the weight itself (the caller copies it in)."""
+    lm, ops = _fp8_ops(model)
+    param = params[name]
+    entry = ops.entry_of(param) if ops is not None else None
+    if entry is None or not is_weightless(param):
+        return False
+    rows = fp8_rows_of_whole(model, name, whole)
+    if rows is not None:
+        entry.set(*rows)
+    else:
+        entry.quantize(lm.shard_full_weight(name, whole))
+    return True
+
+
 def _fp8_ops(model: nn.Module) -> tuple[Any, Fp8Ops | None]:
     # A ValueModel (the critic): its backbone's ops.
     lm = model if isinstance(model, CausalLM) else getattr(model, "backbone", model)
@@ -104,7 +148,8 @@ def refresh_fp8(model: nn.Module) -> int:
     lm, ops = _fp8_ops(model)
     if ops is None:
         return 0
-    stale = [e for e in ops.entries() if e.param._version != e.version]
+    # (A copy held alone is never stale: its weight is never written; until the sync sends it, it is unfilled.)
+    stale = [e for e in ops.entries() if e.param._version != e.version and not is_weightless(e.param)]
     for entry in stale:
         entry.current()
     return len(stale)

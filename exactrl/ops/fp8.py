@@ -125,6 +125,12 @@ def dequantize_weight(q: torch.Tensor, row_scale: torch.Tensor, k: int) -> torch
     return (q.float().view(n, kb, BLOCK) * row_scale[..., None]).view(n, kb * BLOCK)[:, :k]
 
 
+def is_weightless(t: torch.Tensor) -> bool:
+    """Whether `t` stands for a weight it holds no memory of (a generator rank's fp8 projection, held as its fp8
+    copy alone: `exactrl.model.precision.empty_fp8_only`): its shape and dtype over one element (every stride 0)."""
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
 def fp8_gemm_cpu(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -300,6 +306,11 @@ class Fp8Weight:
     def quantize(self, source: torch.Tensor | None = None) -> None:
         """Quantize from `source` (default, and what the optimizer uses: the parameter itself, the weights every
         holder of them shares) into the same buffers."""
+        if source is None and is_weightless(self.param):
+            raise RuntimeError(
+                f"fp8: a projection weight {tuple(self.param.shape)} is held as its fp8 copy alone (a generator "
+                "rank's), so its copy cannot be quantized here: it comes with the weight sync, which has not sent it"
+            )
         src = self.param.detach() if source is None else source.detach()
         if src.dim() == 2:
             quantize_weight(src, self.parts, (self.q, self.scale))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,13 +32,12 @@ from exactrl.engine.partial import CutResult, CutRule, PartialSample, generate_u
 from exactrl.engine.sampler import SamplingParams
 from exactrl.envs.rollout import EnvSetup, EpisodeBatch
 from exactrl.model.precision import (
-    fp8_rows_of_whole,
+    fp8_receive_weight,
     fp8_sync_received,
     fp8_sync_targets,
     fp8_sync_tensors,
-    refresh_fp8,
-    set_fp8,
 )
+from exactrl.model.qwen import CausalLM
 
 
 @dataclass
@@ -245,7 +244,7 @@ def generator_engine(
     (agreed over a split engine's group: the least), where engine.num_kv_blocks is unset; None: sized per call from
     free memory."""
     from exactrl.model.loading import policy_structure
-    from exactrl.model.precision import apply_precision
+    from exactrl.model.precision import empty_fp8_only
     from exactrl.ops import set_exact_environment
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
@@ -269,10 +268,9 @@ def generator_engine(
         from exactrl.distributed.shared_engine import split_engine_model
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
-    model = model.to_empty(device=device).requires_grad_(False)
-    # fp8: the generator quantizes the weights the sync sends (`refresh_fp8` after each), as the trainers quantize
-    # the same bits; nothing to quantize before they come.
-    model = apply_precision(model, cfg.model.precision, quantize=False)
+    # fp8: each projection is held as its fp8 copy alone (no model-dtype weight), which the sync sends or
+    # quantizes on arrival (`GeneratorLoop._put`); nothing to quantize before the weights come.
+    model = empty_fp8_only(model, device, cfg.model.precision).requires_grad_(False)
     engine_cfg = replace(cfg.engine, kv_memory_fraction=cfg.distributed.generator_kv_memory_fraction)
     if kv_blocks is not None and not cfg.engine.num_kv_blocks:
         # Each rank planned from its own device's memory; the ranks of one engine must hold the same cache.
@@ -282,6 +280,27 @@ def generator_engine(
         # Each rank sizes an unset KV cache from its own free memory: the group takes the least.
         engine.agree_blocks = group.min
     return engine
+
+
+def sync_put(
+    model: CausalLM,
+    params: Mapping[str, torch.Tensor],
+    names: list[str],
+    kinds: list[str],
+    targets: list[torch.Tensor],
+) -> Callable[[int, torch.Tensor], None]:
+    """A generator's `recv_weights` put: where whole tensor i (of `names[i]`, a view of the sync's bucket) goes.
+    What of it `model` holds (all of it, or a split engine's slice, of an fp8 copy's values or scales too: every
+    split cuts rows, which the copy keeps per row) is copied into its target (`fp8_sync_targets`); an fp8
+    projection sent as its model-dtype weight, which `model` holds as its fp8 copy alone, is quantized into the
+    copy at once (`fp8_receive_weight`: one weight at a time, out of the bucket)."""
+
+    def put(i: int, whole: torch.Tensor) -> None:
+        if kinds[i] == "weight" and fp8_receive_weight(model, params, names[i], whole):
+            return
+        targets[i].copy_(model.shard_full_weight(names[i], whole))
+
+    return put
 
 
 @dataclass
@@ -366,18 +385,15 @@ class GeneratorLoop:
                     raise RuntimeError(
                         f"generator rank {self.layout.world.rank} has no parameter {missing[0]!r}"
                     )
-                fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                targets = fp8_sync_targets(self.engine.model, self.params, names, what)
                 moved = recv_weights(
-                    fp8_sync_targets(self.engine.model, self.params, names, what),
+                    targets,
                     self.layout.sync_group,
                     shapes=cmds[0].shapes or None,
-                    part=self._part(names, what, fp8_rows),
+                    put=sync_put(self.engine.model, self.params, names, what, targets),
                 )
                 fp8_sync_received(self.engine.model, self.params, names, what)
-                self.unfilled -= set(names)
-                for i, rows in fp8_rows.items():  # fp8, a tensor-parallel shard: its rows of the whole's copy
-                    set_fp8(self.engine.model, self.params[names[i]], *rows)
-                refresh_fp8(self.engine.model)  # fp8: quantized from what arrived, before any graph replays
+                self.unfilled -= set(names)  # (fp8: every copy set as it arrived, before any graph replays)
                 self.rounds.append(Round("sync", t0, time.time(), bytes=moved))
                 continue
             if kinds & {"sync", "lora"}:
@@ -407,23 +423,6 @@ class GeneratorLoop:
                         kv_cache_tokens=0 if runner is None else runner.num_blocks * runner.block_size,
                     )
                 )
-
-    def _part(
-        self, names: list[str], kinds: list[str], fp8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """What of whole tensor i (of `names[i]`) this rank's engine holds: all of it, or a split engine's slice (of
-        an fp8 copy's values or scales too: every split cuts rows, which the copy keeps per row). fp8_rows gets, for
-        a slice of an fp8 projection sent as its weight, its rows of the whole weight's fp8 copy
-        (`fp8_rows_of_whole`), set once the slice is in place."""
-        model = self.engine.model
-
-        def part(i: int, whole: torch.Tensor) -> torch.Tensor:
-            rows = fp8_rows_of_whole(model, names[i], whole) if kinds[i] == "weight" else None
-            if rows is not None:
-                fp8_rows[i] = rows
-            return model.shard_full_weight(names[i], whole)
-
-        return part
 
     def generate_until_cut(self, asks: list[tuple[int, Command]]) -> int:
         """Partial rollouts: each trainer's generation cut by its own count, one after the other. Not one call for

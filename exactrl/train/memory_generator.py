@@ -37,7 +37,7 @@ from exactrl.train.memory_fit import split_overrides
 
 # The last G ranks of the job run the rollout engine alone (exactrl/train/disagg.py): no trainer state, no phases
 # to switch between. What one holds: its engine's weights (a 1/S shard on an engine split over S ranks; with LoRA the
-# base's shard and the adapters) from the start; the KV cache the engine sizes itself at its first generation (never
+# base's shard and the adapters; in fp8 the projections as their fp8 copies alone) from the start; the KV cache the engine sizes itself at its first generation (never
 # released: a generator does nothing else); the decode graphs' pool and a generation's working set; and, in every
 # weight sync, the receive buffer of `recv_weights` (one bucket of whole tensors at a time) and on a split engine the
 # rank's slice of one weight, copied out of it.
@@ -76,6 +76,71 @@ def sync_sizes(cfg: RunConfig) -> dict[str, int]:
     }
     _SYNC[key] = out
     return out
+
+
+def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
+    """model.precision = "fp8" (else zeros): "held", the elements of the fp8 projections' model-dtype weights one
+    generator rank would hold (a split engine's rank: its rows of them), which it holds as their fp8 copies alone
+    (`empty_fp8_only`); "matrix", the elements of the largest one matrix quantized at once when a model-dtype sync
+    arrives (a whole projection, or one expert's: a stack is quantized expert by expert)."""
+    from exactrl.model.precision import fp8_projections
+
+    if cfg.model.precision != "fp8":
+        return {"held": 0, "matrix": 0}
+    key = (
+        "fp8_held",
+        repr(cfg.model),
+        repr(cfg.lora),
+        cfg.engine.tensor_parallel,
+        cfg.engine.expert_parallel,
+    )
+    if key not in _SYNC:
+        policy, _ = _meta_models(cfg)
+        names = {id(p): n for n, p in policy.named_parameters()}
+        shard = engine_shard_sizes(cfg) if engine_group_ranks(cfg) > 1 else None
+        weights = [getattr(mod, name) for mod, name, _ in fp8_projections(policy)]
+        _SYNC[key] = {
+            "held": sum(w.numel() if shard is None else shard[names[id(w)]][1] for w in weights),
+            "matrix": max(w.shape[-2] * w.shape[-1] for w in weights),
+        }
+    return _SYNC[key]
+
+
+def fp8_sync_bytes(cfg: RunConfig) -> dict[str, int]:
+    """model.precision = "fp8": bytes of the largest buffer a generator's `recv_weights` allocates in a sync the
+    trainers' replica sends in fp8 (`fp8_sync_tensors`: a projection as its e4m3 values, as bytes, then its fp32
+    scales, each a bucket of its own dtype; every other tensor as it is): "full" (every weight: a resumed run's
+    first sync, the one after the adapters are attached) and "step" (a step's: the trained tensors; with LoRA the
+    adapters, in the model dtype)."""
+    from exactrl.distributed.layout import buckets
+    from exactrl.model.hf import dtype_from_name
+    from exactrl.model.precision import fp8_projections
+    from exactrl.ops.fp8 import BLOCK
+
+    key = ("fp8_sync", repr(cfg.model), repr(cfg.lora), cfg.run.seed)
+    if key in _SYNC:
+        return _SYNC[key]
+    policy, _ = _meta_models(cfg)
+    dtype = dtype_from_name(cfg.model.dtype)
+    fp8 = {id(getattr(mod, name)) for mod, name, _ in fp8_projections(policy)}
+
+    def largest_bucket(params: list[torch.Tensor]) -> int:
+        sent = []
+        for p in params:
+            if id(p) in fp8:
+                *lead, n, k = p.shape
+                kb = -(-k // BLOCK)
+                sent.append(torch.empty(*lead, n, kb * BLOCK, dtype=torch.uint8, device="meta"))
+                sent.append(torch.empty(*lead, n, kb, dtype=torch.float32, device="meta"))
+            else:
+                sent.append(torch.empty(p.shape, dtype=dtype, device="meta"))
+        sizes = [t.numel() * t.element_size() for t in sent]
+        return max((sum(sizes[i] for i in idx) for idx in buckets(sent)), default=0)
+
+    params = list(policy.parameters())
+    trained = [p for p in params if p.requires_grad]
+    _SYNC[key] = {"full": largest_bucket(params), "step": largest_bucket(trained)}
+    return _SYNC[key]
 
 
 def sync_slice_params(cfg: RunConfig) -> int:
@@ -143,7 +208,9 @@ def plan_generator(
     c = counts if counts is not None else count_tensors(cfg)
     b = torch.empty((), dtype=dtype_from_name(cfg.model.dtype)).element_size()
     cuda = device.startswith("cuda")
-    weights = {"engine_weights": engine_shard_params(cfg) * b}
+    # fp8: the projections' model-dtype weights are not held (`empty_fp8_only`), one element stands for them all.
+    held = fp8_projection_params(cfg)["held"]
+    weights = {"engine_weights": (engine_shard_params(cfg) - held) * b + (b if held else 0)}
     lora = cfg.lora.rank > 0
     if lora:
         # The adapters, counted whole: a split engine's B keeps its projection's rows only (a little less).
@@ -155,17 +222,19 @@ def plan_generator(
     sync = sync_sizes(cfg)
     first = {"sync_bucket": sync["full_bucket"] * b}
     step = {"sync_bucket": sync["step_bucket"] * b}
+    if fp8:
+        # The replica's syncs send fp8 copies (a step's, without LoRA; the first of a resumed run); the warm start's
+        # sends model-dtype weights, and each fp8 projection among them is quantized into its copy out of the bucket
+        # (`sync_put`), one matrix at a time (a whole projection, or one expert's): its fp8 values and scales and
+        # `quantize_weight`'s fp32 working copies of a part (about three), at most 13 bytes an element.
+        f8 = fp8_sync_bytes(cfg)
+        first["sync_bucket"] = max(first["sync_bucket"], f8["full"])
+        step["sync_bucket"] = f8["step"]
+        first["fp8_whole_weight"] = 13 * fp8_projection_params(cfg)["matrix"]
     if s > 1:
         first["sync_slice"] = sync_slice_params(cfg) * b
         # With LoRA a step sends the adapters, whose slice is at most the largest of them.
         step["sync_slice"] = (sync["step_largest"] if lora else sync_slice_params(cfg)) * b
-        if fp8:
-            # fp8, a sync of model-dtype weights (the first, after a warm start; later syncs send the replica's fp8
-            # copies, sliced as they come): the shard's rows of each whole weight's fp8 copy wait until the sync's
-            # last bucket is in place (`GeneratorLoop._part`), and one whole weight is quantized at a time: its fp8
-            # values and scales and `quantize_weight`'s fp32 working copies of a part (about three), at most 13
-            # bytes an element.
-            first.update({"fp8_shard_rows": fp8, "fp8_whole_weight": 13 * c["largest_param"]})
     resident = dict(weights)
     decode = decode_step_bytes(cfg, mcfg) if cuda else 0
     if cuda and cfg.engine.cuda_graphs:

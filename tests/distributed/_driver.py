@@ -38,6 +38,13 @@ SPEC.json: {"jobs": [job, ...]}, run in order on every rank. A job is one of
                                                    the same, rank R working in DIR (a relative run.output_dir
                                                    is then another folder there: a node that does not share
                                                    the run directory); exit code C is this job's expected end
+  {"kind": "cli", "argv": [...], "generator_memory": "FILE.json"}
+                                                   the same, and each disaggregated generator rank writes
+                                                   FILE-rank<r>.json once it is stopped: the bytes its model's
+                                                   parameters allocate (distinct storages), those of its weights
+                                                   that are not fp8 projections, its fp8 projections' model-dtype
+                                                   bytes, its fp8 copies, and how many fp8 projections a
+                                                   model-dtype sync quantized on arrival
   {"kind": "crashed", "src": DIR, "dst": DIR, "step": S}
                                                    rank 0 copies run DIR as a crash after step S's checkpoint leaves it
   {"kind": "per_rank", "out": "FILE.json"}         `per_rank_metric` of a value that differs on every rank
@@ -149,6 +156,8 @@ def cli_job(job: dict) -> None:
         undo.append(_plant_generated(int(job["plant_generated"])))
     if job.get("guard_log"):
         undo.append(_log_refused_steps(job["guard_log"]))
+    if job.get("generator_memory"):
+        undo.append(_log_generator_memory(job["generator_memory"]))
     try:
         code = main(job["argv"])
     finally:
@@ -202,6 +211,49 @@ def _plant_generated(n: int):
 
     disagg.GeneratorLoop._answer = answer
     return lambda: setattr(disagg.GeneratorLoop, "_answer", original)
+
+
+def _log_generator_memory(path: str):
+    """Each generator rank, once its trainers stop it, writes what its model's parameters allocate (see the module
+    docstring). Returns the undo."""
+    from exactrl.model.precision import fp8_projections
+    from exactrl.train import disagg
+
+    original_serve, original_receive = disagg.GeneratorLoop.serve, disagg.fp8_receive_weight
+    received = [0]
+
+    def receive(*args):
+        got = original_receive(*args)
+        received[0] += bool(got)
+        return got
+
+    def serve(self):
+        original_serve(self)
+        model = self.engine.model
+        fp8 = (
+            {id(getattr(m, a)) for m, a, _ in fp8_projections(model)}
+            if hasattr(model.ops, "entry_of")
+            else set()
+        )
+        params = list(model.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        row = {
+            "param_storage": sum(storages.values()),
+            "other_weights": sum(p.numel() * p.element_size() for p in params if id(p) not in fp8),
+            "fp8_weights": sum(p.numel() * p.element_size() for p in params if id(p) in fp8),
+            "fp8_copies": len(fp8),
+            "received_as_weight": received[0],
+        }
+        stem = path[: -len(".json")] if path.endswith(".json") else path
+        with open(f"{stem}-rank{os.environ['RANK']}.json", "w") as f:
+            json.dump(row, f)
+
+    disagg.GeneratorLoop.serve, disagg.fp8_receive_weight = serve, receive
+
+    def undo():
+        disagg.GeneratorLoop.serve, disagg.fp8_receive_weight = original_serve, original_receive
+
+    return undo
 
 
 def _log_refused_steps(path: str):

@@ -51,9 +51,17 @@ def runs(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 2, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
-        {"kind": "cli", "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg", STEPS, *EVAL, *disagg),
+            "generator_memory": str(tmp / "memory-bf16.json"),
+        },
         {"kind": "cli", "argv": small_argv(tmp, "disagg-k1", STEPS, *EVAL, *disagg, K1)},
-        {"kind": "cli", "argv": small_argv(tmp, "disagg-fp8", STEPS, *EVAL, *disagg, FP8)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg-fp8", STEPS, *EVAL, *disagg, FP8),
+            "generator_memory": str(tmp / "memory-fp8.json"),
+        },
         {
             "kind": "cli",
             "argv": small_argv(tmp, "stale", STEPS, *EVAL, *disagg, "run.on_mismatch=warn"),
@@ -113,7 +121,10 @@ def variants(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg-variants")
     (tmp / "reward.py").write_text(REWARD)
     (tmp / "coin.py").write_text(COIN)
-    lora = [{"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)}]
+    lora = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora", STEPS, *EVAL, *LORA)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-lora-fp8", STEPS, *EVAL, *LORA, FP8)},
+    ]
     mt = [
         {"kind": "cli", "argv": small_argv(tmp, "colocated-mt", STEPS, *EVAL, *MULTI_TURN)},
         {"kind": "cli", "argv": small_argv(tmp, "colocated-mt-k1", STEPS, *EVAL, *MULTI_TURN, K1)},
@@ -121,7 +132,14 @@ def variants(tmp_path_factory) -> Path:
     code, out, _ = launch(DRIVER, tmp, 2, [dynamic_argv(tmp, "colocated-ds", STEPS), *lora, *mt], "co", 400)
     assert code == 0, out[-3000:]
     disagg = "distributed.generator_ranks=1"
-    lora = [{"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)}]
+    lora = [
+        {"kind": "cli", "argv": small_argv(tmp, "disagg-lora", STEPS, *EVAL, disagg, *LORA)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "disagg-lora-fp8", STEPS, *EVAL, disagg, *LORA, FP8),
+            "generator_memory": str(tmp / "memory-lora-fp8.json"),
+        },
+    ]
     mt = [
         {"kind": "cli", "argv": small_argv(tmp, "disagg-mt", STEPS, *EVAL, disagg, *MULTI_TURN)},
         {"kind": "cli", "argv": small_argv(tmp, "disagg-mt-k1", STEPS, *EVAL, disagg, *MULTI_TURN, K1)},
@@ -148,6 +166,19 @@ def test_fp8_disaggregated_equals_colocated_guard_at_zero(runs: Path) -> None:
     assert all(r["mismatch/num_tokens"] > 0 for r in records(runs / "disagg-fp8") if "loss" in r)
     assert same(runs / "colocated-fp8", runs / "disagg-fp8")
     assert records(runs / "colocated-fp8") != records(runs / "colocated")
+
+
+def test_an_fp8_generator_holds_no_model_dtype_projection_weights(runs: Path) -> None:
+    """The fp8 run's generator (rank 2) allocates its weights but its fp8 projections' model-dtype ones (those
+    share one element): the bf16 run's generator, the control, allocates every weight. Its first sync sent
+    model-dtype weights (the warm start's), quantized into the fp8 copies on arrival; the run still equals the
+    colocated one (above)."""
+    fp8 = json.loads((runs / "memory-fp8-rank2.json").read_text())
+    bf16 = json.loads((runs / "memory-bf16-rank2.json").read_text())
+    assert fp8["fp8_copies"] > 0 and fp8["received_as_weight"] == fp8["fp8_copies"]
+    assert fp8["param_storage"] == fp8["other_weights"] + 2  # one bf16 element
+    assert bf16["fp8_copies"] == 0 and bf16["param_storage"] == bf16["other_weights"]
+    assert bf16["param_storage"] - fp8["param_storage"] == fp8["fp8_weights"] - 2 > 0
 
 
 @pytest.mark.extended
@@ -186,6 +217,17 @@ def test_lora_disaggregated_equals_colocated_and_moves_the_adapters_alone(runs: 
     full = [r["weight_sync/bytes"] for r in records(runs / "disagg") if "weight_sync/bytes" in r]
     lora = [r["weight_sync/bytes"] for r in records(variants / "disagg-lora") if "weight_sync/bytes" in r]
     assert len(lora) == STEPS and 0 < max(lora) < min(full) / 10
+
+
+@pytest.mark.extended
+def test_lora_on_an_fp8_generator_equals_colocated(variants: Path) -> None:
+    """fp8 with LoRA: the generator attaches the adapters to projections it holds as their fp8 copies alone (no
+    model-dtype weight), and the run equals the colocated fp8 LoRA run."""
+    assert mismatched(variants / "disagg-lora-fp8") == 0
+    assert same(variants / "colocated-lora-fp8", variants / "disagg-lora-fp8")
+    assert records(variants / "colocated-lora-fp8") != records(variants / "colocated-lora")
+    mem = json.loads((variants / "memory-lora-fp8-rank2.json").read_text())
+    assert mem["fp8_copies"] > 0 and mem["param_storage"] == mem["other_weights"] + 2, mem
 
 
 @pytest.mark.extended  # the "episodes" command by default: tests/distributed/test_disagg_episodes.py

@@ -5,17 +5,20 @@ of every weight trainer 0 broadcasts whole. On 3 CPU ranks (1 trainer, one engin
 colocated run of one FSDP2 rank step for step (every metric but timings, the held-out evaluations included) and in
 its final weights, bit for bit: full weights, and (make test-all) LoRA (the adapters attached on the generators after
 their split, each sync moving the adapters alone, B sliced), one step off, partial rollouts and multi-turn episodes
-(the first generator rank calls the environment, the other follows its verdicts in lockstep). The control plants
-Megatron's row-parallel arithmetic in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
+(the first generator rank calls the environment, the other follows its verdicts in lockstep). In fp8 too, each
+generator rank holding its projections as its rows of their fp8 copies alone (no model-dtype weights), the first
+sync's model-dtype weights quantized whole and cut on arrival. The control plants Megatron's row-parallel arithmetic
+in the generators' o_proj / down_proj: the guard counts mismatched tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from ._runs import REWARD, launch, mismatched, records, same, small_argv
-from .test_disagg import MULTI_TURN
+from .test_disagg import FP8, MULTI_TURN
 from .test_partial_multirank import PARTIAL
 
 pytestmark = pytest.mark.slow
@@ -32,12 +35,19 @@ K1 = "algorithm.max_off_policy_steps=1"
 def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("disagg-split")
     (tmp / "reward.py").write_text(REWARD)
-    code, out, _ = launch(
-        DRIVER, tmp, 1, [{"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)}], "co", 400
-    )
+    jobs = [
+        {"kind": "cli", "argv": small_argv(tmp, "colocated", STEPS, *EVAL)},
+        {"kind": "cli", "argv": small_argv(tmp, "colocated-fp8", STEPS, *EVAL, FP8)},
+    ]
+    code, out, _ = launch(DRIVER, tmp, 1, jobs, "co", 400)
     assert code == 0, out[-3000:]
     jobs = [
         {"kind": "cli", "argv": small_argv(tmp, "split", STEPS, *EVAL, *SPLIT)},
+        {
+            "kind": "cli",
+            "argv": small_argv(tmp, "split-fp8", STEPS, *EVAL, *SPLIT, FP8),
+            "generator_memory": str(tmp / "memory-fp8.json"),
+        },
         {
             "kind": "cli",
             "argv": small_argv(tmp, "planted", 1, *SPLIT, "run.on_mismatch=warn"),
@@ -76,6 +86,19 @@ def test_a_split_generator_engine_equals_the_colocated_run(runs: Path) -> None:
     assert sum("eval/reward" in r for r in records(runs / "split")) == 3
     assert mismatched(runs / "split") == 0
     assert same(runs / "colocated", runs / "split")
+
+
+def test_an_fp8_split_generator_engine_equals_the_colocated_run(runs: Path) -> None:
+    """fp8: the split engine equals the colocated fp8 run, and each of its ranks (1 and 2) allocates no model-dtype
+    weight for its fp8 projections (one element stands for them all), its copies filled by the first sync's
+    model-dtype weights, quantized whole and cut to its rows on arrival, then by the fp8 syncs."""
+    assert mismatched(runs / "split-fp8") == 0
+    assert same(runs / "colocated-fp8", runs / "split-fp8")
+    assert records(runs / "colocated-fp8") != records(runs / "colocated")
+    for rank in (1, 2):
+        mem = json.loads((runs / f"memory-fp8-rank{rank}.json").read_text())
+        assert mem["fp8_copies"] > 0 and mem["received_as_weight"] == mem["fp8_copies"], mem
+        assert mem["param_storage"] == mem["other_weights"] + 2 and mem["fp8_weights"] > 0, mem
 
 
 def test_row_parallel_arithmetic_on_the_generators_is_caught(runs: Path) -> None:

@@ -69,3 +69,40 @@ def test_plan_counts_a_split_engines_fp8_copy(t, e):
     assert fp8_copy_bytes(c, cuda=False, shard=True) == copy + operands < fp8_copy_bytes(c, cuda=False)
     two = plan_memory(cfg, world_size=2, device="cuda").phase("generation").terms
     assert two["engine_replica_fp8"] == copy
+
+
+@pytest.mark.parametrize(("t", "e"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_plan_counts_what_an_fp8_generator_holds(t, e):
+    """A generator rank holds its fp8 projections as their copies alone (`empty_fp8_only`, as `generator_engine`
+    makes its model): the plan's engine weights and fp8 copy are the bytes that model (one rank of an engine split
+    by tensor and/or expert parallel, or whole) allocates on the CPU, and a step's sync bucket is the largest
+    bucket of what the fp8 sync sends (`fp8_sync_tensors` of an fp8 replica); the warm start's sync (model-dtype
+    weights) keeps the model dtype's bucket."""
+    from exactrl.distributed.layout import buckets
+    from exactrl.distributed.shared_engine import split_engine_model
+    from exactrl.distributed.tensor_parallel import TensorParallelGroup
+    from exactrl.model.loading import policy_structure
+    from exactrl.model.precision import empty_fp8_only, fp8_sync_tensors
+
+    s = max(t, e)
+    sets = ["model.preset=tiny-moe", f"engine.tensor_parallel={t}", f"engine.expert_parallel={e}"]
+    sets.append(f"distributed.generator_ranks={s}")
+    model, _ = policy_structure(preset_name="tiny-moe", dtype="bfloat16")
+    if s > 1:
+        model = split_engine_model(model, TensorParallelGroup(s, 0), t, e)
+    model = empty_fp8_only(model, "cpu", "fp8")
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    copy, _ = _allocated(model)
+    sender, _ = load_policy(preset_name="tiny-moe", dtype="bfloat16", precision="fp8")
+    named = list(sender.named_parameters())
+    sent = [x for _, _, x in fp8_sync_tensors(sender, named)]
+    fp8_bucket = max(sum(sent[i].numel() * sent[i].element_size() for i in idx) for idx in buckets(sent))
+    plain = [p for _, p in named]
+    dtype_bucket = max(sum(plain[i].numel() * 2 for i in idx) for idx in buckets(plain))
+    plan = plan_generator(run_cfg(*sets, "model.precision=fp8"), world_size=2 + s)
+    bf16 = plan_generator(run_cfg(*sets), world_size=2 + s)
+    gen = plan.phase("generation").terms
+    assert gen["engine_weights"] == sum(storages.values()) < bf16.phase("generation").terms["engine_weights"]
+    assert gen["engine_fp8"] == copy
+    assert plan.phase("sync").terms["sync_bucket"] == fp8_bucket < dtype_bucket
+    assert plan.phase("first_sync").terms["sync_bucket"] == max(dtype_bucket, fp8_bucket)
