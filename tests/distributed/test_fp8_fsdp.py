@@ -113,6 +113,8 @@ def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank, monke
         assert not torch.equal(rep, bf16)  # fp8 is on (the replica does not fall back to the model dtype)
     # Each fp8 weight (4 a layer) was quantized anew for each of the trainer's forwards (2 a step), and kept nowhere.
     assert copies.made == 2 * 2 * 4 * model.config.num_layers
+    # One entry a weight (FSDP2 refills one gathered tensor), none holding a copy.
+    assert len(model.ops.entries()) == 4 * model.config.num_layers
     assert all(e.per_use for e in model.ops.entries()) and _held(model) == 0
     # The memory plan's figures (an FSDP2 plan on the CPU): the replica's copy, kept in every phase; the trainer's
     # copy of one op (the experts' op: both stacks), in the training phase only.
