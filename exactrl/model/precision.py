@@ -200,12 +200,12 @@ def fp8_sync_received(
 
 class _FollowGathered:
     """A forward pre-hook of one fp8 projection's module under FSDP2: the module's weight is then the gathered
-    one (its decoder layer's FSDP2 hook ran first). It is registered once per use (FSDP2 keeps one object and
-    re-fills its storage at every gather): each op that reads it quantizes the gather of the moment into a copy
-    of its own, freed when the op returns (`Fp8Weight.current`). So no copy outlives its op: none between forwards
-    or steps (nothing to mark stale after a step or a sharded checkpoint's load), and activation checkpointing's
-    recomputed forward quantizes the re-gathered bits again. Not a release in a forward post-hook: the
-    recomputation stops early, inside the layer's last projection, and its post-hook never runs."""
+    one (its decoder layer's FSDP2 hook ran first). It is registered once (FSDP2 keeps one object and re-fills
+    its storage at every gather), as a per-use entry: each op that reads it quantizes the gather of the moment
+    into a copy of its own, freed when the op returns (`Fp8Weight.current`). So no copy outlives its op: none
+    between forwards or steps (nothing to mark stale after a step or a sharded checkpoint's load), and activation
+    checkpointing's recomputed forward quantizes the re-gathered bits again. Not a release in a forward post-hook:
+    the recomputation stops early, inside the layer's last projection, and its post-hook never runs."""
 
     def __init__(self, ops: Fp8Ops, weights: list[tuple[str, list[int] | None, nn.Parameter]]):
         self.ops = ops

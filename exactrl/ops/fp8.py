@@ -514,4 +514,4 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
             entry = ops.entry_of(p)
             if entry is not None:
                 entry.quantize(m)
-        # (FSDP2: the step wrote shards, which no copy follows: each gathered weight's use quantizes its own.)
+        # (An FSDP2 model: `params` are its shards, registered nowhere; each use of a gathered weight quantizes it.)

@@ -720,9 +720,9 @@ def plan_memory(
     opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
     grads: dict[str, int] = {}
     train_extra: dict[str, int] = {}
-    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole, but
-    # an FSDP2 model (the trainer, its KL reference and critic), whose ops each quantize their gathered weight for
-    # themselves: one op's copy at a time, during a forward (the training phase).
+    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole, except
+    # an FSDP2 model (the trainer, its KL reference, its critic): each of its ops quantizes its gathered weights for
+    # itself, so one op's copy is alive at a time, during a forward (the training phase).
     fp8 = fp8_copy_bytes(c, cuda)
     if fp8 and sharded:
         train_extra["fsdp_fp8_op_copy"] = fp8_copy_bytes(c, cuda, per_op=True)
