@@ -6,7 +6,7 @@ Every holder of the weights quantizes the model-dtype weights it holds with the 
 same bits hold the same fp8 copy:
 - one process: the policy itself (`use_fp8` at load; the optimizer re-quantizes after each step);
 - under torchrun, the FSDP2 trainer (`follow_gathered`): a projection's fp8 copy is made from its all-gathered
-  weight (the cast of the fp32 master shards to the model dtype) at the first forward after a step or a load;
+  weight (the cast of the fp32 master shards to the model dtype) for each of its ops, and freed after it;
 - the engine replica (`register_fp8` once its parameters exist, `refresh_fp8` after each weight sync): from the
   weights the sync wrote, which are those same gathered bits;
 - a generator rank holds each fp8 projection as its copy alone (`empty_fp8_only`: no model-dtype weight), which
@@ -148,8 +148,13 @@ def refresh_fp8(model: nn.Module) -> int:
     lm, ops = _fp8_ops(model)
     if ops is None:
         return 0
-    # (A copy held alone is never stale: its weight is never written; until the sync sends it, it is unfilled.)
-    stale = [e for e in ops.entries() if e.param._version != e.version and not is_weightless(e.param)]
+    # (A copy held alone is never stale: its weight is never written; until the sync sends it, it is unfilled. A
+    # per-use entry, an FSDP2 trainer's, keeps no copy to refresh.)
+    stale = [
+        e
+        for e in ops.entries()
+        if e.param._version != e.version and not is_weightless(e.param) and not e.per_use
+    ]
     for entry in stale:
         entry.current()
     return len(stale)
@@ -207,8 +212,8 @@ def fp8_sync_tensors(
         if entry is None:
             out.append((name, "weight", t))
             continue
-        entry.current()
-        out += [(name, "fp8_values", entry.q.view(torch.uint8)), (name, "fp8_scales", entry.scale)]
+        copy = entry.current()  # (a per-use entry's is a copy of its own: the entry's buffers are empty)
+        out += [(name, "fp8_values", copy.q.view(torch.uint8)), (name, "fp8_scales", copy.scale)]
     return out
 
 
@@ -245,9 +250,12 @@ def fp8_sync_received(
 
 class _FollowGathered:
     """A forward pre-hook of one fp8 projection's module under FSDP2: the module's weight is then the gathered
-    one (its decoder layer's FSDP2 hook ran first). Its fp8 copy is registered under that tensor (FSDP2 keeps
-    one object and re-fills its storage at every gather), with the shard as the source the optimizer steps, so a
-    step marks it stale (`requantize_after_step`) and the next forward quantizes the new gather."""
+    one (its decoder layer's FSDP2 hook ran first). It is registered once (FSDP2 keeps one object and re-fills
+    its storage at every gather), as a per-use entry: each op that reads it quantizes the gather of the moment
+    into a copy of its own, freed when the op returns (`Fp8Weight.current`). So no copy outlives its op: none
+    between forwards or steps (nothing to mark stale after a step or a sharded checkpoint's load), and activation
+    checkpointing's recomputed forward quantizes the re-gathered bits again. Not a release in a forward post-hook:
+    the recomputation stops early, inside the layer's last projection, and its post-hook never runs."""
 
     def __init__(self, ops: Fp8Ops, weights: list[tuple[str, list[int] | None, nn.Parameter]]):
         self.ops = ops
@@ -260,13 +268,13 @@ class _FollowGathered:
             if w is shard:
                 raise RuntimeError(f"fp8 under FSDP2: {type(module).__name__}.{name} was not gathered")
             if self.ops.entry_of(w) is None:
-                self.ops.register(w, parts, source=shard, quantize=False)
+                self.ops.register(w, parts, per_use=True)
 
 
 def follow_gathered(model: nn.Module) -> int:
     """Under FSDP2, after `fully_shard` (exactrl/distributed/parallelize.py): the registrations of the weights
     before sharding go (FSDP2 replaced those parameters; keeping them would keep whole weights alive), and each fp8
-    projection's copy follows its gathered weight (`_FollowGathered`). Returns the projections followed."""
+    projection quantizes its gathered weight for each use (`_FollowGathered`). Returns the projections followed."""
     lm, ops = _fp8_ops(model)
     if ops is None:
         return 0
@@ -277,12 +285,3 @@ def follow_gathered(model: nn.Module) -> int:
     for mod, weights in by_module.values():
         mod.register_forward_pre_hook(_FollowGathered(ops, weights))
     return sum(len(w) for _, w in by_module.values())
-
-
-def fp8_weights_changed(model: nn.Module) -> None:
-    """The shards of an FSDP2 model were written outside the optimizer (a sharded checkpoint's load): every fp8
-    copy is re-made from its next gather."""
-    _, ops = _fp8_ops(model)
-    if ops is not None:
-        for entry in ops.entries():
-            entry.version = -1

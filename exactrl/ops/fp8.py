@@ -157,8 +157,19 @@ def fp8_gemm_cpu(
     return acc.to(out_dtype)
 
 
+def check_fp8_copy(w: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """Refuse an fp8 copy with no values (a per-use entry's own buffers, `Fp8Weight`): read, it would be garbage."""
+    if w.numel() == 0 or w_scale.numel() == 0:
+        raise RuntimeError(
+            "fp8 GEMM: the weight's fp8 copy is empty. Under FSDP2 a projection's copy exists only during its "
+            "own op (`Fp8Weight.current()` quantizes the gathered weight for that call); code that reads a "
+            "registered FSDP2 weight's `q` / `scale` / `operand` must read `current()`'s instead"
+        )
+
+
 def fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
     """The fp8 GEMM of the device: the Triton kernel on CUDA, the float64-exact emulation elsewhere."""
+    check_fp8_copy(w, w_scale)
     if a.device.type == "cuda":
         from exactrl.ops.triton.fp8_matmul import fp8_gemm_triton
 
@@ -285,27 +296,38 @@ class Fp8Weight:
     """One registered parameter's fp8 copy: a projection [N, K] or a stack of experts [E, N, K] (each expert and
     each part blocked on its own). `version` is the parameter's `_version` when quantized: any in-place write to
     the parameter since (a weight sync, a checkpoint load, torch's optimizer on fp32 weights) is seen and the
-    copy re-made from the parameter."""
+    copy re-made from the parameter.
 
-    def __init__(self, param: torch.Tensor, parts: list[int] | None, source: torch.Tensor | None = None):
+    per_use (an FSDP2 trainer's gathered weight, exactrl/model/precision.py `follow_gathered`): the entry holds no
+    copy; `current()` quantizes the parameter as it is into new buffers for the one op that asks, freed when that
+    op drops them. Its own buffers are empty, and the GEMM refuses them (`check_fp8_copy`)."""
+
+    def __init__(self, param: torch.Tensor, parts: list[int] | None, per_use: bool = False):
         self.param = param
         self.parts = parts
-        # The parameter an optimizer steps: the weight itself, or under FSDP2 its shard (`param` is then the
-        # gathered weight, which the step does not write: `requantize_after_step` marks the copy stale instead).
-        self.source = param if source is None else source
+        self.per_use = per_use
         *lead, n, k = param.shape
         kb = _blocks(k)
-        self.q = torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=param.device)
-        self.scale = torch.empty(*lead, n, kb, dtype=torch.float32, device=param.device)
+        q_shape, s_shape = ((0,), (0,)) if per_use else ((*lead, n, kb * BLOCK), (*lead, n, kb))
+        self.q = torch.empty(q_shape, dtype=FP8_DTYPE, device=param.device)
+        self.scale = torch.empty(s_shape, dtype=torch.float32, device=param.device)
         self.version = -1
         # The GEMM's weight operand: the fp8 values themselves on CUDA; on the CPU their exact float64 copy, made
         # once per quantization (the CPU's fp8 -> float64 conversion costs more than the GEMM).
         self.operand = self.q
 
+    def _holds_a_copy(self, what: str) -> None:
+        if self.per_use:
+            raise RuntimeError(
+                f"Fp8Weight.{what}: this fp8 projection (an FSDP2 trainer's gathered weight) holds no copy of its "
+                "own; current() quantizes one for each use"
+            )
+
     @torch.no_grad()
     def quantize(self, source: torch.Tensor | None = None) -> None:
         """Quantize from `source` (default, and what the optimizer uses: the parameter itself, the weights every
         holder of them shares) into the same buffers."""
+        self._holds_a_copy("quantize")
         if source is None and is_weightless(self.param):
             raise RuntimeError(
                 f"fp8: a projection weight {tuple(self.param.shape)} is held as its fp8 copy alone (a generator "
@@ -325,6 +347,7 @@ class Fp8Weight:
     def set(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Take (q, scale) made elsewhere as the copy of the parameter as it is now, into the same buffers (a
         tensor-parallel engine shard's rows of its whole weight's copy, exactrl/model/precision.py)."""
+        self._holds_a_copy("set")
         if q is not self.q:  # (received into the buffers themselves: nothing to copy)
             self.q.copy_(q)
         if scale is not self.scale:
@@ -334,6 +357,12 @@ class Fp8Weight:
         self.version = self.param._version
 
     def current(self) -> Fp8Weight:
+        """The copy of the parameter as it is now: this entry (re-quantized if the parameter was written since),
+        or for a per-use entry a new copy of its own, for the caller's op alone."""
+        if self.per_use:
+            fresh = Fp8Weight(self.param, self.parts)
+            fresh.quantize()
+            return fresh
         if self.param._version != self.version:
             self.quantize()
         return self
@@ -370,12 +399,13 @@ class Fp8Ops:
         param: torch.Tensor,
         parts: list[int] | None = None,
         *,
-        source: torch.Tensor | None = None,
+        per_use: bool = False,
         quantize: bool = True,
     ) -> Fp8Weight:
-        """quantize=False: the copy is made at its first use (a weight whose values come later)."""
-        entry = Fp8Weight(param, parts, source)
-        if quantize:
+        """quantize=False: the copy is made at its first use (a weight whose values come later). per_use: no
+        copy is kept, each use quantizes its own (`Fp8Weight`)."""
+        entry = Fp8Weight(param, parts, per_use)
+        if quantize and not per_use:
             entry.quantize()
         self._weights[id(param)] = entry
         return entry
@@ -436,6 +466,8 @@ class Fp8Ops:
             return self.inner.moe_experts(x, gate_up, down, weights, ids)
         check_experts_args(x, gate_up, down, weights, ids)
         if x.device.type == "cuda":
+            check_fp8_copy(e_gu.q, e_gu.scale)
+            check_fp8_copy(e_down.q, e_down.scale)
             from exactrl.ops.triton.fp8_moe import fp8_moe_experts
 
             return fp8_moe_experts(
@@ -493,8 +525,4 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
             entry = ops.entry_of(p)
             if entry is not None:
                 entry.quantize(m)
-        # FSDP2: the step wrote shards; each gathered weight's copy is re-made from its next gather.
-        stepped = {id(p) for p in params}
-        for entry in ops.entries():
-            if entry.source is not entry.param and id(entry.source) in stepped:
-                entry.version = -1
+        # (An FSDP2 model: `params` are its shards, registered nowhere; each use of a gathered weight quantizes it.)

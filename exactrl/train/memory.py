@@ -371,6 +371,7 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
         out["offload_pinned_bytes_per_fp32_copy"] += pinned(ctrain)
     fp8 = cfg.model.precision == "fp8"
     out["fp8_values"], out["fp8_scales"] = fp8_copy_elements(policy) if fp8 else (0, 0)
+    out["fp8_op_values"], out["fp8_op_scales"] = fp8_copy_elements(policy, per_op=True) if fp8 else (0, 0)
     split = cfg.engine.tensor_parallel > 1 or cfg.engine.expert_parallel > 1
     out["fp8_shard_values"], out["fp8_shard_scales"] = (
         fp8_copy_elements(policy, engine_shard_sizes(cfg)) if fp8 and split else (0, 0)
@@ -378,16 +379,20 @@ def count_tensors(cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def fp8_copy_elements(model, shard: dict[str, tuple[int, int]] | None = None) -> tuple[int, int]:
+def fp8_copy_elements(
+    model, shard: dict[str, tuple[int, int]] | None = None, per_op: bool = False
+) -> tuple[int, int]:
     """(e4m3 values, fp32 scales) of one fp8 copy of `model`'s projections (`model.precision = "fp8"`), as
     `quantize_weight` stores them: every [..., N, K] projection weight with K padded to whole 128-blocks, one byte
     a value, and one scale per row and 128-block (each row holds its block's scale). shard: `engine_shard_sizes`,
-    for the copy one rank of a split engine holds (its rows of each weight: every split keeps K whole)."""
+    for the copy one rank of a split engine holds (its rows of each weight: every split keeps K whole). per_op:
+    the largest copy one op quantizes for itself (an FSDP2 trainer's, `Fp8Weight.current`): one projection, or a
+    layer's routed experts (gate_up and down)."""
     from exactrl.model.precision import fp8_projections
     from exactrl.ops.fp8 import BLOCK
 
     names = {id(p): n for n, p in model.named_parameters()}
-    values = scales = 0
+    by_op: dict[int, tuple[int, int]] = {}  # a module's weights are quantized for its one op
     for mod, name, _ in fp8_projections(model):
         w = getattr(mod, name)
         *lead, n, k = w.shape
@@ -395,17 +400,20 @@ def fp8_copy_elements(model, shard: dict[str, tuple[int, int]] | None = None) ->
         if shard is not None:
             whole, mine = shard[names[id(w)]]
             rows = rows * mine // whole
-        values += rows * blocks * BLOCK
-        scales += rows * blocks
-    return values, scales
+        values, scales = by_op.get(id(mod), (0, 0))
+        by_op[id(mod)] = (values + rows * blocks * BLOCK, scales + rows * blocks)
+    if per_op:
+        return max(by_op.values(), default=(0, 0))
+    return sum(v for v, _ in by_op.values()), sum(s for _, s in by_op.values())
 
 
-def fp8_copy_bytes(c: dict[str, int], cuda: bool, shard: bool = False) -> int:
+def fp8_copy_bytes(c: dict[str, int], cuda: bool, shard: bool = False, per_op: bool = False) -> int:
     """Bytes of one holder's fp8 copy of the policy's projections (0 unless fp8): the e4m3 values and fp32 scales,
     and on the CPU the exact float64 copy of the values the CPU's GEMM reads (`Fp8Weight.operand`). shard: the
-    copy of one rank of a split engine (engine.tensor_parallel / expert_parallel)."""
-    values = c.get("fp8_shard_values" if shard else "fp8_values", 0)
-    scales = c.get("fp8_shard_scales" if shard else "fp8_scales", 0)
+    copy of one rank of a split engine (engine.tensor_parallel / expert_parallel). per_op: the largest copy one op
+    of an FSDP2 trainer quantizes for itself (`fp8_copy_elements`)."""
+    key = "fp8_shard" if shard else "fp8_op" if per_op else "fp8"
+    values, scales = c.get(f"{key}_values", 0), c.get(f"{key}_scales", 0)
     return values + 4 * scales + (0 if cuda else 8 * values)
 
 
@@ -712,9 +720,12 @@ def plan_memory(
     opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
     grads: dict[str, int] = {}
     train_extra: dict[str, int] = {}
-    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole (an
-    # FSDP2 trainer keeps the copies of its gathered weights from one step to the next).
+    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole, except
+    # an FSDP2 model (the trainer, its KL reference, its critic): each of its ops quantizes its gathered weights for
+    # itself, so one op's copy is alive at a time, during a forward (the training phase).
     fp8 = fp8_copy_bytes(c, cuda)
+    if fp8 and sharded:
+        train_extra["fsdp_fp8_op_copy"] = fp8_copy_bytes(c, cuda, per_op=True)
     if not sharded:
         resident["policy_weights"] = c["policy_params"] * b
         if has_master:
@@ -765,9 +776,9 @@ def plan_memory(
             resident["guard_copy_fp8"] = fp8
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)
-        if fp8:
+        if fp8 and not sharded:
             resident["reference_fp8"] = fp8
-    if fp8:
+    if fp8 and not sharded:
         resident["policy_fp8"] = fp8
         if c["critic_params"]:  # the critic is a copy of the policy: fp8 projections too
             resident["critic_fp8"] = fp8

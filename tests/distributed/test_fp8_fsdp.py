@@ -1,20 +1,25 @@
 """fp8 projections under FSDP2 (one gloo rank in this process, no torchrun): the trainer quantizes its gathered
 weights, the engine replica quantizes the weights the sync wrote, and after every optimizer step both give bitwise
-equal logprobs, equal to a one-process fp8 model holding the same weights. The negative control: a trainer whose
-step does not mark its fp8 copies stale keeps the old ones, and its logprobs differ from the replica's.
-(The multi-rank runs, colocated and with generator ranks: tests/distributed/test_disagg.py.)"""
+equal logprobs, equal to a one-process fp8 model holding the same weights. The trainer keeps no fp8 copy: each op
+quantizes its gathered weight for itself and drops the copy when it returns (`Fp8Weight.current`), so between
+forwards none is alive (storages followed by weak references) and during one at most one op's, the memory plan's
+figure; activation checkpointing's recomputation quantizes the same bits again (the same gradients). Negative
+controls: a trainer that keeps its first copies (no re-quantization after a step) differs from the replica and holds
+them between forwards; a GEMM handed an entry's own (empty) buffers fails loudly. (The multi-rank runs, colocated
+and with generator ranks: tests/distributed/test_disagg.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from exactrl.config import config_from_dict
-from exactrl.distributed.parallelize import Parallelism
+from exactrl.distributed.parallelize import Parallelism, apply_activation_checkpointing
 from exactrl.model.loading import load_policy
 from exactrl.model.precision import apply_precision
 from exactrl.ops import set_exact_environment
-from exactrl.ops.fp8 import Fp8Ops
+from exactrl.ops.fp8 import Fp8Ops, Fp8Weight, fp8_linear
 from exactrl.train.memory import plan_memory
 from exactrl.train.optim import MasterAdamW
 from exactrl.train.packing import PackedBatch, response_logprobs
@@ -32,58 +37,141 @@ def _logprobs(model, pb: PackedBatch) -> torch.Tensor:
 
 
 def _held(model) -> int:
-    """Bytes of the fp8 copies `model` holds (values, scales and the CPU's float64 values)."""
-    es = model.ops._weights.values()
+    """Bytes of the fp8 copies `model`'s entries hold (values, scales and the CPU's float64 values)."""
+    es = model.ops.entries()
     return sum(e.q.nbytes + e.scale.nbytes + (e.operand.nbytes if e.operand is not e.q else 0) for e in es)
 
 
-def _run(ctx, steps: int, held: list[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
+class _Copies:
+    """The fp8 copies an FSDP2 model's ops quantize for themselves (`Fp8Weight.current` of a per-use entry), each
+    storage followed by a weak reference: the bytes alive now, the most alive at once, and how many were made."""
+
+    def __init__(self, monkeypatch):
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}  # data_ptr -> (weak reference, bytes)
+        self.peak = self.made = 0
+        inner = Fp8Weight.current
+
+        def current(entry: Fp8Weight) -> Fp8Weight:
+            out = inner(entry)
+            if entry.per_use:
+                self.made += 1
+                for t in (out.q, out.scale, out.operand):
+                    st = t.untyped_storage()
+                    self.storages[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                self.peak = max(self.peak, self.alive())
+            return out
+
+        monkeypatch.setattr(Fp8Weight, "current", current)
+
+    def alive(self) -> int:
+        return sum(n for ref, n in self.storages.values() if not ref.expired())
+
+
+def _run(
+    ctx, steps: int, *, preset: str = "tiny", checkpointing: bool = False, copies: _Copies | None = None
+):
     """Per step (after it): the trainer's, the replica's, a one-process fp8 model's (the replica's weights) and a
-    one-process bf16 model's logprobs. held: gets the bytes of the trainer's and the replica's fp8 copies."""
+    one-process bf16 model's logprobs, and the step's gradients (name -> tensor). copies: checks that no fp8 copy
+    of the trainer is alive after its forward (the autograd graph alive), its backward and the step. Returns
+    (those per step, the trainer, the replica)."""
     set_exact_environment(True)
-    model, _ = load_policy(preset_name="tiny", dtype="bfloat16", seed=0, precision="fp8")
+    model, _ = load_policy(preset_name=preset, dtype="bfloat16", seed=0, precision="fp8")
     par = Parallelism(ctx)
     replica = par.engine_model(model)
     par.parallelize(model)
+    if checkpointing:
+        apply_activation_checkpointing(model)
     par.bind(model, replica)
-    # tiny: 4 layers of qkv, o, gate_up and down
-    assert isinstance(replica.ops, Fp8Ops) and replica.ops.num_weights == 4 * 4
+    layers = model.config.num_layers
+    # qkv, o and gate_up and down (a dense MLP) or the experts' two stacks
+    assert isinstance(replica.ops, Fp8Ops) and replica.ops.num_weights == 4 * layers
     opt = MasterAdamW(model, lr=1e-2, dist=ctx)
     pb = _batch(model.device)
     out = []
     for _ in range(steps):
         lp, _, _ = response_logprobs(model, pb, 1.0)
+        assert copies is None or copies.alive() == 0  # the graph for the backward keeps no copy
         (-lp.float().mean()).backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.clip_and_step(1.0)
         par.sync_weights()
-        alone, _ = load_policy(preset_name="tiny", dtype="bfloat16", seed=0)
+        assert copies is None or copies.alive() == 0
+        alone, _ = load_policy(preset_name=preset, dtype="bfloat16", seed=0)
         alone.load_state_dict(replica.state_dict())
         bf16 = _logprobs(alone, pb)
         fp8 = _logprobs(apply_precision(alone, "fp8"), pb)
-        out.append((_logprobs(model, pb), _logprobs(replica, pb), fp8, bf16))
-    if held is not None:
-        held += [_held(model), _held(replica)]
-    return out
+        out.append((_logprobs(model, pb), _logprobs(replica, pb), fp8, bf16, grads))
+    return out, model, replica
 
 
-def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank):
-    held: list[int] = []
-    for trainer, replica, alone, bf16 in _run(one_gloo_rank, 2, held):
-        assert torch.equal(trainer, replica) and torch.equal(replica, alone)
-        assert not torch.equal(replica, bf16)  # fp8 is on (the replica does not fall back to the model dtype)
-    # The memory plan's figures of these two holders (an FSDP2 plan on the CPU) are what they hold.
-    cfg = config_from_dict({"model": {"preset": "tiny", "dtype": "bfloat16", "precision": "fp8"}})
-    terms = plan_memory(cfg, world_size=1, device="cpu", sharded=True).phase("generation").terms
-    assert held == [terms["policy_fp8"], terms["engine_replica_fp8"]]
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank, monkeypatch, preset):
+    copies = _Copies(monkeypatch)
+    steps, model, replica = _run(one_gloo_rank, 2, preset=preset, copies=copies)
+    for trainer, rep, alone, bf16, _ in steps:
+        assert torch.equal(trainer, rep) and torch.equal(rep, alone)
+        assert not torch.equal(rep, bf16)  # fp8 is on (the replica does not fall back to the model dtype)
+    # Each fp8 weight (4 a layer) was quantized anew for each of the trainer's forwards (2 a step), and kept nowhere.
+    assert copies.made == 2 * 2 * 4 * model.config.num_layers
+    # One entry a weight (FSDP2 refills one gathered tensor), none holding a copy.
+    assert len(model.ops.entries()) == 4 * model.config.num_layers
+    assert all(e.per_use for e in model.ops.entries()) and _held(model) == 0
+    # The memory plan's figures (an FSDP2 plan on the CPU): the replica's copy, kept in every phase; the trainer's
+    # copy of one op (the experts' op: both stacks), in the training phase only.
+    cfg = config_from_dict({"model": {"preset": preset, "dtype": "bfloat16", "precision": "fp8"}})
+    plan = plan_memory(cfg, world_size=1, device="cpu", sharded=True)
+    gen, train = plan.phase("generation").terms, plan.phase("training").terms
+    assert _held(replica) == gen["engine_replica_fp8"] and "fsdp_fp8_op_copy" not in gen
+    assert copies.peak == train["fsdp_fp8_op_copy"]
 
 
-def test_a_step_that_leaves_the_trainers_fp8_stale_differs(one_gloo_rank, monkeypatch):
-    """The negative control: the step's re-quantization (marking the gathered weights' copies stale) planted out."""
-    from exactrl.train import optim
+def test_activation_checkpointing_quantizes_the_same_bits_again(one_gloo_rank, monkeypatch):
+    """The forward recomputed in the backward quantizes the re-gathered weights again, to the same copies: the
+    gradients equal those without checkpointing, and the logprobs stay exact."""
+    plain, _, _ = _run(one_gloo_rank, 2)
+    copies = _Copies(monkeypatch)
+    ac, model, _ = _run(one_gloo_rank, 2, checkpointing=True, copies=copies)
+    for (t0, _, _, _, g0), (t1, r1, a1, _, g1) in zip(plain, ac):
+        assert g0.keys() == g1.keys() and any(g.abs().sum() > 0 for g in g0.values())
+        assert all(torch.equal(g0[n], g1[n]) for n in g0)
+        assert torch.equal(t1, r1) and torch.equal(r1, a1) and torch.equal(t1, t0)
+    # It recomputed: every layer's forward ran again in the backward, each fp8 weight quantized 3 times a step.
+    assert copies.made == 2 * 3 * 4 * model.config.num_layers
 
-    monkeypatch.setattr(optim, "requantize_after_step", lambda *a, **k: None)
-    (trainer, replica, alone, _), *_ = _run(one_gloo_rank, 1)
+
+def test_a_trainer_that_keeps_its_first_copies_differs(one_gloo_rank, monkeypatch):
+    """The negative control of both checks above: copies kept from the trainer's first forward (what a step that
+    re-quantizes nothing leaves) give logprobs that differ from the replica's after a step, and stay alive."""
+    inner = Fp8Weight.current
+    kept: dict[int, Fp8Weight] = {}
+
+    def keep_first(entry: Fp8Weight) -> Fp8Weight:
+        if not entry.per_use:
+            return inner(entry)
+        if id(entry) not in kept:
+            kept[id(entry)] = inner(entry)
+        return kept[id(entry)]
+
+    monkeypatch.setattr(Fp8Weight, "current", keep_first)
+    copies = _Copies(monkeypatch)
+    ((trainer, replica, alone, _, _),), _, _ = _run(one_gloo_rank, 1)
     assert torch.equal(replica, alone) and not torch.equal(trainer, replica)
+    assert copies.alive() > 0
+
+
+def test_a_gemm_handed_an_entrys_own_buffers_fails_loudly(one_gloo_rank, monkeypatch):
+    """A per-use entry holds no copy (empty buffers): an op that read them instead of a copy made for it (planted
+    here) stops with an error that says so, rather than compute with garbage; nor is it quantized in place."""
+    inner = Fp8Weight.current
+    monkeypatch.setattr(Fp8Weight, "current", lambda e: e if e.per_use else inner(e))
+    with pytest.raises(RuntimeError, match="fp8 copy is empty"):
+        _run(one_gloo_rank, 1)
+    entry = Fp8Weight(torch.ones(8, 16, dtype=torch.bfloat16), None, per_use=True)
+    with pytest.raises(RuntimeError, match="holds no copy"):
+        entry.quantize()
+    x = torch.ones(3, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp8 copy is empty"):
+        fp8_linear(x, entry.param, None, entry.operand, entry.scale)
 
 
 if __name__ == "__main__":  # pragma: no cover
