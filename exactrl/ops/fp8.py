@@ -90,33 +90,50 @@ def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def quantize_weight(
     w: torch.Tensor, parts: list[int] | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] (the model-dtype weight, or any float tensor, converted to fp32) -> (q [N, KB * 128] e4m3, zero past K;
-    row_scale [N, KB] fp32: every row holds its 128 x 128 block's scale).
+    """w: [..., N, K] (the model-dtype weight, or any float tensor, converted to fp32) -> (q [..., N, KB * 128] e4m3,
+    zero past K; row_scale [..., N, KB] fp32: every row holds its 128 x 128 block's scale).
 
-    parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's first
-    row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the engine's
-    CUDA graphs read those addresses)."""
-    n, k = w.shape
+    A leading dimension (a stack of experts) quantizes each [N, K] matrix on its own, in one pass: the amax of a
+    block and the elementwise ops are exact whatever the tensor around them, so every matrix gets the bits it gets
+    alone. parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's
+    first row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the
+    engine's CUDA graphs read those addresses)."""
+    *lead, n, k = w.shape
     parts = [n] if parts is None else list(parts)
     if sum(parts) != n:
         raise ValueError(f"quantize_weight: parts {parts} do not add up to the weight's {n} rows")
     kb = _blocks(k)
     q, row_scale = out if out is not None else (
-        torch.empty(n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
-        torch.empty(n, kb, dtype=torch.float32, device=w.device),
+        torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
+        torch.empty(*lead, n, kb, dtype=torch.float32, device=w.device),
     )  # fmt: skip
+    m = w.reshape(-1, n, k)  # [E, N, K]: E = 1 without a leading dimension
+    e = m.shape[0]
+    q_out, s_out = q.view(e, n, kb * BLOCK), row_scale.view(e, n, kb)
     start = 0
     for rows in parts:  # a part's blocks at once: rows padded with zeros to whole blocks (amax unchanged)
         nb = _blocks(rows)
-        blk = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-        blk[:rows, :k] = w[start : start + rows]
-        groups = blk.view(nb, BLOCK, kb, BLOCK)
-        scale = _scale_of(groups.abs().amax(dim=(1, 3)))  # [NB, KB]: one per 128 x 128 block
-        qp = _to_fp8(groups, scale[:, None, :, None]).view(nb * BLOCK, kb * BLOCK)
-        q[start : start + rows] = qp[:rows]
-        row_scale[start : start + rows] = scale.repeat_interleave(BLOCK, dim=0)[:rows]
+        blk = torch.zeros(e, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+        blk[:, :rows, :k] = m[:, start : start + rows]
+        groups = blk.view(e, nb, BLOCK, kb, BLOCK)
+        scale = _scale_of(groups.abs().amax(dim=(2, 4)))  # [E, NB, KB]: one per 128 x 128 block
+        qp = _to_fp8(groups, scale[:, :, None, :, None]).view(e, nb * BLOCK, kb * BLOCK)
+        q_out[:, start : start + rows] = qp[:, :rows]
+        s_out[:, start : start + rows] = scale.repeat_interleave(BLOCK, dim=1)[:, :rows]
         start += rows
     return q, row_scale
+
+
+# The most fp32 elements of one part's working copy `Fp8Weight.quantize` lets one `quantize_weight` call of an expert
+# stack make (2^26: 256 MB, about three such copies alive at once): experts go a chunk at a time, at least one.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 26
+
+
+def expert_chunk(shape: torch.Size | tuple[int, ...], parts: list[int] | None) -> int:
+    """How many experts of a stack [E, N, K] one `quantize_weight` call takes (`QUANTIZE_CHUNK_ELEMENTS`)."""
+    *_, n, k = shape
+    per_expert = max(_blocks(rows) for rows in (parts or [n])) * BLOCK * _blocks(k) * BLOCK
+    return max(1, QUANTIZE_CHUNK_ELEMENTS // per_expert)
 
 
 def dequantize_weight(q: torch.Tensor, row_scale: torch.Tensor, k: int) -> torch.Tensor:
@@ -336,9 +353,12 @@ class Fp8Weight:
         src = self.param.detach() if source is None else source.detach()
         if src.dim() == 2:
             quantize_weight(src, self.parts, (self.q, self.scale))
-        else:
-            for e in range(src.shape[0]):
-                quantize_weight(src[e], self.parts, (self.q[e], self.scale[e]))
+        else:  # an expert stack: a chunk of experts a call (each blocked on its own), the fp32 working set bounded
+            step = expert_chunk(src.shape, self.parts)
+            for e in range(0, src.shape[0], step):
+                quantize_weight(
+                    src[e : e + step], self.parts, (self.q[e : e + step], self.scale[e : e + step])
+                )
         if self.q.device.type != "cuda":
             self.operand = self.q.to(torch.float64)
         self.version = self.param._version
