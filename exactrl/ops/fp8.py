@@ -178,9 +178,10 @@ def check_fp8_copy(w: torch.Tensor, w_scale: torch.Tensor) -> None:
     """Refuse an fp8 copy with no values (a per-use entry's own buffers, `Fp8Weight`): read, it would be garbage."""
     if w.numel() == 0 or w_scale.numel() == 0:
         raise RuntimeError(
-            "fp8 GEMM: the weight's fp8 copy is empty. Under FSDP2 a projection's copy exists only during its "
-            "own op (`Fp8Weight.current()` quantizes the gathered weight for that call); code that reads a "
-            "registered FSDP2 weight's `q` / `scale` / `operand` must read `current()`'s instead"
+            'fp8 GEMM: the weight\'s fp8 copy is empty. Under FSDP2 with train.fsdp_fp8_copies = "per_use" a '
+            "projection's copy exists only during its own op (`Fp8Weight.current()` quantizes the gathered weight "
+            "for that call); code that reads a registered weight's `q` / `scale` / `operand` must read "
+            "`current()`'s instead"
         )
 
 
@@ -315,13 +316,25 @@ class Fp8Weight:
     the parameter since (a weight sync, a checkpoint load, torch's optimizer on fp32 weights) is seen and the
     copy re-made from the parameter.
 
-    per_use (an FSDP2 trainer's gathered weight, exactrl/model/precision.py `follow_gathered`): the entry holds no
-    copy; `current()` quantizes the parameter as it is into new buffers for the one op that asks, freed when that
-    op drops them. Its own buffers are empty, and the GEMM refuses them (`check_fp8_copy`)."""
+    An FSDP2 trainer's gathered weight (exactrl/model/precision.py `follow_gathered`, `train.fsdp_fp8_copies`):
+    - kept: the copy is kept from one step to the next; `source` is the shard the optimizer steps (the gathered
+      `param` is not written by the step: `requantize_after_step` marks the copy stale, and the next use
+      quantizes the gather of the moment);
+    - per_use: the entry holds no copy; `current()` quantizes the parameter as it is into new buffers for the one
+      op that asks, freed when that op drops them. Its own buffers are empty, and the GEMM refuses them
+      (`check_fp8_copy`)."""
 
-    def __init__(self, param: torch.Tensor, parts: list[int] | None, per_use: bool = False):
+    def __init__(
+        self,
+        param: torch.Tensor,
+        parts: list[int] | None,
+        source: torch.Tensor | None = None,
+        per_use: bool = False,
+    ):
         self.param = param
         self.parts = parts
+        # The parameter an optimizer steps: the weight itself, or under FSDP2 its shard.
+        self.source = param if source is None else source
         self.per_use = per_use
         *lead, n, k = param.shape
         kb = _blocks(k)
@@ -336,8 +349,8 @@ class Fp8Weight:
     def _holds_a_copy(self, what: str) -> None:
         if self.per_use:
             raise RuntimeError(
-                f"Fp8Weight.{what}: this fp8 projection (an FSDP2 trainer's gathered weight) holds no copy of its "
-                "own; current() quantizes one for each use"
+                f"Fp8Weight.{what}: this fp8 projection (an FSDP2 trainer's gathered weight, "
+                'train.fsdp_fp8_copies = "per_use") holds no copy of its own; current() quantizes one for each use'
             )
 
     @torch.no_grad()
@@ -419,12 +432,14 @@ class Fp8Ops:
         param: torch.Tensor,
         parts: list[int] | None = None,
         *,
+        source: torch.Tensor | None = None,
         per_use: bool = False,
         quantize: bool = True,
     ) -> Fp8Weight:
-        """quantize=False: the copy is made at its first use (a weight whose values come later). per_use: no
-        copy is kept, each use quantizes its own (`Fp8Weight`)."""
-        entry = Fp8Weight(param, parts, per_use)
+        """quantize=False: the copy is made at its first use (a weight whose values come later). source: the
+        tensor the optimizer steps for `param` (an FSDP2 shard). per_use: no copy is kept, each use quantizes its
+        own (`Fp8Weight`)."""
+        entry = Fp8Weight(param, parts, source, per_use)
         if quantize and not per_use:
             entry.quantize()
         self._weights[id(param)] = entry
@@ -545,4 +560,9 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
             entry = ops.entry_of(p)
             if entry is not None:
                 entry.quantize(m)
-        # (An FSDP2 model: `params` are its shards, registered nowhere; each use of a gathered weight quantizes it.)
+        # FSDP2: the step wrote shards; each gathered weight's kept copy is re-made from its next gather (a per-use
+        # entry keeps none: each use quantizes the gather of the moment).
+        stepped = {id(p) for p in params}
+        for entry in ops.entries():
+            if entry.source is not entry.param and id(entry.source) in stepped:
+                entry.version = -1
