@@ -63,7 +63,8 @@ class TrainConfig:
     gathered weight for its own call and drops the copy (one op's copy at a time: 0.62 GB there), but every
     forward quantizes every projection weight again (each microbatch's, each scoring pass's, the recompute of
     activation checkpointing), a cost not yet timed on a GPU (docs/fp8.md). The same logprobs bit for bit either
-    way. Ignored on one device without torchrun and without fp8."""
+    way. The memory plan counts what each holds (a refused plan names "per_use" where it would fit). Ignored
+    without torchrun (one device) and with model.precision = "dtype"."""
     offload: Literal["none", "optimizer"] = "none"
     """Where the policy's (and critic's) fp32 master weights and AdamW moments wait between optimizer steps:
     "none" = on the device; "optimizer" = in pinned host memory, brought to the device for each step (12 bytes
