@@ -303,6 +303,10 @@ def test_unknown_subsection(tmp_path: Path) -> None:
             "[train]\nlr_schedule = 1",
             "train.lr_schedule: expected one of 'constant', 'cosine', 'linear', got 1",
         ),
+        (
+            '[train]\nfsdp_fp8_copies = "per-use"',
+            "train.fsdp_fp8_copies: expected one of 'kept', 'per_use', got 'per-use' (str)",
+        ),
         # optional
         ('[algorithm]\ndual_clip = "x"', "algorithm.dual_clip: expected float | None, got 'x' (str)"),
         ("[engine]\nnum_kv_blocks = 1.5", "engine.num_kv_blocks: expected int | None, got 1.5 (float)"),
@@ -323,6 +327,14 @@ def test_wrong_types(tmp_path: Path, toml: str, message: str) -> None:
         load_config(path, PRESET)
     assert str(info.value).startswith(message), str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_fsdp_fp8_copies_is_checked_when_set_in_code() -> None:
+    """A config built in code skips the loader's Literal check: validate() names the key and its two values."""
+    cfg = load_config(None, PRESET)
+    cfg.train.fsdp_fp8_copies = "per-use"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match='train.fsdp_fp8_copies.*"kept" or "per_use"'):
+        cfg.validate()
 
 
 def test_literal_typo_gets_suggestion() -> None:

@@ -55,6 +55,16 @@ class TrainConfig:
     """Keep only each decoder layer's inputs from the forward and recompute the layer in the backward
     (torch.utils.checkpoint, non-reentrant): less activation memory for about one more forward. Exact either way:
     the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
+    fsdp_fp8_copies: Literal["kept", "per_use"] = "kept"
+    """Under torchrun (FSDP2) with model.precision = "fp8": the trainer's fp8 copies of its gathered projection
+    weights (and its KL reference's and critic's). "kept": each copy is kept from one step to the next and
+    re-quantized once after each step (a frozen LoRA base's or reference's, once a run): the whole model's copies on
+    every rank, about 1 byte a projection weight (qwen3-30b-a3b: 30.8 GB a rank). "per_use": each op quantizes its
+    gathered weight for its own call and drops the copy (one op's copy at a time: 0.62 GB there), but every
+    forward quantizes every projection weight again (each microbatch's, each scoring pass's, the recompute of
+    activation checkpointing), a cost not yet timed on a GPU (docs/fp8.md). The same logprobs bit for bit either
+    way. The memory plan counts what each holds (a refused plan names "per_use" where it would fit). Ignored
+    without torchrun (one device) and with model.precision = "dtype"."""
     offload: Literal["none", "optimizer"] = "none"
     """Where the policy's (and critic's) fp32 master weights and AdamW moments wait between optimizer steps:
     "none" = on the device; "optimizer" = in pinned host memory, brought to the device for each step (12 bytes
@@ -101,6 +111,8 @@ class TrainConfig:
         _check_at_least(self.max_tokens_per_microbatch, 1, "train.max_tokens_per_microbatch")
         if self.fsdp_tokens_per_microbatch is not None:
             _check_at_least(self.fsdp_tokens_per_microbatch, 1, "train.fsdp_tokens_per_microbatch")
+        if self.fsdp_fp8_copies not in ("kept", "per_use"):
+            _fail("train.fsdp_fp8_copies", f'must be "kept" or "per_use", got {self.fsdp_fp8_copies!r}')
         _check_at_least(self.save_every, 0, "train.save_every")
         _check_at_least(self.keep_checkpoints, 1, "train.keep_checkpoints")
         _check_at_least(self.max_nan_steps, 0, "train.max_nan_steps")

@@ -72,8 +72,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 class Parallelism:
     """The layout of one run's models over its ranks (see the module docstring)."""
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, fp8_copies: str = "kept") -> None:
         self.ctx = ctx
+        # fp8 (model.precision): the trainer's copies of its gathered weights, kept or per use (`follow_gathered`).
+        self.fp8_copies = fp8_copies
         self.sharded = ctx.distributed
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._trained: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -147,7 +149,7 @@ class Parallelism:
             )
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         # fp8: each projection's copy is quantized from its gathered weight, the bits the replica gets.
-        follow_gathered(model)
+        follow_gathered(model, self.fp8_copies)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 # The loss is already divided by the global token (or sequence) count: sum, never average

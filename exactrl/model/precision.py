@@ -6,7 +6,8 @@ Every holder of the weights quantizes the model-dtype weights it holds with the 
 same bits hold the same fp8 copy:
 - one process: the policy itself (`use_fp8` at load; the optimizer re-quantizes after each step);
 - under torchrun, the FSDP2 trainer (`follow_gathered`): a projection's fp8 copy is made from its all-gathered
-  weight (the cast of the fp32 master shards to the model dtype) for each of its ops, and freed after it;
+  weight (the cast of the fp32 master shards to the model dtype), kept from one step to the next (the default) or
+  made for each of its ops and freed after it (`train.fsdp_fp8_copies = "per_use"`);
 - the engine replica (`register_fp8` once its parameters exist, `refresh_fp8` after each weight sync): from the
   weights the sync wrote, which are those same gathered bits;
 - a generator rank holds each fp8 projection as its copy alone (`empty_fp8_only`: no model-dtype weight), which
@@ -248,18 +249,28 @@ def fp8_sync_received(
             entry.set(entry.q, entry.scale)
 
 
+FSDP_FP8_COPIES = ("kept", "per_use")  # `train.fsdp_fp8_copies`
+
+
 class _FollowGathered:
     """A forward pre-hook of one fp8 projection's module under FSDP2: the module's weight is then the gathered
-    one (its decoder layer's FSDP2 hook ran first). It is registered once (FSDP2 keeps one object and re-fills
-    its storage at every gather), as a per-use entry: each op that reads it quantizes the gather of the moment
-    into a copy of its own, freed when the op returns (`Fp8Weight.current`). So no copy outlives its op: none
-    between forwards or steps (nothing to mark stale after a step or a sharded checkpoint's load), and activation
-    checkpointing's recomputed forward quantizes the re-gathered bits again. Not a release in a forward post-hook:
-    the recomputation stops early, inside the layer's last projection, and its post-hook never runs."""
+    one (its decoder layer's FSDP2 hook ran first). Its fp8 entry is registered once, under that tensor (FSDP2
+    keeps one object and re-fills its storage at every gather), in one of two modes (`train.fsdp_fp8_copies`):
 
-    def __init__(self, ops: Fp8Ops, weights: list[tuple[str, list[int] | None, nn.Parameter]]):
+    - kept (per_use False): the entry keeps its copy, with the shard as the source the optimizer steps, so a step
+      marks it stale (`requantize_after_step`, and a sharded checkpoint's load `fp8_weights_changed`) and the next
+      forward quantizes the new gather: one quantization of each weight a step (a frozen one's, a LoRA base's or
+      a KL reference's, one a run), the whole model's copies held on every rank.
+    - per_use: each op that reads the weight quantizes the gather of the moment into a copy of its own, freed
+      when the op returns (`Fp8Weight.current`). No copy outlives its op (nothing to mark stale), and activation
+      checkpointing's recomputed forward quantizes the re-gathered bits again: one quantization of each weight
+      per forward. Not a release in a forward post-hook: the recomputation stops early, inside the layer's last
+      projection, and its post-hook never runs."""
+
+    def __init__(self, ops: Fp8Ops, weights: list[tuple[str, list[int] | None, nn.Parameter]], per_use: bool):
         self.ops = ops
         self.weights = weights  # (attribute, parts, the shard FSDP2 set on the module)
+        self.per_use = per_use
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         for name, parts, shard in self.weights:
@@ -268,13 +279,16 @@ class _FollowGathered:
             if w is shard:
                 raise RuntimeError(f"fp8 under FSDP2: {type(module).__name__}.{name} was not gathered")
             if self.ops.entry_of(w) is None:
-                self.ops.register(w, parts, per_use=True)
+                self.ops.register(w, parts, source=shard, per_use=self.per_use, quantize=False)
 
 
-def follow_gathered(model: nn.Module) -> int:
+def follow_gathered(model: nn.Module, copies: str = "kept") -> int:
     """Under FSDP2, after `fully_shard` (exactrl/distributed/parallelize.py): the registrations of the weights
     before sharding go (FSDP2 replaced those parameters; keeping them would keep whole weights alive), and each fp8
-    projection quantizes its gathered weight for each use (`_FollowGathered`). Returns the projections followed."""
+    projection quantizes its gathered weight (`_FollowGathered`), its copy kept or made per use (`copies`, one of
+    `FSDP_FP8_COPIES`: `train.fsdp_fp8_copies`). Returns the projections followed."""
+    if copies not in FSDP_FP8_COPIES:
+        raise ValueError(f"train.fsdp_fp8_copies must be one of {FSDP_FP8_COPIES}, got {copies!r}")
     lm, ops = _fp8_ops(model)
     if ops is None:
         return 0
@@ -283,5 +297,14 @@ def follow_gathered(model: nn.Module) -> int:
     for mod, name, parts in fp8_projections(lm):
         by_module.setdefault(id(mod), (mod, []))[1].append((name, parts, getattr(mod, name)))
     for mod, weights in by_module.values():
-        mod.register_forward_pre_hook(_FollowGathered(ops, weights))
+        mod.register_forward_pre_hook(_FollowGathered(ops, weights, per_use=copies == "per_use"))
     return sum(len(w) for _, w in by_module.values())
+
+
+def fp8_weights_changed(model: nn.Module) -> None:
+    """The shards of an FSDP2 model were written outside the optimizer (a sharded checkpoint's load): every kept
+    fp8 copy is re-made from its next gather (a per-use entry keeps none)."""
+    _, ops = _fp8_ops(model)
+    if ops is not None:
+        for entry in ops.entries():
+            entry.version = -1

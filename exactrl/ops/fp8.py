@@ -90,33 +90,50 @@ def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def quantize_weight(
     w: torch.Tensor, parts: list[int] | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] (the model-dtype weight, or any float tensor, converted to fp32) -> (q [N, KB * 128] e4m3, zero past K;
-    row_scale [N, KB] fp32: every row holds its 128 x 128 block's scale).
+    """w: [..., N, K] (the model-dtype weight, or any float tensor, converted to fp32) -> (q [..., N, KB * 128] e4m3,
+    zero past K; row_scale [..., N, KB] fp32: every row holds its 128 x 128 block's scale).
 
-    parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's first
-    row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the engine's
-    CUDA graphs read those addresses)."""
-    n, k = w.shape
+    A leading dimension (a stack of experts) quantizes each [N, K] matrix on its own, in one pass: the amax of a
+    block and the elementwise ops are exact whatever the tensor around them, so every matrix gets the bits it gets
+    alone. parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's
+    first row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the
+    engine's CUDA graphs read those addresses)."""
+    *lead, n, k = w.shape
     parts = [n] if parts is None else list(parts)
     if sum(parts) != n:
         raise ValueError(f"quantize_weight: parts {parts} do not add up to the weight's {n} rows")
     kb = _blocks(k)
     q, row_scale = out if out is not None else (
-        torch.empty(n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
-        torch.empty(n, kb, dtype=torch.float32, device=w.device),
+        torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
+        torch.empty(*lead, n, kb, dtype=torch.float32, device=w.device),
     )  # fmt: skip
+    m = w.reshape(-1, n, k)  # [E, N, K]: E = 1 without a leading dimension
+    e = m.shape[0]
+    q_out, s_out = q.view(e, n, kb * BLOCK), row_scale.view(e, n, kb)
     start = 0
     for rows in parts:  # a part's blocks at once: rows padded with zeros to whole blocks (amax unchanged)
         nb = _blocks(rows)
-        blk = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-        blk[:rows, :k] = w[start : start + rows]
-        groups = blk.view(nb, BLOCK, kb, BLOCK)
-        scale = _scale_of(groups.abs().amax(dim=(1, 3)))  # [NB, KB]: one per 128 x 128 block
-        qp = _to_fp8(groups, scale[:, None, :, None]).view(nb * BLOCK, kb * BLOCK)
-        q[start : start + rows] = qp[:rows]
-        row_scale[start : start + rows] = scale.repeat_interleave(BLOCK, dim=0)[:rows]
+        blk = torch.zeros(e, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+        blk[:, :rows, :k] = m[:, start : start + rows]
+        groups = blk.view(e, nb, BLOCK, kb, BLOCK)
+        scale = _scale_of(groups.abs().amax(dim=(2, 4)))  # [E, NB, KB]: one per 128 x 128 block
+        qp = _to_fp8(groups, scale[:, :, None, :, None]).view(e, nb * BLOCK, kb * BLOCK)
+        q_out[:, start : start + rows] = qp[:, :rows]
+        s_out[:, start : start + rows] = scale.repeat_interleave(BLOCK, dim=1)[:, :rows]
         start += rows
     return q, row_scale
+
+
+# The most fp32 elements of one part's working copy `Fp8Weight.quantize` lets one `quantize_weight` call of an expert
+# stack make (2^26: 256 MB, about three such copies alive at once): experts go a chunk at a time, at least one.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 26
+
+
+def expert_chunk(shape: torch.Size | tuple[int, ...], parts: list[int] | None) -> int:
+    """How many experts of a stack [E, N, K] one `quantize_weight` call takes (`QUANTIZE_CHUNK_ELEMENTS`)."""
+    *_, n, k = shape
+    per_expert = max(_blocks(rows) for rows in (parts or [n])) * BLOCK * _blocks(k) * BLOCK
+    return max(1, QUANTIZE_CHUNK_ELEMENTS // per_expert)
 
 
 def dequantize_weight(q: torch.Tensor, row_scale: torch.Tensor, k: int) -> torch.Tensor:
@@ -161,9 +178,10 @@ def check_fp8_copy(w: torch.Tensor, w_scale: torch.Tensor) -> None:
     """Refuse an fp8 copy with no values (a per-use entry's own buffers, `Fp8Weight`): read, it would be garbage."""
     if w.numel() == 0 or w_scale.numel() == 0:
         raise RuntimeError(
-            "fp8 GEMM: the weight's fp8 copy is empty. Under FSDP2 a projection's copy exists only during its "
-            "own op (`Fp8Weight.current()` quantizes the gathered weight for that call); code that reads a "
-            "registered FSDP2 weight's `q` / `scale` / `operand` must read `current()`'s instead"
+            'fp8 GEMM: the weight\'s fp8 copy is empty. Under FSDP2 with train.fsdp_fp8_copies = "per_use" a '
+            "projection's copy exists only during its own op (`Fp8Weight.current()` quantizes the gathered weight "
+            "for that call); code that reads a registered weight's `q` / `scale` / `operand` must read "
+            "`current()`'s instead"
         )
 
 
@@ -298,13 +316,25 @@ class Fp8Weight:
     the parameter since (a weight sync, a checkpoint load, torch's optimizer on fp32 weights) is seen and the
     copy re-made from the parameter.
 
-    per_use (an FSDP2 trainer's gathered weight, exactrl/model/precision.py `follow_gathered`): the entry holds no
-    copy; `current()` quantizes the parameter as it is into new buffers for the one op that asks, freed when that
-    op drops them. Its own buffers are empty, and the GEMM refuses them (`check_fp8_copy`)."""
+    An FSDP2 trainer's gathered weight (exactrl/model/precision.py `follow_gathered`, `train.fsdp_fp8_copies`):
+    - kept: the copy is kept from one step to the next; `source` is the shard the optimizer steps (the gathered
+      `param` is not written by the step: `requantize_after_step` marks the copy stale, and the next use
+      quantizes the gather of the moment);
+    - per_use: the entry holds no copy; `current()` quantizes the parameter as it is into new buffers for the one
+      op that asks, freed when that op drops them. Its own buffers are empty, and the GEMM refuses them
+      (`check_fp8_copy`)."""
 
-    def __init__(self, param: torch.Tensor, parts: list[int] | None, per_use: bool = False):
+    def __init__(
+        self,
+        param: torch.Tensor,
+        parts: list[int] | None,
+        source: torch.Tensor | None = None,
+        per_use: bool = False,
+    ):
         self.param = param
         self.parts = parts
+        # The parameter an optimizer steps: the weight itself, or under FSDP2 its shard.
+        self.source = param if source is None else source
         self.per_use = per_use
         *lead, n, k = param.shape
         kb = _blocks(k)
@@ -319,8 +349,8 @@ class Fp8Weight:
     def _holds_a_copy(self, what: str) -> None:
         if self.per_use:
             raise RuntimeError(
-                f"Fp8Weight.{what}: this fp8 projection (an FSDP2 trainer's gathered weight) holds no copy of its "
-                "own; current() quantizes one for each use"
+                f"Fp8Weight.{what}: this fp8 projection (an FSDP2 trainer's gathered weight, "
+                'train.fsdp_fp8_copies = "per_use") holds no copy of its own; current() quantizes one for each use'
             )
 
     @torch.no_grad()
@@ -336,9 +366,12 @@ class Fp8Weight:
         src = self.param.detach() if source is None else source.detach()
         if src.dim() == 2:
             quantize_weight(src, self.parts, (self.q, self.scale))
-        else:
-            for e in range(src.shape[0]):
-                quantize_weight(src[e], self.parts, (self.q[e], self.scale[e]))
+        else:  # an expert stack: a chunk of experts a call (each blocked on its own), the fp32 working set bounded
+            step = expert_chunk(src.shape, self.parts)
+            for e in range(0, src.shape[0], step):
+                quantize_weight(
+                    src[e : e + step], self.parts, (self.q[e : e + step], self.scale[e : e + step])
+                )
         if self.q.device.type != "cuda":
             self.operand = self.q.to(torch.float64)
         self.version = self.param._version
@@ -399,12 +432,14 @@ class Fp8Ops:
         param: torch.Tensor,
         parts: list[int] | None = None,
         *,
+        source: torch.Tensor | None = None,
         per_use: bool = False,
         quantize: bool = True,
     ) -> Fp8Weight:
-        """quantize=False: the copy is made at its first use (a weight whose values come later). per_use: no
-        copy is kept, each use quantizes its own (`Fp8Weight`)."""
-        entry = Fp8Weight(param, parts, per_use)
+        """quantize=False: the copy is made at its first use (a weight whose values come later). source: the
+        tensor the optimizer steps for `param` (an FSDP2 shard). per_use: no copy is kept, each use quantizes its
+        own (`Fp8Weight`)."""
+        entry = Fp8Weight(param, parts, source, per_use)
         if quantize and not per_use:
             entry.quantize()
         self._weights[id(param)] = entry
@@ -525,4 +560,9 @@ def requantize_after_step(model: torch.nn.Module, params: list[torch.Tensor], ma
             entry = ops.entry_of(p)
             if entry is not None:
                 entry.quantize(m)
-        # (An FSDP2 model: `params` are its shards, registered nowhere; each use of a gathered weight quantizes it.)
+        # FSDP2: the step wrote shards; each gathered weight's kept copy is re-made from its next gather (a per-use
+        # entry keeps none: each use quantizes the gather of the moment).
+        stepped = {id(p) for p in params}
+        for entry in ops.entries():
+            if entry.source is not entry.param and id(entry.source) in stepped:
+                entry.version = -1

@@ -149,7 +149,7 @@ class RLRun(WarmStart, Finish):
             raise ValueError("RLRun runs on trainer ranks; a generator rank runs serve_generator")
         self.layout = layout
         self.dist = layout.local
-        self.parallel = Parallelism(self.dist)
+        self.parallel = Parallelism(self.dist, fp8_copies=cfg.train.fsdp_fp8_copies)
         # The step driver that runs this config, chosen once (with what `exactrl plan` refuses too).
         self.driver_name: DriverName = resolved.driver
         self.cfg, self.resume = cfg, resume

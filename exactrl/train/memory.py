@@ -720,11 +720,13 @@ def plan_memory(
     opt_state: dict[str, int] = {}  # masters and moments: on the device only for the step when offloaded
     grads: dict[str, int] = {}
     train_extra: dict[str, int] = {}
-    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole, except
-    # an FSDP2 model (the trainer, its KL reference, its critic): each of its ops quantizes its gathered weights for
-    # itself, so one op's copy is alive at a time, during a forward (the training phase).
+    # fp8 (`model.precision`): every holder of the weights holds its own fp8 copy of the projections, whole (an
+    # FSDP2 trainer, its KL reference and its critic keep the copies of their gathered weights from one step to the
+    # next), except an FSDP2 model with train.fsdp_fp8_copies = "per_use": each of its ops quantizes its gathered
+    # weights for itself, so one op's copy is alive at a time, during a forward (the training phase).
     fp8 = fp8_copy_bytes(c, cuda)
-    if fp8 and sharded:
+    fp8_per_use = bool(fp8) and sharded and tr.fsdp_fp8_copies == "per_use"
+    if fp8_per_use:
         train_extra["fsdp_fp8_op_copy"] = fp8_copy_bytes(c, cuda, per_op=True)
     if not sharded:
         resident["policy_weights"] = c["policy_params"] * b
@@ -776,9 +778,9 @@ def plan_memory(
             resident["guard_copy_fp8"] = fp8
     if a.kl_coef > 0 and cfg.lora.rank == 0:  # with LoRA the reference is the base with adapters off
         resident["reference_model"] = -(-c["policy_params"] * b // n)
-        if fp8 and not sharded:
+        if fp8 and not fp8_per_use:
             resident["reference_fp8"] = fp8
-    if fp8 and not sharded:
+    if fp8 and not fp8_per_use:
         resident["policy_fp8"] = fp8
         if c["critic_params"]:  # the critic is a copy of the policy: fp8 projections too
             resident["critic_fp8"] = fp8

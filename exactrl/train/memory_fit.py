@@ -29,6 +29,20 @@ from exactrl.train.memory import (
     plan_memory,
 )
 
+# An FSDP2 trainer's fp8 copies quantized per use (train.fsdp_fp8_copies): memory bought with a quantization of every
+# projection weight per forward, so the suggestion says the trade (`_trade`).
+FP8_PER_USE = "train.fsdp_fp8_copies=per_use"
+
+
+def _trade(sets: list[str], plan: MemoryPlan, fitted: MemoryPlan) -> str:
+    """What a suggested setting costs besides memory, where its name does not say it."""
+    if sets == [FP8_PER_USE]:
+        return (
+            f" to quantize per use: ~{_gib(plan.peak - fitted.peak)} GiB less a rank, one quantization of each "
+            "weight per forward"
+        )
+    return ""
+
 
 def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, list[str], int]]:
     """Single changes to try, as (what to tell the user, --set overrides, world size); `sharded` as the plan's."""
@@ -50,6 +64,8 @@ def _knobs(cfg: RunConfig, world_size: int, sharded: bool) -> list[tuple[str, li
         out.append(("train.cuda_graphs=false", ["train.cuda_graphs=false"], world_size))
     if sharded and tr.fsdp_reduce == "minibatch":
         out.append(('train.fsdp_reduce="microbatch"', ["train.fsdp_reduce=microbatch"], world_size))
+    if sharded and cfg.model.precision == "fp8" and tr.fsdp_fp8_copies == "kept":  # the whole model's copies
+        out.append(('train.fsdp_fp8_copies="per_use"', [FP8_PER_USE], world_size))
     if cfg.model.dtype == "float32":
         out.append(("model.dtype=bfloat16", ["model.dtype=bfloat16"], world_size))
     if tr.offload == "none":
@@ -128,7 +144,7 @@ def suggest(cfg: RunConfig, plan: MemoryPlan, counts: dict[str, int]) -> list[st
         except ValueError:
             continue  # a change the config refuses (e.g. a microbatch shorter than a sequence)
         if p2.fits:
-            out.append(f"{label} (peak {_gib(p2.peak)} GiB)")
+            out.append(f"{label}{_trade(sets, plan, p2)} (peak {_gib(p2.peak)} GiB)")
     # Keep one microbatch size: the largest that fits.
     budgets = ("train.max_tokens_per_microbatch", "train.fsdp_tokens_per_microbatch")
     mb = [s for s in out if s.startswith(budgets)]

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.env import DistContext
 from exactrl.distributed.shared_fs import require_every_shard
+from exactrl.model.precision import fp8_weights_changed
 from exactrl.model.qwen import CausalLM
 from exactrl.train.checkpoint import publish_checkpoint, rng_state, set_rng_state
 from exactrl.train.optim import MasterAdamW
@@ -189,6 +190,10 @@ def load_sharded_checkpoint(
             if opt.has_master:  # one device, bf16 model: the fp32 masters were loaded; refresh the weights
                 params: list[torch.Tensor] = list(opt.params)
                 torch._foreach_copy_(params, opt.master)
+    # fp8: DCP wrote the shards in place, which no version counter records; re-quantize from the next gathers.
+    for m in (model, critic):
+        if m is not None:
+            fp8_weights_changed(m)
     state = json.loads((path / "state.json").read_text())
     set_rng_state(state["rng"])
     return state

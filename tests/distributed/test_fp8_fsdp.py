@@ -1,12 +1,17 @@
 """fp8 projections under FSDP2 (one gloo rank in this process, no torchrun): the trainer quantizes its gathered
 weights, the engine replica quantizes the weights the sync wrote, and after every optimizer step both give bitwise
-equal logprobs, equal to a one-process fp8 model holding the same weights. The trainer keeps no fp8 copy: each op
-quantizes its gathered weight for itself and drops the copy when it returns (`Fp8Weight.current`), so between
-forwards none is alive (storages followed by weak references) and during one at most one op's, the memory plan's
-figure; activation checkpointing's recomputation quantizes the same bits again (the same gradients). Negative
-controls: a trainer that keeps its first copies (no re-quantization after a step) differs from the replica and holds
-them between forwards; a GEMM handed an entry's own (empty) buffers fails loudly. (The multi-rank runs, colocated
-and with generator ranks: tests/distributed/test_disagg.py.)"""
+equal logprobs, equal to a one-process fp8 model holding the same weights.
+
+The trainer's copies (`train.fsdp_fp8_copies`): "kept" (the default) keeps each copy from one step to the next,
+quantized once a step (the step marks it stale), and holds what the memory plan's `policy_fp8` says; "per_use"
+keeps none: each op quantizes its gathered weight for itself and drops the copy when it returns
+(`Fp8Weight.current`), so between forwards none is alive (storages followed by weak references) and during one at
+most one op's, the plan's `fsdp_fp8_op_copy`; activation checkpointing's recomputation quantizes the same bits again
+(the same gradients). Both modes give the same logprobs and gradients, bit for bit. Negative controls: a kept-mode
+step that does not mark the copies stale leaves the trainer's logprobs differing from the replica's; a per-use
+trainer that keeps its first copies does too, and holds them between forwards; a GEMM handed a per-use entry's own
+(empty) buffers fails loudly. (The multi-rank runs, colocated and with generator ranks:
+tests/distributed/test_disagg.py.)"""
 
 from __future__ import annotations
 
@@ -68,15 +73,21 @@ class _Copies:
 
 
 def _run(
-    ctx, steps: int, *, preset: str = "tiny", checkpointing: bool = False, copies: _Copies | None = None
+    ctx,
+    steps: int,
+    *,
+    mode: str = "per_use",
+    preset: str = "tiny",
+    checkpointing: bool = False,
+    copies: _Copies | None = None,
 ):
     """Per step (after it): the trainer's, the replica's, a one-process fp8 model's (the replica's weights) and a
-    one-process bf16 model's logprobs, and the step's gradients (name -> tensor). copies: checks that no fp8 copy
-    of the trainer is alive after its forward (the autograd graph alive), its backward and the step. Returns
-    (those per step, the trainer, the replica)."""
+    one-process bf16 model's logprobs, and the step's gradients (name -> tensor). mode: train.fsdp_fp8_copies.
+    copies (per_use): checks that no fp8 copy of the trainer is alive after its forward (the autograd graph alive),
+    its backward and the step. Returns (those per step, the trainer, the replica)."""
     set_exact_environment(True)
     model, _ = load_policy(preset_name=preset, dtype="bfloat16", seed=0, precision="fp8")
-    par = Parallelism(ctx)
+    par = Parallelism(ctx, fp8_copies=mode)
     replica = par.engine_model(model)
     par.parallelize(model)
     if checkpointing:
@@ -118,11 +129,112 @@ def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank, monke
     assert all(e.per_use for e in model.ops.entries()) and _held(model) == 0
     # The memory plan's figures (an FSDP2 plan on the CPU): the replica's copy, kept in every phase; the trainer's
     # copy of one op (the experts' op: both stacks), in the training phase only.
-    cfg = config_from_dict({"model": {"preset": preset, "dtype": "bfloat16", "precision": "fp8"}})
+    cfg = config_from_dict(
+        {
+            "model": {"preset": preset, "dtype": "bfloat16", "precision": "fp8"},
+            "train": {"fsdp_fp8_copies": "per_use"},
+        }
+    )
     plan = plan_memory(cfg, world_size=1, device="cpu", sharded=True)
     gen, train = plan.phase("generation").terms, plan.phase("training").terms
     assert _held(replica) == gen["engine_replica_fp8"] and "fsdp_fp8_op_copy" not in gen
-    assert copies.peak == train["fsdp_fp8_op_copy"]
+    assert copies.peak == train["fsdp_fp8_op_copy"] and "policy_fp8" not in train
+
+
+class _Quantizations:
+    """How many times each registered entry of a model quantized itself (`Fp8Weight.quantize`), by id."""
+
+    def __init__(self, monkeypatch):
+        self.by_entry: dict[int, int] = {}
+        inner = Fp8Weight.quantize
+
+        def quantize(entry: Fp8Weight, source=None) -> None:
+            self.by_entry[id(entry)] = self.by_entry.get(id(entry), 0) + 1
+            inner(entry, source)
+
+        monkeypatch.setattr(Fp8Weight, "quantize", quantize)
+
+    def of(self, model) -> list[int]:
+        return [self.by_entry.get(id(e), 0) for e in model.ops.entries()]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_kept_copies_give_the_per_use_bits_and_hold_the_plans_bytes(one_gloo_rank, monkeypatch, preset):
+    """train.fsdp_fp8_copies = "kept" (the default): the trainer's logprobs and gradients equal the per-use
+    trainer's, bit for bit, and the replica's; each copy is quantized once a step (at the first forward after the
+    step marked it stale: the forward before the step's and the scoring after it share one), and the trainer holds
+    the whole model's copies, the plan's `policy_fp8`."""
+    per_use, _, _ = _run(one_gloo_rank, 2, preset=preset)
+    counts = _Quantizations(monkeypatch)
+    kept, model, replica = _run(one_gloo_rank, 2, mode="kept", preset=preset)
+    for (t0, _, _, _, g0), (t1, r1, a1, bf16, g1) in zip(per_use, kept):
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+        assert torch.equal(t1, t0) and torch.equal(t1, r1) and torch.equal(r1, a1)
+        assert not torch.equal(r1, bf16)
+    # 4 fp8 weights a layer, one entry each, none per use; quantized at the first forward and once after each step.
+    assert len(model.ops.entries()) == 4 * model.config.num_layers
+    assert not any(e.per_use for e in model.ops.entries())
+    assert counts.of(model) == [1 + 2] * len(model.ops.entries())
+    cfg = config_from_dict({"model": {"preset": preset, "dtype": "bfloat16", "precision": "fp8"}})
+    plan = plan_memory(cfg, world_size=1, device="cpu", sharded=True)
+    gen, train = plan.phase("generation").terms, plan.phase("training").terms
+    assert (
+        _held(model) == gen["policy_fp8"] == train["policy_fp8"]
+        and _held(replica) == gen["engine_replica_fp8"]
+    )
+    assert "fsdp_fp8_op_copy" not in train
+
+
+def test_a_step_that_leaves_the_kept_copies_stale_differs(one_gloo_rank, monkeypatch):
+    """The kept mode's negative control: the step's re-quantization (marking the gathered weights' copies stale)
+    planted out, the trainer computes with its first copies and its logprobs differ from the replica's."""
+    from exactrl.train import optim
+
+    monkeypatch.setattr(optim, "requantize_after_step", lambda *a, **k: None)
+    ((trainer, replica, alone, _, _),), _, _ = _run(one_gloo_rank, 1, mode="kept")
+    assert torch.equal(replica, alone) and not torch.equal(trainer, replica)
+
+
+def _kept_trainer(ctx):
+    """An fp8 FSDP2 trainer with kept copies, its replica bound: (model, replica, optimizer, tokenizer)."""
+    set_exact_environment(True)
+    model, tok = load_policy(preset_name="tiny", dtype="bfloat16", seed=0, precision="fp8")
+    par = Parallelism(ctx, fp8_copies="kept")
+    replica = par.engine_model(model)
+    par.parallelize(model)
+    par.bind(model, replica)
+    return model, replica, MasterAdamW(model, lr=1e-2, dist=ctx), tok
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_sharded_load_re_quantizes_the_kept_copies(one_gloo_rank, tmp_path, monkeypatch, planted):
+    """Kept mode: a sharded checkpoint's load writes the shards in place, which no version counter records, so it
+    marks every kept copy stale (`fp8_weights_changed`): a trainer whose copies were quantized from its first
+    weights, loaded with a trained trainer's checkpoint, gives that trainer's logprobs. planted: the marking taken
+    out (the negative control): it computes with its first copies, and its logprobs differ."""
+    from exactrl.train import sharded_checkpoint as ckpt
+
+    pb = _batch(torch.device("cpu"))
+    trained, replica, opt, tok = _kept_trainer(one_gloo_rank)
+    lp, _, _ = response_logprobs(trained, pb, 1.0)
+    (-lp.float().mean()).backward()
+    opt.clip_and_step(1.0)
+    want = _logprobs(trained, pb)
+    trained.reshard()  # (FSDP2 leaves the root's parameters gathered after a forward; DCP takes the shards)
+    path = ckpt.save_sharded_checkpoint(
+        one_gloo_rank, tmp_path, 1, model=trained, engine_model=replica, tokenizer=tok,
+        optimizers={"policy": opt}, state={},
+    )  # fmt: skip
+    fresh, _, opt2, _ = _kept_trainer(one_gloo_rank)
+    before = _logprobs(fresh, pb)  # its copies, quantized from the first weights
+    fresh.reshard()
+    assert not torch.equal(before, want)
+    if planted:
+        monkeypatch.setattr(ckpt, "fp8_weights_changed", lambda model: None)
+    ckpt.load_sharded_checkpoint(path, model=fresh, optimizers={"policy": opt2})
+    after = _logprobs(fresh, pb)
+    # (Planted, the model-dtype weights outside the projections are the loaded ones, the fp8 copies the old.)
+    assert torch.equal(after, want) is not planted
 
 
 def test_activation_checkpointing_quantizes_the_same_bits_again(one_gloo_rank, monkeypatch):

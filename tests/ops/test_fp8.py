@@ -82,6 +82,53 @@ def test_packed_weight_blocks_part_by_part():
     assert not torch.equal(s1, s)
 
 
+def _trained_stack(e: int, inter: int, k: int) -> torch.Tensor:
+    """A packed gate|up expert stack [E, 2 * inter, K] in bf16 that looks trained: each expert and each part of its
+    own magnitude (up to 10^4 apart), rows and channels uneven within them."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.stack([_data(2 * inter, k, seed=10 + i) for i in range(e)])
+    experts = torch.logspace(-2, 2, e)[torch.randperm(e, generator=g)]
+    parts = torch.tensor([1.0, 30.0]).repeat_interleave(inter)  # the up part 30x the gate part
+    return (w * experts[:, None, None] * parts[None, :, None]).to(torch.bfloat16)
+
+
+def test_an_expert_stack_quantizes_in_chunks_to_each_experts_bits(monkeypatch):
+    """`quantize_weight` of a stack [E, N, K] and `Fp8Weight.quantize` (a chunk of experts a call) give each
+    expert the bits it gets alone, torch.equal: packed parts, K = 200 (not a multiple of 128), 80-row parts (not a
+    multiple of 128 either). Negative control: one scale a block position for the whole stack differs."""
+    from exactrl.ops import fp8
+
+    e, inter, k = 7, 80, 200
+    w = _trained_stack(e, inter, k)
+    alone = [quantize_weight(w[i], [inter, inter]) for i in range(e)]
+    q_ref = torch.stack([q for q, _ in alone]).view(torch.uint8)
+    s_ref = torch.stack([s for _, s in alone])
+    q, s = quantize_weight(w, [inter, inter])  # the whole stack in one call
+    assert torch.equal(q.view(torch.uint8), q_ref) and torch.equal(s, s_ref)
+    # Fp8Weight: chunks of 3 experts (3 + 3 + 1) at this bound, 3 calls.
+    per_expert = 1 * BLOCK * 2 * BLOCK  # one part's rows padded to a 128-block, K to two
+    monkeypatch.setattr(fp8, "QUANTIZE_CHUNK_ELEMENTS", 3 * per_expert + 5)
+    calls = []
+    inner = fp8.quantize_weight
+    monkeypatch.setattr(fp8, "quantize_weight", lambda t, *a: calls.append(t.shape[0]) or inner(t, *a))
+    entry = fp8.Fp8Weight(w, [inter, inter])
+    entry.quantize()
+    assert calls == [3, 3, 1]
+    assert torch.equal(entry.q.view(torch.uint8), q_ref) and torch.equal(entry.scale, s_ref)
+    assert torch.equal(entry.operand, entry.q.to(torch.float64))
+    # At least one expert a call, however large the expert.
+    monkeypatch.setattr(fp8, "QUANTIZE_CHUNK_ELEMENTS", 1)
+    assert fp8.expert_chunk(w.shape, [inter, inter]) == 1
+    # Negative control: the stack sharing each block position's scale (its largest expert's) is not the same copy.
+    groups = torch.zeros(e, 2 * BLOCK, 2 * BLOCK)
+    groups[:, :inter, :k], groups[:, BLOCK : BLOCK + inter, :k] = w[:, :inter].float(), w[:, inter:].float()
+    groups = groups.view(e, 2, BLOCK, 2, BLOCK)
+    shared = (groups.abs().amax(dim=(0, 2, 4), keepdim=True) / FP8_MAX).expand(e, 2, 1, 2, 1)
+    q_shared = (groups / shared).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(e, 2 * BLOCK, 2 * BLOCK)
+    q_shared = torch.cat([q_shared[:, :inter], q_shared[:, BLOCK : BLOCK + inter]], dim=1)
+    assert not torch.equal(q_shared.view(torch.uint8), q_ref)
+
+
 def test_activation_quantizer_is_row_local():
     """A row's fp8 bits and scales are the same whatever other rows are in the call (torch.equal)."""
     x = _data(24, 256, seed=3)

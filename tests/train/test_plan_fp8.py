@@ -1,6 +1,7 @@
 """The memory plan counts the fp8 copy (`model.precision = "fp8"`): the e4m3 values (K padded to whole 128-blocks),
-the fp32 scales (one per row and 128-block) and on the CPU the float64 copy of the values, on every holder. The
-figure is checked against the bytes an fp8 model built on the CPU allocates, for a dense and an MoE preset."""
+the fp32 scales (one per row and 128-block) and on the CPU the float64 copy of the values, on every holder (an FSDP2
+trainer's: kept whole, or one op's with train.fsdp_fp8_copies = "per_use"). The figure is checked against the bytes
+an fp8 model built on the CPU allocates, for a dense and an MoE preset."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from exactrl.model.loading import load_policy
-from exactrl.train.memory import count_tensors, fp8_copy_bytes, plan_memory
+from exactrl.train.memory import CUDA_CONTEXT_BYTES, _gib, count_tensors, fp8_copy_bytes, plan_memory
+from exactrl.train.memory_fit import make_plan
 from exactrl.train.memory_generator import plan_generator
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,7 +29,8 @@ def _allocated(model) -> tuple[int, int]:
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_plan_counts_the_fp8_copy_a_model_allocates(preset):
-    cfg = run_cfg(f"model.preset={preset}", "model.precision=fp8", "run.device=cpu")
+    sets = [f"model.preset={preset}", "model.precision=fp8", "run.device=cpu"]
+    cfg = run_cfg(*sets)
     model, _ = load_policy(preset_name=preset, dtype="bfloat16", precision="fp8")
     copy, operands = _allocated(model)
     c = count_tensors(cfg)
@@ -38,18 +41,50 @@ def test_plan_counts_the_fp8_copy_a_model_allocates(preset):
     assert all(p.terms["policy_fp8"] == copy + operands for p in plan.phases)
     plain = plan_memory(run_cfg(f"model.preset={preset}", "run.device=cpu"), device="cpu")
     assert plan.peak - plain.peak == copy + operands
-    # Two FSDP2 ranks: the replica's copy, whole; the trainer keeps none, its ops quantize one copy at a time
-    # while it trains (tests/distributed/test_fp8_fsdp.py measures that figure).
+    # Two FSDP2 ranks (tests/distributed/test_fp8_fsdp.py measures what each mode holds): the replica's copy, whole;
+    # the trainer's copies of its gathered weights kept (train.fsdp_fp8_copies = "kept", the default), whole, in
+    # every phase; or quantized per use: one op's copy at a time while it trains.
     two = plan_memory(cfg, world_size=2, device="cuda")
-    assert two.phase("generation").terms["engine_replica_fp8"] == copy
-    assert not {"policy_fp8", "fsdp_fp8_op_copy"} & set(two.phase("generation").terms)
-    assert 0 < two.phase("training").terms["fsdp_fp8_op_copy"] < copy
+    held = [p for p in two.phases if p.name != "setup"]  # (the set-up holds the whole models' copies)
+    assert held and all(p.terms["engine_replica_fp8"] == p.terms["policy_fp8"] == copy for p in held)
+    assert not any("fsdp_fp8_op_copy" in p.terms for p in two.phases)
+    per_use = plan_memory(
+        run_cfg(*sets, "train.fsdp_fp8_copies=per_use"), world_size=2, device="cuda"
+    )  # fmt: skip
+    assert per_use.phase("generation").terms["engine_replica_fp8"] == copy
+    assert not {"policy_fp8", "fsdp_fp8_op_copy"} & set(per_use.phase("generation").terms)
+    assert 0 < per_use.phase("training").terms["fsdp_fp8_op_copy"] < copy
+    assert "policy_fp8" not in per_use.phase("training").terms
+    # One process: no FSDP2, so the key changes nothing.
+    assert plan_memory(run_cfg(*sets, "train.fsdp_fp8_copies=per_use"), device="cpu").phases == plan.phases
     # A generator rank: the copy it quantizes from the synced weights.
     gen = plan_generator(
         run_cfg(f"model.preset={preset}", "model.precision=fp8", "distributed.generator_ranks=1"),
         world_size=3,
     )
     assert gen.phase("generation").terms["engine_fp8"] == copy
+
+
+def test_a_refused_fsdp2_plan_names_the_per_use_copies_with_their_trade():
+    """FSDP2 ranks whose kept fp8 copies tip the plan over the device: the refusal names train.fsdp_fp8_copies =
+    "per_use", what it saves a rank and what it costs; not where the copies are already per use, nor on one
+    device (the key does nothing there)."""
+    sets = ["model.preset=qwen3-1.7b", "model.precision=fp8", "model.dtype=bfloat16"]
+    kept = plan_memory(run_cfg(*sets), world_size=2, device="cuda")
+    per_use = plan_memory(run_cfg(*sets, "train.fsdp_fp8_copies=per_use"), world_size=2, device="cuda")
+    assert per_use.peak < kept.peak
+    gpu = CUDA_CONTEXT_BYTES + (kept.peak + per_use.peak) // 2  # per use fits, kept does not
+    plan = make_plan(run_cfg(*sets), world_size=2, gpu_memory=gpu, device="cuda")
+    assert not plan.fits
+    less = _gib(kept.peak - per_use.peak)
+    wanted = (
+        f'train.fsdp_fp8_copies="per_use" to quantize per use: ~{less} GiB less a rank, one quantization of each '
+        f"weight per forward (peak {_gib(per_use.peak)} GiB)"
+    )
+    assert wanted in plan.suggestions and wanted in plan.refusal(), plan.suggestions
+    assert make_plan(run_cfg(*sets, "train.fsdp_fp8_copies=per_use"), world_size=2, gpu_memory=gpu).fits
+    one = make_plan(run_cfg(*sets), gpu_memory=gpu, device="cuda")
+    assert not one.fits and not any("fsdp_fp8_copies" in s for s in one.suggestions)
 
 
 @pytest.mark.parametrize(("t", "e"), [(2, 1), (1, 2), (2, 2)])
