@@ -582,7 +582,7 @@ def bench_train_fsdp(args) -> dict:
     device, model, tok = _load(args)
     rollouts, tokens = _bench_rollouts(args, model, tok, seed=ctx.rank)
     seq_len = min(1024, args.tokens_per_microbatch)
-    par = Parallelism(ctx)
+    par = Parallelism(ctx, fp8_copies=args.fsdp_fp8_copies)
     replica = par.engine_model(model)
     par.parallelize(model)
     par.bind(model, replica)
@@ -622,6 +622,7 @@ def bench_train_fsdp(args) -> dict:
     world = ctx.world_size
     rec = {
         **record_head("train-fsdp", args, device),
+        "fsdp_fp8_copies": args.fsdp_fp8_copies if args.precision == "fp8" else None,
         "world_size": world,
         "batch": "per-rank tokens fixed: the global batch is world_size x tokens_per_rank",
         "tokens_per_rank": tokens,

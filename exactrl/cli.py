@@ -119,7 +119,14 @@ def cmd_parity(args) -> int:
         check_expert_parallel(model, ep_size)
         tp = engine_group(ctx.rank, ctx.world_size, tp_size, ep_size)
     engine_model, scorer = (
-        sharded_parity_models(model, ctx, tp, tensor_parallel=tp_size, expert_parallel=ep_size)
+        sharded_parity_models(
+            model,
+            ctx,
+            tp,
+            tensor_parallel=tp_size,
+            expert_parallel=ep_size,
+            fp8_copies=args.fsdp_fp8_copies,
+        )
         if ctx.distributed
         else (model, model)
     )
@@ -502,7 +509,7 @@ def _say_error(text: str, status: int) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from exactrl.commands import add_nproc_arg
+    from exactrl.commands import add_fsdp_fp8_copies_arg, add_nproc_arg
 
     _quiet_unless_rank0()
     parser = argparse.ArgumentParser(prog="exactrl")
@@ -577,6 +584,7 @@ def _main(argv: list[str] | None = None) -> int:
         "them (1/E of every sparse layer's each), checked against the FSDP2 trainer; E must divide --nproc and "
         "the model's experts, and equal --tensor-parallel when both are above 1",
     )
+    add_fsdp_fp8_copies_arg(p, "the FSDP2 trainer")
     add_nproc_arg(p)
     p.set_defaults(func=cmd_parity, before_launch=_parity_before_launch)
 

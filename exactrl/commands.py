@@ -457,6 +457,16 @@ def add_nproc_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fsdp_fp8_copies_arg(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument(
+        "--fsdp-fp8-copies",
+        default="kept",
+        choices=["kept", "per_use"],
+        help=f"with --precision fp8 under --nproc: {who}'s fp8 copies, kept between steps or quantized for each "
+        "use (train.fsdp_fp8_copies; docs/fp8.md)",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
     p = sub.add_parser("train", help="run an RL job from a TOML config", formatter_class=fmt)
@@ -762,6 +772,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the result JSON of the same benchmark at another world size: adds the scaling efficiency (rl: "
         "another layout or world size; adds speedup_vs_baseline, the ratio of the median step times)",
     )
+    add_fsdp_fp8_copies_arg(p, "train --fsdp: the FSDP2 step")
     add_nproc_arg(p)
     p.set_defaults(before_launch=_bench_before_launch)
     p.add_argument(

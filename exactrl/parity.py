@@ -146,6 +146,7 @@ def sharded_parity_models(
     *,
     tensor_parallel: int | None = None,
     expert_parallel: int = 1,
+    fp8_copies: str = "kept",
 ) -> tuple[CausalLM, CausalLM]:
     """(the engine's model, the trainer's model) of a run at ctx's world size: on one process both are `model`;
     under torchrun `model` is sharded in place with FSDP2 as training shards it, and the engine gets a full
@@ -154,7 +155,7 @@ def sharded_parity_models(
     gathered weight into it."""
     from exactrl.distributed.parallelize import Parallelism
 
-    par = Parallelism(ctx)
+    par = Parallelism(ctx, fp8_copies=fp8_copies)  # fp8: the trainer's copies (train.fsdp_fp8_copies)
     replica = par.engine_model(model)
     if tp is not None and tp.size > 1:
         # tensor_parallel unset: the group's size (the engine split by tensor parallel alone).

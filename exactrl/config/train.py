@@ -57,8 +57,9 @@ class TrainConfig:
     the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
     fsdp_fp8_copies: Literal["kept", "per_use"] = "kept"
     """Under torchrun (FSDP2) with model.precision = "fp8": the trainer's fp8 copies of its gathered projection
-    weights (and its KL reference's and critic's). "kept": each copy is kept from one step to the next and
-    re-quantized once after each step (a frozen LoRA base's or reference's, once a run): the whole model's copies on
+    weights (and its KL reference's and critic's). "kept": each copy is kept from one step to the next, marked
+    stale by each step (and by a sharded checkpoint's load) and re-quantized at the next forward (a frozen LoRA base's
+    or reference's, once a run): the whole model's copies on
     every rank, about 1 byte a projection weight (qwen3-30b-a3b: 30.8 GB a rank). "per_use": each op quantizes its
     gathered weight for its own call and drops the copy (one op's copy at a time: 0.62 GB there), but every
     forward quantizes every projection weight again (each microbatch's, each scoring pass's, the recompute of

@@ -181,7 +181,8 @@ def rank_device(ctx: DistContext, device: str) -> str:
 
 
 def leave_process_group() -> None:
-    """Leave the default process group (every rank got here without an error), then pause a moment, GIL released.
+    """Leave the default process group, then pause a moment, GIL released. The caller has passed a barrier with
+    every rank first (no rank tears its transport down while a peer is still inside a collective).
 
     The backend's worker threads can outlive the group (torch's own caches keep it alive: DTensor sharding specs
     under FSDP, torch._dynamo when imported after the group started), and one of them frees the last collective's
@@ -199,5 +200,7 @@ def leave_process_group() -> None:
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Every rank's work is done: leave the process group together (a barrier, then `leave_process_group`)."""
     if ctx.distributed and dist.is_initialized():
+        dist.barrier()
         leave_process_group()

@@ -269,7 +269,7 @@ def generator_engine(
 
         model = split_engine_model(model, group, cfg.engine.tensor_parallel, cfg.engine.expert_parallel)
     # fp8: each projection is held as its fp8 copy alone (no model-dtype weight), which the sync sends or
-    # quantizes on arrival (`GeneratorLoop._put`); nothing to quantize before the weights come.
+    # quantizes on arrival (`sync_put`); nothing to quantize before the weights come.
     model = empty_fp8_only(model, device, cfg.model.precision).requires_grad_(False)
     engine_cfg = replace(cfg.engine, kv_memory_fraction=cfg.distributed.generator_kv_memory_fraction)
     if kv_blocks is not None and not cfg.engine.num_kv_blocks:

@@ -81,9 +81,11 @@ def sync_sizes(cfg: RunConfig) -> dict[str, int]:
 def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
     """model.precision = "fp8" (else zeros): "held", the elements of the fp8 projections' model-dtype weights one
     generator rank would hold (a split engine's rank: its rows of them), which it holds as their fp8 copies alone
-    (`empty_fp8_only`); "matrix", the elements of the largest one matrix quantized at once when a model-dtype sync
-    arrives (a whole projection, or one expert's: a stack is quantized expert by expert)."""
+    (`empty_fp8_only`); "matrix", the most elements one `quantize_weight` call works on when a model-dtype sync arrives
+    (a whole projection; or a chunk of a stack's experts, `expert_chunk` of the rank's, one part of each padded to
+    whole blocks at a time)."""
     from exactrl.model.precision import fp8_projections
+    from exactrl.ops.fp8 import BLOCK, expert_chunk
 
     if cfg.model.precision != "fp8":
         return {"held": 0, "matrix": 0}
@@ -98,10 +100,28 @@ def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
         policy, _ = _meta_models(cfg)
         names = {id(p): n for n, p in policy.named_parameters()}
         shard = engine_shard_sizes(cfg) if engine_group_ranks(cfg) > 1 else None
-        weights = [getattr(mod, name) for mod, name, _ in fp8_projections(policy)]
+        weights = [(getattr(mod, name), parts) for mod, name, parts in fp8_projections(policy)]
+
+        def held(w: torch.Tensor) -> int:
+            return w.numel() if shard is None else shard[names[id(w)]][1]
+
+        def at_once(w: torch.Tensor, parts: list[int] | None) -> int:
+            matrix = w.shape[-2] * w.shape[-1]
+            if w.dim() == 2:
+                return matrix
+            # A stack: the rank's experts (all of them, or its share under expert parallel), a chunk a call, into the
+            # copy's own buffers; the working copies are of one part at a time, padded to whole blocks.
+            part = (
+                max(-(-rows // BLOCK) for rows in (parts or [w.shape[-2]]))
+                * BLOCK
+                * (-(-w.shape[-1] // BLOCK))
+                * BLOCK
+            )
+            return min(held(w) // matrix, expert_chunk(w.shape, parts)) * part
+
         _SYNC[key] = {
-            "held": sum(w.numel() if shard is None else shard[names[id(w)]][1] for w in weights),
-            "matrix": max(w.shape[-2] * w.shape[-1] for w in weights),
+            "held": sum(held(w) for w, _ in weights),
+            "matrix": max(at_once(w, parts) for w, parts in weights),
         }
     return _SYNC[key]
 
@@ -225,8 +245,9 @@ def plan_generator(
     if fp8:
         # The replica's syncs send fp8 copies (a step's, without LoRA; the first of a resumed run); the warm start's
         # sends model-dtype weights, and each fp8 projection among them is quantized into its copy out of the bucket
-        # (`sync_put`), one matrix at a time (a whole projection, or one expert's): its fp8 values and scales and
-        # `quantize_weight`'s fp32 working copies of a part (about three), at most 13 bytes an element.
+        # (`sync_put`), one `quantize_weight` call at a time (a whole projection, or a chunk of experts): its fp8
+        # values and scales and `quantize_weight`'s fp32 working copies of a part (about three), at most 13 bytes
+        # an element (an estimate, not measured).
         f8 = fp8_sync_bytes(cfg)
         first["sync_bucket"] = max(first["sync_bucket"], f8["full"])
         step["sync_bucket"] = f8["step"]

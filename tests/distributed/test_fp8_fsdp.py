@@ -288,3 +288,18 @@ def test_a_gemm_handed_an_entrys_own_buffers_fails_loudly(one_gloo_rank, monkeyp
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+@pytest.mark.parametrize("mode", ["kept", "per_use"])
+def test_parity_trains_with_the_copies_it_is_asked_for(one_gloo_rank, mode):
+    """`exactrl parity --fsdp-fp8-copies` reaches its FSDP2 trainer (`sharded_parity_models`): after a forward its
+    entries are per use or keep their copies, and its logprobs equal the replica's either way."""
+    from exactrl.parity import sharded_parity_models
+
+    set_exact_environment(True)
+    model, _ = load_policy(preset_name="tiny", dtype="bfloat16", seed=0, precision="fp8")
+    engine, trainer = sharded_parity_models(model, one_gloo_rank, fp8_copies=mode)
+    pb = _batch("cpu")
+    assert torch.equal(_logprobs(trainer, pb), _logprobs(engine, pb))
+    entries = trainer.ops.entries()
+    assert entries and all(e.per_use == (mode == "per_use") for e in entries)

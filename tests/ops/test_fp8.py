@@ -116,6 +116,18 @@ def test_an_expert_stack_quantizes_in_chunks_to_each_experts_bits(monkeypatch):
     assert calls == [3, 3, 1]
     assert torch.equal(entry.q.view(torch.uint8), q_ref) and torch.equal(entry.scale, s_ref)
     assert torch.equal(entry.operand, entry.q.to(torch.float64))
+    # Parts of different block counts (80 rows: one block; 200: two): the chunk is sized by the larger part's fp32
+    # working copy (2 experts a call here, not the 3 the smaller part would allow), and each expert keeps its bits.
+    w2 = _trained_stack(e, 140, k)
+    alone2 = [quantize_weight(w2[i], [80, 200]) for i in range(e)]
+    q_ref2 = torch.stack([q for q, _ in alone2]).view(torch.uint8)
+    s_ref2 = torch.stack([s for _, s in alone2])
+    monkeypatch.setattr(fp8, "QUANTIZE_CHUNK_ELEMENTS", 2 * (2 * BLOCK * 2 * BLOCK) + 5)
+    calls.clear()
+    entry2 = fp8.Fp8Weight(w2, [80, 200])
+    entry2.quantize()
+    assert calls == [2, 2, 2, 1]
+    assert torch.equal(entry2.q.view(torch.uint8), q_ref2) and torch.equal(entry2.scale, s_ref2)
     # At least one expert a call, however large the expert.
     monkeypatch.setattr(fp8, "QUANTIZE_CHUNK_ELEMENTS", 1)
     assert fp8.expert_chunk(w.shape, [inter, inter]) == 1
