@@ -30,6 +30,7 @@ SMALL_BF16 = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "model.dtype=bfloat16",
     "train.keep_checkpoints=4",
 ]

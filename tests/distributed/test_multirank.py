@@ -52,6 +52,7 @@ SMALL = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "train.keep_checkpoints=4",
 ]
 STEPS = 4  # the runs that are compared step by step; the others run 2
