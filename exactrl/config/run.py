@@ -34,6 +34,8 @@ class RunSection:
     """Log metrics every this many optimizer steps."""
     tensorboard: bool = True
     """Write TensorBoard event files to output_dir."""
+    report: bool = True
+    """Draw output_dir/report.png (the run's curves) when the run ends; `exactrl report RUN_DIR` draws it later."""
     progress: bool = True
     """Show progress bars when the output is a terminal; otherwise (a log file, CI) a plain line every
     run.log_every steps is printed instead."""

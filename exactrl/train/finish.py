@@ -81,6 +81,7 @@ class Finish:
         if self.dist.is_main:
             with writing(self.out_dir / "summary.json", "the run summary"):
                 (self.out_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        if self.dist.is_main and self.cfg.run.report:
             try:
                 from exactrl.train.run_report import draw_report
 

@@ -54,6 +54,7 @@ HARMLESS_KEYS = frozenset(
         "run.device",
         "run.log_every",
         "run.tensorboard",
+        "run.report",
         "run.progress",
         "run.wandb",
         "run.wandb_project",

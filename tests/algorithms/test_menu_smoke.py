@@ -35,6 +35,7 @@ BASE = {
         "device": "cpu",
         "exact": True,
         "tensorboard": False,
+        "report": False,
         "progress": False,
     },
     "model": {"preset": "tiny", "dtype": "float32"},

@@ -30,6 +30,7 @@ SMALL_BF16 = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "model.dtype=bfloat16",
     "train.keep_checkpoints=4",
 ]
@@ -57,6 +58,35 @@ def launch(
     t = time.perf_counter()
     p = subprocess.run(
         [*cmd, str(driver), str(spec)], capture_output=True, text=True, env=env, cwd=tmp, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
+
+
+# `exactrl <argv>` for each argv of sys.argv[1] (JSON) in turn, in this process: the first non-zero exit ends it.
+_PLAIN = """
+import json, sys
+from exactrl.cli import main
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    if code:
+        sys.exit(code)
+"""
+
+
+def plain(tmp: Path, argvs: list[list[str]], timeout: float = 600) -> tuple[int, str, float]:
+    """`exactrl <argv>` for each of `argvs` in turn, without torchrun (the one-device path), in one process (one
+    interpreter start, about 3.5 s of imports on a 2-core machine, for all of them), one intra-op thread: the
+    first non-zero exit code (else 0), the output and the seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    t = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-c", _PLAIN, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=timeout,
     )
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - t
 

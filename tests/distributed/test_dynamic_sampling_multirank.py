@@ -43,6 +43,7 @@ SETS = [
     "sampling.temperature=1.0",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
 ]
 
 

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ import torch
 
 from ._runs import REWARD, _timing, launch
 from ._runs import crashed_after as _crashed_after
+from ._runs import plain as _plain
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,7 @@ SMALL = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "train.keep_checkpoints=4",
 ]
 STEPS = 4  # the runs that are compared step by step; the others run 2
@@ -144,19 +145,15 @@ def runs(tmp_path_factory):
     launch(2, jobs, "ws2")
     _crashed_after(tmp / "t2-grpo", tmp / "r21p", 2)
 
-    # World size 1 without torchrun: today's single-device path, in a process of its own as well.
-    plain = [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
+    # World size 1 without torchrun: today's single-device path, in a process of its own (both runs in one).
+    code, out, times["plain"] = _plain(
+        tmp, [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
+    )
+    assert code == 0, out[-6000:]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     )
     env["OMP_NUM_THREADS"] = "1"
-    for k, argv in enumerate(plain):
-        t = time.perf_counter()
-        p = subprocess.run(
-            [sys.executable, "-m", "exactrl.cli", *argv], capture_output=True, text=True, env=env, cwd=tmp
-        )
-        times[f"plain-{k}"] = time.perf_counter() - t
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     # A 2-rank checkpoint with rank 1's shard removed, resumed on one process: refused by name, nothing changed
     # (test_a_checkpoint_with_a_shard_removed_is_refused_by_name).
     _crashed_after(tmp / "t2-grpo", tmp / "torn", 2)

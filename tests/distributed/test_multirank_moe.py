@@ -13,17 +13,13 @@ does for the dense model:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
+from ._runs import plain as _plain
 from .test_multirank import (
     REWARD,
-    ROOT,
     _agree,
     _argv,
     _crashed_after,
@@ -45,17 +41,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multirank-moe")
     (tmp / "reward.py").write_text(REWARD)
     times: dict[str, float] = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
 
-    def plain(name: str, *extra: str, resume: bool = False) -> None:
-        argv = _argv(tmp, name, "grpo", STEPS, *MOE, CKPT, *extra, resume=resume)
-        t = time.perf_counter()
-        p = subprocess.run(
-            [sys.executable, "-m", "exactrl.cli", *argv], capture_output=True, text=True, env=env, cwd=tmp
-        )
-        times[name] = time.perf_counter() - t
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    def plain(name: str, *extra: str, resume: bool = False) -> list[str]:
+        return _argv(tmp, name, "grpo", STEPS, *MOE, CKPT, *extra, resume=resume)
 
     def launch(nproc: int, jobs: list[dict], tag: str) -> None:
         code, out, secs = _launch(tmp, nproc, jobs, tag)
@@ -65,8 +53,6 @@ def runs(tmp_path_factory):
     def cli(name: str, steps: int = STEPS, *extra: str, resume: bool = False) -> dict:
         return {"kind": "cli", "argv": _argv(tmp, name, "grpo", steps, *MOE, *extra, resume=resume)}
 
-    plain("p1")  # world size 1, today's single-device path
-    plain("p1-z", *ZLOSS)
     jobs = [cli("t2", STEPS, CKPT), cli("t2-fast", 1, "run.exact=false")]
     jobs += [cli("t2-aux", 2, *ZLOSS, "train.moe_aux_loss_coef=0.01"), cli("t2-z", STEPS, *ZLOSS)]
     jobs += [
@@ -75,7 +61,9 @@ def runs(tmp_path_factory):
     ]
     launch(2, jobs, "ws2")
     _crashed_after(tmp / "t2", tmp / "r21", 2)
-    plain("r21", resume=True)  # 2 -> 1, without torchrun
+    # World size 1 without torchrun (today's single-device path) and the resume 2 -> 1 there: one process.
+    code, out, times["plain"] = _plain(tmp, [plain("p1"), plain("p1-z", *ZLOSS), plain("r21", resume=True)])
+    assert code == 0, out[-6000:]
     print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
     return tmp
 

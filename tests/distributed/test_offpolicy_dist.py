@@ -44,6 +44,7 @@ SMALL = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "train.keep_checkpoints=4",
     "train.save_every=1",
     "algorithm.max_off_policy_steps=1",

@@ -29,6 +29,7 @@ def _episodes(tmp_path: Path, env: str = "sample_envs:VaryingReward", out=lambda
         f"run.output_dir={tmp_path / 'run'}",
         "run.progress=false",
         "run.tensorboard=false",
+        "run.report=false",
         "sft.steps=0",
         "task.num_eval=4",
         "task.eval_every=0",

@@ -26,6 +26,7 @@ def test_episodes_cut_by_max_turns_are_truncated_for_the_metric_and_the_overlong
         f"run.output_dir={tmp_path / 'run'}",
         "run.progress=false",
         "run.tensorboard=false",
+        "run.report=false",
         "sft.steps=0",
         "task.num_eval=4",
         "task.eval_every=0",

@@ -155,7 +155,7 @@ def test_replay_of_an_moe_mismatch_names_the_expert(tmp_path, model, monkeypatch
 
     cfg = config_from_dict(
         {
-            "run": {"device": "cpu", "exact": True, "tensorboard": False, "progress": False},
+            "run": {"device": "cpu", "exact": True, "tensorboard": False, "report": False, "progress": False},
             "model": {"preset": "tiny-moe", "dtype": "float32"},
             "engine": {"block_size": 16, "max_model_len": 64},
             "sampling": {"temperature": 0.7, "max_tokens": 6},

@@ -38,7 +38,7 @@ TEMPERATURE = 0.7
 def _cfg() -> RunConfig:
     cfg = config_from_dict(
         {
-            "run": {"device": "cpu", "exact": True, "tensorboard": False, "progress": False},
+            "run": {"device": "cpu", "exact": True, "tensorboard": False, "report": False, "progress": False},
             "model": {"preset": "tiny", "dtype": "float32"},
             "engine": {"block_size": 16, "max_model_len": 64},
             "sampling": {"temperature": TEMPERATURE, "max_tokens": 6},

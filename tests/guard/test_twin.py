@@ -25,6 +25,7 @@ SMALL = [
     "sampling.temperature=1.0",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
 ]
 
 

@@ -36,6 +36,7 @@ BASE = {
         "device": "cpu",
         "exact": True,
         "tensorboard": False,
+        "report": False,
         "progress": False,
     },
     "model": {"preset": "tiny-moe", "dtype": "float32"},
@@ -109,6 +110,7 @@ SHORT = [
     "task.eval_every=0",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "sampling.temperature=0.9",
     "sampling.max_tokens=4",
 ]

@@ -275,6 +275,7 @@ RUN_CONFIG = """\
 name = "t"
 device = "cpu"
 tensorboard = false
+report = false
 progress = false
 output_dir = "out"
 

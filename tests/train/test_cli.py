@@ -23,6 +23,7 @@ name = "cli-test"
 device = "cpu"
 progress = false
 tensorboard = false
+report = false
 
 [model]
 preset = "tiny"
@@ -305,7 +306,10 @@ def test_train_resume_and_report(config, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", str(config), "--set", f"run.output_dir={run}"]
     assert main([*argv, "--set", "train.steps=1"]) == 0
-    assert main([*argv, "--resume"]) == 0  # on to train.steps = 2
+    # run.report = false (the config's): no report.png, and the summary line does not name one
+    assert not (run / "report.png").exists() and "report.png" not in capsys.readouterr().out
+    assert main([*argv, "--resume", "--set", "run.report=true"]) == 0  # on to train.steps = 2; a harmless key
+    assert (run / "report.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 1" in out and "mismatch 0/" in out
     summary = json.loads((run / "summary.json").read_text())

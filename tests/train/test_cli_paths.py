@@ -20,6 +20,7 @@ SMALL_TOML = """
 device = "cpu"
 progress = false
 tensorboard = false
+report = false
 
 [model]
 preset = "tiny"

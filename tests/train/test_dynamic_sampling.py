@@ -214,7 +214,14 @@ def test_next_draw_and_request_ids():
 
 # -- config -----------------------------------------------------------------------------------------------------------
 BASE: dict[str, dict[str, Any]] = {
-    "run": {"name": "ds", "seed": 0, "device": "cpu", "tensorboard": False, "progress": False},
+    "run": {
+        "name": "ds",
+        "seed": 0,
+        "device": "cpu",
+        "tensorboard": False,
+        "report": False,
+        "progress": False,
+    },
     "model": {"preset": "tiny", "dtype": "float32"},
     "engine": {"block_size": 16, "max_model_len": 64},
     "sampling": {"temperature": 1.0, "max_tokens": 4},
@@ -445,6 +452,7 @@ def test_dapo_recipe(tmp_path, one_thread):
             f"run.output_dir={tmp_path / 'run'}",
             "run.progress=false",
             "run.tensorboard=false",
+            "run.report=false",
             "train.steps=2",
             "train.warmup_steps=0",
             "sft.steps=0",

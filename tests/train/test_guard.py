@@ -32,7 +32,14 @@ def hashed(completion, answer, example):
 def _cfg(tmp_path: Path, **over) -> object:
     (tmp_path / "rw.py").write_text(REWARD)
     d = {
-        "run": {"name": "g", "seed": 0, "device": "cpu", "tensorboard": False, "progress": False},
+        "run": {
+            "name": "g",
+            "seed": 0,
+            "device": "cpu",
+            "tensorboard": False,
+            "report": False,
+            "progress": False,
+        },
         "model": {"preset": "tiny", "dtype": "float32"},
         "engine": {"block_size": 16, "max_model_len": 64},
         "sampling": {"temperature": 0.8, "max_tokens": 4},

@@ -37,6 +37,7 @@ BASE = {
         "device": "cpu",
         "exact": True,
         "tensorboard": False,
+        "report": False,
         "progress": False,
     },
     "model": {"preset": "tiny", "dtype": "float32"},
@@ -73,6 +74,7 @@ SMALL = [
     "sampling.max_tokens=4",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     f'reward.functions=["{PLUGIN}:hashed"]',
 ]
 
@@ -225,7 +227,7 @@ REFERENCE = ("algorithm.kl_coef=0.05", "task.eval_every=3")
 @pytest.fixture(scope="module")
 def reference_run(plugin, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    cfg = cfg_for(out, *REFERENCE)
+    cfg = cfg_for(out, *REFERENCE, "run.report=true")  # BASE draws no report.png; the artifacts test reads it
     summary = train(cfg, out=quiet)
     return out, cfg, summary
 

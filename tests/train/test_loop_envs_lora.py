@@ -28,6 +28,7 @@ SMALL = [
     "task.eval_every=0",
     "run.progress=false",
     "run.tensorboard=false",
+    "run.report=false",
     "sampling.temperature=0.9",
 ]
 
@@ -203,6 +204,7 @@ def test_calculator_recipe_end_to_end_shrunk(tmp_path, capsys):
         "task.num_eval=4",
         "run.progress=false",
         "run.tensorboard=false",
+        "run.report=false",
     ]
     cfg = load_config(ROOT / "configs/quickstart-tools.toml", over)
     s = train(cfg, out=lambda *a: None)

@@ -56,7 +56,14 @@ _REWARD_PATH: Path | None = None
 
 def _cfg(tmp_path: Path, k: int = 1, out: str = "run", **over):
     d = {
-        "run": {"name": "o", "seed": 0, "device": "cpu", "tensorboard": False, "progress": False},
+        "run": {
+            "name": "o",
+            "seed": 0,
+            "device": "cpu",
+            "tensorboard": False,
+            "report": False,
+            "progress": False,
+        },
         "model": {"preset": "tiny", "dtype": "float32"},
         "engine": {"block_size": 16, "max_model_len": 64},
         "sampling": {"temperature": 0.8, "max_tokens": 4},

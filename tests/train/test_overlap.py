@@ -59,7 +59,14 @@ def reward_dir(tmp_path_factory) -> Path:
 
 def _cfg(tmp: Path, reward_dir: Path, overlap: str = "tail", out: str = "run", **over):
     d = {
-        "run": {"name": "t", "seed": 0, "device": "cpu", "tensorboard": False, "progress": False},
+        "run": {
+            "name": "t",
+            "seed": 0,
+            "device": "cpu",
+            "tensorboard": False,
+            "report": False,
+            "progress": False,
+        },
         "model": {"preset": "tiny", "dtype": "float32"},
         "engine": {"block_size": 16, "max_model_len": 64},
         "sampling": {"temperature": 0.8, "max_tokens": 12, "stop_token_ids": STOP_IDS},

@@ -216,7 +216,14 @@ def reward_path(tmp_path_factory) -> Path:
 
 def _cfg(tmp_path: Path, reward: Path, out: str = "run", **over):
     d = {
-        "run": {"name": "p", "seed": 0, "device": "cpu", "tensorboard": False, "progress": False},
+        "run": {
+            "name": "p",
+            "seed": 0,
+            "device": "cpu",
+            "tensorboard": False,
+            "report": False,
+            "progress": False,
+        },
         "model": {"preset": "tiny", "dtype": "float32"},
         "engine": {"block_size": 16, "max_model_len": 64},
         "sampling": {"temperature": 0.8, "max_tokens": 32, "stop_token_ids": STOP},

@@ -673,7 +673,14 @@ def plugin(tmp_path_factory):
 
 def rl_cfg(out: Path, *overrides: str):
     base = {
-        "run": {"seed": 0, "device": "cpu", "tensorboard": False, "progress": False, "output_dir": str(out)},
+        "run": {
+            "seed": 0,
+            "device": "cpu",
+            "tensorboard": False,
+            "report": False,
+            "progress": False,
+            "output_dir": str(out),
+        },
         "model": {"preset": "tiny", "dtype": "bfloat16"},
         "engine": {"max_model_len": 64},
         "sampling": {"max_tokens": 4},

@@ -40,6 +40,7 @@ def test_sampling_keys_never_repeat_across_steps_or_with_evaluation(tmp_path, mo
             f"run.output_dir={tmp_path / 'run'}",
             "run.progress=false",
             "run.tensorboard=false",
+            "run.report=false",
             "train.steps=3",
             "train.warmup_steps=0",
             "sft.steps=0",

@@ -32,6 +32,7 @@ SMALL = """
 device = "cpu"
 progress = true
 tensorboard = false
+report = false
 
 [model]
 preset = "tiny"

@@ -102,6 +102,7 @@ def test_resume_accepts_harmless_changes(tmp_path):
         "run.log_every=10",
         "run.progress=false",
         "run.tensorboard=false",
+        "run.report=false",
         "engine.num_kv_blocks=64",
         "engine.max_num_seqs=8",
         "train.save_every=5",
@@ -109,7 +110,7 @@ def test_resume_accepts_harmless_changes(tmp_path):
     ]
     plan = check_run_dir(cfg_in(tmp_path, *harmless), resume=True)
     keys = {c.key for c in plan.changes}
-    assert keys == {"train.steps", "run.log_every", "run.progress", "run.tensorboard"} | {
+    assert keys == {"train.steps", "run.log_every", "run.progress", "run.tensorboard", "run.report"} | {
         "engine.num_kv_blocks",
         "engine.max_num_seqs",
         "train.save_every",
