@@ -53,7 +53,8 @@ TOK = byte_tokenizer()
 PROMPTS = [TOK.encode(e.prompt) for e in EXAMPLES]
 IDS = [100 + i for i in range(len(EXAMPLES))]
 SHARES = [range(0, 2), range(2, 4)]  # rank r owns these prompts
-DELAYS = [0.0, 0.01]  # rank r's environments answer after this long
+# Rank r's environments answer after this long: several engine steps, even on a loaded machine.
+DELAYS = [0.0, 0.1]
 _MODEL: dict[str, Any] = {}
 
 
