@@ -108,7 +108,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its weight made as `Linear`'s are, without nn.Embedding's own init: every model is built on the meta
+        # device and then drawn (`init_weights`) or loaded, and a meta tensor's normal_ goes through torch's Python
+        # reference, which imports torch._dynamo (about 0.5 s at every process start on a 2-core CPU).
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
