@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from exactrl.config import RunConfig, apply_overrides, load_config
-from exactrl.ops import use_deterministic_algorithms
 from exactrl.train.logging import accuracy_label, read_metrics
 
 TIS_MODES = ("token-tis", "seq-tis")
@@ -122,7 +121,7 @@ def run_twin(
         try:
             train(cfg, out=out)
         finally:
-            use_deterministic_algorithms(deterministic, warn_only=warn_only)
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         wall[v.name] = time.perf_counter() - t
     summary = write_twin_report(root, [v for v, _ in runs], wall_s=wall)
     summary["total_wall_s"] = time.perf_counter() - t0

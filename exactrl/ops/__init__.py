@@ -4,8 +4,6 @@ the CPU, cuBLAS + FlashAttention + fused Triton kernels on CUDA (exactrl/ops/fas
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -13,15 +11,7 @@ import torch
 from exactrl.ops.base import Ops
 from exactrl.ops.batch import BLOCK_N, AttentionBatch
 
-__all__ = [
-    "BLOCK_N",
-    "AttentionBatch",
-    "Ops",
-    "get_ops",
-    "set_exact_environment",
-    "torch_determinism_off",
-    "use_deterministic_algorithms",
-]
+__all__ = ["BLOCK_N", "AttentionBatch", "Ops", "get_ops", "set_exact_environment", "torch_determinism_off"]
 
 
 def get_ops(device: torch.device | str, exact: bool = True) -> Ops:
@@ -65,20 +55,6 @@ def set_exact_environment(exact: bool) -> None:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
-def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
-    """`torch.use_deterministic_algorithms(mode, warn_only=...)`, without loading TorchInductor into a process that
-    has not: torch's function imports `torch._inductor.config` (about 200 modules: 0.4 s at a process's start on an
-    idle 2-core CPU, over 1 s on a busy one) to set that config's `deterministic` flag. Where the config is not
-    loaded yet, the flag goes where the config reads it from when it loads (TORCHINDUCTOR_DETERMINISTIC), so a later
-    torch.compile in this process sees what torch's function would have set; the switch of torch's own kernels is
-    the same call torch makes."""
-    if "torch._inductor.config" in sys.modules:
-        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        return
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if mode else "0"
-    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
-
-
 @contextlib.contextmanager
 def torch_determinism_off() -> Iterator[None]:
     """Run the block with `torch.use_deterministic_algorithms` off, then turn it back on as it was (with its
@@ -94,8 +70,8 @@ def torch_determinism_off() -> Iterator[None]:
         yield
         return
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(False)
     try:
         yield
     finally:
-        use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)

@@ -245,13 +245,13 @@ def generator_engine(
     free memory."""
     from exactrl.model.loading import policy_structure
     from exactrl.model.precision import empty_fp8_only
-    from exactrl.ops import set_exact_environment, use_deterministic_algorithms
+    from exactrl.ops import set_exact_environment
 
     device = rank_device(layout.world, resolve_device(cfg.run.device))
     set_exact_environment(cfg.run.exact)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.exact:
-        use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
         # (A module attribute torch sets at runtime; its stubs do not declare it.)
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     model, tok = policy_structure(

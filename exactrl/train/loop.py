@@ -34,7 +34,7 @@ from exactrl.envs.rollout import EnvSetup
 from exactrl.model.loading import load_policy, resolve_device
 from exactrl.model.moe import has_experts
 from exactrl.model.qwen import CausalLM
-from exactrl.ops import set_exact_environment, use_deterministic_algorithms
+from exactrl.ops import set_exact_environment
 from exactrl.tasks import Example, RewardComputer
 from exactrl.tasks.prompts import PromptFilter
 from exactrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -205,7 +205,7 @@ class RLRun(WarmStart, Finish):
             # Deterministic backward kernels (e.g. the embedding gradient without atomics): same seed, same run.
             # Not torch's filling of every new tensor with NaN under that mode: exactrl's kernels write all of
             # each output, and the fill would be an extra full write of every activation in every step.
-            use_deterministic_algorithms(True, warn_only=True)
+            torch.use_deterministic_algorithms(True, warn_only=True)
             # (A module attribute torch sets at runtime; its stubs do not declare it.)
             torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
