@@ -129,11 +129,16 @@ def quantize_weight(
 QUANTIZE_CHUNK_ELEMENTS = 1 << 26
 
 
+def part_working_elements(shape: torch.Size | tuple[int, ...], parts: list[int] | None) -> int:
+    """Elements of `quantize_weight`'s fp32 working copy of the largest part of one [N, K] matrix (of a weight of
+    `shape`, [..., N, K]): the part's rows and K padded to whole 128-blocks."""
+    *_, n, k = shape
+    return max(_blocks(rows) for rows in (parts or [n])) * BLOCK * _blocks(k) * BLOCK
+
+
 def expert_chunk(shape: torch.Size | tuple[int, ...], parts: list[int] | None) -> int:
     """How many experts of a stack [E, N, K] one `quantize_weight` call takes (`QUANTIZE_CHUNK_ELEMENTS`)."""
-    *_, n, k = shape
-    per_expert = max(_blocks(rows) for rows in (parts or [n])) * BLOCK * _blocks(k) * BLOCK
-    return max(1, QUANTIZE_CHUNK_ELEMENTS // per_expert)
+    return max(1, QUANTIZE_CHUNK_ELEMENTS // part_working_elements(shape, parts))
 
 
 def dequantize_weight(q: torch.Tensor, row_scale: torch.Tensor, k: int) -> torch.Tensor:

@@ -85,7 +85,7 @@ def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
     (a whole projection; or a chunk of a stack's experts, `expert_chunk` of the rank's, one part of each padded to
     whole blocks at a time)."""
     from exactrl.model.precision import fp8_projections
-    from exactrl.ops.fp8 import BLOCK, expert_chunk
+    from exactrl.ops.fp8 import expert_chunk, part_working_elements
 
     if cfg.model.precision != "fp8":
         return {"held": 0, "matrix": 0}
@@ -111,13 +111,9 @@ def fp8_projection_params(cfg: RunConfig) -> dict[str, int]:
                 return matrix
             # A stack: the rank's experts (all of them, or its share under expert parallel), a chunk a call, into the
             # copy's own buffers; the working copies are of one part at a time, padded to whole blocks.
-            part = (
-                max(-(-rows // BLOCK) for rows in (parts or [w.shape[-2]]))
-                * BLOCK
-                * (-(-w.shape[-1] // BLOCK))
-                * BLOCK
+            return min(held(w) // matrix, expert_chunk(w.shape, parts)) * part_working_elements(
+                w.shape, parts
             )
-            return min(held(w) // matrix, expert_chunk(w.shape, parts)) * part
 
         _SYNC[key] = {
             "held": sum(held(w) for w, _ in weights),
