@@ -142,20 +142,22 @@ def test_fsdp_trainer_and_replica_quantize_the_same_weights(one_gloo_rank, monke
 
 
 class _Quantizations:
-    """How many times each registered entry of a model quantized itself (`Fp8Weight.quantize`), by id."""
+    """How many times each registered entry of a model quantized itself (`Fp8Weight.quantize`), by id. Every entry
+    counted is held here, so that no id is reused: an entry freed in the run (the one-process models' of each step,
+    an entry replaced while the trainer is set up) would otherwise hand its count to a later entry at its address."""
 
     def __init__(self, monkeypatch):
-        self.by_entry: dict[int, int] = {}
+        self.by_entry: dict[int, tuple[Fp8Weight, int]] = {}
         inner = Fp8Weight.quantize
 
         def quantize(entry: Fp8Weight, source=None) -> None:
-            self.by_entry[id(entry)] = self.by_entry.get(id(entry), 0) + 1
+            self.by_entry[id(entry)] = (entry, self.by_entry.get(id(entry), (entry, 0))[1] + 1)
             inner(entry, source)
 
         monkeypatch.setattr(Fp8Weight, "quantize", quantize)
 
     def of(self, model) -> list[int]:
-        return [self.by_entry.get(id(e), 0) for e in model.ops.entries()]
+        return [self.by_entry.get(id(e), (e, 0))[1] for e in model.ops.entries()]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
