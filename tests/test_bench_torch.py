@@ -206,10 +206,10 @@ def test_back_to_back_step_times_times_each_step_after_a_warm_up() -> None:
     calls = []
 
     def step() -> None:  # the warm-up call sleeps longest: it must not be among the times
-        time.sleep(0.3 if not calls else 0.01 * len(calls))
+        time.sleep(1.0 if not calls else 0.01 * len(calls))
         calls.append(1)
 
     times = back_to_back_step_times(step, 3, "cpu")
     assert len(calls) == 4 and len(times) == 3
     assert all(t >= 0.01 * (i + 1) for i, t in enumerate(times)), times  # each step's own time, in order
-    assert max(times) < 0.2, times  # not the warm-up's
+    assert max(times) < 0.9, times  # not the warm-up's (a loaded machine's sleep may overshoot a little)

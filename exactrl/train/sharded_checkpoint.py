@@ -55,7 +55,8 @@ def _as_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     )
 
 
-_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+# (id of a mesh, device type) -> (that mesh, held so that its id is not reused by another; the mesh on the device).
+_MESHES: dict[tuple[int, str], tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def _mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
@@ -63,13 +64,16 @@ def _mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
     key = (id(mesh), device_type)
     if key not in _MESHES:
         groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-        _MESHES[key] = DeviceMesh.from_group(
-            groups[0] if mesh.ndim == 1 else groups,
-            device_type,
-            mesh=mesh.mesh,
-            mesh_dim_names=mesh.mesh_dim_names,
+        _MESHES[key] = (
+            mesh,
+            DeviceMesh.from_group(
+                groups[0] if mesh.ndim == 1 else groups,
+                device_type,
+                mesh=mesh.mesh,
+                mesh_dim_names=mesh.mesh_dim_names,
+            ),
         )
-    return _MESHES[key]
+    return _MESHES[key][1]
 
 
 def _optimizer_tree(opt: MasterAdamW, module: nn.Module) -> dict[str, Any]:

@@ -160,6 +160,7 @@ def cli_job(job: dict) -> None:
             record["sync_targets_engine"] = bool(run.parallel._pairs) and all(
                 id(e) in replica_tensors for _, e in run.parallel._pairs
             )
+            gc.collect()  # models alive, not garbage a cycle holds until the collector happens to run
             record["models"] = sum(isinstance(o, CausalLM) for o in gc.get_objects())
             # AdamW steps the policy took on this rank (a refused batch must add none).
             states = [run.opt.opt.state.get(m, {}) for m in run.opt.master]

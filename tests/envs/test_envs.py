@@ -238,10 +238,11 @@ def test_a_busy_looping_sync_env_is_stopped_within_its_timeout_and_the_run_goes_
     for e in spun:
         assert e.finish_reason == "env_timeout" and e.reward == 0.0 and e.env_calls == 2
         assert "took more than 0.5 s" in e.error or "lost with its worker" in e.error
-    # The step that hung returned within its limit plus a little (the engine step that noticed).
+    # The step that hung returned within its limit plus a little: the engine step that noticed, and on a loaded
+    # machine the worker's queue and the kill (the call's clock starts at dispatch).
     hung = [e for e in spun if "took more than 0.5 s" in e.error]  # the others were lost with its worker
-    assert hung and all(timeout <= e.last_call_s < timeout + 1.0 for e in hung)
-    assert all(e.last_call_s < timeout + 1.0 for e in spun)
+    assert hung and all(timeout <= e.last_call_s < timeout + 2.0 for e in hung)
+    assert all(e.last_call_s < timeout + 2.0 for e in spun)
     # The spinning code is dead (a thread would spin on): its heartbeat file stops changing.
     n = _beats(beat)
     assert n > 0

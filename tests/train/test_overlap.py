@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -162,8 +163,29 @@ def runs(tmp_path_factory, reward_dir):
             time.sleep(0.01)  # the loop's thread runs while the engine thread sleeps (GIL released)
             return original_engine_step(self)
 
+        # The tail's generate returns only after the loop's thread has queued a microbatch: which rollouts make a
+        # microbatch depends on their order alone, so one always forms before the last group arrives, but whether
+        # the loop's thread gets to it before the engine's last step is the scheduler's (a loaded machine's engine
+        # thread can run the batch's tail out first). Without this wait the metric below is a race.
+        fed = threading.Event()
+        original_accumulate, original_generate = PolicyTrainer.accumulate, RolloutEngine.generate
+
+        def accumulate(self, *a, **k):
+            fed.set()
+            return original_accumulate(self, *a, **k)
+
+        def generate(self, *a, on_request_done=None, **k):
+            if on_request_done is not None:  # the tail's stream (the spy's synchronous generate passes none)
+                fed.clear()  # the previous step's last microbatch was fed after its generation ended
+            out = original_generate(self, *a, on_request_done=on_request_done, **k)
+            if on_request_done is not None:
+                assert fed.wait(60), "no microbatch was queued while the engine generated"
+            return out
+
         mp.setattr(tail_mod.TailDriver, "sample_and_update", spy)
         mp.setattr(engine_mod._Generation, "step", slow)
+        mp.setattr(PolicyTrainer, "accumulate", accumulate)
+        mp.setattr(RolloutEngine, "generate", generate)
         tail_cfg = _cfg(tmp, reward_dir, "tail", train__steps=3, train__keep_checkpoints=3)
         tail_summary = train(tail_cfg, out=lambda *a: None)
     return tmp, sync_summary, tail_summary, sync_rollouts, reference, tail
