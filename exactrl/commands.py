@@ -458,10 +458,14 @@ def add_nproc_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_fsdp_fp8_copies_arg(p: argparse.ArgumentParser, who: str) -> None:
+    from typing import get_args
+
+    from exactrl.config.train import FsdpFp8Copies, TrainConfig
+
     p.add_argument(
         "--fsdp-fp8-copies",
-        default="kept",
-        choices=["kept", "per_use"],
+        default=TrainConfig.fsdp_fp8_copies,
+        choices=get_args(FsdpFp8Copies),
         help=f"with --precision fp8 under --nproc: {who}'s fp8 copies, kept between steps or quantized for each "
         "use (train.fsdp_fp8_copies; docs/fp8.md)",
     )

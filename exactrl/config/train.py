@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from exactrl.config.errors import _check_at_least, _check_nonneg, _check_positive, _fail
 
 LRSchedule = Literal["constant", "cosine", "linear"]
+FsdpFp8Copies = Literal["kept", "per_use"]
 
 
 @dataclass
@@ -55,7 +56,7 @@ class TrainConfig:
     """Keep only each decoder layer's inputs from the forward and recompute the layer in the backward
     (torch.utils.checkpoint, non-reentrant): less activation memory for about one more forward. Exact either way:
     the recomputation runs the same kernels on the same inputs, so losses and gradients are bitwise the same."""
-    fsdp_fp8_copies: Literal["kept", "per_use"] = "kept"
+    fsdp_fp8_copies: FsdpFp8Copies = "kept"
     """Under torchrun (FSDP2) with model.precision = "fp8": the trainer's fp8 copies of its gathered projection
     weights (and its KL reference's and critic's). "kept": each copy is kept from one step to the next, marked
     stale by each step (and by a sharded checkpoint's load) and re-quantized at the next forward (a frozen LoRA base's
@@ -112,8 +113,10 @@ class TrainConfig:
         _check_at_least(self.max_tokens_per_microbatch, 1, "train.max_tokens_per_microbatch")
         if self.fsdp_tokens_per_microbatch is not None:
             _check_at_least(self.fsdp_tokens_per_microbatch, 1, "train.fsdp_tokens_per_microbatch")
-        if self.fsdp_fp8_copies not in ("kept", "per_use"):
-            _fail("train.fsdp_fp8_copies", f'must be "kept" or "per_use", got {self.fsdp_fp8_copies!r}')
+        # (A config built in code: the loader checks a file's value against the Literal itself.)
+        if self.fsdp_fp8_copies not in get_args(FsdpFp8Copies):
+            one_of = " or ".join(f'"{a}"' for a in get_args(FsdpFp8Copies))
+            _fail("train.fsdp_fp8_copies", f"must be {one_of}, got {self.fsdp_fp8_copies!r}")
         _check_at_least(self.save_every, 0, "train.save_every")
         _check_at_least(self.keep_checkpoints, 1, "train.keep_checkpoints")
         _check_at_least(self.max_nan_steps, 0, "train.max_nan_steps")

@@ -49,6 +49,14 @@ def _blocks(k: int) -> int:
     return -(-k // BLOCK)
 
 
+def fp8_copy_shapes(shape: torch.Size | tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(values, scales) shapes of the fp8 copy of a weight of `shape` [..., N, K]: the e4m3 values with K padded to
+    whole 128-blocks, and one fp32 scale a row and block (each row holds its block's)."""
+    *lead, n, k = shape
+    kb = _blocks(k)
+    return (*lead, n, kb * BLOCK), (*lead, n, kb)
+
+
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     """fp32 amax -> fp32 scale amax / 448 (an all-zero group gets 1: its values quantize to 0 either way).
 
@@ -98,14 +106,15 @@ def quantize_weight(
     alone. parts: the row counts of a packed weight's projections (default: one part); blocks start at each part's
     first row, so a part quantizes as it would alone. out: the (q, row_scale) buffers to write in place (the
     engine's CUDA graphs read those addresses)."""
-    *lead, n, k = w.shape
+    *_, n, k = w.shape
     parts = [n] if parts is None else list(parts)
     if sum(parts) != n:
         raise ValueError(f"quantize_weight: parts {parts} do not add up to the weight's {n} rows")
     kb = _blocks(k)
+    q_shape, s_shape = fp8_copy_shapes(w.shape)
     q, row_scale = out if out is not None else (
-        torch.empty(*lead, n, kb * BLOCK, dtype=FP8_DTYPE, device=w.device),
-        torch.empty(*lead, n, kb, dtype=torch.float32, device=w.device),
+        torch.empty(q_shape, dtype=FP8_DTYPE, device=w.device),
+        torch.empty(s_shape, dtype=torch.float32, device=w.device),
     )  # fmt: skip
     m = w.reshape(-1, n, k)  # [E, N, K]: E = 1 without a leading dimension
     e = m.shape[0]
@@ -341,9 +350,7 @@ class Fp8Weight:
         # The parameter an optimizer steps: the weight itself, or under FSDP2 its shard.
         self.source = param if source is None else source
         self.per_use = per_use
-        *lead, n, k = param.shape
-        kb = _blocks(k)
-        q_shape, s_shape = ((0,), (0,)) if per_use else ((*lead, n, kb * BLOCK), (*lead, n, kb))
+        q_shape, s_shape = ((0,), (0,)) if per_use else fp8_copy_shapes(param.shape)
         self.q = torch.empty(q_shape, dtype=FP8_DTYPE, device=param.device)
         self.scale = torch.empty(s_shape, dtype=torch.float32, device=param.device)
         self.version = -1

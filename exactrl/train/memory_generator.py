@@ -131,7 +131,7 @@ def fp8_sync_bytes(cfg: RunConfig) -> dict[str, int]:
     from exactrl.distributed.layout import buckets
     from exactrl.model.hf import dtype_from_name
     from exactrl.model.precision import fp8_projections
-    from exactrl.ops.fp8 import BLOCK
+    from exactrl.ops.fp8 import fp8_copy_shapes
 
     key = ("fp8_sync", repr(cfg.model), repr(cfg.lora), cfg.run.seed)
     if key in _SYNC:
@@ -144,10 +144,9 @@ def fp8_sync_bytes(cfg: RunConfig) -> dict[str, int]:
         sent = []
         for p in params:
             if id(p) in fp8:
-                *lead, n, k = p.shape
-                kb = -(-k // BLOCK)
-                sent.append(torch.empty(*lead, n, kb * BLOCK, dtype=torch.uint8, device="meta"))
-                sent.append(torch.empty(*lead, n, kb, dtype=torch.float32, device="meta"))
+                values, scales = fp8_copy_shapes(p.shape)
+                sent.append(torch.empty(values, dtype=torch.uint8, device="meta"))
+                sent.append(torch.empty(scales, dtype=torch.float32, device="meta"))
             else:
                 sent.append(torch.empty(p.shape, dtype=dtype, device="meta"))
         sizes = [t.numel() * t.element_size() for t in sent]
