@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -150,19 +147,12 @@ def runs(tmp_path_factory):
         tmp, [_argv(tmp, "p1-grpo", "grpo", STEPS), _argv(tmp, "r21p", "grpo", STEPS, ckpt, resume=True)]
     )
     assert code == 0, out[-6000:]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    )
-    env["OMP_NUM_THREADS"] = "1"
     # A 2-rank checkpoint with rank 1's shard removed, resumed on one process: refused by name, nothing changed
     # (test_a_checkpoint_with_a_shard_removed_is_refused_by_name).
     _crashed_after(tmp / "t2-grpo", tmp / "torn", 2)
     (tmp / "torn" / "checkpoints" / "step-000002" / "dcp" / "__1_0.distcp").unlink()
-    torn = _argv(tmp, "torn", "grpo", STEPS, ckpt, resume=True)
-    p = subprocess.run(
-        [sys.executable, "-m", "exactrl.cli", *torn], capture_output=True, text=True, env=env, cwd=tmp
-    )
-    (tmp / "torn.log").write_text(f"exit {p.returncode}\n{p.stdout}{p.stderr}")
+    code, out, _ = _plain(tmp, [_argv(tmp, "torn", "grpo", STEPS, ckpt, resume=True)])
+    (tmp / "torn.log").write_text(f"exit {code}\n{out}")
     print("launch wall times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
     return tmp
 
@@ -186,16 +176,8 @@ def runs_lora(runs):
     resume = _argv(tmp, "r21-lora", "grpo", STEPS, ckpt, *LORA, resume=True)
     code, out, _ = _launch(tmp, 1, [{"kind": "cli", "argv": resume}], "ws1-resume-lora")
     assert code == 0, f"launch ws1-resume-lora failed:\n{out[-6000:]}"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    p = subprocess.run(
-        [sys.executable, "-m", "exactrl.cli", *_argv(tmp, "p1-lora", "grpo", STEPS, *LORA)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    code, out, _ = _plain(tmp, [_argv(tmp, "p1-lora", "grpo", STEPS, *LORA)])
+    assert code == 0, out[-6000:]
     return tmp
 
 
